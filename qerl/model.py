@@ -1,0 +1,487 @@
+"""One decoder for the Llama, Qwen2 and Qwen3 families, with Hugging Face's module names.
+
+Parameter names match transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` exactly, so
+checkpoints load as a plain state dict and PEFT adapter keys line up. One forward serves training (no cache) and
+rollout (static KV cache): both compute the same numbers, which the policy-gradient ratio relies on.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of one decoder; `from_hf` reads a Hugging Face `config.json` dict."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF rope parameters without rope_theta; None = plain RoPE
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2: always)
+    attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 `attention_bias`; never Qwen2)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str | None = None  # dtype the checkpoint was saved in
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any] | Any) -> "ModelConfig":
+        """Read a Hugging Face config (`config.json` as a dict, or a `PretrainedConfig`)."""
+        if not isinstance(config, dict):
+            config = config.to_dict()
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} (architectures {config.get('architectures')}); "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+        def need(key: str) -> Any:
+            if config.get(key) is None:
+                raise ValueError(f"{model_type} config lacks required key {key!r}")
+            return config[key]
+
+        if config.get("use_sliding_window"):
+            raise ValueError("Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        # transformers >= 5 folds rope_theta and the scaling into `rope_parameters`; older files use rope_scaling.
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_theta = float(config.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+        rope.pop("rope_theta", None)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in _ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(_ROPE_TYPES)}")
+        attn_bias = bool(config.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            vocab_size=need("vocab_size"),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
+            max_position_embeddings=config.get("max_position_embeddings") or 4096,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else attn_bias,
+            attention_out_bias=False if model_type == "qwen2" else attn_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=config.get("eos_token_id"),
+            torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face `config.json` dict that transformers (and `from_hf`) read back as this architecture."""
+        d = asdict(self)
+        for key in ("attention_out_bias", "qk_norm", "torch_dtype"):
+            d.pop(key)
+        d["architectures"] = [_ARCHITECTURES[self.model_type]]
+        d["hidden_act"] = "silu"
+        d["attention_bias"] = self.attention_out_bias if self.model_type != "qwen2" else True
+        if self.model_type == "qwen2":
+            d.pop("mlp_bias")
+        if self.torch_dtype:
+            d["torch_dtype"] = self.torch_dtype
+        return d
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids as a list (configs store an int or a list)."""
+        eos = self.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+# ---------------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[Tensor, float]:
+    """Inverse frequencies (fp32, [head_dim // 2]) and the cos/sin scale for the config's RoPE variant.
+
+    `seq_len` only matters for "dynamic" NTK scaling, which stretches the base once positions pass the trained length.
+    """
+    dim, base = config.head_dim, config.rope_theta
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "dynamic" and seq_len is not None and seq_len > config.max_position_embeddings:
+        factor = scaling["factor"]
+        base = base * ((factor * seq_len / config.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    if kind in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    original_len = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    if kind == "llama3":  # Llama-3.1: divide low frequencies by `factor`, keep high ones, interpolate between
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+        smooth = (original_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":  # YaRN (Qwen long context): ramp between interpolated and extrapolated frequencies
+        factor = scaling.get("factor") or config.max_position_embeddings / original_len
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions, always in fp32 (bf16 positions lose precision past a few thousand)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        inv_freq, self.attention_scaling = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):  # noqa: D401
+        # `.to(bf16)` or `to_empty()` would otherwise round or wipe the frequencies (they live in no checkpoint).
+        super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq = rope_frequencies(self.config)[0].to(self.inv_freq.device)
+        return self
+
+    def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, T] positions -> (cos, sin), each [B, T, head_dim] fp32."""
+        inv_freq = self.inv_freq
+        if (self.config.rope_scaling or {}).get("rope_type") == "dynamic":
+            seq_len = int(position_ids.max()) + 1
+            if seq_len > self.config.max_position_embeddings:
+                inv_freq = rope_frequencies(self.config, seq_len)[0].to(inv_freq.device)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate [B, H, T, D] by [B, 1, T, D] fp32 tables (HF's rotate-half convention), computed in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------------- blocks
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32 with a `weight` read on every forward: AQN perturbs these weights in place."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static per-layer key/value cache [B, kv_heads, max_seq_len, head_dim]; slots are written in place."""
+
+    def __init__(self, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None):
+        super().__init__()
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, cache_position: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k/v [B, Hkv, T, D] at slots `cache_position` [T]; return the whole cache for rows :B."""
+        batch = k.shape[0]
+        if batch > self.k_cache.shape[0]:
+            raise ValueError(f"batch {batch} exceeds the KV cache batch {self.k_cache.shape[0]}")
+        k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]
+        k_cache.index_copy_(2, cache_position, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, cache_position, v.to(v_cache.dtype))
+        return k_cache, v_cache
+
+
+class Attention(nn.Module):
+    """Grouped-query attention through `F.scaled_dot_product_attention`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} not a multiple of kv heads {self.num_kv_heads}")
+        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                cache_position: Tensor | None) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = self.num_heads // self.num_kv_heads
+        if cache_position is not None:
+            k, v = self.kv_cache.update(cache_position, k, v)
+            # Fold each kv head's query group into the query axis instead of copying the cache `groups` times.
+            q = q.reshape(batch, self.num_kv_heads, groups * seq, self.head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, groups, 1))
+            out = out.view(batch, self.num_heads, seq, self.head_dim)
+        else:
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                cache_position: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_position)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+
+def _positions_and_mask(batch: int, seq: int, attention_mask: Tensor | None, position_ids: Tensor | None,
+                        cache_position: Tensor | None, cache_len: int | None,
+                        device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """Position ids [B, T] and a boolean attention mask [B|1, 1, T, S] (None = plain causal, no cache)."""
+    query_slots = cache_position if cache_position is not None else torch.arange(seq, device=device)
+    key_len = cache_len if cache_position is not None else seq
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
+            raise ValueError(f"attention_mask must be [batch={batch}, T_total], got {tuple(attention_mask.shape)}")
+        mask_len = attention_mask.shape[1]
+        if (cache_position is None and mask_len != seq) or mask_len > key_len:
+            raise ValueError(f"attention_mask length {mask_len} must be the input length {seq} without a cache, "
+                             f"or at most the cache length {key_len} with one")
+        valid = attention_mask.to(device=device, dtype=torch.bool)
+    if position_ids is None:
+        if attention_mask is not None:  # left padding: count real tokens so each row starts at position 0
+            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+            position_ids = positions[:, query_slots] if cache_position is not None else positions
+        else:
+            position_ids = query_slots[None].expand(batch, seq)
+    if attention_mask is None and cache_position is None:
+        return position_ids, None  # lets SDPA pick its causal (flash) kernel
+    key_slots = torch.arange(key_len, device=device)
+    allowed = key_slots[None, :] <= query_slots[:, None]  # [T, S] causal over written slots
+    if attention_mask is not None:
+        if valid.shape[1] < key_len:  # slots past the mask are not written yet; causality already hides them
+            valid = F.pad(valid, (0, key_len - valid.shape[1]), value=True)
+        # Each query also sees itself, so padding rows never softmax over nothing (NaN); real rows are unaffected.
+        allowed = (allowed[None] & valid[:, None, :]) | (key_slots[None, :] == query_slots[:, None])[None]
+    else:
+        allowed = allowed[None]
+    return position_ids, allowed[:, None]
+
+
+class Decoder(nn.Module):
+    """Embeddings, blocks and final norm (HF's `model.` prefix); returns hidden states."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                cache_position: Tensor | None = None) -> Tensor:
+        """Hidden states [B, T, hidden] after the final norm (arguments as `Transformer.forward`)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+        batch, seq = input_ids.shape
+        cache_len = None
+        if cache_position is not None:
+            cache = self.layers[0].self_attn.kv_cache
+            if cache is None:
+                raise RuntimeError("cache_position given but no KV cache: call model.setup_kv_cache(...) first")
+            cache_len = cache.k_cache.shape[2]
+            if cache_position.shape != (seq,):
+                raise ValueError(f"cache_position must be [T={seq}], got {tuple(cache_position.shape)}")
+        position_ids, mask = _positions_and_mask(batch, seq, attention_mask, position_ids, cache_position,
+                                                 cache_len, input_ids.device)
+        cos, sin = self.rotary_emb(position_ids)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        x = self.embed_tokens(input_ids)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, mask, cache_position, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache_position)
+        return self.norm(x)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """Create parameters directly in `dtype` (no fp32 copy of a 7B model on the way)."""
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class Transformer(nn.Module):
+    """Causal LM: `model` (Decoder) + `lm_head`, state-dict compatible with HF's *ForCausalLM."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def from_config(cls, config: ModelConfig | dict[str, Any], dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> "Transformer":
+        """Build with random weights, parameters created directly in `dtype` on `device` ("meta": no memory)."""
+        if not isinstance(config, ModelConfig):
+            config = ModelConfig.from_hf(config)
+        with _default_dtype(dtype), torch.device(device or "cpu"):
+            return cls(config)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config ties them (again after `load_state_dict(assign=True)`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Recompute each block in backward (torch.utils.checkpoint, non-reentrant) to save activation memory."""
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Parameter count, tied weights counted once."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def setup_kv_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> None:
+        """Allocate a static KV cache for up to `batch_size` rows of `max_seq_len` tokens (reused if it fits)."""
+        ref = self.model.embed_tokens.weight
+        dtype, device = dtype or ref.dtype, torch.device(device) if device is not None else ref.device
+        c = self.config
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            old = attn.kv_cache
+            if old is not None and old.k_cache.shape[0] == batch_size and old.k_cache.shape[2] == max_seq_len \
+                    and old.k_cache.dtype == dtype and old.k_cache.device == device:
+                continue
+            attn.kv_cache = None  # free the old one before allocating
+            attn.kv_cache = KVCache(batch_size, c.num_key_value_heads, max_seq_len, c.head_dim, dtype, device)
+
+    def reset_kv_cache(self) -> None:
+        """Zero the cache contents (keeps the allocation, e.g. for CUDA graphs)."""
+        for layer in self.model.layers:
+            if layer.self_attn.kv_cache is not None:
+                layer.self_attn.kv_cache.k_cache.zero_()
+                layer.self_attn.kv_cache.v_cache.zero_()
+
+    def free_kv_cache(self) -> None:
+        """Drop the cache, returning its memory (e.g. before a training step)."""
+        for layer in self.model.layers:
+            layer.self_attn.kv_cache = None
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                cache_position: Tensor | None = None, logits_to_keep: int | Tensor | None = None) -> Tensor:
+        """Logits [B, T', vocab] in the model dtype.
+
+        input_ids [B, T]; position_ids [B, T] (None: derived from attention_mask, else 0..T-1 or cache_position);
+        attention_mask [B, T_total], 1 = real token, 0 = left padding (T_total = T without a cache, at most the
+        cache length with one); cache_position [T]: KV-cache slots to write (None = no cache, training);
+        logits_to_keep: int k = only the last k positions (0 = all), or a tensor of positions.
+        """
+        hidden = self.model(input_ids, position_ids, attention_mask, cache_position)
+        if isinstance(logits_to_keep, Tensor):
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return self.lm_head(hidden)

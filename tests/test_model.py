@@ -1,0 +1,184 @@
+"""The decoder computes the same logits as transformers, with and without padding, cache, checkpointing."""
+import pytest
+import torch
+
+from qerl.model import ModelConfig, Transformer, rope_frequencies
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, attn_implementation="eager")
+
+# (family, extra HF config) per case: every variant a user can load.
+CASES = {
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-untied-llama3-rope": ("llama", dict(tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "llama-linear-rope-bias": ("llama", dict(attention_bias=True, mlp_bias=True,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-dynamic-rope": ("llama", dict(max_position_embeddings=16,
+                                         rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "qwen2-yarn": ("qwen2", dict(tie_word_embeddings=False, rope_theta=1e6, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def hf_model(family: str, **overrides):
+    """A tiny transformers model with every weight random (norms too, so a misplaced norm shows)."""
+    import transformers
+
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config = getattr(transformers, f"{name}Config")(**{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in pname else 0.1 * torch.randn_like(p))
+    return model
+
+
+def ours_from(hf) -> Transformer:
+    model = Transformer.from_config(ModelConfig.from_hf(hf.config.to_dict())).eval()
+    model.load_state_dict(hf.state_dict(), strict=True)  # HF names, exactly
+    return model
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers(case):
+    family, overrides = CASES[case]
+    hf = hf_model(family, **overrides)
+    ours = ours_from(hf)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, ours(ids)
+    assert (got - expected).abs().max() < 1e-4
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    if overrides.get("tie_word_embeddings"):
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_config_fields_from_hf():
+    qwen2 = ModelConfig.from_hf(hf_model("qwen2").config.to_dict())
+    assert qwen2.attention_bias and not qwen2.attention_out_bias and not qwen2.qk_norm
+    qwen3 = ModelConfig.from_hf(hf_model("qwen3", head_dim=32).config.to_dict())
+    assert qwen3.head_dim == 32 and qwen3.qk_norm
+    old_style = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256,
+                                     "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert old_style.rope_theta == 5e5 and old_style.rope_scaling["rope_type"] == "linear"
+    assert old_style.num_key_value_heads == 4 and old_style.head_dim == 16
+    assert ModelConfig.from_hf(old_style.to_hf()) == old_style
+
+
+def test_unsupported_or_incomplete_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
+        ModelConfig.from_hf({"model_type": "mistral", "hidden_size": 64})
+    with pytest.raises(ValueError, match="'intermediate_size'"):
+        ModelConfig.from_hf({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
+    with pytest.raises(ValueError, match="rope type 'longrope'"):
+        ModelConfig.from_hf({**ModelConfig.from_hf(hf_model("llama").config).to_hf(),
+                             "rope_scaling": {"rope_type": "longrope"}})
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    hf = hf_model("qwen2", tie_word_embeddings=False)
+    return hf, ours_from(hf)
+
+
+def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def test_left_padded_rows_get_their_unpadded_logits(tiny_pair):
+    _, model = tiny_pair
+    rows = [[5, 17, 99, 3, 42, 7, 8], [11, 12, 13], [200, 1, 2, 3, 4]]
+    ids, mask = left_pad(rows)
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask)
+        for i, row in enumerate(rows):
+            alone = model(torch.tensor([row]))[0]
+            assert (batched[i, -len(row):] - alone).abs().max() < 1e-5
+        assert torch.isfinite(batched).all()  # padding rows too: no NaN leaking into losses
+
+
+def test_kv_cache_prefill_and_decode_match_full_forward(tiny_pair):
+    _, model = tiny_pair
+    rows = [[5, 17, 99, 3, 42, 7, 8, 9, 10, 11], [11, 12, 13, 14, 15, 16]]
+    ids, mask = left_pad(rows)
+    prompt_len = 6
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask)
+        model.setup_kv_cache(batch_size=2, max_seq_len=16)
+        model.reset_kv_cache()
+        steps = [model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len],
+                       cache_position=torch.arange(prompt_len))]
+        for t in range(prompt_len, ids.shape[1]):  # mask grows with the written slots, as during generation
+            steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache_position=torch.tensor([t])))
+        cached = torch.cat(steps, dim=1)
+    model.free_kv_cache()
+    real = mask.bool()
+    assert (cached[real] - full[real]).abs().max() < 1e-5
+
+
+def test_kv_cache_needs_setup(tiny_pair):
+    _, model = tiny_pair
+    model.free_kv_cache()
+    with pytest.raises(RuntimeError, match="setup_kv_cache"):
+        model(torch.tensor([[1, 2]]), cache_position=torch.arange(2))
+
+
+def test_logits_to_keep_selects_the_last_positions(tiny_pair):
+    _, model = tiny_pair
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        full = model(ids)
+        assert torch.allclose(model(ids, logits_to_keep=1), full[:, -1:], atol=1e-6)
+        assert torch.allclose(model(ids, logits_to_keep=torch.tensor([0, 4])), full[:, [0, 4]], atol=1e-6)
+        assert model(ids, logits_to_keep=0).shape == full.shape
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_pair):
+    hf, _ = tiny_pair
+    grads = []
+    for enabled in (False, True):
+        model = ours_from(hf).train()
+        model.gradient_checkpointing = enabled
+        ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(ids).float().logsumexp(-1).mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_norm_weights_are_read_every_forward(tiny_pair):
+    """AQN adds noise to RMSNorm weights in place; the next forward must see it."""
+    hf, _ = tiny_pair
+    model = ours_from(hf)
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        before = model(ids)
+        model.model.layers[0].input_layernorm.weight.add_(0.5)
+        after = model(ids)
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_meta_build_and_dtype_casts_keep_fp32_rope(tiny_pair):
+    hf, _ = tiny_pair
+    config = ModelConfig.from_hf(hf.config)
+    model = Transformer.from_config(config, dtype=torch.bfloat16, device="meta")
+    assert model.model.embed_tokens.weight.is_meta and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    model.to_empty(device="cpu")
+    assert torch.equal(model.model.rotary_emb.inv_freq, rope_frequencies(config)[0])
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    model.to(torch.float16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_num_parameters_counts_tied_weights_once():
+    hf = hf_model("llama", tie_word_embeddings=True)
+    model = ours_from(hf)
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters()) == hf.num_parameters()
