@@ -1,0 +1,303 @@
+"""GRPO / DAPO / Dr. GRPO policy loss as pure functions over tensors.
+
+Semantics follow TRL's ``GRPOTrainer`` (``_generate_and_score_completions`` for advantages,
+``_compute_loss`` for the clipped surrogate, the k3 KL, the loss aggregations and the
+rollout importance-sampling correction), DAPO (arXiv 2503.14476: decoupled clip range,
+token-level aggregation, dynamic sampling) and Dr. GRPO (arXiv 2503.20783: no std scaling,
+constant length normaliser).
+
+Shapes: ``B`` sequences of ``T`` completion tokens, vocabulary ``V``; rewards are laid out
+group-major (``G`` consecutive completions of the same prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LossType = Literal["grpo", "dapo", "dr_grpo"]
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale: Literal["group", "batch", "none"] = "group",
+    eps: float = 1e-4,
+) -> Tensor:
+    """Group-relative advantages ``r - mean(group)``, optionally divided by a std.
+
+    ``scale="group"``: divide by the group's std (GRPO); ``"batch"``: by the std of the whole
+    batch (TRL's ``scale_rewards="batch"``); ``"none"``: no division (Dr. GRPO, which removes the
+    question-difficulty bias the std introduces). The std is Bessel-corrected and ``eps`` is added
+    to it, exactly as TRL does, so an all-equal group gets advantage 0, never NaN.
+
+    Args:
+        rewards: ``[B*G]`` rewards, ``G = group_size`` consecutive entries per prompt.
+    Returns:
+        ``[B*G]`` float32 advantages.
+    """
+    if rewards.ndim != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}")
+    rewards = rewards.float()
+    grouped = rewards.view(-1, group_size)
+    centered = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    if scale == "none":
+        return centered
+    if scale == "group":
+        std = grouped.std(dim=1, correction=int(group_size > 1)).repeat_interleave(group_size)
+    elif scale == "batch":
+        std = rewards.std(correction=int(rewards.numel() > 1)).expand_as(centered)
+    else:
+        raise ValueError(f"unknown scale {scale!r}; expected 'group', 'batch' or 'none'")
+    return centered / (std + eps)
+
+
+def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """``[B]`` bool: False where every reward of the group is equal.
+
+    Such groups have zero advantage and contribute no policy gradient; DAPO's dynamic sampling
+    drops them and keeps sampling until the batch is full of informative groups.
+    """
+    if rewards.ndim != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}")
+    grouped = rewards.view(-1, group_size)
+    return (grouped != grouped[:, :1]).any(dim=1)
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log_softmax(logits)[ids] without materialising a [B, T, V] log-softmax.
+
+    Forward upcasts one batch row at a time to compute its logsumexp. Backward recomputes the
+    softmax row by row from the saved logits (which the caller holds anyway) and the [B, T]
+    logsumexp, so nothing vocabulary-sized is saved beyond the logits themselves.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor) -> Tensor:
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.stack([torch.logsumexp(row.to(compute_dtype), dim=-1) for row in logits])
+        picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(compute_dtype)
+        ctx.save_for_backward(logits, ids, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None]:
+        logits, ids, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for b in range(logits.shape[0]):
+            # d logp_t / d logits_tv = 1[v == id_t] - softmax(logits_t)_v
+            softmax = (logits[b].to(lse.dtype) - lse[b].unsqueeze(-1)).exp_()
+            row = softmax.mul_(-grad_out[b].unsqueeze(-1))
+            row.scatter_add_(-1, ids[b].unsqueeze(-1), grad_out[b].unsqueeze(-1).to(row.dtype))
+            grad[b] = row
+        return grad, None
+
+
+def selective_log_softmax(logits: Tensor, ids: Tensor) -> Tensor:
+    """Log-probability of ``ids`` under ``logits``: ``log_softmax(logits, -1).gather(-1, ids)``.
+
+    Exact (computed in at least float32 even for bf16 logits, unlike a bf16 log_softmax) and
+    memory-frugal: peak extra memory is one ``[T, V]`` float32 row, in forward and backward.
+
+    Args:
+        logits: ``[B, T, V]`` (already divided by the sampling temperature).
+        ids: ``[B, T]`` token ids.
+    Returns:
+        ``[B, T]`` log-probs in float32 (float64 for float64 logits).
+    """
+    return _SelectiveLogSoftmax.apply(logits, ids)
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
+    """Per-token entropy ``-sum_v p_v log p_v`` of ``softmax(logits)``.
+
+    Processes ``chunk_size`` token positions at a time so the float32 softmax temporaries stay
+    ``[chunk_size, V]`` instead of ``[B, T, V]``. Meant for logging, typically under no_grad.
+
+    Returns:
+        ``logits.shape[:-1]`` float32 entropies.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    chunks = []
+    for chunk in flat.split(chunk_size):
+        logp = chunk.float().log_softmax(dim=-1)
+        chunks.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.cat(chunks).view(logits.shape[:-1])
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+@dataclass
+class LossConfig:
+    """Policy-loss hyperparameters.
+
+    Attributes:
+        loss_type: ``"grpo"`` mean over each sequence's tokens, then over sequences;
+            ``"dapo"`` sum over all tokens / tokens in the batch (no length bias between
+            sequences); ``"dr_grpo"`` sum / (B * max_completion_length).
+        epsilon_low, epsilon_high: ratio clip range ``[1 - epsilon_low, 1 + epsilon_high]``
+            (DAPO's clip-higher: a larger upper bound keeps low-probability tokens rising,
+            which delays entropy collapse).
+        beta: weight of the k3 KL to the reference policy; 0 disables it (DAPO).
+        max_completion_length: the constant normaliser of ``"dr_grpo"``.
+        mask_truncated: drop sequences that hit the length limit (DAPO overlong filtering):
+            their missing ending makes the reward noise.
+        tis_cap: truncated importance sampling cap ``C``; None disables TIS.
+    """
+
+    loss_type: LossType = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    max_completion_length: int | None = None
+    mask_truncated: bool = False
+    tis_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in ("grpo", "dapo", "dr_grpo"):
+            raise ValueError(f"unknown loss_type {self.loss_type!r}")
+        if self.loss_type == "dr_grpo" and not self.max_completion_length:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0 and self.beta >= 0):
+            raise ValueError("need 0 <= epsilon_low < 1, epsilon_high >= 0, beta >= 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError("tis_cap must be positive")
+
+
+def loss_mask(mask: Tensor, cfg: LossConfig, truncated: Tensor | None = None) -> Tensor:
+    """The float token mask the loss uses: ``mask``, with truncated sequences zeroed when
+    ``cfg.mask_truncated``. Sum it over all micro-batches to get ``token_normalizer``."""
+    mask = mask.float()
+    if cfg.mask_truncated:
+        if truncated is None:
+            raise ValueError("cfg.mask_truncated needs the `truncated` [B] flags")
+        mask = mask * (~truncated.bool()).unsqueeze(1).to(mask.dtype)
+    return mask
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logp: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    truncated: Tensor | None = None,
+    token_normalizer: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped-surrogate policy loss of one (micro-)batch, plus metrics.
+
+    Per token: ``ratio = exp(logp - old_logp)``, ``loss = -min(ratio * A, clip(ratio) * A)``;
+    times the TIS weight ``min(exp(old_logp - rollout_logp), tis_cap)`` when ``cfg.tis_cap`` is
+    set (corrects for the rollout engine sampling from a slightly different distribution than
+    the trainer computes: quantized kernels, AQN; Yao et al. 2025); plus
+    ``beta * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 KL estimator: unbiased, always
+    >= 0) when ``cfg.beta > 0`` and ``ref_logp`` is given. Then aggregated per ``cfg.loss_type``.
+
+    Gradient accumulation: for ``"dapo"`` pass ``token_normalizer`` = the loss-token count of
+    the whole accumulated batch (sum of :func:`loss_mask`), and the micro-batch losses sum to
+    the big-batch loss exactly. ``"grpo"``/``"dr_grpo"`` return per-micro-batch means: divide
+    by the number of (equal-sized) micro-batches, as TRL does.
+
+    Args:
+        logp: ``[B, T]`` log-probs of the policy being trained (with grad).
+        old_logp: ``[B, T]`` log-probs of the policy that produced the samples, computed by the
+            trainer; None means on-policy (``logp.detach()``, ratio 1 with the right gradient).
+        advantages: ``[B]`` per-sequence (or ``[B, T]`` per-token) advantages.
+        mask: ``[B, T]`` 1 for completion tokens, 0 for padding.
+        ref_logp: ``[B, T]`` reference-policy log-probs, for the KL term.
+        rollout_logp: ``[B, T]`` log-probs reported by the rollout engine, for TIS and the
+            rollout/train gap metrics.
+        truncated: ``[B]`` bool, True where the completion hit the length limit.
+    Returns:
+        ``(loss, metrics)``: scalar loss; float metrics over the loss tokens:
+        ``clip_ratio/low`` (ratio < 1-eps_low with A < 0), ``clip_ratio/high`` (ratio > 1+eps_high
+        with A > 0), ``clip_ratio/region`` (either), ``ratio/mean``, ``kl`` (if computed),
+        ``rollout_logp_gap/mean`` and ``/max`` (|old_logp - rollout_logp|, if rollout_logp),
+        ``tis_weight/mean`` (if TIS).
+    """
+    old_logp = logp.detach() if old_logp is None else old_logp
+    mask = loss_mask(mask, cfg, truncated).to(logp.dtype)
+    adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
+    adv = adv.to(logp.dtype)
+
+    ratio = torch.exp(logp - old_logp)
+    clipped_ratio = ratio.clamp(1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)
+
+    tis_weight = None
+    if cfg.tis_cap is not None:
+        if rollout_logp is None:
+            raise ValueError("cfg.tis_cap needs rollout_logp")
+        # A constant reweighting of each token's gradient: no gradient through it.
+        tis_weight = torch.exp(old_logp - rollout_logp).clamp(max=cfg.tis_cap).detach()
+        per_token = per_token * tis_weight
+
+    per_token_kl = None
+    if cfg.beta > 0 and ref_logp is not None:
+        delta = ref_logp - logp
+        per_token_kl = torch.exp(delta) - delta - 1
+        per_token = per_token + cfg.beta * per_token_kl
+
+    # where(), not a product: a NaN/inf at a padding position (e.g. rollout_logp padding) must not leak.
+    per_token = torch.where(mask.bool(), per_token, 0.0)
+    masked_sum = per_token.sum()
+    if cfg.loss_type == "grpo":
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif cfg.loss_type == "dapo":
+        denominator = token_normalizer if token_normalizer is not None else mask.sum().clamp(min=1.0)
+        loss = masked_sum / denominator
+    else:  # dr_grpo: a constant denominator, so long and short answers weigh the same per token
+        loss = masked_sum / (logp.shape[0] * cfg.max_completion_length)
+
+    metrics = _metrics(ratio, adv, mask, cfg, per_token_kl, old_logp, rollout_logp, tis_weight)
+    return loss, metrics
+
+
+@torch.no_grad()
+def _metrics(
+    ratio: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    per_token_kl: Tensor | None,
+    old_logp: Tensor,
+    rollout_logp: Tensor | None,
+    tis_weight: Tensor | None,
+) -> dict[str, float]:
+    """Masked token means of the loss's diagnostics (TRL's clip-ratio definitions)."""
+    keep = mask.bool()
+    count = keep.sum().clamp(min=1)
+
+    def masked_mean(x: Tensor) -> float:
+        return (torch.where(keep, x.to(mask.dtype), 0.0).sum() / count).item()
+
+    # Clipping only bites when it lowers the objective: high side for A > 0, low side for A < 0.
+    low = (ratio < 1 - cfg.epsilon_low) & (adv < 0)
+    high = (ratio > 1 + cfg.epsilon_high) & (adv > 0)
+    metrics = {
+        "clip_ratio/low": masked_mean(low),
+        "clip_ratio/high": masked_mean(high),
+        "clip_ratio/region": masked_mean(low | high),
+        "ratio/mean": masked_mean(ratio),
+    }
+    if per_token_kl is not None:
+        metrics["kl"] = masked_mean(per_token_kl)
+    if rollout_logp is not None:
+        gap = (old_logp - rollout_logp).abs()
+        metrics["rollout_logp_gap/mean"] = masked_mean(gap)
+        metrics["rollout_logp_gap/max"] = gap[keep].max().item() if keep.any() else 0.0
+    if tis_weight is not None:
+        metrics["tis_weight/mean"] = masked_mean(tis_weight)
+    return metrics

@@ -1,0 +1,238 @@
+"""GRPO/DAPO/Dr. GRPO loss: hand-computed values, clipping, KL, masking, accumulation, TIS."""
+
+import math
+
+import pytest
+import torch
+
+from qerl.grpo import (
+    LossConfig,
+    entropy_from_logits,
+    group_advantages,
+    informative_groups,
+    loss_mask,
+    policy_loss,
+    selective_log_softmax,
+)
+
+# Shared fixture: B=2 sequences, T=3 tokens, eps_low=0.2 / eps_high=0.28 -> clip range [0.8, 1.28].
+#   ratios     row 0: 1.5  0.5  1.0   (A = +1)
+#              row 1: 1.1  0.7  1.3   (A = -2, last token is padding)
+# per-token loss -min(r*A, clip(r)*A):
+#   row 0: r=1.5 -> -min(1.5, 1.28) = -1.28 ; r=0.5 -> -min(0.5, 0.8) = -0.5 ; r=1.0 -> -1.0
+#   row 1: r=1.1 -> -min(-2.2, -2.2) = 2.2  ; r=0.7 -> -min(-1.4, -1.6) = 1.6 ; (r=1.3 masked)
+RATIOS = [[1.5, 0.5, 1.0], [1.1, 0.7, 1.3]]
+ADVANTAGES = [1.0, -2.0]
+MASK = [[1, 1, 1], [1, 1, 0]]
+
+
+def make_inputs(requires_grad: bool = False):
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]], dtype=torch.float64)
+    logp = (old + torch.log(torch.tensor(RATIOS, dtype=torch.float64))).requires_grad_(requires_grad)
+    return logp, old, torch.tensor(ADVANTAGES, dtype=torch.float64), torch.tensor(MASK)
+
+
+@pytest.mark.parametrize(
+    "loss_type, extra, expected",
+    [
+        # mean per sequence, then over sequences: ((-1.28-0.5-1.0)/3 + (2.2+1.6)/2) / 2
+        ("grpo", {}, (-2.78 / 3 + 3.8 / 2) / 2),
+        # all tokens: (-2.78 + 3.8) / 5 tokens
+        ("dapo", {}, 1.02 / 5),
+        # constant normaliser B * L = 2 * 4
+        ("dr_grpo", {"max_completion_length": 4}, 1.02 / 8),
+    ],
+)
+def test_loss_variants_match_hand_computed_values(loss_type, extra, expected):
+    logp, old, adv, mask = make_inputs()
+    loss, _ = policy_loss(logp, old, adv, mask, LossConfig(loss_type=loss_type, **extra))
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_clip_metrics_count_only_the_side_that_binds():
+    logp, old, adv, mask = make_inputs()
+    _, m = policy_loss(logp, old, adv, mask, LossConfig())
+    # low: r < 0.8 with A < 0 -> only row 1's r=0.7 (row 0's r=0.5 has A > 0): 1 of 5 tokens.
+    # high: r > 1.28 with A > 0 -> only row 0's r=1.5 (row 1's r=1.3 is padding): 1 of 5.
+    assert m["clip_ratio/low"] == pytest.approx(1 / 5)
+    assert m["clip_ratio/high"] == pytest.approx(1 / 5)
+    assert m["clip_ratio/region"] == pytest.approx(2 / 5)
+    assert m["ratio/mean"] == pytest.approx((1.5 + 0.5 + 1.0 + 1.1 + 0.7) / 5)
+    assert "kl" not in m and "rollout_logp_gap/mean" not in m
+
+
+def test_clipped_tokens_get_no_gradient_and_unclipped_ones_do():
+    logp, old, adv, mask = make_inputs(requires_grad=True)
+    loss, _ = policy_loss(logp, old, adv, mask, LossConfig(loss_type="dapo"))
+    loss.backward()
+    g = logp.grad
+    # d/dlogp of -(r*A)/5 is -r*A/5 where the unclipped branch is active.
+    assert g[0, 0] == 0  # r=1.5 > 1.28 with A>0: clipped high
+    assert g[1, 1] == 0  # r=0.7 < 0.8 with A<0: clipped low
+    assert g[0, 1].item() == pytest.approx(-0.5 * 1 / 5)  # r=0.5, A>0: below the range, not clipped
+    assert g[0, 2].item() == pytest.approx(-1.0 * 1 / 5)
+    assert g[1, 0].item() == pytest.approx(-1.1 * -2 / 5)
+    assert g[1, 2] == 0  # padding
+
+
+def test_kl_value_and_gradient_direction():
+    logp = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64)).requires_grad_(True)
+    ref = torch.log(torch.tensor([[0.5, 0.25]], dtype=torch.float64))
+    cfg = LossConfig(loss_type="dapo", beta=0.1)
+    no_advantage = torch.zeros(1, dtype=torch.float64)
+    loss, m = policy_loss(logp, None, no_advantage, torch.ones(1, 2), cfg, ref_logp=ref)
+    # k3 = exp(d) - d - 1 with d = ref - logp = +-ln 2:  (2 - ln2 - 1) and (0.5 + ln2 - 1)
+    kl = [1 - math.log(2), math.log(2) - 0.5]
+    assert m["kl"] == pytest.approx(sum(kl) / 2)
+    assert loss.item() == pytest.approx(0.1 * sum(kl) / 2)  # zero advantages: only the KL term
+    loss.backward()
+    # Gradient descent must move logp toward ref: up where logp < ref, down where logp > ref.
+    assert logp.grad[0, 0] < 0 and logp.grad[0, 1] > 0
+    # dk3/dlogp = 1 - exp(ref - logp): (1 - 2) and (1 - 0.5), times beta / 2 tokens.
+    assert logp.grad[0].tolist() == pytest.approx([0.1 * -1 / 2, 0.1 * 0.5 / 2])
+
+
+def test_kl_needs_beta_and_ref():
+    logp, old, adv, mask = make_inputs()
+    base, _ = policy_loss(logp, old, adv, mask, LossConfig())
+    ref = logp - 1.0
+    no_beta, m = policy_loss(logp, old, adv, mask, LossConfig(beta=0.0), ref_logp=ref)
+    assert no_beta.item() == base.item() and "kl" not in m
+    with_beta, _ = policy_loss(logp, old, adv, mask, LossConfig(beta=0.5), ref_logp=ref)
+    assert with_beta.item() == pytest.approx(base.item() + 0.5 * (math.exp(-1) + 1 - 1))
+
+
+def test_padding_values_do_not_leak():
+    logp, old, adv, mask = make_inputs()
+    garbage = logp.detach().clone()
+    garbage[1, 2] = float("nan")  # the padding token
+    loss, _ = policy_loss(garbage, old, adv, mask, LossConfig())
+    rollout = old.clone()
+    rollout[1, 2] = float("-inf")
+    loss_tis, m = policy_loss(logp, old, adv, mask, LossConfig(tis_cap=2.0), rollout_logp=rollout)
+    assert loss.item() == pytest.approx(1.02 / 5) and loss_tis.item() == pytest.approx(1.02 / 5)
+    assert math.isfinite(m["rollout_logp_gap/max"])
+
+
+def test_mask_truncated_drops_whole_sequences():
+    logp, old, adv, mask = make_inputs()
+    truncated = torch.tensor([False, True])
+    cfg = LossConfig(loss_type="dapo", mask_truncated=True)
+    loss, m = policy_loss(logp, old, adv, mask, cfg, truncated=truncated)
+    assert loss.item() == pytest.approx(-2.78 / 3)  # only row 0's three tokens remain
+    assert m["clip_ratio/low"] == 0 and m["clip_ratio/high"] == pytest.approx(1 / 3)
+    assert loss_mask(mask, cfg, truncated).sum().item() == 3
+    # Without the flag the truncated row counts; with the flag but no flags given it is an error.
+    plain, _ = policy_loss(logp, old, adv, mask, LossConfig(loss_type="dapo"), truncated=truncated)
+    assert plain.item() == pytest.approx(1.02 / 5)
+    with pytest.raises(ValueError):
+        policy_loss(logp, old, adv, mask, cfg)
+
+
+def test_dapo_gradient_accumulation_equals_one_batch():
+    torch.manual_seed(0)
+    B, T = 4, 6
+    logp = torch.randn(B, T, dtype=torch.float64).requires_grad_(True)
+    old = logp.detach() + 0.3 * torch.randn(B, T, dtype=torch.float64)
+    adv = torch.randn(B, dtype=torch.float64)
+    lengths = torch.tensor([6, 1, 4, 2])  # unequal lengths: plain per-micro-batch means would differ
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    cfg = LossConfig(loss_type="dapo")
+
+    full, _ = policy_loss(logp, old, adv, mask, cfg)
+    (full_grad,) = torch.autograd.grad(full, logp)
+
+    total_tokens = float(loss_mask(mask, cfg).sum())
+    halves = [slice(0, 2), slice(2, 4)]
+    parts = [
+        policy_loss(logp[s], old[s], adv[s], mask[s], cfg, token_normalizer=total_tokens)[0] for s in halves
+    ]
+    (acc_grad,) = torch.autograd.grad(sum(parts), logp)
+    assert sum(parts).item() == pytest.approx(full.item(), abs=1e-12)
+    torch.testing.assert_close(acc_grad, full_grad, rtol=0, atol=1e-12)
+
+
+def test_tis_weights_are_capped_and_detached():
+    logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    # exp(old - rollout): exp(ln 3) = 3 capped to 2, and exp(ln 0.5) = 0.5
+    rollout = torch.tensor([[-math.log(3), math.log(2)]], dtype=torch.float64)
+    adv = torch.ones(1, dtype=torch.float64)
+    cfg = LossConfig(loss_type="dapo", tis_cap=2.0)
+    loss, m = policy_loss(logp, old, adv, torch.ones(1, 2), cfg, rollout_logp=rollout)
+    # ratio 1 everywhere: per-token loss -1, weighted by (2, 0.5), over 2 tokens
+    assert loss.item() == pytest.approx(-(2 + 0.5) / 2)
+    assert m["tis_weight/mean"] == pytest.approx(1.25)
+    assert m["rollout_logp_gap/mean"] == pytest.approx((math.log(3) + math.log(2)) / 2)
+    assert m["rollout_logp_gap/max"] == pytest.approx(math.log(3))
+    loss.backward()
+    # weight is a constant: grad = -A * r * w / 2
+    assert logp.grad[0].tolist() == pytest.approx([-2 / 2, -0.5 / 2])
+    with pytest.raises(ValueError):
+        policy_loss(logp, old, adv, torch.ones(1, 2), cfg)  # TIS without rollout log-probs
+
+
+def test_gap_metrics_without_tis_leave_the_loss_alone():
+    logp, old, adv, mask = make_inputs()
+    loss, m = policy_loss(logp, old, adv, mask, LossConfig(), rollout_logp=old - 0.1)
+    assert loss.item() == pytest.approx(1.02 / 5)
+    assert m["rollout_logp_gap/mean"] == pytest.approx(0.1)
+    assert "tis_weight/mean" not in m
+
+
+def test_group_advantages_with_and_without_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    # group 0: mean 0.5, Bessel std sqrt((4 * 0.25) / 3) = sqrt(1/3); group 1: all equal -> 0
+    g = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    assert group_advantages(rewards, 4).tolist() == pytest.approx([g, -g, -g, g, 0, 0, 0, 0], rel=1e-6)
+    assert group_advantages(rewards, 4, scale="none").tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+    # batch std: mean 0.75, squared deviations 6 * 0.0625 + 2 * 0.5625 = 1.5, / 7
+    b = 0.5 / (math.sqrt(1.5 / 7) + 1e-4)
+    assert group_advantages(rewards, 4, scale="batch").tolist() == pytest.approx([b, -b, -b, b, 0, 0, 0, 0], rel=1e-6)
+    with pytest.raises(ValueError):
+        group_advantages(rewards, 3)
+
+
+def test_informative_groups():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.25])
+    assert informative_groups(rewards, 3).tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_selective_log_softmax_matches_log_softmax_gather(dtype):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 50, dtype=torch.float64)).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, 50, (2, 5))
+    upstream = torch.randn(2, 5, dtype=torch.float64)
+
+    out = selective_log_softmax(logits, ids)
+    (grad,) = torch.autograd.grad((out.double() * upstream).sum(), logits)
+
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref = ref_logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), ref_logits)
+
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5  # exact up to the compute dtype, even for bf16 input
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+    grad_tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]  # bf16 grads are bf16
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=grad_tol, atol=grad_tol)
+
+
+def test_entropy_matches_direct_formula_across_chunks():
+    torch.manual_seed(0)
+    logits = 2 * torch.randn(3, 7, 40)
+    p = logits.double().softmax(-1)
+    direct = -(p * p.log()).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(logits, chunk_size=4).double(), direct, rtol=0, atol=1e-5)
+    # uniform distribution over V tokens: entropy log V
+    assert entropy_from_logits(torch.zeros(1, 2, 40))[0].tolist() == pytest.approx([math.log(40)] * 2)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        LossConfig(loss_type="dr_grpo")  # needs max_completion_length
+    with pytest.raises(ValueError):
+        LossConfig(loss_type="ppo")
+    with pytest.raises(ValueError):
+        LossConfig(tis_cap=0.0)
