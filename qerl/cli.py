@@ -1,0 +1,109 @@
+"""`qerl quantize | train | eval | params`: the command line over the core (no Prefect, MLflow or DVC needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from qerl.config import ConfigError, load_settings
+
+
+def _add_params(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default=None, help="parameter file (default: params/default.yaml)")
+    p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one parameter, DVC style (repeatable), e.g. -S lora.rank=8")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("eval", help="accuracy of a model (and optional adapter) on an evaluation split")
+    _add_params(p)
+    p.add_argument("--adapter", default=None, help="a PEFT adapter folder to evaluate on top of the base")
+    p.add_argument("--out", default=None, help="output folder (default: eval.out_dir)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+
+    p = sub.add_parser("quantize", help="quantize a checkpoint's decoder linears (NVFP4 etc.) into a new folder")
+    p.add_argument("--model", required=True, help="Hugging Face folder, .gguf file, or 'embedded'")
+    p.add_argument("--out", required=True, help="destination folder")
+    p.add_argument("--scheme", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "bf16"])
+    p.add_argument("--eval-text", default=None, help="a text file for perplexity before/after")
+    p.add_argument("--strict", action="store_true", help="fail on a layer that cannot be quantized")
+
+    p = sub.add_parser("train", help="GRPO/DAPO training of LoRA on the quantized base with AQN")
+    _add_params(p)
+    p.add_argument("--out", default=None, help="run folder (default: train.out_dir)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (of train.steps)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the run folder")
+
+    p = sub.add_parser("params", help="print the resolved parameters as YAML")
+    _add_params(p)
+    return parser
+
+
+def _cmd_eval(args) -> int:
+    from qerl.evaluate import run_eval
+
+    settings = load_settings(args.params, args.overrides)
+    out = Path(args.out or settings.eval.out_dir)
+    result = run_eval(settings, adapter=args.adapter, out_dir=out, limit=args.limit)
+    print(json.dumps(result.metrics, indent=2))
+    print(f"wrote {out / 'metrics.json'} and {out / 'samples.jsonl'}")
+    return 0
+
+
+def _cmd_quantize(args) -> int:
+    from qerl.loading import resolve_model
+    from qerl.quant.checkpoint import quantize_checkpoint
+
+    text = Path(args.eval_text).read_text() if args.eval_text else None
+    report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, eval_text=text,
+                                 strict=args.strict)
+    print(report.summary() if hasattr(report, "summary") else report)
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from qerl.trainer import Trainer
+
+    settings = load_settings(args.params, args.overrides)
+    trainer = Trainer(settings, out_dir=args.out or settings.train.out_dir, resume=args.resume)
+    adapter = trainer.train(max_steps=args.max_steps)
+    print(f"adapter: {adapter}")
+    return 0
+
+
+def _cmd_params(args) -> int:
+    print(load_settings(args.params, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    debug = args.verbose or os.environ.get("QERL_DEBUG") == "1"
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    command = {"eval": _cmd_eval, "quantize": _cmd_quantize, "train": _cmd_train, "params": _cmd_params}
+    try:
+        return command[args.command](args)
+    except ConfigError as exc:
+        print(f"qerl: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:  # bad user input: one line; --verbose shows the traceback
+        if debug:
+            raise
+        print(f"qerl: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qerl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

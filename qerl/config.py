@@ -1,0 +1,407 @@
+"""Typed, validated run settings loaded from `params/*.yaml` with DVC-style `-S section.key=value` overrides.
+
+Plain dataclasses and a small validator rather than pydantic: the core must import on the GPU machine, which has
+only torch and friends. Every rejection is one line that names the key path, the value and (for files) the line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+DEFAULT_PARAMS = Path(__file__).resolve().parent.parent / "params" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A bad parameter: the message is one line naming the source, key path and value."""
+
+
+class _RuleError(ConfigError):
+    """Raised by a section's `validate`: `key` names the field, so the error can point at where it was set."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+def _check(**bounds: float) -> dict:
+    return {"bounds": bounds}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The schema. Field metadata `bounds` takes gt/ge/lt/le; cross-field rules live in each section's `validate`.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelSettings:
+    path: str = "embedded"  # a Hugging Face folder, a .gguf file, our quantized folder, or "embedded" (SmolLM2-135M)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class QuantSettings:
+    scheme: Literal["nvfp4", "mxfp4", "nf4", "bf16"] = "nvfp4"  # format of the frozen base weights
+    quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
+
+
+@dataclass
+class LoraSettings:
+    rank: int = field(default=16, metadata=_check(gt=0))
+    alpha: float = field(default=32.0, metadata=_check(gt=0))
+    dropout: float = field(default=0.0, metadata=_check(ge=0, lt=1))
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    use_rslora: bool = False
+    train_norms: bool = False  # the reference QeRL code also trains the RMSNorm weights
+
+    def validate(self) -> None:
+        if not self.target_modules:
+            raise _RuleError("target_modules", "target_modules = []: name at least one linear layer (e.g. q_proj)")
+
+
+@dataclass
+class RolloutSettings:
+    prompts_per_step: int = field(default=8, metadata=_check(gt=0))
+    group_size: int = field(default=8, metadata=_check(ge=2))  # completions per prompt (GRPO's G)
+    max_new_tokens: int = field(default=256, metadata=_check(gt=0))
+    temperature: float = field(default=1.0, metadata=_check(gt=0))
+    top_p: float = field(default=1.0, metadata=_check(gt=0, le=1))
+    top_k: int = field(default=0, metadata=_check(ge=0))  # 0 = off
+    stop_strings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GRPOSettings:
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # "none" is Dr. GRPO (no division by the std)
+    epsilon_low: float = field(default=0.2, metadata=_check(ge=0, lt=1))
+    epsilon_high: float = field(default=0.28, metadata=_check(ge=0))  # DAPO's clip-higher
+    beta: float = field(default=0.0, metadata=_check(ge=0))  # KL weight; reference = base with adapters off
+    num_iterations: int = field(default=1, metadata=_check(ge=1))  # μ: updates per rollout batch
+    micro_batch_size: int = field(default=8, metadata=_check(gt=0))  # sequences per forward/backward
+    mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
+    dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards and draw more prompts
+    max_resample_rounds: int = field(default=3, metadata=_check(ge=0))
+    tis_cap: Optional[float] = field(default=None, metadata=_check(gt=0))  # truncated importance sampling cap C
+
+
+@dataclass
+class AQNSettings:
+    enabled: bool = True
+    sigma_start: float = field(default=1e-2, metadata=_check(ge=0))
+    sigma_end: float = field(default=5e-4, metadata=_check(ge=0))
+    num_stages: int = field(default=10, metadata=_check(ge=1))
+    in_training_forward: bool = False  # also perturb the norms during the update's forward
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.enabled and self.num_stages > 1 and (self.sigma_start <= 0) != (self.sigma_end <= 0):
+            raise _RuleError("sigma_end", f"sigma_start = {self.sigma_start}, sigma_end = {self.sigma_end}: both must "
+                             "be > 0 for a geometric schedule")
+
+
+@dataclass
+class OptimSettings:
+    lr: float = field(default=1e-5, metadata=_check(gt=0))
+    weight_decay: float = field(default=0.0, metadata=_check(ge=0))
+    beta1: float = field(default=0.9, metadata=_check(ge=0, lt=1))
+    beta2: float = field(default=0.99, metadata=_check(ge=0, lt=1))
+    eps: float = field(default=1e-8, metadata=_check(gt=0))
+    warmup_steps: int = field(default=0, metadata=_check(ge=0))
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = field(default=0.1, metadata=_check(ge=0, le=1))
+    max_grad_norm: float = field(default=1.0, metadata=_check(gt=0))
+    grad_accum_steps: int = field(default=1, metadata=_check(ge=1))
+
+
+@dataclass
+class TrainSettings:
+    steps: int = field(default=100, metadata=_check(gt=0))
+    seed: int = 0
+    save_every: int = field(default=25, metadata=_check(gt=0))
+    eval_every: int = field(default=0, metadata=_check(ge=0))  # 0 = only at the end (flows)
+    out_dir: str = "runs/default"
+    rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})  # name or module:function -> weight
+
+    def validate(self) -> None:
+        if not self.rewards:
+            raise _RuleError("rewards", "rewards = {}: name at least one reward function (e.g. accuracy: 1.0)")
+
+
+@dataclass
+class DataSettings:
+    name: str = "arithmetic"  # arithmetic | gsm8k | math500 | a .jsonl path | a hub dataset name
+    path: Optional[str] = None  # a local jsonl for gsm8k/math500
+    split: str = "train"
+    n: Optional[int] = field(default=2000, metadata=_check(gt=0))  # examples to draw (None = all)
+    digits: int = field(default=2, metadata=_check(ge=1, le=12))  # arithmetic task knobs
+    operators: str = "+-"
+    steps: int = field(default=1, metadata=_check(ge=1, le=8))
+    seed: int = 0
+    system_prompt: Optional[str] = None  # None = qerl.data.SYSTEM_PROMPT
+
+    def validate(self) -> None:
+        bad = set(self.operators) - set("+-*")
+        if not self.operators or bad:
+            raise _RuleError("operators", f"operators = {self.operators!r}: use a non-empty subset of '+-*'")
+
+
+@dataclass
+class EvalSettings:
+    name: str = "arithmetic"  # same choices as data.name; the arithmetic knobs come from `data`
+    path: Optional[str] = None
+    split: str = "test"
+    n: Optional[int] = field(default=200, metadata=_check(gt=0))
+    max_new_tokens: int = field(default=256, metadata=_check(gt=0))
+    temperature: float = field(default=0.0, metadata=_check(ge=0))  # 0 = greedy
+    top_p: float = field(default=1.0, metadata=_check(gt=0, le=1))
+    num_samples: int = field(default=1, metadata=_check(ge=1))  # k: mean accuracy and pass@k over k samples
+    batch_size: int = field(default=16, metadata=_check(gt=0))
+    out_dir: str = "runs/eval"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.num_samples > 1 and self.temperature == 0:
+            raise _RuleError("num_samples", f"num_samples = {self.num_samples}: k > 1 samples need temperature > 0")
+
+
+@dataclass
+class TrackingSettings:
+    backend: Literal["none", "mlflow"] = "none"
+    tracking_uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: str = "qerl"
+    run_name: Optional[str] = None
+    registered_model: str = "qerl-adapter"
+
+
+@dataclass
+class Settings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    quant: QuantSettings = field(default_factory=QuantSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    aqn: AQNSettings = field(default_factory=AQNSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """`{"lora.rank": 16, ...}`: what trackers log as parameters (lists/dicts as JSON strings)."""
+        flat = {}
+        for section, values in self.to_dict().items():
+            for key, value in values.items():
+                flat[f"{section}.{key}"] = json.dumps(value) if isinstance(value, (list, dict)) else value
+        return flat
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self, *sections: str) -> str:
+        """Stable hash of the named sections (all if none): cache keys for pipeline stages."""
+        d = self.to_dict()
+        chosen = {s: d[s] for s in (sections or d)}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading and validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_settings(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Settings:
+    """Read a params YAML (default: params/default.yaml), apply `section.key=value` overrides, validate."""
+    path = Path(path) if path is not None else DEFAULT_PARAMS
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found")
+    text = path.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    lines = _key_lines(text)
+    sources = {key: f"{path}:{line}" for key, line in lines.items()}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_path(raw, key, value, source=f"-S {item}")
+        sources[key] = f"-S {item}"
+    return settings_from_dict(raw, sources=sources, default_source=str(path))
+
+
+def settings_from_dict(raw: dict, sources: dict[str, str] | None = None, default_source: str = "params") -> Settings:
+    """Validate a nested dict into Settings; errors name `sources[key]` (file:line or the -S flag)."""
+    return _build(Settings, raw, "", sources or {}, default_source)
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip() or "." not in key:
+        raise ConfigError(f"-S {item}: expected section.key=value (e.g. -S lora.rank=8)")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value  # an unparsable scalar is taken as the literal string
+    return key.strip(), parsed
+
+
+def _set_path(raw: dict, key: str, value: Any, source: str) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Map 'section.key' to its 1-based line in the YAML text, for error messages."""
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def _where(path: str, sources: dict[str, str], default: str) -> str:
+    while path:
+        if path in sources:
+            return sources[path]
+        path = path.rpartition(".")[0]
+    return default
+
+
+def _build(cls: type, raw: Any, at: str, sources: dict[str, str], default: str) -> Any:
+    where = _where(at, sources, default)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {at or 'params'} = {raw!r}: expected a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            path = f"{at}.{key}" if at else str(key)
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
+            # an unknown section set only by `-S section.key=v` is known to sources by its full key
+            origin = next((src for k, src in sources.items() if k == path or k.startswith(path + ".")), None)
+            raise ConfigError(f"{origin or _where(path, sources, default)}: unknown key {path!r}{hint}")
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        path = f"{at}.{name}" if at else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, raw[name], path, sources, default)
+        else:
+            value = _coerce(raw[name], hint, path, _where(path, sources, default))
+            _check_bounds(value, f.metadata.get("bounds", {}), path, _where(path, sources, default))
+            values[name] = value
+    obj = cls(**values)
+    if hasattr(obj, "validate"):
+        try:
+            obj.validate()
+        except _RuleError as exc:
+            path = f"{at}.{exc.key}"
+            raise ConfigError(f"{_where(path, sources, default)}: {at}.{exc}") from None
+    return obj
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint)).replace("typing.", "")
+
+
+def _coerce(value: Any, hint: Any, path: str, where: str) -> Any:
+    def fail(expected: str) -> typing.NoReturn:
+        raise ConfigError(f"{where}: {path} = {value!r}: expected {expected}")
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path, where)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            fail(_type_name(hint) + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            fail(f"a list of {_type_name(args[0])}")
+        return [_coerce(v, args[0], f"{path}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            fail(f"a mapping of {_type_name(args[0])} to {_type_name(args[1])}")
+        return {_coerce(k, args[0], path, where): _coerce(v, args[1], f"{path}.{k}", where) for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            fail("true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail("an integer")
+        return value
+    if hint is float:
+        if isinstance(value, str) and _FLOAT.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads `1e-5` (no dot) as a string; users mean the number
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail("a number")
+        if value != value or value in (float("inf"), float("-inf")):
+            fail("a finite number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            fail("a string")
+        return value
+    raise TypeError(f"unsupported settings type {hint!r} at {path}")  # a schema bug, not a user error
+
+
+def _check_bounds(value: Any, bounds: dict[str, float], path: str, where: str) -> None:
+    if value is None or not bounds:
+        return
+    ops = {"gt": (lambda v, b: v > b, ">"), "ge": (lambda v, b: v >= b, ">="),
+           "lt": (lambda v, b: v < b, "<"), "le": (lambda v, b: v <= b, "<=")}
+    for name, bound in bounds.items():
+        ok, sym = ops[name]
+        if not ok(value, bound):
+            raise ConfigError(f"{where}: {path} = {value!r}: must be {sym} {bound}")

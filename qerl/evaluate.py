@@ -1,0 +1,138 @@
+"""Accuracy of a policy on a split: greedy, or k samples with mean accuracy and pass@k."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+from qerl.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Writes metrics.json and samples.jsonl (one row per example and sample) atomically."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in self.records))
+        _write_atomic(out / "metrics.json", json.dumps(self.metrics, indent=2) + "\n")
+        return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def evaluate(
+    model,
+    tokenizer,
+    examples: Sequence,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    num_samples: int = 1,
+    batch_size: int = 16,
+    seed: int = 0,
+    system_prompt: str | None = None,
+    reward_fn: Callable[[str, str], float] | None = None,
+    progress: bool = True,
+) -> EvalResult:
+    """Generate `num_samples` completions per example and score them against the gold answers."""
+    from qerl import data, rewards
+    from qerl.generate import generate
+
+    reward_fn = reward_fn or rewards.score
+    system_prompt = system_prompt if system_prompt is not None else data.SYSTEM_PROMPT
+    jobs = [(ex, s) for ex in examples for s in range(num_samples)]
+    records: list[dict[str, Any]] = []
+    start, tokens = time.perf_counter(), 0
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=len(jobs), desc="eval", unit="sample", disable=not progress)
+    for b in range(0, len(jobs), batch_size):
+        chunk = jobs[b : b + batch_size]
+        prompts = [data.build_prompt(tokenizer, ex.question, system_prompt) for ex, _ in chunk]
+        out = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_p=top_p, seed=seed + b)
+        for (ex, sample), prompt, text, ids, reason in zip(chunk, prompts, out.texts, out.completion_ids,
+                                                          out.stop_reasons):
+            tokens += len(ids)
+            records.append({
+                "id": ex.id, "sample": sample, "prompt": prompt, "completion": text,
+                "extracted": rewards.extract_answer(text), "gold": ex.gold,
+                "score": float(reward_fn(text, ex.gold)), "stop_reason": reason,
+            })
+        bar.update(len(chunk))
+        bar.set_postfix(acc=f"{sum(r['score'] for r in records) / len(records):.3f}")
+    bar.close()
+    model.train(was_training)
+    return EvalResult(_summarize(records, num_samples, tokens, time.perf_counter() - start), records)
+
+
+def _summarize(records: list[dict], k: int, tokens: int, seconds: float) -> dict[str, float]:
+    by_example: dict[str, list[float]] = {}
+    for r in records:
+        by_example.setdefault(r["id"], []).append(r["score"])
+    n = len(by_example)
+    metrics = {
+        "accuracy": sum(r["score"] for r in records) / max(len(records), 1),
+        "num_examples": n,
+        "num_samples": k,
+        "truncation_rate": sum(r["stop_reason"] == "length" for r in records) / max(len(records), 1),
+        "mean_completion_tokens": tokens / max(len(records), 1),
+        "tokens_per_second": tokens / max(seconds, 1e-9),
+        "seconds": seconds,
+    }
+    if k > 1:
+        metrics[f"pass@{k}"] = sum(pass_at_k(k, sum(s >= 1.0 for s in v), k) for v in by_example.values()) / max(n, 1)
+    return metrics
+
+
+def eval_examples(settings: Settings, limit: int | None = None) -> list:
+    """The evaluation split named by `settings.eval` (arithmetic knobs shared with `settings.data`)."""
+    from qerl import data
+
+    e, d = settings.eval, settings.data
+    n = limit or e.n
+    return data.load_dataset(e.name, split=e.split, n=n, seed=e.seed, path=e.path,
+                             digits=d.digits, operators=d.operators, steps=d.steps)
+
+
+def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path | None = None,
+             limit: int | None = None, model=None, tokenizer=None, progress: bool = True) -> EvalResult:
+    """Load the policy (base + optional adapter) and evaluate it as `settings.eval` says; save if `out_dir`."""
+    from qerl.runtime import load_policy
+
+    if model is None:
+        model, tokenizer = load_policy(settings, adapter=adapter)
+    examples = eval_examples(settings, limit)
+    e = settings.eval
+    result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                      top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
+                      system_prompt=settings.data.system_prompt, progress=progress)
+    if out_dir is not None:
+        result.save(out_dir)
+    log.info("eval: %s", ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
+    return result

