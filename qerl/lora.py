@@ -1,0 +1,460 @@
+"""LoRA adapters on a frozen (possibly NVFP4) base: apply, disable, PEFT-format save/load, merge-and-export.
+
+Module names follow Hugging Face, so the PEFT key of a LoRA factor is just
+`base_model.model.<module name>.lora_A.weight`; adapters saved here load with `peft.PeftModel.from_pretrained`
+and adapters saved by PEFT load here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Frozen copy of a trained RMSNorm weight: `adapters_disabled` must give the true base model (the KL reference).
+_NORM_BASE = "lora_base_weight"
+
+
+@dataclass
+class LoraSettings:
+    """LoRA hyperparameters (names as in PEFT's LoraConfig where they overlap)."""
+
+    rank: int = 16
+    alpha: float = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r: keeps the update size stable at high rank
+    train_norms: bool = False  # also train every RMSNorm weight (QeRL does; saved as PEFT modules_to_save)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            self.target_modules = (self.target_modules,)
+        self.target_modules = tuple(self.target_modules)
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoraSettings.rank must be a positive int, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraSettings.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraSettings.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+            raise ValueError(f"LoraSettings.target_modules must be non-empty module names, got {self.target_modules!r}")
+
+    @property
+    def scaling(self) -> float:
+        """Multiplier of B @ A."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear or a quantized linear (duck-typed, so this module does not depend on qerl.quant)."""
+    return isinstance(module, nn.Linear) or (
+        hasattr(module, "dequantized_weight") and hasattr(module, "in_features") and hasattr(module, "out_features"))
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
+
+
+def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> Tensor:
+    if isinstance(linear, nn.Linear):
+        return linear.weight.detach().to(dtype)
+    return linear.dequantized_weight(dtype).detach()
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+class LoraLinear(nn.Module):
+    """Frozen base linear + trainable low-rank update: y = base(x) + dropout(x) @ A^T @ B^T * scaling."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        if not _is_linear(base):
+            raise TypeError(f"LoraLinear needs an nn.Linear or QuantLinear base, got {type(base).__name__}")
+        self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
+        self.scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
+        dtype = dtype or (base.weight.dtype if isinstance(base, nn.Linear) else torch.float32)
+        device = _module_device(base)
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as PEFT (and nn.Linear); B = 0 makes the start exact
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base(x)
+        if not self.enabled:
+            return out
+        h = self.dropout(x.to(self.lora_A.dtype))
+        delta = nn.functional.linear(nn.functional.linear(h, self.lora_A), self.lora_B)
+        return out + (delta * self.scaling).to(out.dtype)
+
+    def delta_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(B @ A) * scaling, [out, in]."""
+        return (self.lora_B.detach().to(dtype) @ self.lora_A.detach().to(dtype)) * self.scaling
+
+    def merged_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Base weight (dequantized if quantized) + the LoRA update, computed in fp32 and returned in `dtype`."""
+        return (_dense_weight(self.base, torch.float32) + self.delta_weight(torch.float32)).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    """Every LoraLinear in `model` by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def trained_norms(model: nn.Module) -> dict[str, nn.Module]:
+    """RMSNorm modules made trainable by `apply_lora(train_norms=True)`, by module name."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, _NORM_BASE)}
+
+
+def _matches(name: str, targets: tuple[str, ...] | list[str]) -> bool:
+    # PEFT's rule for target_modules: the full name or a dotted suffix of it.
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | None = None) -> list[nn.Parameter]:
+    """Wrap every linear whose name ends with a target in a LoraLinear, freeze the rest; return trainable params.
+
+    Matching is PEFT's (whole name or dotted suffix), so lm_head / embeddings are only adapted if named.
+    `dtype` of the adapters: default the base weight's dtype (nn.Linear) or fp32 (quantized base).
+    With `settings.train_norms` every RMSNorm weight also trains (a frozen copy is kept for `adapters_disabled`).
+    """
+    if lora_layers(model):
+        raise ValueError("LoRA is already applied to this model")
+    targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, settings.target_modules)]
+    wrong = [f"{name} ({type(m).__name__})" for name, m in targets if not _is_linear(m)]
+    if wrong:
+        raise ValueError(f"LoRA target_modules {settings.target_modules} match non-linear modules: {', '.join(wrong[:5])}")
+    if not targets:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+        raise ValueError(f"LoRA target_modules {settings.target_modules} match no module; linear layers are named "
+                         f"{leaves}")
+    model.requires_grad_(False)
+    trainable: list[nn.Parameter] = []
+    for name, base in targets:
+        layer = LoraLinear(base, settings.rank, settings.alpha, settings.dropout, settings.use_rslora, dtype)
+        model.set_submodule(name, layer)
+        trainable += [layer.lora_A, layer.lora_B]
+    if settings.train_norms:
+        norms = [m for m in model.modules() if _is_rmsnorm(m)]
+        if not norms:
+            raise ValueError("train_norms=True but the model has no RMSNorm module")
+        for norm in norms:
+            norm.register_buffer(_NORM_BASE, norm.weight.detach().clone(), persistent=False)
+            norm.weight.requires_grad_(True)
+            trainable.append(norm.weight)
+    return trainable
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run `model` as its frozen base: LoRA off, trained norms back at their base values (the KL reference policy).
+
+    Restores everything on exit, even on error. The norm swap is a pointer swap: no copy, no second model.
+    """
+    layers, norms = lora_layers(model).values(), trained_norms(model).values()
+    was_enabled = [layer.enabled for layer in layers]
+    for layer in layers:
+        layer.enabled = False
+    for norm in norms:
+        norm.weight.data, norm.lora_base_weight = norm.lora_base_weight, norm.weight.data
+    try:
+        yield model
+    finally:
+        for norm in norms:
+            norm.weight.data, norm.lora_base_weight = norm.lora_base_weight, norm.weight.data
+        for layer, enabled in zip(layers, was_enabled):
+            layer.enabled = enabled
+
+
+# ---------------------------------------------------------------------------------------------------- PEFT format
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Adapter tensors under PEFT's saved key names (detached, on their device)."""
+    state: dict[str, Tensor] = {}
+    for name, layer in lora_layers(model).items():
+        state[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach()
+        state[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach()
+    for name, norm in trained_norms(model).items():
+        # PEFT saves a modules_to_save copy under the wrapped module's own name (no ".modules_to_save.default").
+        state[f"{PEFT_PREFIX}{name}.weight"] = norm.weight.detach()
+    return state
+
+
+def _peft_config(settings: LoraSettings, base_model_name_or_path: str, modules_to_save: list[str] | None) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": sorted(settings.target_modules),
+        "use_rslora": settings.use_rslora,
+        "bias": "none",
+        "modules_to_save": modules_to_save,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "use_dora": False,
+        "lora_bias": False,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+        "revision": None,
+    }
+
+
+@contextmanager
+def _atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp dir next to `out_dir`; on success it replaces `out_dir` (an old one is removed), else vanishes."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, old / "x")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_settings_match(model: nn.Module, settings: LoraSettings) -> None:
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("the model has no LoRA adapters (call apply_lora or load_adapter first)")
+    for name, layer in layers.items():
+        if layer.rank != settings.rank or not math.isclose(layer.scaling, settings.scaling):
+            raise ValueError(f"settings (rank {settings.rank}, scaling {settings.scaling:g}) disagree with {name} "
+                             f"(rank {layer.rank}, scaling {layer.scaling:g})")
+        if not _matches(name, settings.target_modules):
+            raise ValueError(f"adapted module {name} is not covered by target_modules {settings.target_modules}")
+    if settings.train_norms != bool(trained_norms(model)):
+        raise ValueError(f"settings.train_norms={settings.train_norms} but the model "
+                         f"{'has' if trained_norms(model) else 'has no'} trained norms")
+
+
+def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str,
+                 settings: LoraSettings) -> Path:
+    """Save the adapter in PEFT format (adapter_config.json + adapter_model.safetensors), atomically; return the dir.
+
+    Trained norms are listed in `modules_to_save` by their leaf names (PEFT matches those as name suffixes).
+    """
+    _check_settings_match(model, settings)
+    norms = sorted({name.rsplit(".", 1)[-1] for name in trained_norms(model)}) or None
+    state = {k: v.to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
+    with _atomic_dir(out_dir) as tmp:
+        save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(_peft_config(settings, base_model_name_or_path, norms), indent=2))
+    return Path(out_dir)
+
+
+def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not 'LORA'")
+    unsupported = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
+                   "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+    for key, ok in unsupported.items():
+        if config.get(key) not in (ok, None):
+            raise ValueError(f"{path}: unsupported adapter option {key}={config[key]!r} (supported: {ok!r})")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        raise ValueError(f"{path}: target_modules as a regex ({targets!r}) is not supported; give a list of names")
+    return LoraSettings(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
+                        dropout=float(config.get("lora_dropout", 0.0)), target_modules=tuple(targets or ()),
+                        use_rslora=bool(config.get("use_rslora", False)),
+                        train_norms=bool(config.get("modules_to_save")))
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> LoraSettings:
+    """Load a PEFT LoRA adapter into `model` (applying LoRA from its adapter_config.json if not yet applied).
+
+    Raises ValueError naming missing or unexpected tensors and shape mismatches. Returns the adapter's settings.
+    """
+    adapter_dir = Path(adapter_dir)
+    for fname in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter_dir / fname).is_file():
+            raise FileNotFoundError(f"{adapter_dir} has no {fname}")
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    settings = _settings_from_peft(config, adapter_dir / ADAPTER_CONFIG)
+    if settings.train_norms:
+        norm_names = [n for n, m in model.named_modules() if _is_rmsnorm(m)]
+        other = [n for n, m in model.named_modules()
+                 if n and not _is_rmsnorm(m) and any(n.endswith(t) for t in config["modules_to_save"])]
+        if other:
+            raise ValueError(f"{adapter_dir}: modules_to_save {config['modules_to_save']} names non-RMSNorm modules "
+                             f"({', '.join(other[:5])}); only RMSNorm weights are supported")
+        if not norm_names:
+            raise ValueError(f"{adapter_dir}: modules_to_save {config['modules_to_save']} but the model has no RMSNorm")
+    if not lora_layers(model):
+        apply_lora(model, settings, dtype)
+    else:
+        _check_settings_match(model, settings)
+
+    loaded = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    expected = lora_state_dict(model)
+    missing, unexpected = sorted(expected.keys() - loaded.keys()), sorted(loaded.keys() - expected.keys())
+    shapes = [f"{k}: file {tuple(loaded[k].shape)} vs model {tuple(v.shape)}"
+              for k, v in expected.items() if k in loaded and loaded[k].shape != v.shape]
+    problems = [f"{label} ({len(keys)}): {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes))
+                if keys]
+    if problems:
+        raise ValueError(f"adapter {adapter_dir} does not fit the model: " + "; ".join(problems))
+    with torch.no_grad():  # trained norms keep their pre-load base copy: adapters_disabled stays the base model
+        for key, target in expected.items():
+            target.copy_(loaded[key])
+    return settings
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+def _replaced_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Outermost LoraLinear / quantized linears: their state-dict entries become one dense `<name>.weight`."""
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if (isinstance(m, LoraLinear) or (_is_linear(m) and not isinstance(m, nn.Linear))) \
+                and not any(name.startswith(p + ".") for p in out):
+            out[name] = m
+    return out
+
+
+def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, Tensor]]:
+    """Yield (HF name, CPU tensor) with LoRA merged into the weights and quantized bases dequantized.
+
+    One tensor at a time, so a 32B export never holds a second copy of the model on the GPU.
+    Tied weights are yielded once (under the first name), as transformers expects.
+    """
+    replaced = _replaced_modules(model)
+    done: set[str] = set()
+    seen_storage: set[int] = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        owner = next((p for p in replaced if key.startswith(p + ".")), None)
+        if owner is not None:
+            if owner in done:
+                continue
+            done.add(owner)
+            module = replaced[owner]
+            base = module.base if isinstance(module, LoraLinear) else module
+            weight = module.merged_weight(dtype) if isinstance(module, LoraLinear) else _dense_weight(module, dtype)
+            yield f"{owner}.weight", weight.cpu().contiguous()
+            if getattr(base, "bias", None) is not None:
+                yield f"{owner}.bias", base.bias.detach().to(dtype).cpu().contiguous()
+            continue
+        ptr = value.untyped_storage().data_ptr()
+        if ptr in seen_storage:  # tied (e.g. lm_head = embed_tokens)
+            continue
+        seen_storage.add(ptr)
+        value = value.detach()
+        yield key, (value.to(dtype) if value.is_floating_point() else value).cpu().contiguous()
+
+
+def _write_safetensors(tensors: Iterator[tuple[str, Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or HF-style shards + model.safetensors.index.json when larger than `max_shard_bytes`."""
+    shards: list[dict[str, Tensor]] = [{}]
+    sizes = [0]
+    files: list[Path] = []
+
+    def flush() -> None:
+        path = out_dir / f"shard-{len(files):05d}.tmp"
+        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        files.append(path)
+        shards[-1] = {}
+
+    weight_map: dict[str, int] = {}
+    total = 0
+    for key, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            flush()
+            sizes.append(0)
+        shards[-1][key], sizes[-1] = t, sizes[-1] + nbytes
+        weight_map[key], total = len(files), total + nbytes
+    flush()
+    if len(files) == 1:
+        os.replace(files[0], out_dir / "model.safetensors")
+        return
+    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    for path, name in zip(files, names):
+        os.replace(path, out_dir / name)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _hf_config(model: nn.Module, base_config: dict | None) -> dict[str, Any]:
+    if base_config is None:
+        config = getattr(model, "config", None)
+        if hasattr(config, "to_hf"):
+            base_config = config.to_hf()
+        elif hasattr(config, "to_dict"):
+            base_config = config.to_dict()
+        else:
+            raise ValueError("merge_and_export: the model has no HF-convertible `config`; pass base_config "
+                             "(the base model's config.json as a dict)")
+    config = dict(base_config)
+    config.pop("quantization_config", None)  # the export is dense; re-quantization writes its own
+    config.pop("dtype", None)
+    config["torch_dtype"] = "bfloat16"
+    return config
+
+
+def merge_and_export(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike, scheme: str = "bf16",
+                     base_config: dict | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a Hugging Face folder with LoRA merged in: config.json, safetensors weights, tokenizer files.
+
+    scheme "bf16": dense bf16 (loads in transformers and our loader). Any other scheme (e.g. "nvfp4") re-quantizes
+    the bf16 export through `qerl.quant.checkpoint.quantize_checkpoint`. `base_config` (the base config.json dict)
+    defaults to `model.config`. `tokenizer` may be None (no tokenizer files). Atomic: `out_dir` is replaced only
+    when complete.
+    """
+    if scheme != "bf16":
+        try:
+            from qerl.quant.checkpoint import quantize_checkpoint
+        except ImportError as e:
+            raise ValueError(f"merge_and_export scheme {scheme!r} needs qerl.quant.checkpoint ({e})") from e
+    config = _hf_config(model, base_config)
+    with _atomic_dir(out_dir) as tmp:
+        bf16_dir = tmp if scheme == "bf16" else Path(tempfile.mkdtemp(prefix=".bf16-", dir=tmp.parent))
+        try:
+            with torch.no_grad():
+                _write_safetensors(merged_state_dict(model, torch.bfloat16), bf16_dir, max_shard_bytes)
+            (bf16_dir / "config.json").write_text(json.dumps(config, indent=2))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(bf16_dir))
+            if scheme != "bf16":
+                quantize_checkpoint(bf16_dir, tmp, scheme)
+        finally:
+            if bf16_dir != tmp:
+                shutil.rmtree(bf16_dir, ignore_errors=True)
+    return Path(out_dir)
