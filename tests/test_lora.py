@@ -1,0 +1,264 @@
+"""LoRA: exact PEFT interop both ways, disabled-adapter reference, gradients on a quantized base, merged export."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from qerl.lora import (LoraLinear, LoraSettings, adapters_disabled, apply_lora, load_adapter, lora_layers,
+                       lora_state_dict, merge_and_export, save_adapter)
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=128, attn_implementation="eager")
+NORMS = ["input_layernorm", "post_attention_layernorm", "norm"]  # leaf names of every Llama RMSNorm
+
+
+def hf_llama(**overrides):
+    """Tiny transformers Llama, fp32, every weight random (norms too, so a mishandled norm shows)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A Hugging Face folder (config, fp32 safetensors, tokenizer) of the tiny Llama."""
+    path = tmp_path_factory.mktemp("base")
+    hf_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def load_ours(path):
+    from qerl.loading import load_model
+
+    model, tokenizer = load_model(path)
+    return model.float().eval(), tokenizer
+
+
+def fresh_hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def randomize_adapters(model, seed=2):
+    """Nonzero lora_B (zero would hide a wrong B layout or scaling) and perturbed trainable norms."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.copy_(0.1 * torch.randn(layer.lora_B.shape, generator=g))
+        for name, p in model.named_parameters():
+            if p.requires_grad and "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+# ---------------------------------------------------------------------------------------------------- LoraLinear
+
+
+def test_lora_linear_matches_formula_and_starts_at_base():
+    torch.manual_seed(0)
+    base = nn.Linear(8, 6)
+    layer = LoraLinear(base, rank=4, alpha=8)
+    x = torch.randn(3, 8)
+    assert (layer.in_features, layer.out_features) == (8, 6)
+    assert layer.lora_A.shape == (4, 8) and layer.lora_B.shape == (6, 4)
+    assert layer.lora_A.abs().max() > 0 and torch.equal(layer(x), base(x))  # B = 0: exact base at init
+    nn.init.normal_(layer.lora_B)
+    expected = base(x) + (x @ layer.lora_A.T @ layer.lora_B.T) * 2.0
+    torch.testing.assert_close(layer(x), expected)
+    torch.testing.assert_close(layer.merged_weight(), base.weight + 2.0 * layer.lora_B @ layer.lora_A)
+    layer.enabled = False
+    assert torch.equal(layer(x), base(x))
+
+
+def test_rslora_scaling():
+    assert LoraSettings(rank=16, alpha=32).scaling == 2.0
+    assert LoraSettings(rank=16, alpha=32, use_rslora=True).scaling == 8.0
+    assert LoraLinear(nn.Linear(4, 4), rank=16, alpha=32, use_rslora=True).scaling == 8.0
+
+
+def test_dropout_only_in_train_mode():
+    torch.manual_seed(0)
+    layer = LoraLinear(nn.Linear(64, 64), rank=4, alpha=4, dropout=0.5)
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(4, 64)
+    layer.eval()
+    assert torch.equal(layer(x), layer(x))
+    layer.train()
+    assert not torch.equal(layer(x), layer(x))
+
+
+def test_adapter_math_runs_in_adapter_dtype():
+    base = nn.Linear(8, 8).to(torch.bfloat16)
+    layer = LoraLinear(base, rank=2, alpha=2, dtype=torch.float32)
+    out = layer(torch.randn(2, 8, dtype=torch.bfloat16))
+    assert layer.lora_A.dtype == torch.float32 and out.dtype == torch.bfloat16
+
+
+def test_bad_settings_and_targets_are_named():
+    with pytest.raises(ValueError, match="rank"):
+        LoraSettings(rank=0)
+    with pytest.raises(ValueError, match="dropout"):
+        LoraSettings(dropout=1.0)
+    model = nn.Sequential()
+    model.add_module("mlp", nn.Sequential())
+    model.mlp.add_module("up", nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"match no module.*\['up'\]"):
+        apply_lora(model, LoraSettings(target_modules=("q_proj",)))
+    with pytest.raises(ValueError, match=r"non-linear modules: mlp \(Sequential\)"):
+        apply_lora(model, LoraSettings(target_modules=("mlp",)))
+    apply_lora(model, LoraSettings(target_modules=("up",)))
+    with pytest.raises(ValueError, match="already applied"):
+        apply_lora(model, LoraSettings(target_modules=("up",)))
+
+
+# ---------------------------------------------------------------------------------------------------- model level
+
+
+def test_apply_lora_targets_and_freezes(base_dir):
+    model, _ = load_ours(base_dir)
+    params = apply_lora(model, LoraSettings(rank=4, train_norms=True))
+    layers = lora_layers(model)
+    assert len(layers) == 2 * 7 and "lm_head" not in layers
+    assert isinstance(model.model.layers[1].mlp.down_proj, LoraLinear)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in trainable if "lora_" in n or "norm" in n}
+    assert len(trainable) == 2 * 14 + 2 * 2 + 1 == len(params)  # A and B per layer, 2 norms per block, final norm
+
+
+@pytest.mark.parametrize("use_rslora,train_norms", [(False, False), (True, True)])
+def test_our_adapter_loads_in_peft_with_equal_logits(base_dir, tmp_path, use_rslora, train_norms):
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+
+    model, _ = load_ours(base_dir)
+    settings = LoraSettings(rank=4, alpha=8, use_rslora=use_rslora, train_norms=train_norms)
+    apply_lora(model, settings)
+    randomize_adapters(model)
+    save_adapter(model, tmp_path / "adapter", str(base_dir), settings)
+
+    peft_model = PeftModel.from_pretrained(fresh_hf(base_dir), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        expected, got = peft_model(IDS).logits, model(IDS)
+    assert (got - expected).abs().max() < 1e-5
+    # Byte-for-byte PEFT's own naming, modules_to_save included.
+    assert set(get_peft_model_state_dict(peft_model)) == set(load_file(tmp_path / "adapter/adapter_model.safetensors"))
+    config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    assert config["modules_to_save"] == (sorted(NORMS) if train_norms else None)
+
+
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_peft_adapter_loads_into_ours_with_equal_logits(base_dir, tmp_path, with_norms):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(fresh_hf(base_dir), LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=with_norms,
+        modules_to_save=NORMS if with_norms else None, task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if p.requires_grad:  # lora_A/B and the modules_to_save copies
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    peft_model.eval().save_pretrained(tmp_path / "peft")
+
+    model, _ = load_ours(base_dir)
+    settings = load_adapter(model, tmp_path / "peft")
+    assert settings.rank == 4 and settings.use_rslora == with_norms and settings.train_norms == with_norms
+    assert len(lora_layers(model)) == 2 * 3
+    with torch.no_grad():
+        assert (model(IDS) - peft_model(IDS).logits).abs().max() < 1e-5
+
+
+def test_load_adapter_names_bad_tensors(base_dir, tmp_path):
+    model, _ = load_ours(base_dir)
+    settings = LoraSettings(rank=4, target_modules=("q_proj",))
+    apply_lora(model, settings)
+    save_adapter(model, tmp_path / "a", "base", settings)
+    weights = tmp_path / "a/adapter_model.safetensors"
+    state = load_file(weights)
+    key = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+    state["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] = torch.zeros(4, 64)
+    state[key] = torch.zeros(64, 5)
+    save_file(state, weights)
+    with pytest.raises(ValueError, match=r"unexpected \(1\): .*k_proj.lora_A.weight.*shape mismatch.*q_proj.lora_B"):
+        load_adapter(load_ours(base_dir)[0], tmp_path / "a")
+    del state[key]
+    save_file(state, weights)
+    with pytest.raises(ValueError, match=r"missing \(1\): " + key.replace(".", r"\.")):
+        load_adapter(load_ours(base_dir)[0], tmp_path / "a")
+    save_adapter(model, tmp_path / "b", "base", settings)
+    other, _ = load_ours(base_dir)
+    apply_lora(other, LoraSettings(rank=8, target_modules=("q_proj",)))
+    with pytest.raises(ValueError, match="rank 8"):  # already adapted with another rank
+        load_adapter(other, tmp_path / "b")
+
+
+def test_save_adapter_replaces_atomically(base_dir, tmp_path):
+    model, _ = load_ours(base_dir)
+    settings = LoraSettings(rank=4)
+    apply_lora(model, settings)
+    save_adapter(model, tmp_path / "a", "base", settings)
+    randomize_adapters(model)
+    save_adapter(model, tmp_path / "a", "base", settings)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no temp or old dirs left behind
+    saved = load_file(tmp_path / "a/adapter_model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in lora_state_dict(model).items())
+    with pytest.raises(ValueError, match="rank 8"):
+        save_adapter(model, tmp_path / "b", "base", LoraSettings(rank=8))
+
+
+def test_adapters_disabled_gives_base_logits(base_dir):
+    model, _ = load_ours(base_dir)
+    with torch.no_grad():
+        base_logits = model(IDS)
+    apply_lora(model, LoraSettings(rank=4, train_norms=True))
+    randomize_adapters(model)
+    with torch.no_grad():
+        adapted = model(IDS)
+        with adapters_disabled(model):
+            disabled = model(IDS)
+        again = model(IDS)
+    assert (adapted - base_logits).abs().max() > 1e-2
+    assert torch.equal(disabled, base_logits) and torch.equal(again, adapted)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_merged_bf16_export_loads_in_transformers_and_ours(base_dir, tmp_path, tied):
+    if tied:  # lm_head shares the embedding: exported once, as transformers expects
+        base_dir = tmp_path / "tied"
+        hf_llama(tie_word_embeddings=True).save_pretrained(base_dir)
+        tiny_tokenizer().save_pretrained(base_dir)
+    model, tokenizer = load_ours(base_dir)
+    apply_lora(model, LoraSettings(rank=4, train_norms=True))
+    randomize_adapters(model)
+    with torch.no_grad():
+        adapted = model(IDS)
+    out = merge_and_export(model, tokenizer, tmp_path / "merged")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    exported = load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in exported.values()) and ("lm_head.weight" in exported) != tied
+    with torch.no_grad():
+        from_hf = fresh_hf(out)(IDS).logits
+        from_ours = load_ours(out)[0](IDS)
+    scale = adapted.abs().max()
+    assert (from_hf - adapted).abs().max() < 0.05 * scale  # bf16 weights
+    assert (from_ours - from_hf).abs().max() < 1e-4
