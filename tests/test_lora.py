@@ -232,13 +232,15 @@ def test_adapters_disabled_gives_base_logits(base_dir):
         base_logits = model(IDS)
     apply_lora(model, LoraSettings(rank=4, train_norms=True))
     randomize_adapters(model)
+    adapted = model(IDS)  # with grad: a GRPO step runs the reference forward between policy forward and backward
+    with torch.no_grad(), adapters_disabled(model):
+        disabled = model(IDS)
+    adapted.square().mean().backward()
     with torch.no_grad():
-        adapted = model(IDS)
-        with adapters_disabled(model):
-            disabled = model(IDS)
         again = model(IDS)
     assert (adapted - base_logits).abs().max() > 1e-2
     assert torch.equal(disabled, base_logits) and torch.equal(again, adapted)
+    assert model.model.norm.weight.grad is not None
 
 
 @pytest.mark.parametrize("tied", [False, True])
