@@ -93,7 +93,8 @@ class GRPOSettings:
     epsilon_high: float = field(default=0.28, metadata=_check(ge=0))  # DAPO's clip-higher
     beta: float = field(default=0.0, metadata=_check(ge=0))  # KL weight; reference = base with adapters off
     num_iterations: int = field(default=1, metadata=_check(ge=1))  # μ: updates per rollout batch
-    micro_batch_size: int = field(default=8, metadata=_check(gt=0))  # sequences per forward/backward
+    # Sequences per forward/backward: gradients accumulate over the micro-batches of a step, one optimizer step per μ
+    micro_batch_size: int = field(default=8, metadata=_check(gt=0))
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards and draw more prompts
     max_resample_rounds: int = field(default=3, metadata=_check(ge=0))
@@ -126,7 +127,6 @@ class OptimSettings:
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = field(default=0.1, metadata=_check(ge=0, le=1))
     max_grad_norm: float = field(default=1.0, metadata=_check(gt=0))
-    grad_accum_steps: int = field(default=1, metadata=_check(ge=1))
 
 
 @dataclass

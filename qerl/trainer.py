@@ -1,0 +1,418 @@
+"""The RL loop: rollout (with AQN) -> score -> GRPO/DAPO update of LoRA on the frozen quantized base.
+
+Each phase is a plain method over plain data (`RolloutBatch`), so the Prefect tasks in `tasks/` can wrap them one by one.
+Checkpoints hold everything a resumed run needs to continue bit for bit on the CPU: adapter, optimizer, scheduler,
+RNG states, step and data position.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from qerl import data, grpo, lora, rewards
+from qerl.aqn import AQNSchedule, NoiseInjector
+from qerl.config import Settings
+from qerl.generate import generate
+from qerl.runtime import load_base_model, seed_everything
+from qerl.tracking import JsonlWriter, NullTracker, Tracker
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class RolloutBatch:
+    """One step's samples: `group_size` completions per example, flattened group by group."""
+
+    examples: list[data.Example]
+    group_size: int
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+    rollout_logprobs: list[Tensor]
+    stop_reasons: list[str]
+    sigma: float
+    noise_seed: int
+    seconds: float
+    rewards: Tensor | None = None
+    accuracy: Tensor | None = None
+    score_seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def select_groups(self, keep: list[int]) -> "RolloutBatch":
+        """The batch restricted to the groups (examples) at indices `keep`."""
+        g = self.group_size
+        rows = [i * g + j for i in keep for j in range(g)]
+
+        def pick(seq):
+            return [seq[r] for r in rows]
+
+        return RolloutBatch(
+            [self.examples[i] for i in keep], g, pick(self.prompt_ids), pick(self.completion_ids), pick(self.texts),
+            pick(self.rollout_logprobs), pick(self.stop_reasons), self.sigma, self.noise_seed, self.seconds,
+            None if self.rewards is None else self.rewards[rows], None if self.accuracy is None else self.accuracy[rows],
+            self.score_seconds, dict(self.extra))
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        first = batches[0]
+        cat = lambda name: [x for b in batches for x in getattr(b, name)]  # noqa: E731
+        return RolloutBatch(
+            cat("examples"), first.group_size, cat("prompt_ids"), cat("completion_ids"), cat("texts"),
+            cat("rollout_logprobs"), cat("stop_reasons"), first.sigma, first.noise_seed,
+            sum(b.seconds for b in batches),
+            torch.cat([b.rewards for b in batches]) if first.rewards is not None else None,
+            torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
+            sum(b.score_seconds for b in batches))
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to `min_ratio` (or constant)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class Trainer:
+    """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise.
+
+    `train()` runs the whole loop; `rollout()`, `score()`, `update()` are its phases, for callers that orchestrate
+    them (Prefect tasks). State lives in `out_dir`: params.yaml, metrics.jsonl, checkpoints/, adapter/.
+    """
+
+    def __init__(self, settings: Settings, out_dir: str | Path, tracker: Tracker | None = None, resume: bool = False,
+                 model=None, tokenizer=None, progress: bool = True):
+        self.settings = s = settings
+        self.out = Path(out_dir)
+        self.tracker = tracker or NullTracker()
+        self.progress = progress
+        if not resume and self.latest_checkpoint() is not None:
+            raise FileExistsError(f"{self.out} already holds checkpoints: pass --resume to continue that run, "
+                                  "or choose another --out")
+        self.out.mkdir(parents=True, exist_ok=True)
+        seed_everything(s.train.seed)
+
+        if model is None:
+            model, tokenizer = load_base_model(s.model, s.quant)
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.lora_settings = lora.LoraSettings(rank=s.lora.rank, alpha=s.lora.alpha, dropout=s.lora.dropout,
+                                               target_modules=tuple(s.lora.target_modules),
+                                               use_rslora=s.lora.use_rslora, train_norms=s.lora.train_norms)
+        # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
+        self.params = lora.apply_lora(model, self.lora_settings, dtype=next(model.parameters()).dtype)
+        self.optimizer = torch.optim.AdamW(self.params, lr=s.optim.lr, betas=(s.optim.beta1, s.optim.beta2),
+                                           eps=s.optim.eps, weight_decay=s.optim.weight_decay)
+        o = s.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: lr_lambda(i, o.warmup_steps, s.train.steps, o.schedule, o.min_lr_ratio))
+
+        d = s.data
+        examples = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
+                                     operators=d.operators, steps=d.steps)
+        self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
+        self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
+        self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
+        self.aqn = AQNSchedule(s.aqn.sigma_start or 1e-12, s.aqn.sigma_end or 1e-12, s.aqn.num_stages, s.train.steps)
+        self.noise = NoiseInjector(model)
+        g = s.grpo
+        self.loss_cfg = grpo.LossConfig(loss_type=g.loss_type, epsilon_low=g.epsilon_low,
+                                        epsilon_high=g.epsilon_high, beta=g.beta,
+                                        max_completion_length=s.rollout.max_new_tokens,
+                                        mask_truncated=g.mask_truncated, tis_cap=g.tis_cap)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.step = 0
+        self.metrics_log = JsonlWriter(self.out / "metrics.jsonl")
+        if resume and self.latest_checkpoint() is not None:
+            self.load_checkpoint(self.latest_checkpoint())
+        else:
+            self.metrics_log.truncate_after(0)
+        (self.out / "params.yaml").write_text(s.to_yaml())
+        self.tracker.log_params(s.to_flat_dict())
+
+    # ------------------------------------------------------------------------------------------------ phases
+
+    def sigma(self, step: int | None = None) -> float:
+        return self.aqn.sigma(self.step if step is None else step) if self.settings.aqn.enabled else 0.0
+
+    def _seed(self, *parts: int) -> int:
+        """A seed that depends only on the run seed and the position in the run, so resuming replays it exactly."""
+        return hash((self.settings.train.seed,) + parts) % (2**31)
+
+    def rollout(self, examples: list[data.Example] | None = None, round_: int = 0) -> RolloutBatch:
+        """Sample `group_size` completions per prompt with AQN noise in the norm weights (removed afterwards)."""
+        r = self.settings.rollout
+        examples = examples if examples is not None else self.sampler.next_batch()
+        prompts = [data.build_prompt(self.tokenizer, ex.question, self.system_prompt) for ex in examples]
+        prompts = [p for p in prompts for _ in range(r.group_size)]
+        sigma, noise_seed = self.sigma(), self._seed(self.settings.aqn.seed, self.step, 1)
+        was_training = self.model.training
+        self.model.eval()
+        start = time.perf_counter()
+        with self.noise.noisy(sigma, noise_seed):
+            out = generate(self.model, self.tokenizer, prompts, max_new_tokens=r.max_new_tokens,
+                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_strings=r.stop_strings,
+                           seed=self._seed(self.step, round_, 2))
+        self.model.train(was_training)
+        return RolloutBatch(list(examples), r.group_size, out.prompt_ids, out.completion_ids, out.texts,
+                            out.logprobs, out.stop_reasons, sigma, noise_seed, time.perf_counter() - start)
+
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
+        """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
+        start = time.perf_counter()
+        golds = [ex.gold for ex in batch.examples for _ in range(batch.group_size)]
+        batch.rewards = torch.tensor([self.reward_fn(t, g) for t, g in zip(batch.texts, golds)], dtype=torch.float32)
+        batch.accuracy = torch.tensor([rewards.score(t, g) for t, g in zip(batch.texts, golds)], dtype=torch.float32)
+        batch.score_seconds = time.perf_counter() - start
+        return batch
+
+    def collect(self) -> RolloutBatch:
+        """Rollout + score; with dynamic sampling, keep only groups whose rewards differ, drawing more prompts."""
+        g = self.settings.grpo
+        batch = self.score(self.rollout())
+        if not g.dynamic_sampling:
+            return batch
+        want, kept, drawn = len(batch.examples), [], []
+        for round_ in range(g.max_resample_rounds + 1):
+            b = batch if round_ == 0 else self.score(self.rollout(round_=round_))
+            drawn.append(b)
+            informative = grpo.informative_groups(b.rewards, b.group_size).tolist()
+            kept.append(b.select_groups([i for i, ok in enumerate(informative) if ok]))
+            if sum(len(k.examples) for k in kept) >= want:
+                break
+        out = RolloutBatch.concat(kept)
+        out = out.select_groups(list(range(min(want, len(out.examples)))))
+        out.seconds = sum(b.seconds for b in drawn)
+        out.score_seconds = sum(b.score_seconds for b in drawn)
+        out.extra.update({"dynamic_sampling/rounds": len(drawn), "dynamic_sampling/kept_groups": len(out.examples)})
+        return out
+
+    def _tensors(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        """Left-padded prompts + right-padded completions, as TRL lays them out: completions start at one column."""
+        P = max(len(p) for p in batch.prompt_ids)
+        C = max(1, max(len(c) for c in batch.completion_ids))
+        B = len(batch)
+        ids = torch.full((B, P + C), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, P + C), dtype=torch.long)
+        rollout_lp = torch.zeros((B, C))
+        for i, (p, c, lp) in enumerate(zip(batch.prompt_ids, batch.completion_ids, batch.rollout_logprobs)):
+            ids[i, P - len(p):P] = torch.tensor(p)
+            ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+            attn[i, P - len(p):P + len(c)] = 1
+            rollout_lp[i, :len(c)] = lp.float().cpu()
+        return {"ids": ids, "attn": attn, "mask": attn[:, P:].float(), "rollout_logp": rollout_lp, "P": P}
+
+    def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
+        C = ids.shape[1] - P
+        logits = self.model(ids, attention_mask=attn, logits_to_keep=C + 1)[:, :-1].float()
+        logits = logits / self.settings.rollout.temperature
+        logp = grpo.selective_log_softmax(logits, ids[:, P:])
+        entropy = None
+        if want_entropy:
+            with torch.no_grad():
+                entropy = grpo.entropy_from_logits(logits.detach())
+        return logp, entropy
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """μ optimizer steps of the policy loss over this batch (micro-batched, gradients accumulated)."""
+        s, g = self.settings, self.settings.grpo
+        start = time.perf_counter()
+        rewards_t = batch.rewards
+        adv = grpo.group_advantages(rewards_t, batch.group_size, scale=g.scale_rewards)
+        t = self._tensors(batch)
+        truncated = torch.tensor([r == "length" for r in batch.stop_reasons])
+        mask = grpo.loss_mask(t["mask"], self.loss_cfg, truncated)
+        B = len(batch)
+        micro = [slice(i, min(i + g.micro_batch_size, B)) for i in range(0, B, g.micro_batch_size)]
+        dev = self.device
+        on_device = {k: v.to(dev) for k, v in t.items() if isinstance(v, Tensor)}
+        need_old = g.num_iterations > 1
+        old_logp = ref_logp = None
+        with torch.no_grad():
+            if need_old:
+                old_logp = torch.cat([self._logp_and_entropy(on_device["ids"][m], on_device["attn"][m], t["P"],
+                                                              False)[0] for m in micro])
+            if g.beta > 0:
+                with lora.adapters_disabled(self.model):
+                    ref_logp = torch.cat([self._logp_and_entropy(on_device["ids"][m], on_device["attn"][m], t["P"],
+                                                                  False)[0] for m in micro])
+        sums: dict[str, float] = {}
+        entropy_sum = entropy_count = 0.0
+        grad_norm = loss_total = 0.0
+        self.model.train()
+        sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
+        token_count = float(mask.sum().clamp(min=1))
+        for iteration in range(g.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for m in micro:
+                with self.noise.noisy(sigma_train, batch.noise_seed):
+                    logp, entropy = self._logp_and_entropy(on_device["ids"][m], on_device["attn"][m], t["P"],
+                                                           want_entropy=iteration == 0)
+                    loss, metrics = grpo.policy_loss(
+                        logp, None if old_logp is None else old_logp[m], adv[m].to(dev), on_device["mask"][m],
+                        self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
+                        rollout_logp=on_device["rollout_logp"][m], truncated=truncated[m].to(dev),
+                        token_normalizer=token_count)
+                    if self.loss_cfg.loss_type != "dapo":  # per-micro-batch means: weight by the micro-batch's share
+                        loss = loss * (m.stop - m.start) / B
+                    loss.backward()
+                loss_total += loss.item()
+                weight = float(mask[m].sum())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v * weight
+                if entropy is not None:
+                    entropy_sum += float((entropy * on_device["mask"][m]).sum())
+                    entropy_count += float(on_device["mask"][m].sum())
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32)
+        tokens = float(lengths.sum())
+        metrics = {
+            "step": self.step,
+            "reward_mean": float(rewards_t.mean()),
+            "reward_std": float(rewards_t.std()) if B > 1 else 0.0,
+            "accuracy": float(batch.accuracy.mean()),
+            "entropy": entropy_sum / max(entropy_count, 1.0),
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "response_length": float(lengths.mean()),
+            "truncation_rate": float(truncated.float().mean()),
+            "sigma": batch.sigma,
+            "noise_seed": batch.noise_seed,
+            "rollout_tokens_per_s": tokens / max(batch.seconds, 1e-9),
+            "seconds_rollout": batch.seconds,
+            "seconds_scoring": batch.score_seconds,
+            "seconds_update": time.perf_counter() - start,
+            "peak_memory_gb": peak_memory_gb(self.device),
+            "kl": 0.0,
+        }
+        metrics.update({k: v / token_count for k, v in sums.items()})
+        metrics.update(batch.extra)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    def train_step(self) -> dict[str, float]:
+        """One full step: collect (rollout + score), update, log, checkpoint when due."""
+        batch = self.collect()
+        if not batch.examples:  # dynamic sampling found no informative group: skip the update, not the step
+            self.step += 1
+            self.scheduler.step()
+            metrics = {"step": self.step, "skipped": 1.0, "sigma": batch.sigma}
+        else:
+            metrics = self.update(batch)
+        self.log_metrics(metrics)
+        if self.step % self.settings.train.save_every == 0 or self.step == self.settings.train.steps:
+            self.save_checkpoint()
+        return metrics
+
+    def train(self, max_steps: int | None = None) -> Path:
+        """Run until `train.steps` (or `max_steps` more steps); export and return the final adapter folder."""
+        total = self.settings.train.steps
+        stop = total if max_steps is None else min(total, self.step + max_steps)
+        log.info("training %s -> step %d of %d in %s", self.settings.model.path, stop, total, self.out)
+        while self.step < stop:
+            self.train_step()
+        adapter = self.export_adapter(self.out / "adapter")
+        self.write_plots()
+        return adapter
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        self.metrics_log.write(metrics)
+        self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+        if self.progress:
+            keys = ("reward_mean", "accuracy", "entropy", "clip_ratio/region", "response_length", "sigma",
+                    "rollout_tokens_per_s", "seconds_rollout", "seconds_update")
+            shown = " ".join(f"{k.split('/')[0]}={metrics[k]:.4g}" for k in keys if k in metrics)
+            log.info("step %d/%d %s", metrics["step"], self.settings.train.steps, shown)
+
+    def write_plots(self) -> list[Path]:
+        from qerl.plots import plot_training_curves
+
+        return plot_training_curves(self.metrics_log.read(), self.out)
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    def export_adapter(self, out_dir: str | Path) -> Path:
+        base = str(self.settings.quant.quantized_path or self.settings.model.path)
+        return lora.save_adapter(self.model, out_dir, base, self.lora_settings)
+
+    def latest_checkpoint(self) -> Path | None:
+        root = self.out / CHECKPOINTS
+        done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
+        return done[-1] if done else None
+
+    def save_checkpoint(self, keep: int = 2) -> Path:
+        """Adapter + optimizer + scheduler + RNG + data position, written to a temp dir and renamed (atomic)."""
+        root = self.out / CHECKPOINTS
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{self.step:06d}"
+        tmp = root / f".tmp-step-{self.step:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.export_adapter(tmp / "adapter")
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "settings": self.settings.to_dict(),
+        }
+        torch.save(state, tmp / STATE_FILE)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in sorted(p for p in root.glob("step-*") if p != final)[:-max(keep - 1, 0) or None]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s", final)
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        lora.load_adapter(self.model, path / "adapter")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        rng = state["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step = state["step"]
+        self.metrics_log.truncate_after(self.step)
+        log.info("resumed from %s (step %d)", path, self.step)

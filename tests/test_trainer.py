@@ -1,0 +1,175 @@
+"""The RL loop on a tiny model: it learns, it is deterministic, and a killed run resumes to the same adapter."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qerl.config import settings_from_dict
+from qerl.model import ModelConfig, Transformer
+from qerl.trainer import Trainer, lr_lambda
+
+CHARS = list("0123456789+-*= ?Wthaisx\\{}")
+
+
+def char_tokenizer():
+    """A character-level tokenizer with a chat template, so the loop runs end to end with no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<pad>", "<eos>", "<unk>"] + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}="
+    return fast
+
+
+def tiny_model(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    config = ModelConfig.from_hf({
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tokenizer), "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256, "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+    })
+    return Transformer.from_config(config, dtype=torch.float32)
+
+
+def ones_reward(completion: str, gold: str) -> float:
+    """A learnable toy reward: the share of '1' characters in the completion."""
+    return completion.count("1") / max(len(completion), 1)
+
+
+def tiny_settings(tmp_path, **sections):
+    raw = {
+        "quant": {"scheme": "nvfp4"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6, "temperature": 1.0},
+        "grpo": {"loss_type": "dapo", "micro_batch_size": 3},
+        "aqn": {"enabled": True, "sigma_start": 0.05, "sigma_end": 0.01, "num_stages": 3},
+        "optim": {"lr": 3e-2, "warmup_steps": 0, "schedule": "constant"},
+        "train": {"steps": 4, "save_every": 2, "seed": 7, "rewards": {"tests.test_trainer:ones_reward": 1.0}},
+        "data": {"name": "arithmetic", "n": 40, "digits": 1},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return settings_from_dict(raw)
+
+
+def make_trainer(settings, out, resume=False):
+    tok = char_tokenizer()
+    model = tiny_model(tok)
+    from qerl.quant.linear import quantize_model
+
+    quantize_model(model, settings.quant.scheme)
+    model.requires_grad_(False)
+    return Trainer(settings, out, resume=resume, model=model, tokenizer=tok, progress=False)
+
+
+def adapter_tensors(run_dir):
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    assert lr_lambda(0, 4, 100, "cosine", 0.1) == pytest.approx(0.25)
+    assert lr_lambda(3, 4, 100, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_lambda(4, 4, 100, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_lambda(52, 4, 100, "cosine", 0.1) == pytest.approx(0.55)
+    assert lr_lambda(100, 4, 100, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_lambda(50, 0, 100, "constant", 0.1) == 1.0
+
+
+def test_one_run_writes_metrics_checkpoints_adapter_and_plots(tmp_path):
+    trainer = make_trainer(tiny_settings(tmp_path), tmp_path / "run")
+    adapter = trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    required = {"reward_mean", "reward_std", "accuracy", "entropy", "kl", "clip_ratio/region", "response_length",
+                "truncation_rate", "sigma", "noise_seed", "rollout_tokens_per_s", "seconds_rollout",
+                "seconds_scoring", "seconds_update", "peak_memory_gb", "lr", "grad_norm"}
+    assert required <= set(lines[0])
+    # AQN: the first stage is noise-free, later stages are not
+    assert lines[0]["sigma"] == 0.0 and lines[-1]["sigma"] > 0
+    assert (adapter / "adapter_config.json").is_file()
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert ckpts == ["step-000002", "step-000004"]
+    assert (tmp_path / "run" / "reward_curve.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "params.yaml").is_file()
+
+
+def test_rollout_noise_is_removed_exactly_after_every_step(tmp_path):
+    trainer = make_trainer(tiny_settings(tmp_path, aqn={"sigma_start": 0.5, "sigma_end": 0.1}), tmp_path / "run")
+    trainer.step = 2  # a noisy stage
+    norms = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "norm" in n}
+    batch = trainer.rollout()
+    assert batch.sigma > 0
+    for name, p in trainer.model.named_parameters():
+        if name in norms:
+            assert torch.equal(p, norms[name]), name
+
+
+def test_same_seed_same_run(tmp_path):
+    a = make_trainer(tiny_settings(tmp_path), tmp_path / "a")
+    a.train()
+    b = make_trainer(tiny_settings(tmp_path), tmp_path / "b")
+    b.train()
+    ta, tb = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b")
+    assert ta.keys() == tb.keys()
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path):
+    settings = tiny_settings(tmp_path)
+    full = make_trainer(settings, tmp_path / "full")
+    full.train()
+
+    part = make_trainer(settings, tmp_path / "part")
+    part.train(max_steps=3)  # "killed" after step 3: the last checkpoint is step 2
+    (tmp_path / "part" / "adapter").rename(tmp_path / "part" / "adapter-stale")
+    # a kill mid-write leaves a temp folder behind, never a half checkpoint
+    half = tmp_path / "part" / "checkpoints" / ".tmp-step-000004-1"
+    half.mkdir()
+    (half / "trainer_state.pt").write_bytes(b"garbage")
+
+    resumed = make_trainer(settings, tmp_path / "part", resume=True)
+    assert resumed.step == 2
+    resumed.train()
+    ta, tb = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "part")
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_existing_run_without_resume_is_refused(tmp_path):
+    settings = tiny_settings(tmp_path, train={"steps": 2})
+    make_trainer(settings, tmp_path / "run").train()
+    with pytest.raises(FileExistsError, match="--resume"):
+        make_trainer(settings, tmp_path / "run")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_reward_rises_on_a_learnable_task(tmp_path, loss_type):
+    settings = tiny_settings(tmp_path, train={"steps": 14, "save_every": 100},
+                             rollout={"prompts_per_step": 4, "group_size": 8},
+                             grpo={"loss_type": loss_type, "micro_batch_size": 32},
+                             optim={"lr": 5e-2})
+    trainer = make_trainer(settings, tmp_path / "run")
+    trainer.train()
+    rewards = [json.loads(x)["reward_mean"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.1, rewards
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
+    settings = tiny_settings(tmp_path, grpo={"dynamic_sampling": True, "max_resample_rounds": 2},
+                             train={"steps": 1, "rewards": {"accuracy": 1.0}})
+    trainer = make_trainer(settings, tmp_path / "run")
+    batch = trainer.collect()
+    # a random tiny model never answers arithmetic: every group is all-zero, so nothing is kept after 3 rounds
+    assert batch.extra["dynamic_sampling/rounds"] == 3
+    assert len(batch.examples) == 0
+    metrics = trainer.train_step()
+    assert metrics.get("skipped") == 1.0
