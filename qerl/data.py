@@ -1,0 +1,356 @@
+"""Problems to train and evaluate on: generated arithmetic, GSM8K / MATH-500 loaders, prompts, a resumable sampler.
+
+Everything here is plain data (`Example`) so the RL loop, the evaluator and the pipeline shell share one format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from qerl.rewards import extract_answer
+
+__all__ = [
+    "Example",
+    "arithmetic_task",
+    "load_jsonl",
+    "load_dataset",
+    "SYSTEM_PROMPT",
+    "build_prompt",
+    "PromptSampler",
+]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem. `gold` is the bare final answer (e.g. "42", "\\frac{14}{3}"), `source` names its grader family."""
+
+    id: str
+    question: str
+    gold: str
+    source: str
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generated arithmetic
+# ---------------------------------------------------------------------------------------------------------------------
+
+ARITHMETIC_OPERATORS = "+-*"
+ARITHMETIC_KNOBS = ("digits", "operators", "steps")
+ARITHMETIC_TEST_FRACTION = 0.1
+# Small spaces are shuffled whole (cheap, and a split running out is found in O(space)); larger ones are drawn with a
+# seen-set, where collisions are rare and the default sizes never come near exhaustion.
+_ENUMERATE_LIMIT = 200_000
+
+
+def _split_of(digest: bytes) -> Literal["train", "test"]:
+    """Split by the question's hash alone: independent of seed and size, so train and test never share a question."""
+    bucket = int.from_bytes(digest[:8], "big") / 2**64
+    return "test" if bucket < ARITHMETIC_TEST_FRACTION else "train"
+
+
+def _render(operands: list[int], ops: list[str]) -> tuple[str, int]:
+    """Chain operations left to right, e.g. ((17 + 25) * 3) - 9 written as "(17 + 25) * 3 - 9"; returns (text, value).
+
+    Parentheses appear only where usual precedence would otherwise change the chained meaning (a sum or difference
+    followed by `*`), so the text evaluates to the value under ordinary rules.
+    """
+    text, value, last_op = str(operands[0]), operands[0], None
+    for op, operand in zip(ops, operands[1:]):
+        if op == "*" and last_op in ("+", "-"):
+            text = f"({text})"
+        text = f"{text} {op} {operand}"
+        value = value + operand if op == "+" else value - operand if op == "-" else value * operand
+        last_op = op
+    return text, value
+
+
+def _distinct_indices(space: int, rng: random.Random) -> Iterator[int]:
+    """All indices in [0, space) once each, in a seeded random order, produced lazily."""
+    if space <= _ENUMERATE_LIMIT:
+        order = list(range(space))
+        rng.shuffle(order)
+        yield from order
+        return
+    seen: set[int] = set()
+    while len(seen) < space:
+        index = rng.randrange(space)
+        if index not in seen:
+            seen.add(index)
+            yield index
+
+
+def arithmetic_task(
+    split: Literal["train", "test"],
+    n: int,
+    seed: int = 0,
+    digits: int = 2,
+    operators: str = "+-",
+    steps: int = 1,
+) -> list[Example]:
+    """Generate `n` distinct arithmetic questions like "What is (17 + 25) * 3 - 9?" with exact integer golds.
+
+    Difficulty knobs: `digits` per operand (exactly that many, 1-digit operands are 1..9), `operators` drawn from
+    "+-*", `steps` = operations chained. The default (2 digits, 1 step, + and -) is learnable by a 135M model within
+    minutes of CPU RL. Same arguments give the same list, and a smaller `n` gives a prefix of a larger one.
+    The train/test split is a hash of the question, so splits stay disjoint across seeds and sizes.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(digits, int) or digits < 1:
+        raise ValueError(f"digits must be an int >= 1, got {digits!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    bad = sorted(set(operators) - set(ARITHMETIC_OPERATORS))
+    if not operators or bad:
+        raise ValueError(f"operators must be a non-empty subset of {ARITHMETIC_OPERATORS!r}, got {operators!r}")
+    ops = [op for op in ARITHMETIC_OPERATORS if op in operators]  # canonical order: "-+" and "+-" give the same data
+
+    low = 10 ** (digits - 1) if digits > 1 else 1
+    num_values = 10**digits - low
+    space = num_values ** (steps + 1) * len(ops) ** steps
+    examples: list[Example] = []
+    for index in _distinct_indices(space, random.Random(seed)):
+        if len(examples) == n:
+            break
+        # Mixed-radix decode: distinct indices give distinct (operands, operators), hence distinct questions.
+        operands, chosen_ops = [], []
+        for _ in range(steps + 1):
+            index, value_index = divmod(index, num_values)
+            operands.append(low + value_index)
+        for _ in range(steps):
+            index, op_index = divmod(index, len(ops))
+            chosen_ops.append(ops[op_index])
+        expression, value = _render(operands, chosen_ops)
+        question = f"What is {expression}?"
+        digest = hashlib.sha256(question.encode()).digest()
+        if _split_of(digest) == split:
+            examples.append(Example(f"arithmetic-{digest.hex()[:12]}", question, str(value), "arithmetic"))
+    if len(examples) < n:
+        raise ValueError(
+            f"arithmetic {split} split has only {len(examples)} distinct questions with digits={digits}, "
+            f"operators={operators!r}, steps={steps}; asked for n={n} (raise digits or steps, or add operators)"
+        )
+    return examples
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GSM8K / MATH
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _field(row: dict[str, Any], name: str) -> str:
+    if name not in row:
+        raise ValueError(f"missing field {name!r}")
+    value = row[name]
+    if not isinstance(value, str):
+        raise ValueError(f"field {name!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"empty field {name!r}")
+    return value
+
+
+def _guess_kind(row: dict[str, Any]) -> Literal["gsm8k", "math"]:
+    if "problem" in row or "solution" in row:
+        return "math"
+    answer = row.get("answer")
+    if isinstance(answer, str) and "####" in answer:
+        return "gsm8k"
+    if isinstance(answer, str) and "\\boxed{" in answer:
+        return "math"
+    raise ValueError(
+        "cannot tell the layout from the fields (expected GSM8K 'question'/'answer' with '#### N', "
+        "or MATH 'question'/'answer' with \\boxed{} or 'problem'/'answer'); pass kind='gsm8k' or kind='math'"
+    )
+
+
+def _example_from_row(row: dict[str, Any], kind: Literal["gsm8k", "math"], example_id: str) -> Example:
+    """Parse one GSM8K or MATH row (local or hub layout); raises ValueError without location (the caller adds it)."""
+    if kind == "gsm8k":
+        question, answer = _field(row, "question"), _field(row, "answer")
+        if "####" not in answer:
+            raise ValueError("no gold answer: field 'answer' has no '#### <number>'")
+        gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    elif "problem" in row:  # MATH, hub layout: problem / solution / answer, the bare answer is given
+        question, gold = _field(row, "problem"), _field(row, "answer").strip()
+    else:  # MATH, local layout: answer is the worked solution
+        question, answer = _field(row, "question"), _field(row, "answer")
+        if "\\boxed{" not in answer and "The answer is:" not in answer:  # else extract_answer takes any last number
+            raise ValueError("no gold answer: field 'answer' has no \\boxed{...} or 'The answer is: ...'")
+        gold = (extract_answer(answer) or "").strip()  # the parser that reads the policy's answers: both agree
+    if not gold:
+        raise ValueError(f"no gold answer: the {'#### line' if kind == 'gsm8k' else 'boxed answer'} is missing or empty")
+    return Example(example_id, question.strip(), gold, kind)
+
+
+def load_jsonl(path: str | Path, kind: Literal["gsm8k", "math"] | None = None) -> list[Example]:
+    """Load GSM8K (`question`/`answer` ending `#### N`) or MATH (`question`/`answer` with \\boxed{}, or hub
+    `problem`/`solution`/`answer`) rows from a jsonl file. `kind` is guessed from the first row when None.
+
+    A malformed row raises ValueError naming the file and 1-based line, e.g. "test.jsonl:17: missing field 'answer'".
+    """
+    if kind not in (None, "gsm8k", "math"):
+        raise ValueError(f"kind must be 'gsm8k', 'math' or None, got {kind!r}")
+    path = Path(path)
+    examples: list[Example] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+                kind = kind or _guess_kind(row)  # decided by the first row, then enforced on all
+                examples.append(_example_from_row(row, kind, f"{path.parent.name}/{path.name}:{lineno}"))
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+_HUB_NAMES: dict[str, tuple[str, str | None, Literal["gsm8k", "math"]]] = {
+    "gsm8k": ("openai/gsm8k", "main", "gsm8k"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "math"),
+}
+
+
+def _load_hub(name: str, config: str | None, split: str, kind: Literal["gsm8k", "math"] | None) -> list[Example]:
+    try:
+        import datasets  # lazy: optional, and needs the network on first use
+    except ImportError as e:
+        raise ImportError(f"loading {name!r} from the hub needs `pip install datasets` (or pass a local jsonl)") from e
+    rows = datasets.load_dataset(name, config, split=split)
+    examples = []
+    for i, row in enumerate(rows):
+        try:
+            kind = kind or _guess_kind(row)
+            examples.append(_example_from_row(row, kind, f"{name}/{split}:{i}"))
+        except ValueError as e:
+            raise ValueError(f"{name} [{split}] row {i}: {e}") from None
+    return examples
+
+
+def load_dataset(
+    name: str,
+    split: str = "test",
+    n: int | None = None,
+    seed: int = 0,
+    path: str | Path | None = None,
+    **task_kwargs: Any,
+) -> list[Example]:
+    """Load problems by name: "arithmetic" (generated, n defaults to 1000), "gsm8k" / "math500" (from `path` when
+    given, else the hub), a path to a .jsonl file, or any hub dataset name.
+
+    `task_kwargs` are the `ARITHMETIC_KNOBS` of `arithmetic_task`; other datasets ignore them, so one config can
+    feed any dataset. With `n`, a seeded random subset of n examples is returned (in file order); n larger than the
+    set is an error.
+    """
+    unknown = sorted(set(task_kwargs) - set(ARITHMETIC_KNOBS))
+    if unknown:
+        raise TypeError(f"unexpected arguments {unknown}; load_dataset takes only the knobs {ARITHMETIC_KNOBS}")
+    if name == "arithmetic":
+        if path is not None:
+            raise ValueError("the arithmetic task is generated: path= does not apply")
+        return arithmetic_task(split, 1000 if n is None else n, seed=seed, **task_kwargs)  # type: ignore[arg-type]
+
+    if name in _HUB_NAMES:
+        hub_name, config, kind = _HUB_NAMES[name]
+        examples = load_jsonl(path, kind) if path is not None else _load_hub(hub_name, config, split, kind)
+    elif path is not None:
+        raise ValueError(f"path= is only for gsm8k and math500 (pass another file as the name), got name={name!r}")
+    elif name.endswith(".jsonl") or Path(name).is_file():
+        examples = load_jsonl(name)
+    else:
+        examples = _load_hub(name, None, split, None)
+
+    if n is None:
+        return examples
+    if not 0 <= n <= len(examples):
+        raise ValueError(f"n={n} but {name!r} has {len(examples)} examples")
+    keep = sorted(random.Random(seed).sample(range(len(examples)), n))
+    return [examples[i] for i in keep]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompts and sampling
+# ---------------------------------------------------------------------------------------------------------------------
+
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def build_prompt(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> str:
+    """The text the policy continues: the tokenizer's chat template with a generation prompt, or, for tokenizers
+    without one (base models), "Question: ...\\nAnswer:" preceded by the system prompt. `system_prompt=None` omits it.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": question})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = f"Question: {question}\nAnswer:"
+    return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+
+
+class PromptSampler:
+    """Endless batches of examples: each epoch is a fresh permutation seeded by (seed, epoch), and a batch that crosses
+    an epoch boundary is filled from the next one, so every batch is full. Resumable via state_dict/load_state_dict.
+    """
+
+    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0) -> None:
+        if not examples:
+            raise ValueError("PromptSampler needs at least one example")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.examples = list(examples)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # index into the current epoch's permutation
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)  # str seeds are hashed stably across processes
+        return order
+
+    def next_batch(self) -> list[Example]:
+        """The next `batch_size` examples."""
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = self._order[self.position : self.position + self.batch_size - len(batch)]
+            batch.extend(self.examples[i] for i in take)
+            self.position += len(take)
+        return batch
+
+    def __iter__(self) -> Iterator[list[Example]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """Position in the stream (JSON-serializable); the examples themselves are not saved."""
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "num_examples": len(self.examples)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue exactly where the saved sampler stopped (its seed wins); the example count must match."""
+        if state["num_examples"] != len(self.examples):
+            raise ValueError(
+                f"sampler state is for {state['num_examples']} examples, this sampler has {len(self.examples)}"
+            )
+        if not 0 <= state["position"] <= len(self.examples):
+            raise ValueError(f"sampler state position {state['position']} out of range")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self._order = self._permutation(self.epoch)
