@@ -92,7 +92,8 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
         self.scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
-        dtype = dtype or (base.weight.dtype if isinstance(base, nn.Linear) else torch.float32)
+        # Default: the base's compute dtype (QuantLinear.dtype is what it dequantizes to), e.g. bf16 as in QeRL.
+        dtype = dtype or (base.weight.dtype if isinstance(base, nn.Linear) else getattr(base, "dtype", torch.float32))
         device = _module_device(base)
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=device))
@@ -139,7 +140,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
     """Wrap every linear whose name ends with a target in a LoraLinear, freeze the rest; return trainable params.
 
     Matching is PEFT's (whole name or dotted suffix), so lm_head / embeddings are only adapted if named.
-    `dtype` of the adapters: default the base weight's dtype (nn.Linear) or fp32 (quantized base).
+    `dtype` of the adapters: default the base layer's dtype (a quantized base: the dtype it dequantizes to).
     With `settings.train_norms` every RMSNorm weight also trains (a frozen copy is kept for `adapters_disabled`).
     """
     if lora_layers(model):

@@ -264,3 +264,31 @@ def test_merged_bf16_export_loads_in_transformers_and_ours(base_dir, tmp_path, t
     scale = adapted.abs().max()
     assert (from_hf - adapted).abs().max() < 0.05 * scale  # bf16 weights
     assert (from_ours - from_hf).abs().max() < 1e-4
+
+
+def test_gradients_reach_only_lora_and_norms_on_quantized_base(base_dir):
+    from qerl.quant.linear import QuantLinear, quantize_model
+
+    model, _ = load_ours(base_dir)
+    quantize_model(model, "nvfp4")
+    params = apply_lora(model, LoraSettings(rank=4, train_norms=True), dtype=torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.q_proj.base, QuantLinear)
+    randomize_adapters(model)  # B != 0, else A gets no gradient
+    model(IDS).square().mean().backward()
+    with_grad = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
+    assert with_grad == {name for name, p in model.named_parameters() if any(p is q for q in params)}
+    assert all("lora_" in n or "norm" in n for n in with_grad) and len(with_grad) == len(params)
+
+
+def test_merged_export_of_quantized_base_matches_adapted_model(base_dir, tmp_path):
+    from qerl.quant.linear import quantize_model
+
+    model, tokenizer = load_ours(base_dir)
+    quantize_model(model, "nvfp4")
+    apply_lora(model, LoraSettings(rank=4), dtype=torch.float32)
+    randomize_adapters(model)
+    with torch.no_grad():
+        adapted = model(IDS)
+        merged = fresh_hf(merge_and_export(model, tokenizer, tmp_path / "merged"))(IDS).logits
+    # The export carries the dequantized NVFP4 weights, so only bf16 rounding separates the two.
+    assert (merged - adapted).abs().max() < 0.05 * adapted.abs().max()
