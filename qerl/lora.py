@@ -237,6 +237,7 @@ def _atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would make the result private to this user
     try:
         yield tmp
         if out_dir.exists():
