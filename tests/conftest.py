@@ -38,3 +38,32 @@ def smollm2_tokenizer(pytestconfig):
     tokenizer.save_pretrained(cached)
     return tokenizer
 
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once from the GGUF into the qerl cache,
+    ~30 s the first time, instant afterwards)."""
+    from qerl.loading import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama (2 layers, hidden 64, tied embeddings) saved by transformers with the real SmolLM2 tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=smollm2_tokenizer.bos_token_id,
+                         eos_token_id=smollm2_tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger than HF's init (std 0.02) so logits are peaked: no near-ties in greedy parity
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
