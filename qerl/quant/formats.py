@@ -1,0 +1,157 @@
+"""Weight formats behind one interface: ``get_codec(scheme)`` for "nvfp4", "mxfp4", "nf4", "bf16".
+
+A codec turns a dense [N, K] weight into named tensors (the names used in checkpoints and as
+QuantLinear buffers) and back. The byte layouts live in the per-format modules; this module only
+adapts them to a common protocol so the layer and the checkpoint writer never special-case a format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from qerl.quant import mxfp4, nf4, nvfp4
+
+__all__ = ["Codec", "TensorSpec", "get_codec", "SCHEMES"]
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """A weight storage format."""
+
+    scheme: str
+    block_size: int  # weights along K sharing one scale (1 = no blocks)
+    bits_per_weight: float  # nominal bits per weight: code + block scales (per-tensor scalars excluded)
+    compressed_tensors_format: str | None  # the compressed-tensors "format" this layout equals, if any
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Dense [N, K] weight -> named tensors (see tensor_shapes)."""
+        ...
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Named tensors -> dense [N, K] weight in dtype."""
+        ...
+
+    def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
+        """Name -> (shape, dtype) of every stored tensor of an [n, k] weight."""
+        ...
+
+    def check_shape(self, n: int, k: int, name: str = "weight") -> None:
+        """Raise ValueError naming `name` and its shape if [n, k] cannot use this format."""
+        ...
+
+
+class _Codec:
+    scheme = ""
+    block_size = 1
+    bits_per_weight = 16.0
+    compressed_tensors_format: str | None = None
+
+    def check_shape(self, n: int, k: int, name: str = "weight") -> None:
+        if k % self.block_size:
+            raise ValueError(
+                f"{name}: shape [{n}, {k}] cannot be {self.scheme}-quantized: in_features {k} is not a "
+                f"multiple of the block size {self.block_size}"
+            )
+
+    def _take(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The codec's tensors from a mapping, with a clear error for missing ones."""
+        missing = [name for name in self.tensor_shapes(1, self.block_size) if name not in tensors]
+        if missing:
+            raise KeyError(f"{self.scheme} weight needs tensor(s) {missing}, got {sorted(tensors)}")
+        return {name: tensors[name] for name in self.tensor_shapes(1, self.block_size)}
+
+    def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<codec {self.scheme}: {self.bits_per_weight:.3f} bits/weight, block {self.block_size}>"
+
+
+class NVFP4Codec(_Codec):
+    scheme = "nvfp4"
+    block_size = nvfp4.BLOCK
+    bits_per_weight = 4 + 8 / nvfp4.BLOCK
+    compressed_tensors_format = "nvfp4-pack-quantized"
+
+    def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
+        return {
+            "weight_packed": ((n, k // 2), torch.uint8),
+            "weight_scale": ((n, k // nvfp4.BLOCK), torch.float8_e4m3fn),
+            "weight_global_scale": ((1,), torch.float32),
+        }
+
+    def quantize(self, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return nvfp4.quantize(w, global_scale)
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        t = self._take(tensors)
+        return nvfp4.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype)
+
+
+class MXFP4Codec(_Codec):
+    scheme = "mxfp4"
+    block_size = mxfp4.BLOCK
+    bits_per_weight = 4 + 8 / mxfp4.BLOCK
+    compressed_tensors_format = "mxfp4-pack-quantized"
+
+    def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
+        return {
+            "weight_packed": ((n, k // 2), torch.uint8),
+            "weight_scale": ((n, k // mxfp4.BLOCK), torch.uint8),
+        }
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return mxfp4.quantize(w)
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        t = self._take(tensors)
+        return mxfp4.dequantize(t["weight_packed"], t["weight_scale"], dtype)
+
+
+class NF4Codec(_Codec):
+    scheme = "nf4"
+    block_size = nf4.BLOCK
+    bits_per_weight = 4 + 8 / nf4.BLOCK + 32 / (nf4.BLOCK * nf4.ABSMAX_GROUP)
+
+    def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
+        return nf4.tensor_shapes(n, k)
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return nf4.quantize(w)
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return nf4.dequantize(**self._take(tensors), dtype=dtype)
+
+
+class BF16Codec(_Codec):
+    """Identity: the weight stays a dense bf16 ``weight`` (the baseline every scheme is compared to)."""
+
+    scheme = "bf16"
+
+    def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
+        return {"weight": ((n, k), torch.bfloat16)}
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        if w.ndim != 2 or not w.is_floating_point():
+            raise ValueError(f"bf16 stores 2-D float weights, got {w.dtype} {tuple(w.shape)}")
+        return {"weight": w.detach().to(torch.bfloat16)}
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return self._take(tensors)["weight"].to(dtype)
+
+
+_CODECS: dict[str, Codec] = {c.scheme: c for c in (NVFP4Codec(), MXFP4Codec(), NF4Codec(), BF16Codec())}
+SCHEMES = tuple(_CODECS)
+
+
+def get_codec(scheme: str) -> Codec:
+    """The codec for a scheme name (case-insensitive): one of SCHEMES."""
+    codec = _CODECS.get(str(scheme).lower())
+    if codec is None:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    return codec

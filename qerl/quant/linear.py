@@ -1,0 +1,242 @@
+"""QuantLinear: a frozen linear layer stored in a quantized format, and model-wide replacement.
+
+The weight lives only as the codec's tensors (buffers named as in the checkpoint, so a quantized
+state dict loads with ``load_state_dict``). There is no full-precision copy anywhere: the forward
+dequantizes on the fly (or runs the fused NVFP4 Triton kernel on CUDA) and the backward dequantizes
+again instead of saving W, so activation memory holds only x, as for a frozen nn.Linear under LoRA.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl.quant import nvfp4
+from qerl.quant.formats import Codec, get_codec
+
+__all__ = ["QuantLinear", "quantize_model", "replace_with_empty_quant_linears", "DECODER_LINEAR_PATTERN",
+           "FUSED_GROUPS", "fused_group_key"]
+
+log = logging.getLogger(__name__)
+
+# Linear layers inside decoder blocks ("model.layers.3.mlp.up_proj"); never embeddings or lm_head.
+DECODER_LINEAR_PATTERN = r"(^|\.)layers\.\d+\."
+# Projections an inference engine fuses into one GEMM (vLLM: qkv_proj, gate_up_proj). Fused NVFP4
+# layers must share one global scale: vLLM keeps a single weight_global_scale for the fused layer.
+FUSED_GROUPS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
+
+
+def fused_group_key(name: str) -> str | None:
+    """'model.layers.0.self_attn.k_proj[.weight]' -> 'model.layers.0.self_attn.q_proj|k_proj|v_proj'."""
+    parts = name.removesuffix(".weight").rsplit(".", 1)
+    if len(parts) != 2:
+        return None
+    parent, leaf = parts
+    for group in FUSED_GROUPS:
+        if leaf in group:
+            return parent + "." + "|".join(sorted(group))
+    return None
+
+
+@functools.cache
+def _nvfp4_kernel() -> Callable | None:
+    """kernels.nvfp4_linear if it imports (optional: Triton, written separately), else None."""
+    try:
+        from kernels import nvfp4_linear
+    except ImportError:
+        return None
+    except Exception as e:  # a broken Triton install must not take the reference path down with it
+        log.warning("kernels.nvfp4_linear failed to import (%s); using the PyTorch reference path", e)
+        return None
+    return nvfp4_linear
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """y = x @ deq(W)^T, with grads to x only; backward re-dequantizes instead of saving W."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
+        ctx.layer = layer
+        ctx.input_dtype = x.dtype
+        return F.linear(x, layer.dequantized_weight(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        w = ctx.layer.dequantized_weight(grad_out.dtype)
+        return (grad_out @ w).to(ctx.input_dtype), None
+
+
+class QuantLinear(nn.Module):
+    """Frozen linear layer whose weight is stored by a codec ("nvfp4", "mxfp4", "nf4", "bf16").
+
+    Buffers: the codec's tensors (e.g. ``weight_packed``, ``weight_scale``, ``weight_global_scale``)
+    and ``bias`` if any. It has no parameters: gradients flow to the input only.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        name: str = "QuantLinear",
+    ) -> None:
+        """Empty layer (buffers uninitialized) ready for ``load_state_dict``; `dtype` is the bias dtype
+        and the default dequantization dtype. `name` only labels errors (e.g. a ragged in_features)."""
+        super().__init__()
+        codec = get_codec(scheme)
+        codec.check_shape(out_features, in_features, name)
+        self.in_features, self.out_features = in_features, out_features
+        self.codec: Codec = codec
+        self.dtype = dtype
+        self.use_kernel = True  # False forces the PyTorch reference path (parity tests, debugging)
+        for buffer_name, (shape, buffer_dtype) in codec.tensor_shapes(out_features, in_features).items():
+            self.register_buffer(buffer_name, torch.empty(shape, dtype=buffer_dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    @property
+    def scheme(self) -> str:
+        return self.codec.scheme
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, scheme: str, name: str = "QuantLinear", global_scale: torch.Tensor | None = None
+    ) -> "QuantLinear":
+        """Quantize an nn.Linear's weight (on its device). `global_scale`: NVFP4 only, a shared scale."""
+        out_features, in_features = linear.weight.shape
+        dtype = linear.weight.dtype if linear.weight.is_floating_point() else torch.bfloat16
+        layer = cls(in_features, out_features, linear.bias is not None, scheme, device="meta", dtype=dtype, name=name)
+        weight = linear.weight.detach()
+        if weight.is_meta:
+            raise ValueError(f"{name}: cannot quantize a weight on the meta device (load it first)")
+        if global_scale is not None:
+            if layer.scheme != "nvfp4":
+                raise ValueError(f"{name}: global_scale applies to nvfp4 only, not {layer.scheme}")
+            tensors = nvfp4.quantize(weight, global_scale)
+        else:
+            tensors = layer.codec.quantize(weight)
+        for buffer_name, tensor in tensors.items():
+            setattr(layer, buffer_name, tensor)
+        if linear.bias is not None:
+            layer.bias = linear.bias.detach().clone()
+        return layer
+
+    def quantized_tensors(self) -> dict[str, torch.Tensor]:
+        """The codec's tensors by checkpoint name (without bias)."""
+        return {name: getattr(self, name) for name in self.codec.tensor_shapes(1, self.codec.block_size)}
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense [out, in] weight this layer computes with, in `dtype` (default: the layer's)."""
+        return self.codec.dequantize(self.quantized_tensors(), dtype or self.dtype)
+
+    def weight_bits(self) -> int:
+        """Bits stored for the weight (all codec tensors; bias excluded)."""
+        return sum(t.numel() * t.element_size() * 8 for t in self.quantized_tensors().values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear expects input [..., {self.in_features}], got {tuple(x.shape)}")
+        if self.use_kernel and x.is_cuda and self.scheme == "nvfp4" and (kernel := _nvfp4_kernel()) is not None:
+            return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias=self.bias)
+        out = _DequantizedLinear.apply(x, self)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"scheme={self.scheme}"
+
+
+def _matching_linears(model: nn.Module, pattern: str, skip: Iterable[str]) -> list[tuple[str, nn.Linear]]:
+    regex, skip = re.compile(pattern), set(skip)
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and regex.search(name) and name not in skip]
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _fits(codec: Codec, name: str, linear: nn.Linear, strict: bool) -> bool:
+    """Whether the layer's shape fits the codec; a misfit is an error if strict, else a warning."""
+    out_features, in_features = linear.weight.shape
+    try:
+        codec.check_shape(out_features, in_features, name)
+    except ValueError as e:
+        if strict:
+            raise
+        log.warning("%s; keeping it unquantized", e)
+        return False
+    return True
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    scheme: str,
+    pattern: str = DECODER_LINEAR_PATTERN,
+    strict: bool = False,
+    skip: Iterable[str] = (),
+) -> list[str]:
+    """Replace every nn.Linear whose name matches `pattern` by a QuantLinear, in place.
+
+    Each full-precision weight is dropped as soon as its layer is quantized, so peak memory grows by
+    one layer. NVFP4 q/k/v and gate/up share one global scale (needed to fuse them at inference).
+    A layer whose in_features does not fit the block size stays nn.Linear with a warning, or raises
+    ValueError when `strict`. Returns the names of the replaced modules.
+    """
+    codec = get_codec(scheme)
+    targets = [(n, m) for n, m in _matching_linears(model, pattern, skip) if _fits(codec, n, m, strict)]
+    shared_scales: dict[str, torch.Tensor] = {}
+    if codec.scheme == "nvfp4":
+        group_amax: dict[str, torch.Tensor] = {}
+        for name, linear in targets:
+            if (key := fused_group_key(name)) is not None:
+                amax = linear.weight.detach().to(nvfp4._observer_dtype(linear.weight)).abs().amax()
+                group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
+        shared_scales = {key: nvfp4.global_scale_for(amax) for key, amax in group_amax.items()}
+    for name, linear in targets:
+        scale = shared_scales.get(fused_group_key(name) or "")
+        _set_submodule(model, name, QuantLinear.from_linear(linear, scheme, name=name, global_scale=scale))
+        linear.weight = None  # free it now even if the caller still references the old module
+    return [name for name, _ in targets]
+
+
+def replace_with_empty_quant_linears(
+    model: nn.Module,
+    scheme: str,
+    pattern: str = DECODER_LINEAR_PATTERN,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    skip: Iterable[str] = (),
+    strict: bool = False,
+) -> list[str]:
+    """Swap matching nn.Linears for empty QuantLinears, to load a pre-quantized checkpoint into.
+
+    Works on a model built on the meta device: buffers are created on `device` (default: where each
+    linear's weight is, e.g. meta, then ``load_state_dict(..., assign=True)``). `dtype` is the bias
+    dtype (default: the linear's). `skip` names modules the checkpoint kept dense (its ``ignore``);
+    layers whose shape does not fit the format stay dense too (as the checkpoint writer keeps them).
+    Returns the names of the replaced modules.
+    """
+    codec = get_codec(scheme)
+    replaced = []
+    for name, linear in _matching_linears(model, pattern, skip):
+        if not _fits(codec, name, linear, strict):
+            continue
+        layer = QuantLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme,
+                            device=device if device is not None else linear.weight.device,
+                            dtype=dtype or linear.weight.dtype, name=name)
+        _set_submodule(model, name, layer)
+        replaced.append(name)
+    return replaced
