@@ -142,10 +142,9 @@ def test_qkv_share_one_draw_and_gate_up_share_another():
     model = tiny_llama()
     layer = model.model.layers[0]
     seen = {}
-    for name in ("q_proj", "k_proj", "v_proj"):
-        getattr(layer.self_attn, name).register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, a[0]))
-    for name in ("gate_proj", "up_proj"):
-        getattr(layer.mlp, name).register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, a[0]))
+    for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+        for name in names:
+            getattr(parent, name).register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, a[0]))
     ids = torch.randint(0, 64, (2, 8))
 
     with torch.no_grad():
