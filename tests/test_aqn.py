@@ -142,7 +142,8 @@ def test_qkv_share_one_draw_and_gate_up_share_another():
     model = tiny_llama()
     layer = model.model.layers[0]
     seen = {}
-    for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+    readers = {layer.self_attn: ("q_proj", "k_proj", "v_proj"), layer.mlp: ("gate_proj", "up_proj")}
+    for parent, names in readers.items():
         for name in names:
             getattr(parent, name).register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, a[0]))
     ids = torch.randint(0, 64, (2, 8))
