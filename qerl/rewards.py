@@ -49,6 +49,7 @@ MAX_POINT_MAGNITUDE = 1e12  # at larger values a +1 difference drowns in the tol
 # 1. Extraction
 # --------------------------------------------------------------------------------------------------
 
+_SPACES_RE = re.compile(r" *")
 _PHRASE_RE = re.compile(r"\banswer\s*(?:(?P<neg>is\s+not\b|isn't)|is\b\s*:?|:|=)", re.IGNORECASE)
 # A number not glued to a preceding word/closing paren (so "x-3" / "2010-2015" give 3 / 2015, not -3).
 _NUMBER_RE = re.compile(r"(?<![\w)])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|\d+(?:\.\d+)?", re.ASCII)
@@ -83,8 +84,7 @@ def _last_boxed(text: str) -> tuple[bool, str | None]:
     if start < 0:
         return False, None
     i = start + (6 if text.startswith("\\boxed", start) else 5)
-    while i < len(text) and text[i] == " ":
-        i += 1
+    i = _SPACES_RE.match(text, i).end()
     if i < len(text) and text[i] == "{":
         end = _matching_brace(text, i)
         return True, None if end is None else text[i + 1 : end].strip()
@@ -178,6 +178,8 @@ _ASSIGN_RE = re.compile(r"^(?:[a-zA-Z](?:_\{?\w+\}?)?|\\[a-zA-Z]+)\s*(?:=|\\in(?
 _UNIT_TAIL_RE = re.compile(r"^(?P<head>.*?[\d})])\s+(?!(?:and|or)\b)[A-Za-z]{2,}[A-Za-z0-9\s'^./-]*$")
 _THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _WORDS_RE = re.compile(r"[A-Za-z][A-Za-z\s'.\-]*")
+_BARE_LETTER_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]")  # a letter that is not part of a \command
+_CHOICE_RE = re.compile(r"\(([a-zA-Z])\)|\(([A-E])\)[\d\\-].*")
 
 
 def normalize_answer(answer: str) -> str:
@@ -203,8 +205,8 @@ def normalize_answer(answer: str) -> str:
     s = re.sub(r"\\(?:geq|ge)(?![a-zA-Z])", r"\\ge ", s)
     s = s.strip().rstrip(".,;").strip()
     s = _ASSIGN_RE.sub("", s, count=1)
-    if "=" in s and not re.search(r"[a-zA-Z]", s):
-        s = s.rsplit("=", 1)[1]  # "3^3 = 27" -> 27: a numeric chain's final value
+    if "=" in s and not _BARE_LETTER_RE.search(s):
+        s = s.rsplit("=", 1)[1]  # "3^3 = 27", "\frac{1}{2} = 0.5": a chain without variables ends in its value
     unit = _UNIT_TAIL_RE.match(s)
     if unit:
         s = unit.group("head")
@@ -214,8 +216,8 @@ def normalize_answer(answer: str) -> str:
     s = re.sub(r"_\{(\w)\}", r"_\1", s)
     if _THOUSANDS_RE.match(s):
         s = s.replace(",", "")
-    choice = re.fullmatch(r"\(([A-Za-z])\)", s)  # multiple choice "(B)"
-    return choice.group(1).upper() if choice else s
+    choice = _CHOICE_RE.fullmatch(s)  # multiple choice "(B)", "\textbf{(C)}\ 12"
+    return (choice.group(1) or choice.group(2)).upper() if choice else s
 
 
 def _is_words(s: str) -> bool:
@@ -261,12 +263,6 @@ def _split_top(s: str, sep: str) -> list[str] | None:
     return parts
 
 
-def _encloses(s: str, open_len: int, close_len: int) -> bool:
-    """Whether the opening bracket of `s` closes exactly at its end (so "(1,2)" yes, "(1)(2)" no)."""
-    inner = _split_top(s[open_len:-close_len], "\0")
-    return inner is not None and len(s) >= open_len + close_len
-
-
 def _expand_pm(item: str) -> list[str]:
     if item.count("\\pm") + item.count("\\mp") == 1:
         sign = item.replace("\\mp", "\\pm")
@@ -289,12 +285,11 @@ def _structure(s: str) -> tuple[str, str, list[str]] | None:
     unions = _split_top(s, "\\cup")
     if unions and len(unions) > 1:
         return "union", "", unions
-    if s.startswith("\\{") and s.endswith("\\}") and _encloses(s, 2, 2):
-        items = _split_top(s[2:-2], ",") or []
+    # The inner text splitting cleanly means the outer brackets pair up: "(1)(2)" is no tuple.
+    if len(s) >= 4 and s.startswith("\\{") and s.endswith("\\}") and (items := _split_top(s[2:-2], ",")):
         return "set", "", [x for item in items for x in _expand_pm(item)]
-    if s[:1] in "([" and s[-1:] in ")]" and _encloses(s, 1, 1):
-        items = _split_top(s[1:-1], ",")
-        if items and len(items) > 1:
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and (items := _split_top(s[1:-1], ",")):
+        if len(items) > 1:
             return "seq", s[0] + s[-1], items
     items = _split_top(s, ",")
     if items and len(items) > 1:
@@ -634,13 +629,11 @@ def _agree_at(a: sympy.Expr, b: sympy.Expr, diff: sympy.Expr, point: dict) -> bo
     va, vb = _value(a, point), _value(b, point)
     if va is None or vb is None:
         return None
-    if va == vb:
-        return True  # also oo == oo
     if va.is_infinite or vb.is_infinite:
-        return False
+        return va == vb
     scale = max(abs(va), abs(vb), sympy.S.One)
     if point and scale > MAX_POINT_MAGNITUDE:
-        return None  # x^{1000} vs x^{1000}+1 look alike at x = 1.9; other points decide
+        return None  # x^{1000} vs x^{1000}+1 look alike at x = 1.9 (even to 30 digits); other points decide
     dv = _value(diff, point)
     return None if dv is None else bool(abs(dv) <= REL_TOL * scale)
 
@@ -790,6 +783,8 @@ def combined_reward(specs: dict[str, float]) -> RewardFn:
     if not specs:
         raise ValueError("combined_reward needs at least one reward spec")
     terms = [(get_reward_fn(name), float(weight)) for name, weight in specs.items()]
+    if not all(math.isfinite(weight) for _, weight in terms):
+        raise ValueError(f"reward weights must be finite numbers: {specs}")
 
     def reward(completion: str, gold: str) -> float:
         return sum(weight * fn(completion, gold) for fn, weight in terms)

@@ -50,6 +50,11 @@ CASES = [
     ("I computed 5, so the answer is 5. #### 6", "6", 1),
     ("no numbers here", "3", 0),
     ("\\boxed{}", "0", 0),
+    ("Final Answer: The final answer is $18$. I hope it is correct.", "18", 1),
+    ("**Answer:** 18", "18", 1),
+    ("The answer is:\n\n$$\\frac{3}{4}$$", "0.75", 1),
+    ("The answer is 5, since 2 + 3 = 5 and not 6", "5", 1),
+    ("It drops from 12 to x - 5", "5", 1),
     # --- numbers: commas, $, %, units, trailing zeros, fractions for decimals
     ("\\boxed{1,000}", "1000", 1),
     ("\\boxed{1{,}000}", "1000", 1),
@@ -88,6 +93,13 @@ CASES = [
     ("\\boxed{2^{10}}", "1024", 1),
     ("\\boxed{3^3=27}", "27", 1),
     ("\\boxed{\\pi}", "3.14159", 0),
+    ("\\boxed{2\\pi}", "6.283185307179586", 0),
+    ("\\boxed{\\sqrt{2}\\cdot 10^{30} + 1}", "\\sqrt{2}\\cdot 10^{30}", 0),
+    ("\\boxed{\\sin(\\pi/12)}", "\\frac{\\sqrt6-\\sqrt2}{4}", 1),
+    ("\\boxed{\\sqrt{2}+\\sqrt{3}}", "\\sqrt{5+2\\sqrt6}", 1),
+    ("\\boxed{x^{1000}}", "x^{1000}+1", 0),
+    ("\\boxed{\\frac{x^2-1}{x-1}}", "x+1", 1),
+    ("\\boxed{2x}", "2y", 0),
     ("\\boxed{6 - 5i}", "6-5i", 1),
     ("\\boxed{-5i + 6}", "6-5i", 1),
     ("\\boxed{5!}", "120", 1),
@@ -112,6 +124,8 @@ CASES = [
     ("The answer is (B).", "\\text{(B)}", 1),
     ("\\boxed{B}", "(B)", 1),
     ("\\boxed{\\text{(C)}}", "\\text{(B)}", 0),
+    ("\\boxed{\\textbf{(C)}\\ 12}", "\\text{(C)}", 1),
+    ("\\boxed{\\textbf{(C)}\\ 12}", "\\text{(B)}", 0),
     ("\\boxed{\\text{East}}", "\\text{east}", 1),
     ("\\boxed{east}", "\\text{ east }", 1),
     ("\\boxed{\\text{west}}", "\\text{east}", 0),
@@ -241,6 +255,12 @@ HOSTILE = [
     "\\boxed{\\\\\\\\}",
     "$$$$\\(\\)\\[\\]",
     "",
+    "\\boxed" + " " * 1_000_000 + "{7}",
+    "a \\boxed{" + "{}" * 500_000 + "}",
+    "\\boxed{" + ",".join(f"\\sin(x_{i % 8})+{i}" for i in range(40)) + "}",
+    "\\boxed{" + "\\frac" * 200 + "}",
+    "\\boxed{" + "-" * 300 + "1}",
+    "\\boxed{(x^{10000})^{10000}}",
 ]
 
 
@@ -253,6 +273,24 @@ def test_hostile_completions_score_zero_fast(completion: str) -> None:
     start = time.perf_counter()
     format_reward(completion)
     assert time.perf_counter() - start < 1.0
+
+
+def test_large_unordered_answers_stay_bounded() -> None:
+    """50-item answers that need symbolic matching cost a bounded number of comparisons."""
+    pred = "\\boxed{" + ",".join(f"x+{i}" for i in range(50)) + "}"
+    start = time.perf_counter()
+    assert score(pred, ",".join(f"x+{i}" for i in reversed(range(50)))) == 1.0
+    assert score(pred, ",".join(f"{i}+y" for i in range(50))) == 0.0
+    assert time.perf_counter() - start < 2.0
+
+
+def test_score_works_off_the_main_thread() -> None:
+    """Trainers grade in worker threads, where signal-based timeouts are unavailable."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [("\\boxed{\\sqrt{117}}", "3\\sqrt{13}"), ("\\boxed{9^9^9^9}", "72")] * 4
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda job: score(*job), jobs)) == [1.0, 0.0] * 4
 
 
 def test_score_never_raises_on_bad_types() -> None:
