@@ -158,7 +158,11 @@ CASES = [
     ("\\boxed{\\{-2, 1+\\sqrt5, 1-\\sqrt5\\}}", "\\{1\\pm\\sqrt{5},-2\\}", 1),
     ("\\boxed{\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}}", "\\begin{pmatrix} 0.2 \\\\ -3.6 \\end{pmatrix}", 1),
     ("\\boxed{\\begin{pmatrix} -18/5 \\\\ 1/5 \\end{pmatrix}}", "\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}", 0),
-    ("\\boxed{\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}}", "\\begin{pmatrix} 1 \\\\ 0 \\\\ 0 \\\\ 1 \\end{pmatrix}", 0),
+    (  # same entries, different shape
+        "\\boxed{\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}}",
+        "\\begin{pmatrix} 1 \\\\ 0 \\\\ 0 \\\\ 1 \\end{pmatrix}",
+        0,
+    ),
     # --- GSM8K and MATH gold solutions
     ("So he made a profit of $70,000.", "He makes 200,000-130,000=$<<200000-130000=70000>>70,000\n#### 70000", 1),
     ("The answer is 18", "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n#### 18", 1),
@@ -185,7 +189,8 @@ def test_extract_answer() -> None:
     assert extract_answer("\\boxed{\\{1,2\\}}") == "\\{1,2\\}"
     assert extract_answer("x \\boxed{3") is None  # unclosed final box: no answer, no fallback
     assert extract_answer("blah\n#### 1,234\n") == "1,234"
-    assert extract_answer("The answer is $\\left( 3, \\frac{\\pi}{2} \\right)$, as shown.") == "$\\left( 3, \\frac{\\pi}{2} \\right)$"
+    point = "$\\left( 3, \\frac{\\pi}{2} \\right)$"
+    assert extract_answer(f"The answer is {point}, as shown.") == point
     assert extract_answer("it costs 3 then 4.5 dollars") == "4.5"
     assert extract_answer("nothing") is None
 
