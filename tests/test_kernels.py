@@ -1,0 +1,362 @@
+"""NVFP4 Triton kernels: CPU (TRITON_INTERPRET=1, tiny fp16/fp32 shapes) and GPU (@pytest.mark.gpu) checks.
+
+Oracles: the project codec (qerl.quant.nvfp4) for quantization (bit-exact), and the exact fp64 weight the
+format encodes for the GEMMs (error within bf16/fp16 output rounding). Every kernel output is pre-filled
+with NaN so an unwritten tile fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qerl.quant import nvfp4 as codec
+
+CUDA = torch.cuda.is_available()
+# Without CUDA the kernels run in Triton's CPU interpreter, which is chosen when @triton.jit runs (triton's
+# own library included): possible in-process only if nothing imported triton yet, else in a subprocess.
+# (It must stay set: triton reads it again when it lazily imports parts of itself at launch.)
+if not CUDA and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+import kernels  # noqa: E402
+from kernels import nvfp4 as K  # noqa: E402
+from kernels.reference import quantize_ref, weight_fp64  # noqa: E402
+
+INTERP_ACTIVE = not CUDA and K.interpreting()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def make_weight(kind: str, n: int, k: int, dtype: torch.dtype, device="cpu", seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        w = torch.randn(n, k, generator=g) * 0.02
+    elif kind == "heavy":  # blocks across many binades, subnormal e4m3 scales
+        w = torch.distributions.StudentT(1.5).sample((n, k)) * 0.01
+    elif kind == "outliers":  # most block scales underflow -> the 0.125 floor; all-zero blocks
+        w = torch.randn(n, k, generator=g) * 1e-3
+        w[n // 3, k // 5] = 40.0
+        w[1:3] = 0.0
+    else:
+        raise AssertionError(kind)
+    return w.to(dtype).to(device)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), f"{out.isnan().sum().item()} NaN outputs (unwritten tiles?)"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def assert_same_quant(ours, ref) -> None:
+    for name, a, b in zip(("packed", "scale", "global_scale"), ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        a8, b8 = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        assert (a8 != b8).sum().item() == 0, f"{name}: {(a8 != b8).sum().item()} of {a8.numel()} bytes differ"
+
+
+# ----------------------------------------------------------------------------------------------- CPU
+
+@pytest.fixture
+def interp():
+    if CUDA:
+        pytest.skip("CUDA present: the GPU tests cover the kernels")
+    if not INTERP_ACTIVE:
+        pytest.skip("triton was imported without TRITON_INTERPRET: runs in test_interpreter_subprocess")
+
+
+def test_interpreter_subprocess():
+    """The interpreter tests, in a fresh process when this one imported triton for the GPU (full-suite runs)."""
+    if CUDA or INTERP_ACTIVE:
+        pytest.skip("interpreter tests run in-process (or the GPU tests cover the kernels)")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "interp"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1].replace("1 skipped", ""), r.stdout[-2000:]
+
+
+def test_import_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; import kernels, torch; assert not kernels.available(); "
+            "from qerl.quant import nvfp4; w = torch.randn(8, 32); q = kernels.nvfp4_quantize(w); "
+            "y = kernels.nvfp4_linear(torch.randn(2, 32), *q); assert y.shape == (2, 8)")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _run_ptx(asm: str, word: int, scale_bits: int, bf16: bool) -> list[int]:
+    """Interpret the dequant PTX (its few opcodes) for one 32-bit word; returns the 8 16-bit outputs."""
+    def to_f(h):  # 16-bit pattern -> python float
+        if bf16:
+            return struct.unpack("<f", struct.pack("<I", h << 16))[0]
+        return float(torch.tensor([h], dtype=torch.int32).to(torch.int16).view(torch.float16).item())
+
+    def from_f(v):
+        t = torch.tensor([v], dtype=torch.float64).to(torch.bfloat16 if bf16 else torch.float16)
+        return t.view(torch.int16).item() & 0xFFFF
+
+    regs, out = {"$8": word, "$9": scale_bits}, {}
+    val = lambda t: int(t, 16) if t.startswith("0x") else (int(t) if t.isdigit() else regs[t])  # noqa: E731
+    for stmt in asm.replace("\n", " ").split(";"):
+        stmt = stmt.strip().lstrip("{").strip()
+        if not stmt or stmt.startswith(".reg") or stmt == "}":
+            continue
+        op, rest = stmt.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):  # unpack into two 16-bit outputs
+            lo, hi = [t.strip() for t in rest[1:rest.index("}")].split(",")]
+            src = regs[rest.split(",")[-1].strip()]
+            out[lo], out[hi] = src & 0xFFFF, src >> 16
+            continue
+        dst, args = rest.split(",", 1)
+        dst = dst.strip()
+        if op == "mov.b32" and "{" in args:  # pack a 16-bit operand twice
+            s = regs[args.strip()[1:-1].split(",")[0].strip()]
+            regs[dst] = s | (s << 16)
+            continue
+        a = [val(t.strip()) for t in args.split(",")]
+        if op == "mov.b32":
+            regs[dst] = a[0]
+        elif op == "shl.b32":
+            regs[dst] = (a[0] << a[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[dst] = a[0] >> a[1]
+        elif op == "and.b32":
+            regs[dst] = a[0] & a[1]
+        elif op == "or.b32":
+            regs[dst] = a[0] | a[1]
+        elif op.startswith("fma.rn."):
+            halves = [from_f(to_f((a[0] >> sh) & 0xFFFF) * to_f((a[1] >> sh) & 0xFFFF)
+                             + to_f((a[2] >> sh) & 0xFFFF)) for sh in (0, 16)]
+            regs[dst] = halves[0] | (halves[1] << 16)
+        else:
+            raise AssertionError(f"unknown PTX op {op}")
+    return [out[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_dequant_ptx_bit_trick(bf16):
+    """The inline-PTX decode (run only on GPUs) gives e2m1 * s * 2^-7 exactly, for every code and slot."""
+    from kernels import _triton_nvfp4 as tk
+
+    asm = tk.ASM_BF16 if bf16 else tk.ASM_FP16
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (200,), generator=g, dtype=torch.int64).tolist()
+    words += [sum(c << (4 * j) for j in range(8)) for c in range(16)]  # every code in every slot
+    for i, word in enumerate(words):
+        s = [0.125, 448.0, 2.0**-9, 0.3125, 6.0][i % 5]  # e4m3 values incl. subnormal and max
+        factor = 2.0**119 if bf16 else 2.0**7
+        sbits = torch.tensor([s * factor]).to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).item() & 0xFFFF
+        outs = _run_ptx(asm, word, sbits, bf16)
+        for j, o in enumerate(outs):
+            code = (word >> (4 * j)) & 15
+            want = codec.e2m1_decode(torch.tensor([code])).item() * s * 2.0**-7
+            got = (struct.unpack("<f", struct.pack("<I", o << 16))[0] if bf16
+                   else torch.tensor([o], dtype=torch.int32).to(torch.int16).view(torch.float16).item())
+            assert got == want, (hex(word), j, code, s, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "outliers"])
+def test_quantize_bit_exact_interp(interp, kind, dtype):
+    w = make_weight(kind, 19, 144, dtype)  # ragged rows and columns vs the 16x128 tile
+    assert_same_quant(K.quantize(w), quantize_ref(w))
+
+
+def test_quantize_ties_and_signs_interp(interp):
+    """Exact E2M1 ties (scale 1): nearest-even per compressed-tensors, -0 keeps its sign bit, saturation."""
+    vals = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -5.0, -0.0, 0.1, -0.1, 5.5, -6.0]
+    w = torch.tensor([vals, [v / 2 for v in vals]], dtype=torch.float32)
+    gs = torch.tensor([1.0])
+    assert_same_quant(K.quantize(w, gs), quantize_ref(w, gs))
+
+
+LINEAR_CASES = [  # (M, config): swap / plain, split-K, ragged N=72 and K=112 (not multiples of the tiles)
+    (1, K.Config(16, 32, 32, 4, 1, swap_ab=True, split_k=1)),
+    (7, K.Config(16, 32, 32, 4, 1, swap_ab=True, split_k=3)),
+    (33, K.Config(16, 32, 64, 4, 1, split_k=1)),
+    (20, K.Config(32, 16, 64, 4, 1, split_k=2)),
+]
+
+
+@pytest.mark.parametrize("M,cfg", LINEAR_CASES, ids=[c.short() for _, c in LINEAR_CASES])
+def test_linear_interp(interp, M, cfg):
+    g = torch.Generator().manual_seed(M)
+    p, s, gs = quantize_ref(make_weight("normal", 72, 112, torch.float32, seed=M))
+    x = torch.randn(M, 112, generator=g).half()
+    b = torch.randn(72, generator=g).half()
+    y = torch.full((M, 72), float("nan"), dtype=torch.float16)
+    K.linear_forward(x, p, s, gs, b, out=y, config=cfg)
+    ref = x.double() @ weight_fp64(p, s, gs).T + b.double()
+    assert rel_err(y, ref) < 1e-3
+
+
+@pytest.mark.parametrize("M,cfg", [(5, K.Config(16, 32, 32, 4, 1)), (40, K.Config(32, 16, 64, 4, 1))])
+def test_grad_input_interp(interp, M, cfg):
+    g = torch.Generator().manual_seed(M)
+    p, s, gs = quantize_ref(make_weight("heavy", 72, 112, torch.float32))
+    dy = torch.randn(M, 72, generator=g).half()
+    dx = torch.full((M, 112), float("nan"), dtype=torch.float16)
+    K.grad_input(dy, p, s, gs, out=dx, config=cfg)
+    assert rel_err(dx, dy.double() @ weight_fp64(p, s, gs)) < 1e-3
+
+
+def test_autograd_interp(interp):
+    p, s, gs = quantize_ref(make_weight("normal", 40, 64, torch.float32))
+    x = torch.randn(2, 3, 64).half().requires_grad_()
+    b = torch.randn(40).half().requires_grad_()
+    y = kernels.nvfp4_linear(x, p, s, gs, bias=b)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    w64 = weight_fp64(p, s, gs)
+    assert rel_err(y, x.detach().double() @ w64.T + b.detach().double()) < 1e-3
+    assert rel_err(x.grad, dy.double() @ w64) < 1e-3
+    assert rel_err(b.grad, dy.double().sum((0, 1))) < 1e-3
+
+
+def test_reference_fallback_fp32():
+    """fp32 activations (and CPU without the interpreter) take the PyTorch reference path."""
+    p, s, gs = quantize_ref(make_weight("normal", 24, 32, torch.float32))
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(kernels.nvfp4_linear(x, p, s, gs), x @ codec.dequantize(p, s, gs, torch.float32).T)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+REAL = [(4608, 3584), (3584, 18944), (37888, 3584)]  # 7B qkv, down, gate_up
+RAGGED = [(1000, 272), (72, 112)]
+TOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}  # output rounding of the dtype, with margin
+
+
+def _gpu_weight(n, k, kind="normal", seed=0):
+    w = make_weight(kind, n, k, torch.bfloat16, seed=seed).cuda() if n * k < 2**20 else (
+        torch.randn(n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)) * 0.02).bfloat16()
+    p, s, gs = quantize_ref(w)
+    return p, s, gs, weight_fp64(p, s, gs)
+
+
+@pytest.fixture(scope="module")
+def gpu_weights():
+    return {nk: _gpu_weight(*nk) for nk in REAL + RAGGED}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "outliers"])
+def test_quantize_bit_exact_gpu(kind, dtype):
+    for n, k in [(1000, 272), (4608, 3584)] if kind == "normal" else [(1000, 272)]:
+        w = make_weight(kind, n, k, dtype, device="cuda")
+        assert_same_quant(kernels.nvfp4_quantize(w), quantize_ref(w))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 7, 64, 300, 2048])
+@pytest.mark.parametrize("nk", REAL + RAGGED[:1], ids=lambda nk: f"{nk[0]}x{nk[1]}")
+def test_linear_gpu(gpu_weights, M, nk):
+    p, s, gs, w64 = gpu_weights[nk]
+    if nk == (37888, 3584) and M in (7, 300):
+        pytest.skip("covered by the other M")
+    g = torch.Generator("cuda").manual_seed(M)
+    x = torch.randn(M, nk[1], device="cuda", generator=g).bfloat16()
+    b = torch.randn(nk[0], device="cuda", generator=g).bfloat16() if M % 2 else None
+    y = torch.full((M, nk[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    K.linear_forward(x, p, s, gs, b, out=y)
+    ref = x.double() @ w64.T + (b.double() if b is not None else 0)
+    assert rel_err(y, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 7, 64, 300, 2048])
+@pytest.mark.parametrize("nk", REAL[:2] + RAGGED[:1], ids=lambda nk: f"{nk[0]}x{nk[1]}")
+def test_grad_input_gpu(gpu_weights, M, nk):
+    p, s, gs, w64 = gpu_weights[nk]
+    dy = torch.randn(M, nk[0], device="cuda", generator=torch.Generator("cuda").manual_seed(M)).bfloat16()
+    dx = torch.full((M, nk[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    K.grad_input(dy, p, s, gs, out=dx)
+    assert rel_err(dx, dy.double() @ w64) < TOL[torch.bfloat16]
+
+
+ALL_FWD = K.DECODE_CONFIGS + K.PREFILL_CONFIGS
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cfg", ALL_FWD, ids=[c.short() for c in ALL_FWD])
+@pytest.mark.parametrize("nk", [(1000, 272), (4608, 3584)], ids=lambda nk: f"{nk[0]}x{nk[1]}")
+def test_every_fwd_config_gpu(gpu_weights, cfg, nk):
+    """Whatever the autotuner picks is right: each candidate on ragged and real shapes, split-K included."""
+    p, s, gs, w64 = gpu_weights[nk]
+    for M in ([1, 37] if cfg in K.DECODE_CONFIGS else [300]):
+        x = torch.randn(M, nk[1], device="cuda").bfloat16()
+        y = torch.full((M, nk[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        K.linear_forward(x, p, s, gs, out=y, config=cfg)
+        assert rel_err(y, x.double() @ w64.T) < TOL[torch.bfloat16], M
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cfg", K.BWD_CONFIGS, ids=[c.short() for c in K.BWD_CONFIGS])
+def test_every_bwd_config_gpu(gpu_weights, cfg):
+    for nk in [(1000, 272), (4608, 3584)]:
+        p, s, gs, w64 = gpu_weights[nk]
+        dy = torch.randn(300, nk[0], device="cuda").bfloat16()
+        dx = torch.full((300, nk[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        K.grad_input(dy, p, s, gs, out=dx, config=cfg)
+        assert rel_err(dx, dy.double() @ w64) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("use_asm", [True, False])
+@pytest.mark.parametrize("M", [5, 300])
+def test_fp16_and_pure_triton_path_gpu(gpu_weights, use_asm, M):
+    p, s, gs, w64 = gpu_weights[(1000, 272)]
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(M, 272, device="cuda").to(dtype)
+        y = torch.full((M, 1000), float("nan"), device="cuda", dtype=dtype)
+        K.linear_forward(x, p, s, gs, out=y, use_asm=use_asm)
+        assert rel_err(y, x.double() @ w64.T) < TOL[dtype]
+        dy = torch.randn(M, 1000, device="cuda").to(dtype)
+        dx = torch.full((M, 272), float("nan"), device="cuda", dtype=dtype)
+        K.grad_input(dy, p, s, gs, out=dx, use_asm=use_asm)
+        assert rel_err(dx, dy.double() @ w64) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@gpu
+def test_autograd_gpu(gpu_weights):
+    p, s, gs, w64 = gpu_weights[(4608, 3584)]
+    x = torch.randn(2, 150, 3584, device="cuda").bfloat16().requires_grad_()
+    b = torch.randn(4608, device="cuda").bfloat16().requires_grad_()
+    y = kernels.nvfp4_linear(x, p, s, gs, bias=b)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert rel_err(y, x.detach().double() @ w64.T + b.detach().double()) < TOL[torch.bfloat16]
+    assert rel_err(x.grad, dy.double() @ w64) < TOL[torch.bfloat16]
+    assert rel_err(b.grad, dy.double().sum((0, 1))) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu
+def test_split_k_in_cuda_graph(gpu_weights):
+    """Split-K counters reset themselves: graph replays with new inputs stay right (and deterministic)."""
+    p, s, gs, w64 = gpu_weights[(3584, 18944)]
+    x = torch.randn(4, 18944, device="cuda").bfloat16()
+    kernels.nvfp4_linear(x, p, s, gs)  # warm-up: compile, counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernels.nvfp4_linear(x, p, s, gs)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        first = y.clone()
+        graph.replay()
+        assert torch.equal(first, y)
+        assert rel_err(y, x.double() @ w64.T) < TOL[torch.bfloat16]
