@@ -137,7 +137,8 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[
             row, col = (~torch.isfinite(w)).nonzero()[0].tolist()
             raise ValueError(f"weight of shape [{n}, {k}] has a NaN/Inf at [{row}, {col}]")
         global_scale = global_scale_for(amax)
-    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
+    # a private copy: layers sharing a scale must not share storage (safetensors refuses aliases)
+    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()
     if not torch.isfinite(global_scale).all() or global_scale.item() <= 0:
         raise ValueError(f"NVFP4 global scale must be finite and > 0, got {global_scale.item()}")
 
