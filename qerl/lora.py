@@ -13,13 +13,16 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from qerl.quant.checkpoint import quantize_checkpoint
+from qerl.quant.formats import get_codec
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -148,7 +151,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
     targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, settings.target_modules)]
     wrong = [f"{name} ({type(m).__name__})" for name, m in targets if not _is_linear(m)]
     if wrong:
-        raise ValueError(f"LoRA target_modules {settings.target_modules} match non-linear modules: {', '.join(wrong[:5])}")
+        raise ValueError(f"LoRA target_modules {settings.target_modules} match non-linear modules: "
+                         f"{', '.join(wrong[:5])}")
     if not targets:
         leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
         raise ValueError(f"LoRA target_modules {settings.target_modules} match no module; linear layers are named "
@@ -440,11 +444,7 @@ def merge_and_export(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLik
     defaults to `model.config`. `tokenizer` may be None (no tokenizer files). Atomic: `out_dir` is replaced only
     when complete.
     """
-    if scheme != "bf16":
-        try:
-            from qerl.quant.checkpoint import quantize_checkpoint
-        except ImportError as e:
-            raise ValueError(f"merge_and_export scheme {scheme!r} needs qerl.quant.checkpoint ({e})") from e
+    scheme = get_codec(scheme).scheme  # unknown scheme: a clear error before any work
     config = _hf_config(model, base_config)
     with _atomic_dir(out_dir) as tmp:
         bf16_dir = tmp if scheme == "bf16" else Path(tempfile.mkdtemp(prefix=".bf16-", dir=tmp.parent))

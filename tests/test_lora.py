@@ -292,3 +292,30 @@ def test_merged_export_of_quantized_base_matches_adapted_model(base_dir, tmp_pat
         merged = fresh_hf(merge_and_export(model, tokenizer, tmp_path / "merged"))(IDS).logits
     # The export carries the dequantized NVFP4 weights, so only bf16 rounding separates the two.
     assert (merged - adapted).abs().max() < 0.05 * adapted.abs().max()
+
+
+def test_nvfp4_export_loads_as_quantized_model(base_dir, tmp_path):
+    from qerl.loading import load_model
+    from qerl.quant.linear import QuantLinear, quantize_model
+
+    model, tokenizer = load_ours(base_dir)
+    apply_lora(model, LoraSettings(rank=4))
+    randomize_adapters(model)
+    merge_and_export(model, tokenizer, tmp_path / "bf16")
+    out = merge_and_export(model, tokenizer, tmp_path / "nvfp4", scheme="nvfp4")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]
+    exported, _ = load_model(out)  # bf16, as saved: both sides quantize the same bf16 weights
+    assert isinstance(exported.model.layers[0].mlp.down_proj, QuantLinear)
+    assert exported.model.layers[0].mlp.down_proj.scheme == "nvfp4"
+    reference, _ = load_model(tmp_path / "bf16")  # the merged weights, quantized in memory
+    quantize_model(reference, "nvfp4")
+    with torch.no_grad():
+        assert torch.equal(exported(IDS), reference(IDS))
+
+
+def test_export_rejects_unknown_scheme(base_dir, tmp_path):
+    model, tokenizer = load_ours(base_dir)
+    apply_lora(model, LoraSettings(rank=4))
+    with pytest.raises(ValueError, match="unknown quantization scheme 'fp3'"):
+        merge_and_export(model, tokenizer, tmp_path / "out", scheme="fp3")
+    assert not any(tmp_path.iterdir())
