@@ -319,3 +319,17 @@ def test_export_rejects_unknown_scheme(base_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown quantization scheme 'fp3'"):
         merge_and_export(model, tokenizer, tmp_path / "out", scheme="fp3")
     assert not any(tmp_path.iterdir())
+
+
+def test_sharded_export_loads_like_single_file(base_dir, tmp_path):
+    model, tokenizer = load_ours(base_dir)
+    apply_lora(model, LoraSettings(rank=4))
+    randomize_adapters(model)
+    single = merge_and_export(model, tokenizer, tmp_path / "single")
+    sharded = merge_and_export(model, tokenizer, tmp_path / "sharded", max_shard_bytes=40_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == shards
+    with torch.no_grad():
+        assert torch.equal(fresh_hf(sharded)(IDS).logits, fresh_hf(single)(IDS).logits)
