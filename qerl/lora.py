@@ -305,7 +305,8 @@ def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:
 def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> LoraSettings:
     """Load a PEFT LoRA adapter into `model` (applying LoRA from its adapter_config.json if not yet applied).
 
-    Raises ValueError naming missing or unexpected tensors and shape mismatches. Returns the adapter's settings.
+    Raises ValueError naming missing or unexpected tensors and shape mismatches (LoRA applied by this call then
+    stays applied, with fresh adapters). Returns the adapter's settings.
     """
     adapter_dir = Path(adapter_dir)
     for fname in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
@@ -313,15 +314,12 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
             raise FileNotFoundError(f"{adapter_dir} has no {fname}")
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     settings = _settings_from_peft(config, adapter_dir / ADAPTER_CONFIG)
-    if settings.train_norms:
-        norm_names = [n for n, m in model.named_modules() if _is_rmsnorm(m)]
+    if settings.train_norms:  # PEFT matches modules_to_save as plain name suffixes
         other = [n for n, m in model.named_modules()
                  if n and not _is_rmsnorm(m) and any(n.endswith(t) for t in config["modules_to_save"])]
         if other:
             raise ValueError(f"{adapter_dir}: modules_to_save {config['modules_to_save']} names non-RMSNorm modules "
                              f"({', '.join(other[:5])}); only RMSNorm weights are supported")
-        if not norm_names:
-            raise ValueError(f"{adapter_dir}: modules_to_save {config['modules_to_save']} but the model has no RMSNorm")
     if not lora_layers(model):
         apply_lora(model, settings, dtype)
     else:

@@ -333,3 +333,17 @@ def test_sharded_export_loads_like_single_file(base_dir, tmp_path):
     assert sorted(p.name for p in sharded.glob("*.safetensors")) == shards
     with torch.no_grad():
         assert torch.equal(fresh_hf(sharded)(IDS).logits, fresh_hf(single)(IDS).logits)
+
+
+def test_peft_adapter_training_other_modules_is_rejected(base_dir, tmp_path):
+    model, _ = load_ours(base_dir)
+    settings = LoraSettings(rank=4)
+    apply_lora(model, settings)
+    save_adapter(model, tmp_path / "a", "base", settings)
+    config = json.loads((tmp_path / "a/adapter_config.json").read_text())
+    (tmp_path / "a/adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ValueError, match=r"non-RMSNorm modules \(lm_head\)"):
+        load_adapter(load_ours(base_dir)[0], tmp_path / "a")
+    (tmp_path / "a/adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora=True"):
+        load_adapter(load_ours(base_dir)[0], tmp_path / "a")
