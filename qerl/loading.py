@@ -150,13 +150,12 @@ def quant_scheme(hf_config: dict[str, Any], folder: Path | str = "") -> str | No
     q = hf_config.get("quantization_config")
     if not q:
         return None
-    if q.get("quant_method") == "qerl" and q.get("scheme"):
-        return q["scheme"]
-    if q.get("quant_method") == "compressed-tensors" and q.get("format") == "nvfp4-pack-quantized":
-        return "nvfp4"
-    raise CheckpointError(f"{folder}/config.json: unsupported quantization_config (quant_method="
-                          f"{q.get('quant_method')!r}, format={q.get('format')!r}); supported: compressed-tensors "
-                          f"'nvfp4-pack-quantized' or quant_method 'qerl' with a scheme")
+    from qerl.quant.checkpoint import scheme_from_config  # the quant package owns the config formats
+
+    try:
+        return scheme_from_config(q)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{folder}/config.json: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- assembly
