@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-EMBEDDED_ALIASES = ("embedded", "smollm2", EMBEDDED_NAME)
+EMBEDDED_ALIASES = ("embedded", "smollm2")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Tensors we never use: RoPE frequencies some old checkpoints carry (recomputed), and compressed-tensors' W4A4
 # activation scales (we compute with bf16 activations).
@@ -190,7 +190,9 @@ def _assemble(config: ModelConfig, tensors: dict[str, Tensor], scheme: str | Non
 
         replace_with_empty_quant_linears(model, scheme, device="meta", skip=_dense_modules(model, quant_config))
     expected = model.state_dict()
-    tensors = {k: v for k, v in tensors.items() if k in expected or not k.endswith(_IGNORED_SUFFIXES)}
+    # `tensors` is edited in place: the caller's dict must not keep references alive while we cast (peak memory).
+    for k in [k for k in tensors if k not in expected and k.endswith(_IGNORED_SUFFIXES)]:
+        del tensors[k]
     if config.tie_word_embeddings:  # tied checkpoints usually omit lm_head; the embedding is the truth
         tensors.pop("lm_head.weight", None)
         if "model.embed_tokens.weight" in tensors:
@@ -204,12 +206,14 @@ def _assemble(config: ModelConfig, tensors: dict[str, Tensor], scheme: str | Non
         raise CheckpointError(f"{source}: {'; '.join(p for p in parts if p)}{hint}")
     state = {}
     for name, ref in expected.items():
-        t = tensors[name]
+        t = tensors.pop(name)  # dropping our reference lets a dtype cast free the original: peak ~ weights once
+        if name == "lm_head.weight" and config.tie_word_embeddings and "model.embed_tokens.weight" in state:
+            state[name] = state["model.embed_tokens.weight"]  # no second cast copy of a tied embedding
+            continue
         if tuple(t.shape) != tuple(ref.shape):
             raise CheckpointError(f"{source}: tensor {name} has shape {tuple(t.shape)}, the config "
                                   f"({config.model_type}) expects {tuple(ref.shape)}")
         state[name] = t.to(device=device, dtype=ref.dtype)
-    del tensors
     model.load_state_dict(state, assign=True, strict=True)
     model.tie_weights()
     model.model.rotary_emb.to_empty(device=device)  # recomputes the RoPE frequencies (not in checkpoints)

@@ -280,7 +280,7 @@ class Attention(nn.Module):
             # Fold each kv head's query group into the query axis instead of copying the cache `groups` times.
             q = q.reshape(batch, self.num_kv_heads, groups * seq, self.head_dim)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, groups, 1))
-            out = out.view(batch, self.num_heads, seq, self.head_dim)
+            out = out.reshape(batch, self.num_heads, seq, self.head_dim)  # GPU kernels return strided layouts
         else:
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
