@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl.quant import mxfp4, nf4
+from qerl.quant import mxfp4, nf4, nvfp4
 from qerl.quant.formats import SCHEMES, Codec, get_codec
 
 
@@ -110,3 +110,28 @@ def test_nf4_dequantize_validates_tensors() -> None:
     q["weight_absmax_q"] = q["weight_absmax_q"].float()
     with pytest.raises(ValueError, match=r"weight_absmax_q: got torch.float32 \(8, 2\), expected torch.int8"):
         nf4.dequantize(**q)
+
+
+# ----------------------------------------------------------------------------------------- all formats
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
+def test_dequantize_in_row_chunks_is_exact(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = get_codec(scheme)
+    tensors = codec.quantize(torch.randn(50, 256))
+    whole = codec.dequantize(tensors, torch.float32)
+    monkeypatch.setattr(nvfp4, "_ROWS_PER_CHUNK_ELEMS", 7 * 256)  # 7-row chunks, ragged last one
+    assert torch.equal(codec.dequantize(tensors, torch.float32), whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_quantization_is_bit_identical_to_cpu(scheme: str, dtype: torch.dtype) -> None:
+    codec = get_codec(scheme)
+    w = (torch.distributions.StudentT(2.0).sample((512, 1024)) * 0.02).to(dtype)
+    on_cpu, on_gpu = codec.quantize(w), codec.quantize(w.cuda())
+    for name in on_cpu:
+        assert torch.equal(on_cpu[name].view(torch.uint8), on_gpu[name].cpu().view(torch.uint8)), name
+    assert torch.equal(codec.dequantize(on_cpu).view(torch.int16), codec.dequantize(on_gpu).cpu().view(torch.int16))

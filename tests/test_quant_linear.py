@@ -86,6 +86,19 @@ def test_state_dict_round_trip_into_empty_layers() -> None:
         assert torch.equal(empty(x), layer(x))
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4", "nf4"])
+def test_model_to_dtype_keeps_the_stored_format(scheme: str) -> None:
+    dense, layer = make_layer(scheme)
+    before = {k: v.clone() for k, v in layer.quantized_tensors().items()}
+    model = nn.Sequential(layer).to(torch.bfloat16)
+    for name, t in layer.quantized_tensors().items():
+        assert t.dtype == before[name].dtype and torch.equal(t.view(torch.uint8), before[name].view(torch.uint8))
+    assert layer.bias.dtype == torch.bfloat16 and layer.dtype == torch.bfloat16
+    assert layer.dequantized_weight().dtype == torch.bfloat16
+    model.to(torch.float32)  # the other way round too (nf4's fp32 absmax scale must not pass through bf16)
+    assert all(torch.equal(t.view(torch.uint8), before[n].view(torch.uint8)) for n, t in layer.quantized_tensors().items())
+
+
 def test_bad_shapes_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: shape \[64, 40\].*block size 16"):
         QuantLinear(40, 64, False, "nvfp4", device="meta", name="model.layers.0.mlp.down_proj")

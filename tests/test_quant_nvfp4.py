@@ -2,31 +2,43 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from qerl.quant import nvfp4
 
-ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # noqa: E402
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # noqa: E402
-from compressed_tensors.quantization import preset_name_to_scheme  # noqa: E402
-from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
-from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4  # noqa: E402
+needs_ct = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
+                              reason="compressed-tensors not installed")
 
-SCHEME = preset_name_to_scheme("NVFP4A16", ["Linear"])
+
+def ct_scheme():
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme("NVFP4A16", ["Linear"])
+
+
+def ct_decompress(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    return NVFP4PackedCompressor.decompress(dict(tensors), ct_scheme())["weight"]
 
 
 def ct_compress(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """What llm-compressor does for NVFP4A16: min-max observer in the weight's dtype, compressed-tensors'
     qparams, scale stored in a weight-dtype parameter, then the NVFP4 compressor."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = ct_scheme()
     blocks = w.unflatten(-1, (w.shape[1] // 16, 16))
     if global_scale is None:
         global_scale = generate_gparam(w.amin(), w.amax())
-    scale, zero_point = calculate_qparams(blocks.amin(-1), blocks.amax(-1), SCHEME.weights, global_scale)
+    scale, zero_point = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, global_scale)
     state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_global_scale": global_scale,
              "weight_zero_point": zero_point}
-    return dict(NVFP4PackedCompressor.compress(state, SCHEME))
+    return dict(NVFP4PackedCompressor.compress(state, scheme))
 
 
 def assert_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
@@ -55,6 +67,7 @@ def weights(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return w.to(dtype)
 
 
+@needs_ct
 @pytest.mark.parametrize("kind", ["normal", "heavy_tailed", "outliers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_matches_compressed_tensors_bit_for_bit(kind: str, dtype: torch.dtype) -> None:
@@ -62,6 +75,7 @@ def test_quantize_matches_compressed_tensors_bit_for_bit(kind: str, dtype: torch
     assert_same_tensors(nvfp4.quantize(w), ct_compress(w))
 
 
+@needs_ct
 def test_shared_global_scale_matches_compressed_tensors() -> None:
     w = weights("normal", torch.bfloat16)
     shared = torch.tensor([1234.5], dtype=torch.float32)  # e.g. the min over q/k/v's own scales
@@ -70,16 +84,21 @@ def test_shared_global_scale_matches_compressed_tensors() -> None:
     assert_same_tensors(ours, ct_compress(w, shared))
 
 
+@needs_ct
 @pytest.mark.parametrize("kind", ["normal", "heavy_tailed", "outliers"])
 def test_dequantize_equals_compressed_tensors_decompression(kind: str) -> None:
     q = nvfp4.quantize(weights(kind, torch.bfloat16, seed=1))
-    theirs = NVFP4PackedCompressor.decompress(dict(q), SCHEME)["weight"]
+    theirs = ct_decompress(q)
     ours = nvfp4.dequantize(q["weight_packed"], q["weight_scale"], q["weight_global_scale"])
     assert ours.dtype == theirs.dtype == torch.bfloat16
     assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
 
 
+@needs_ct
 def test_e2m1_round_matches_cast_to_fp4_on_every_tie_and_sign() -> None:
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     x = torch.cat([torch.linspace(-6.0, 6.0, 4801), ties, -ties, ties.nextafter(torch.tensor(0.0)),
                    ties.nextafter(torch.tensor(9.0)), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 6.0, -6.0])])

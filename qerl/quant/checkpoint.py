@@ -199,10 +199,7 @@ class _SharedScales:
         if key is None or len(self.groups.get(key, ())) < 2:
             return None
         if key not in self.scales:
-            amaxes = []
-            for member in self.groups[key]:
-                w = self.source.get(member).to(self.device)
-                amaxes.append(w.to(nvfp4._observer_dtype(w)).abs().amax())
+            amaxes = [nvfp4.tensor_amax(self.source.get(member).to(self.device)) for member in self.groups[key]]
             self.scales[key] = nvfp4.global_scale_for(torch.stack(amaxes).amax())
         return self.scales[key]
 
@@ -270,7 +267,7 @@ def quantize_checkpoint(
     progress: bool = True,
     eval_text: str | None = None,
     strict: bool = False,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> QuantizeReport:
     """Write a quantized copy of the Hugging Face folder `src` into `dst` (created atomically).
 
@@ -281,12 +278,13 @@ def quantize_checkpoint(
         progress: tqdm bar over tensors.
         eval_text: if given, perplexity of src and dst on it (via qerl.loading.load_model).
         strict: raise instead of keeping in bf16 a linear whose in_features does not fit the block size.
-        device: where to quantize ("cuda" is much faster for large models; results are identical).
+        device: where to quantize (default: CUDA if available, else CPU; results are bit-identical).
     """
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    src, dst, device = Path(src), Path(dst), torch.device(device)
+    src, dst = Path(src), Path(dst)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     codec = get_codec(scheme)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src}: no config.json (not a Hugging Face model folder)")

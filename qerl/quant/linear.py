@@ -143,6 +143,18 @@ class QuantLinear(nn.Module):
         """Bits stored for the weight (all codec tensors; bias excluded)."""
         return sum(t.numel() * t.element_size() * 8 for t in self.quantized_tensors().values())
 
+    def _apply(self, fn, recurse: bool = True):
+        """model.to(dtype) / .half() move the stored format but never recast it (an fp8 or fp32 scale cast
+        to bf16 would silently change the weights); the bias and the default compute dtype follow."""
+        stored = self.quantized_tensors()
+        super()._apply(fn, recurse)
+        for name, original in stored.items():
+            moved = self._buffers[name]
+            if moved.dtype != original.dtype:
+                self._buffers[name] = original.to(moved.device)
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects input [..., {self.in_features}], got {tuple(x.shape)}")
@@ -202,7 +214,7 @@ def quantize_model(
         group_amax: dict[str, torch.Tensor] = {}
         for name, linear in targets:
             if (key := fused_group_key(name)) is not None:
-                amax = linear.weight.detach().to(nvfp4._observer_dtype(linear.weight)).abs().amax()
+                amax = nvfp4.tensor_amax(linear.weight)
                 group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
         shared_scales = {key: nvfp4.global_scale_for(amax) for key, amax in group_amax.items()}
     for name, linear in targets:

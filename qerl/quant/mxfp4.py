@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.quant.nvfp4 import decode_packed, e2m1_round, pack_e2m1
+from qerl.quant.nvfp4 import decode_packed, e2m1_round, fill_rows, pack_e2m1
 
 __all__ = ["BLOCK", "E8M0_BIAS", "check_shape", "quantize", "dequantize", "scale_exponents"]
 
@@ -85,5 +85,8 @@ def dequantize(
             f"weight_scale {weight_scale.dtype} {tuple(weight_scale.shape)} does not match weight_packed "
             f"{tuple(weight_packed.shape)}: expected uint8 ({n}, {k // BLOCK})"
         )
-    values = decode_packed(weight_packed).unflatten(-1, (k // BLOCK, BLOCK))
-    return (values * _scale_values(weight_scale).unsqueeze(-1)).flatten(-2).to(dtype)
+    def rows(start: int, stop: int) -> torch.Tensor:
+        values = decode_packed(weight_packed[start:stop]).unflatten(-1, (k // BLOCK, BLOCK))
+        return (values * _scale_values(weight_scale[start:stop]).unsqueeze(-1)).flatten(-2)
+
+    return fill_rows(n, k, dtype, weight_packed.device, rows)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from qerl.quant.nvfp4 import pack_e2m1, unpack_e2m1
+from qerl.quant.nvfp4 import fill_rows, pack_e2m1, unpack_e2m1
 
 __all__ = ["BLOCK", "ABSMAX_GROUP", "NF4_VALUES", "check_shape", "tensor_shapes", "quantize", "dequantize"]
 
@@ -80,9 +80,10 @@ def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
     if not torch.isfinite(absmax).all():
         row, blk = (~torch.isfinite(absmax)).nonzero()[0].tolist()
         raise ValueError(f"weight of shape [{n}, {k}] has a NaN/Inf in row {row}, block {blk}")
-    offset = absmax.mean().reshape(1)
+    offset = absmax.double().mean().float().reshape(1)  # fp64 sum: same offset on CPU and GPU
     centered = _grouped(absmax - offset)
-    step = centered.abs().amax(-1) / 127
+    step = centered.abs().amax(-1)
+    step = step / step.new_tensor(127.0)  # tensor divisor: CUDA would multiply by a rounded 1/127
     step = torch.where(step > 0, step, torch.ones_like(step))
     absmax_q = (centered / step.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
     absmax_q = absmax_q.reshape(-1)[: absmax.numel()].view(absmax.shape)
@@ -113,10 +114,14 @@ def dequantize(
         t = given[name]
         if tuple(t.shape) != shape or t.dtype != dt:
             raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)}, expected {dt} {shape} for an [{n}, {k}] weight")
-    pairs = torch.nn.functional.embedding(weight_packed.to(torch.int32), _BYTE_TO_PAIR.to(weight_packed.device))
-    values = pairs.flatten(-2).unflatten(-1, (k // BLOCK, BLOCK))
     absmax = _absmax(weight_absmax_q, weight_absmax_scale, weight_absmax_offset)
-    return (values * absmax.unsqueeze(-1)).flatten(-2).to(dtype)
+    table = _BYTE_TO_PAIR.to(weight_packed.device)
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        pairs = torch.nn.functional.embedding(weight_packed[start:stop].to(torch.int32), table)
+        return (pairs.flatten(-2).unflatten(-1, (k // BLOCK, BLOCK)) * absmax[start:stop].unsqueeze(-1)).flatten(-2)
+
+    return fill_rows(n, k, dtype, weight_packed.device, rows)
 
 
 def nf4_codes(packed: torch.Tensor) -> torch.Tensor:

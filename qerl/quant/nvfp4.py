@@ -17,6 +17,8 @@ kernels' references and the tests all use it. Torch only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = [
@@ -29,10 +31,12 @@ __all__ = [
     "unpack_e2m1",
     "e2m1_decode",
     "decode_packed",
+    "tensor_amax",
     "global_scale_for",
     "quantize",
     "dequantize",
     "check_shape",
+    "fill_rows",
 ]
 
 BLOCK = 16
@@ -40,9 +44,8 @@ FP4_MAX = 6.0
 FP8_MAX = 448.0
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 
-# Rounding onto the E2M1 grid as compressed-tensors' cast_to_fp4: nearest value, ties to the even
-# mantissa (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). The magnitude index is the
-# number of boundaries strictly below |x|; ">=" boundaries are nudged one fp32 ulp down to fit that.
+# The magnitude index is the number of rounding boundaries strictly below |x| (bucketize, the fastest
+# exact formulation on CPU); boundaries where ties go up are nudged one fp32 ulp down to fit that.
 _BOUNDARIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _TIES_UP = torch.tensor([False, True, False, True, False, True, False])
 _BOUNDARIES = torch.where(_TIES_UP, torch.nextafter(_BOUNDARIES, torch.zeros(())), _BOUNDARIES)
@@ -55,8 +58,9 @@ _ROWS_PER_CHUNK_ELEMS = 1 << 24  # bound fp32 temporaries (~64 MiB each) on 100M
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """Round floats (already divided by their scale) to E2M1 codes, uint8 with values in [0, 16).
 
-    Magnitudes beyond 6 saturate to 6. The sign bit is set for every x < 0, including values that
-    round to zero (code 8, "-0"), exactly as compressed-tensors packs them.
+    Nearest value with ties to the even mantissa (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4,
+    5->4) and saturation at 6: compressed-tensors' cast_to_fp4. The sign bit is set for every x < 0,
+    including values that round to zero (code 8, "-0"), exactly as compressed-tensors packs them.
     """
     x = x.float()
     index = torch.bucketize(x.abs(), _BOUNDARIES.to(x.device), right=False).to(torch.uint8)
@@ -89,6 +93,16 @@ def decode_packed(packed: torch.Tensor) -> torch.Tensor:
     return pairs.flatten(-2)
 
 
+def fill_rows(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """An [n, k] tensor of `dtype` built from row ranges ``rows(start, stop)`` (fp32), so dequantizing a
+    large weight never holds more than one chunk of fp32 temporaries next to the result."""
+    out = torch.empty(n, k, dtype=dtype, device=device)
+    step = max(1, _ROWS_PER_CHUNK_ELEMS // max(k, 1))
+    for r in range(0, n, step):
+        out[r : r + step] = rows(r, min(r + step, n))
+    return out
+
+
 def check_shape(n: int, k: int, name: str = "weight") -> None:
     """Raise ValueError naming the tensor when [n, k] cannot be stored as NVFP4 (K % 16 != 0)."""
     if k % BLOCK:
@@ -103,6 +117,11 @@ def _observer_dtype(w: torch.Tensor) -> torch.dtype:
     # bf16/fp32 weights round their global and block scales in bf16/fp32. fp16 would overflow
     # 448*6/amax for amax < 0.04, so fp16 (and anything else) is computed in fp32 instead.
     return w.dtype if w.dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+
+def tensor_amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| in the dtype the global scale is computed in (see global_scale_for; shared scales use it)."""
+    return w.detach().to(_observer_dtype(w)).abs().amax()
 
 
 def global_scale_for(amax: torch.Tensor) -> torch.Tensor:
@@ -153,7 +172,8 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[
             raise ValueError(f"weight of shape [{n}, {k}] has a NaN/Inf in row {r + row}, block {blk}")
         # Block scale: (amax / 6) rounded in the observer dtype, times the fp32 global scale,
         # saturated into e4m3; an all-zero block gets e4m3's eps 0.125 to keep the division finite.
-        scale = (global_scale * (amax / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        # (a 0-dim tensor divisor: CUDA turns division by a Python scalar into a reciprocal multiply)
+        scale = (global_scale * (amax / amax.new_tensor(FP4_MAX))).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         scale = torch.where(scale.float() == 0, torch.full_like(scale, 0.125), scale)
         effective = scale.float() / global_scale  # the order compressed-tensors divides in
         codes = e2m1_round(blocks.float() / effective.unsqueeze(-1)).flatten(-2)
@@ -182,5 +202,9 @@ def dequantize(
     if weight_global_scale.numel() != 1:
         raise ValueError(f"weight_global_scale must hold one value, got {tuple(weight_global_scale.shape)}")
     effective = weight_scale.float() / weight_global_scale.float().reshape(())
-    values = decode_packed(weight_packed).unflatten(-1, (k // BLOCK, BLOCK))
-    return (values * effective.unsqueeze(-1)).flatten(-2).to(dtype)
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        values = decode_packed(weight_packed[start:stop]).unflatten(-1, (k // BLOCK, BLOCK))
+        return (values * effective[start:stop].unsqueeze(-1)).flatten(-2)
+
+    return fill_rows(n, k, dtype, weight_packed.device, rows)
