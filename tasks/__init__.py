@@ -1,0 +1,10 @@
+"""Prefect tasks: thin wrappers over the qerl core (retries for transient faults, caching only where it is safe)."""
+
+from tasks.data import find_newest_data
+from tasks.evaluation import evaluate
+from tasks.quantize import quantize_checkpoint
+from tasks.training import (build_trainer, collect_rollouts, export_adapter, generate_rollouts, grpo_update,
+                            score_rewards)
+
+__all__ = ["quantize_checkpoint", "build_trainer", "generate_rollouts", "score_rewards", "collect_rollouts",
+           "grpo_update", "export_adapter", "evaluate", "find_newest_data"]

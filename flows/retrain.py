@@ -1,0 +1,114 @@
+"""The retraining flow: continue the registered champion adapter on the newest data, evaluate it against the champion
+on the same evaluation set, and move the `champion` alias only if the new adapter is better.
+
+    python -m flows.retrain --params params/default.yaml [--data-dir data/incoming] [--min-improvement 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.tracking import CHAMPION, MlflowTracker, Registry, TrackingUnavailable, probe, resolve_tracking_uri
+from flows.train import EVAL_METRIC, QUANTIZED_ROOT, default_out_dir, describe, run_tags, train_and_evaluate
+from qerl.config import ConfigError, load_settings
+from tasks import evaluate, find_newest_data
+
+
+class NoChampion(LookupError):
+    """The registered model has no `champion` alias yet."""
+
+
+def beats(candidate: float, champion: float, min_improvement: float = 0.0) -> bool:
+    """Promotion rule: strictly better than the champion by more than `min_improvement` (ties keep the champion)."""
+    return candidate > champion + min_improvement
+
+
+@flow(name="qerl-retrain", log_prints=True)
+def retrain(params: str = "params/default.yaml", overrides: list[str] | None = None, data_dir: str = "data/incoming",
+            min_improvement: float = 0.0, out_dir: str | None = None,
+            quantized_root: str = QUANTIZED_ROOT) -> dict:
+    """Fine-tune the champion on the newest `*.jsonl` in `data_dir` (else the params' data), then promote or keep.
+
+    Both adapters are scored in this run on the current evaluation set, so the comparison is like for like.
+    Returns {"promoted": bool, "champion_version", "candidate_version", "candidate": metric, "champion": metric, ...}.
+    """
+    logger = get_run_logger()
+    overrides = list(overrides or [])
+    newest = find_newest_data(data_dir)
+    if newest:
+        overrides += [f"data.name={newest}", "data.n=null"]
+        logger.info("training on the newest data: %s", newest)
+    else:
+        logger.info("no *.jsonl in %s: training on the data the params name", data_dir)
+    settings = load_settings(params, overrides + ["tracking.backend=mlflow"])  # the registry lives in MLflow
+    registry = Registry.from_settings(settings)
+    champion = registry.champion()
+    if champion is None:
+        raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
+                          "first (its first registered adapter becomes the champion)")
+    champion_version = str(champion.version)
+    out_dir = out_dir or default_out_dir(settings)
+    champion_adapter = str(registry.download(champion, Path(out_dir) / "champion"))
+    logger.info("continuing from %s version %s (run %s)", registry.name, champion_version, champion.run_id)
+
+    scores: dict[str, float] = {}
+
+    def score_champion(trainer) -> None:  # the champion's weights are loaded and untrained yet: score them here
+        result = evaluate(settings, out_dir=str(Path(out_dir) / "eval" / "champion"), model=trainer.model,
+                          tokenizer=trainer.tokenizer)
+        scores["champion"] = result.metrics[EVAL_METRIC]
+        tracker.log_metrics({f"champion_eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+
+    tags = run_tags(settings, **{"qerl.flow": "retrain", "out_dir": out_dir, "parent_version": champion_version,
+                                 "data": newest})
+    with MlflowTracker.from_settings(settings, run_name=f"retrain-{describe(settings)}", tags=tags) as tracker:
+        outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
+                                     init_adapter=champion_adapter, before_training=score_champion)
+        candidate = outcome.eval[EVAL_METRIC]
+        promoted = beats(candidate, scores["champion"], min_improvement)
+        version = tracker.register_adapter(registry.name, tags={f"eval.{EVAL_METRIC}": candidate,
+                                                                "parent_version": champion_version,
+                                                                "promoted": promoted})
+        if promoted:
+            registry.promote(version)
+            verdict = (f"promoted {registry.name} version {version} to {CHAMPION}: {EVAL_METRIC} {candidate:.4f} > "
+                       f"{scores['champion']:.4f} (champion version {champion_version}) + {min_improvement}")
+        else:
+            verdict = (f"kept {CHAMPION} version {champion_version}: candidate version {version} {EVAL_METRIC} "
+                       f"{candidate:.4f} does not beat {scores['champion']:.4f} + {min_improvement}")
+        logger.info(verdict)
+        tracker.set_tags({"promoted": promoted, "model_version": version, "verdict": verdict})
+        tracker.log_metrics({"promoted": float(promoted)}, step=outcome.steps)
+    return {"promoted": promoted, "verdict": verdict, "champion_version": version if promoted else champion_version,
+            "candidate_version": version, "previous_champion_version": champion_version, "candidate": candidate,
+            "champion": scores["champion"], **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "eval"}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params/default.yaml")
+    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--data-dir", default="data/incoming", help="the newest *.jsonl here is trained on")
+    parser.add_argument("--min-improvement", type=float, default=0.0, help="margin the candidate must beat by")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
+        result = retrain(args.params, args.overrides, args.data_dir, args.min_improvement, args.out)
+    except (ConfigError, TrackingUnavailable, NoChampion) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    print(result["verdict"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Plain entry points for the DVC stages the `qerl` CLI does not cover (no Prefect or MLflow imported here).
+
+    python -m flows.stages prepare --params params/default.yaml --out data/prepared
+    python -m flows.stages curves runs/dvc/train/metrics.jsonl runs/dvc/train/curves.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+from qerl.config import ConfigError, Settings, load_settings
+
+
+def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
+    """Materialize the training and evaluation sets named by `data` and `eval` as `train.jsonl` / `test.jsonl`.
+
+    Rows use the MATH hub layout (`problem` / `answer` = the bare gold), which `qerl.data.load_jsonl` reads back
+    exactly, so training on `-S data.name=<dir>/train.jsonl -S data.n=null` sees the same examples.
+    """
+    from qerl import data
+    from qerl.evaluate import eval_examples
+
+    d = settings.data
+    train = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
+                              operators=d.operators, steps=d.steps)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, examples in (("train", train), ("test", eval_examples(settings))):
+        path = out / f"{name}.jsonl"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"id": ex.id, "problem": ex.question, "answer": ex.gold,
+                                           "source": ex.source}) + "\n" for ex in examples))
+        tmp.replace(path)
+        written[name] = path
+    return written
+
+
+def curves(metrics_jsonl: str | Path, out_csv: str | Path) -> Path:
+    """metrics.jsonl -> CSV (one row per step, a column per metric): `dvc plots` reads CSV/JSON, not JSON Lines."""
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    out = Path(out_csv)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.stages", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="write train.jsonl and test.jsonl from the data/eval parameters")
+    p.add_argument("--params", default=None)
+    p.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("curves", help="metrics.jsonl -> CSV for dvc plots")
+    p.add_argument("metrics_jsonl")
+    p.add_argument("out_csv")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "prepare":
+            for name, path in prepare(load_settings(args.params, args.overrides), args.out).items():
+                print(f"{name}: {path} ({sum(1 for _ in path.open())} examples)")
+        else:
+            print(curves(args.metrics_jsonl, args.out_csv))
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

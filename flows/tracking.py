@@ -1,0 +1,227 @@
+"""MLflow behind the core's `Tracker` protocol, plus the model-registry moves the flows make (register, champion alias).
+
+Everything goes through an explicit `MlflowClient` and run id rather than MLflow's fluent API: the fluent "active run" is
+thread-local, and Prefect may run a task on another thread than its flow.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from qerl.config import Settings
+from qerl.tracking import NullTracker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+CHAMPION = "champion"  # the registry alias the retrain flow continues from and promotes to
+_MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter value
+_BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")  # MLflow rejects e.g. "@" in metric names ("pass@4")
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking store cannot be reached: a one-line message naming the URI and what to do."""
+
+
+def resolve_tracking_uri(settings: Settings) -> str:
+    """`tracking.tracking_uri`, else $MLFLOW_TRACKING_URI, else a SQLite file in the working directory."""
+    return settings.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def probe(uri: str, timeout: float = 3.0) -> None:
+    """Fail fast, before any model is loaded: the MLflow client itself retries an unreachable server for minutes."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        health = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(health, timeout=timeout) as response:
+                if response.status != 200:
+                    raise OSError(f"HTTP {response.status}")
+        except (OSError, urllib.error.URLError, socket.timeout) as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise TrackingUnavailable(
+                f"MLflow tracking server {uri} is unreachable ({reason}); start it (mlflow server) or point "
+                f"tracking.tracking_uri / MLFLOW_TRACKING_URI elsewhere") from None
+    elif parsed.scheme == "sqlite":
+        db = Path(uri.removeprefix("sqlite:///"))
+        if not db.parent.is_dir() or not os.access(db.parent, os.W_OK):
+            raise TrackingUnavailable(f"MLflow tracking store {uri}: folder {db.parent.resolve()} is missing or "
+                                      f"not writable")
+
+
+def _clean_key(key: str) -> str:
+    return _BAD_KEY_CHARS.sub("_", key.replace("@", "_at_"))
+
+
+def _finite_floats(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue  # NaN/inf break MLflow's charts; non-numbers are not metrics
+        out[_clean_key(key)] = float(value)
+    return out
+
+
+class MlflowTracker:
+    """One MLflow run: implements `qerl.tracking.Tracker` and adds tables, tags and adapter registration.
+
+    Use as a context manager so the run ends FINISHED, or FAILED when the body raises.
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str | None = None,
+                 tags: dict[str, str] | None = None):
+        from mlflow import MlflowClient
+
+        probe(tracking_uri)
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+        self.run_id = run.info.run_id
+        self.artifact_uri = run.info.artifact_uri
+        self.run_name = run.info.run_name
+
+    @classmethod
+    def from_settings(cls, settings: Settings, run_name: str | None = None,
+                      tags: dict[str, str] | None = None) -> "MlflowTracker":
+        t = settings.tracking
+        return cls(resolve_tracking_uri(settings), t.experiment, run_name or t.run_name, tags)
+
+    # -- the core's Tracker protocol
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, v, now, int(step)) for k, v in _finite_floats(metrics).items()]
+        if items:
+            self.client.log_batch(self.run_id, metrics=items)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path or path.name)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    # -- extras the flows use
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
+    def log_table(self, records: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows of dicts as an MLflow table (shown, filterable, in the run's Evaluation/Artifacts view)."""
+        if not records:
+            return
+        columns = list(dict.fromkeys(k for r in records for k in r))
+        self.client.log_table(self.run_id, {c: [r.get(c) for r in records] for c in columns}, artifact_file)
+
+    def register_adapter(self, name: str, artifact_path: str = "adapter",
+                         tags: dict[str, Any] | None = None) -> str:
+        """A new version of registered model `name` from this run's adapter folder; returns the version number."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name, description="LoRA adapters (PEFT format) trained by qerl")
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = self.client.create_model_version(
+            name, source=f"{self.artifact_uri}/{artifact_path}", run_id=self.run_id,
+            tags={k: str(v) for k, v in (tags or {}).items()})
+        return str(version.version)
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status)
+
+    def __enter__(self) -> "MlflowTracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        status = "FINISHED" if exc_type is None else ("KILLED" if exc_type is KeyboardInterrupt else "FAILED")
+        self.end(status)
+
+
+class LocalOnly(NullTracker):
+    """`tracking.backend: none`: the flows' extra calls become no-ops (the run folder still has everything)."""
+
+    run_id = None
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        pass
+
+    def log_table(self, records: list[dict[str, Any]], artifact_file: str) -> None:
+        pass
+
+    def register_adapter(self, name: str, artifact_path: str = "adapter", tags: dict | None = None) -> None:
+        return None
+
+    def __enter__(self) -> "LocalOnly":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def open_tracker(settings: Settings, run_name: str | None = None,
+                 tags: dict[str, str] | None = None) -> MlflowTracker | LocalOnly:
+    """The tracker `tracking.backend` names; an MLflow store is probed here, before anything heavy starts."""
+    if settings.tracking.backend == "mlflow":
+        return MlflowTracker.from_settings(settings, run_name, tags)
+    return LocalOnly()
+
+
+class Registry:
+    """The champion/candidate moves on one registered model."""
+
+    def __init__(self, tracking_uri: str, name: str):
+        from mlflow import MlflowClient
+
+        probe(tracking_uri)
+        self.tracking_uri, self.name = tracking_uri, name
+        self.client = MlflowClient(tracking_uri)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Registry":
+        return cls(resolve_tracking_uri(settings), settings.tracking.registered_model)
+
+    def champion(self):
+        """The ModelVersion behind the `champion` alias, or None (no model or no alias yet)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version_by_alias(self.name, CHAMPION)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None
+            raise
+
+    def promote(self, version: str) -> None:
+        self.client.set_registered_model_alias(self.name, CHAMPION, version)
+
+    def download(self, version, dst: str | Path) -> Path:
+        """The adapter folder of a ModelVersion, copied to `dst` (a local folder)."""
+        import mlflow.artifacts
+
+        Path(dst).mkdir(parents=True, exist_ok=True)
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst),
+                                                        tracking_uri=self.tracking_uri))

@@ -1,0 +1,163 @@
+"""The training flow: quantize -> N x (rollout -> score -> GRPO update) with periodic evaluation -> final evaluation ->
+adapter logged and registered in MLflow.
+
+    python -m flows.train --params params/tiny.yaml -S tracking.backend=mlflow [--out DIR] [--max-steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
+
+from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tracker, probe, resolve_tracking_uri
+from qerl.config import ConfigError, Settings, load_settings
+from tasks import (build_trainer, collect_rollouts, evaluate, export_adapter, generate_rollouts, grpo_update,
+                   quantize_checkpoint, score_rewards)
+
+QUANTIZED_ROOT = "runs/quantized"  # quantized bases, one folder per (source, scheme, codec version), shared by runs
+EVAL_METRIC = "accuracy"  # what "better" means when the retrain flow compares adapters (higher is better)
+
+
+@dataclass
+class TrainOutcome:
+    out_dir: str
+    adapter: str
+    steps: int
+    eval: dict[str, float]
+    run_id: str | None = None
+    model_version: str | None = None
+
+
+def describe(settings: Settings) -> str:
+    """A run name users can tell apart in `mlflow ui`: nvfp4-aqn, bf16-lora, ..."""
+    return f"{settings.quant.scheme}-{'aqn' if settings.aqn.enabled else 'lora'}"
+
+
+def run_tags(settings: Settings, **extra: Any) -> dict[str, str]:
+    from prefect.runtime import flow_run
+
+    tags = {"quant.scheme": settings.quant.scheme, "aqn.enabled": settings.aqn.enabled,
+            "model.path": settings.model.path, "prefect.flow_run_id": flow_run.id, **extra}
+    return {k: str(v) for k, v in tags.items() if v is not None}
+
+
+def with_quantized_base(settings: Settings, quantized_root: str) -> Settings:
+    """Settings whose base is a quantized folder (made once, then cached); bf16 and given folders pass through."""
+    q = settings.quant
+    if q.scheme == "bf16" or q.quantized_path:
+        return settings
+    folder = quantize_checkpoint(settings.model.path, q.scheme, quantized_root)
+    return dataclasses.replace(settings, quant=dataclasses.replace(q, quantized_path=folder))
+
+
+def default_out_dir(settings: Settings) -> str:
+    """A fresh folder per flow run (the trainer refuses to overwrite a run's checkpoints)."""
+    return str(Path(settings.train.out_dir) / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def train_and_evaluate(settings: Settings, out_dir: str, tracker, *, quantized_root: str = QUANTIZED_ROOT,
+                       max_steps: int | None = None, resume: bool = False, init_adapter: str | None = None,
+                       before_training=None) -> TrainOutcome:
+    """The body both training flows share. `before_training(trainer)` runs once the policy is loaded (the retrain
+    flow evaluates the champion there, on the same in-process model)."""
+    logger = get_run_logger()
+    settings = with_quantized_base(settings, quantized_root)
+    trainer = build_trainer(settings, out_dir, tracker, resume=resume, init_adapter=init_adapter)
+    if before_training is not None:
+        before_training(trainer)
+    total = settings.train.steps
+    stop = total if max_steps is None else min(total, trainer.step + max_steps)
+    eval_every = settings.train.eval_every
+    out = Path(out_dir)
+    while trainer.step < stop:
+        if settings.grpo.dynamic_sampling:
+            batch = collect_rollouts(trainer)
+        else:
+            batch = score_rewards(trainer, quote(generate_rollouts(trainer)))  # quote: Prefect need not walk tensors
+        grpo_update(trainer, quote(batch))
+        if eval_every and trainer.step % eval_every == 0 and trainer.step < stop:
+            result = evaluate(settings, out_dir=str(out / "eval" / f"step-{trainer.step:06d}"),
+                              model=trainer.model, tokenizer=trainer.tokenizer)
+            tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+
+    adapter, plots = export_adapter(trainer)
+    result = evaluate(settings, out_dir=str(out / "eval" / "final"), model=trainer.model, tokenizer=trainer.tokenizer)
+    tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+    tracker.log_table(result.records, artifact_file="eval/samples.json")
+    for png in plots:
+        tracker.log_artifact(png, "plots")
+    tracker.log_artifact(out / "metrics.jsonl")
+    tracker.log_artifact(adapter, "adapter")
+    logger.info("step %d: eval %s = %.4f, adapter %s", trainer.step, EVAL_METRIC, result.metrics[EVAL_METRIC], adapter)
+    return TrainOutcome(str(out), str(adapter), trainer.step, result.metrics, tracker.run_id)
+
+
+@flow(name="qerl-train", log_prints=True)
+def train(params: str = "params/default.yaml", overrides: list[str] | None = None, out_dir: str | None = None,
+          max_steps: int | None = None, resume: bool = False, quantized_root: str = QUANTIZED_ROOT) -> dict:
+    """Train a LoRA adapter on the quantized base (params file + `section.key=value` overrides), evaluate it, and
+    register it as a new version of `tracking.registered_model` (the first one becomes the champion)."""
+    settings = load_settings(params, overrides or [])
+    if resume and out_dir is None:
+        raise ConfigError("resume=True needs out_dir: the run folder whose checkpoints to continue from")
+    out_dir = out_dir or default_out_dir(settings)
+    with open_tracker(settings, run_name=settings.tracking.run_name or describe(settings),
+                      tags=run_tags(settings, **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
+        outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root, max_steps=max_steps,
+                                     resume=resume)
+        if isinstance(tracker, MlflowTracker):
+            outcome.model_version = register(tracker, settings, outcome)
+    return dataclasses.asdict(outcome)
+
+
+def register(tracker: MlflowTracker, settings: Settings, outcome: TrainOutcome) -> str:
+    """A new registry version carrying its eval metric; the very first version also becomes the champion."""
+    logger = get_run_logger()
+    name = settings.tracking.registered_model
+    version = tracker.register_adapter(name, tags={f"eval.{EVAL_METRIC}": outcome.eval[EVAL_METRIC],
+                                                   "quant.scheme": settings.quant.scheme})
+    tracker.set_tags({"registered_model": name, "model_version": version})
+    registry = Registry(tracker.tracking_uri, name)
+    if registry.champion() is None:
+        registry.promote(version)
+        logger.info("registered %s version %s and made it the champion (there was none)", name, version)
+    else:
+        logger.info("registered %s version %s (the champion alias is unchanged: the retrain flow moves it)", name,
+                    version)
+    return version
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params/default.yaml")
+    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--out", default=None, help="run folder (default: <train.out_dir>/<timestamp>)")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings(args.params, args.overrides)
+        if settings.tracking.backend == "mlflow":
+            probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
+        result = train(args.params, args.overrides, args.out, args.max_steps, args.resume)
+    except (ConfigError, TrackingUnavailable) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    print(f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
+          + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

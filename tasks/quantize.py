@@ -1,0 +1,75 @@
+"""`quantize_checkpoint`: the frozen base, quantized once per (source, scheme, codec version) and reused.
+
+Prefect caches the result (the output folder's path) under that key, and the folder's name carries the key too, so an
+unchanged quantization is never recomputed, in this flow run or the next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import CacheKeyFnPolicy
+
+from tasks.retry import retry_transient
+
+_CODE = Path(__file__).resolve().parent.parent / "qerl"
+
+
+def code_version() -> str:
+    """Hash of the code that decides the quantized bytes: the codecs and the checkpoint reader/writer."""
+    import qerl
+
+    h = hashlib.sha256(qerl.__version__.encode())
+    for path in sorted([*(_CODE / "quant").rglob("*.py"), _CODE / "loading.py"]):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _source_identity(src: Path) -> str:
+    """Path, sizes and mtimes: cheap to compute, and a rewritten checkpoint changes it."""
+    files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
+    return "|".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
+def quantized_dir(model_path: str, scheme: str, out_root: str) -> Path:
+    """Where this source+scheme+code version lands: `<out_root>/<model>-<scheme>-<key>`."""
+    from qerl.loading import resolve_model
+
+    src = resolve_model(model_path).resolve()
+    key = hashlib.sha256(f"{_source_identity(src)}|{scheme}|{code_version()}".encode()).hexdigest()[:16]
+    return Path(out_root) / f"{src.stem}-{scheme}-{key}"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file()  # written last: the folder appears by an atomic rename
+
+
+def _cache_key(context, inputs: dict) -> str | None:
+    dst = quantized_dir(inputs["model_path"], inputs["scheme"], inputs["out_root"])
+    # A cached path whose folder was deleted would hand training a missing model: no key means "run the task".
+    return f"quantize-{dst.name}" if _is_complete(dst) else None
+
+
+@task(name="quantize-checkpoint", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient,
+      cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True, result_serializer="json")
+def quantize_checkpoint(model_path: str, scheme: str, out_root: str = "runs/quantized") -> str:
+    """Quantize `model_path`'s decoder linears to `scheme`; returns the folder (a `quant.quantized_path`)."""
+    from qerl.loading import resolve_model
+    from qerl.quant.checkpoint import quantize_checkpoint as quantize
+
+    dst = quantized_dir(model_path, scheme, out_root)
+    if _is_complete(dst):
+        return str(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        quantize(resolve_model(model_path), tmp, scheme)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dst)

@@ -1,0 +1,75 @@
+"""The RL step as Prefect tasks over one in-process `Trainer`: rollout -> score -> GRPO update (AQN inside).
+
+The Trainer, its model and the rollout batches stay in this process: none of these tasks caches or persists its result
+(gigabytes of weights and tensors do not belong in Prefect's result store, and they are not reusable across runs).
+State that must survive a crash is the trainer's own checkpoint in the run folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from qerl.config import Settings
+from qerl.tracking import Tracker
+from tasks.retry import retry_transient
+
+_IN_PROCESS = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+@task(name="load-trainer", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
+def build_trainer(settings: Settings, out_dir: str, tracker: Tracker | None = None, resume: bool = False,
+                  init_adapter: str | None = None):
+    """Load the (quantized) base, attach LoRA, and optionally start from an existing adapter's weights."""
+    from qerl import lora
+    from qerl.trainer import Trainer
+
+    trainer = Trainer(settings, out_dir, tracker=tracker, resume=resume)
+    if init_adapter is not None and trainer.step == 0:
+        lora.load_adapter(trainer.model, init_adapter)  # copies in place: the optimizer keeps its parameters
+    return trainer
+
+
+@task(name="generate-rollouts", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
+def generate_rollouts(trainer):
+    """`group_size` completions per prompt from the policy, AQN noise in the norm weights (σ of this step)."""
+    return trainer.rollout()
+
+
+@task(name="score-rewards", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
+def score_rewards(trainer, batch):
+    """Rewards (the `train.rewards` mix) and accuracy of every completion."""
+    return trainer.score(batch)
+
+
+@task(name="collect-rollouts", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
+def collect_rollouts(trainer):
+    """Rollout + score with DAPO dynamic sampling (draws more prompts until groups with differing rewards fill the
+    batch): one task, because the resampling loop lives in `Trainer.collect`."""
+    return trainer.collect()
+
+
+# No retries: a failure after the optimizer step would apply it twice. Resume from the last checkpoint instead.
+@task(name="grpo-update", **_IN_PROCESS)
+def grpo_update(trainer, batch) -> dict[str, float]:
+    """The policy-gradient update of the LoRA weights; logs the step's metrics and checkpoints when due."""
+    s = trainer.settings.train
+    if not batch.examples:  # dynamic sampling found no informative group: the step passes without an update
+        trainer.step += 1
+        trainer.scheduler.step()
+        metrics = {"step": trainer.step, "skipped": 1.0, "sigma": batch.sigma}
+    else:
+        metrics = trainer.update(batch)
+    trainer.log_metrics(metrics)
+    if trainer.step % s.save_every == 0 or trainer.step == s.steps:
+        trainer.save_checkpoint()
+    return metrics
+
+
+@task(name="export-adapter", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
+def export_adapter(trainer) -> tuple[Path, list[Path]]:
+    """The final adapter (PEFT format) and the training-curve PNGs, in the run folder."""
+    adapter = trainer.export_adapter(trainer.out / "adapter")
+    return adapter, trainer.write_plots()

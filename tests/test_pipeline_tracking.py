@@ -1,0 +1,136 @@
+"""The MLflow tracker and registry against a real SQLite store, and the one-line error for an unreachable server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlflow")
+
+from flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry, TrackingUnavailable,  # noqa: E402
+                            open_tracker, probe, resolve_tracking_uri)
+from qerl.config import load_settings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A fresh SQLite tracking store (creating its tables takes a few seconds: once per module)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    return f"sqlite:///{root}/mlflow.db"
+
+
+def test_tracking_uri_precedence(monkeypatch):
+    settings = load_settings(ROOT / "params/tiny.yaml")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(settings) == DEFAULT_TRACKING_URI == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    assert resolve_tracking_uri(settings) == "http://tracking.example:5000"
+    settings = load_settings(ROOT / "params/tiny.yaml", ["tracking.tracking_uri=sqlite:///other.db"])
+    assert resolve_tracking_uri(settings) == "sqlite:///other.db"
+    assert isinstance(open_tracker(load_settings(ROOT / "params/default.yaml")), LocalOnly)  # backend: none
+
+
+def test_tracker_logs_params_metrics_artifacts_table_and_registers(store, tmp_path):
+    from mlflow import MlflowClient
+
+    settings = load_settings(ROOT / "params/tiny.yaml")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 16)
+    png = tmp_path / "reward_curve.png"
+    png.write_bytes(b"\x89PNG")
+
+    with MlflowTracker(store, "qerl-test", run_name="nvfp4-aqn", tags={"quant.scheme": "nvfp4"}) as tracker:
+        tracker.log_params(settings.to_flat_dict())
+        for step in (1, 2):
+            tracker.log_metrics({"reward_mean": 0.1 * step, "pass@4": 0.5, "bad": float("nan"), "note": "x"}, step)
+        tracker.log_artifact(adapter, "adapter")
+        tracker.log_artifact(png, "plots")
+        tracker.log_table([{"id": "a", "score": 1.0}, {"id": "b", "score": 0.0, "extra": "y"}], "eval/samples.json")
+        version = tracker.register_adapter("qerl-test-adapter", tags={"eval.accuracy": 0.5})
+
+    client = MlflowClient(store)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lora.rank"] == "8" and json.loads(run.data.params["lora.target_modules"])
+    assert len(run.data.params) == len(settings.to_flat_dict())
+    assert [m.value for m in client.get_metric_history(tracker.run_id, "reward_mean")] == pytest.approx([0.1, 0.2])
+    assert "pass_at_4" in run.data.metrics and "bad" not in run.data.metrics and "note" not in run.data.metrics
+    listed = {f.path for f in client.list_artifacts(tracker.run_id, "adapter")}
+    assert listed == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
+    assert {f.path for f in client.list_artifacts(tracker.run_id, "plots")} == {"plots/reward_curve.png"}
+    table = json.loads(Path(client.download_artifacts(tracker.run_id, "eval/samples.json", str(tmp_path))).read_text())
+    assert table["columns"] == ["id", "score", "extra"] and len(table["data"]) == 2
+
+    registry = Registry(store, "qerl-test-adapter")
+    assert registry.champion() is None
+    registry.promote(version)
+    champion = registry.champion()
+    assert str(champion.version) == version and champion.run_id == tracker.run_id
+    assert champion.tags["eval.accuracy"] == "0.5"
+    downloaded = registry.download(champion, tmp_path / "dl")
+    assert (downloaded / "adapter_config.json").is_file()
+
+
+def test_failed_body_marks_run_failed(store):
+    from mlflow import MlflowClient
+
+    with pytest.raises(RuntimeError):
+        with MlflowTracker(store, "qerl-test") as tracker:
+            raise RuntimeError("boom")
+    assert MlflowClient(store).get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_unreachable_server_is_a_fast_one_line_error():
+    uri = f"http://127.0.0.1:{closed_port()}"
+    start = time.perf_counter()
+    with pytest.raises(TrackingUnavailable) as info:
+        probe(uri)
+    assert time.perf_counter() - start < 5
+    message = str(info.value)
+    assert "\n" not in message and uri in message and "unreachable" in message
+    with pytest.raises(TrackingUnavailable, match="not writable|missing"):
+        probe("sqlite:////nonexistent-dir/mlflow.db")
+
+
+def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path):
+    """`python -m flows.train` with a dead tracking server: exit 1, one line on stderr, no run folder, no model."""
+    out = tmp_path / "run"
+    uri = f"http://127.0.0.1:{closed_port()}"
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never reached: the probe comes first
+    proc = subprocess.run([sys.executable, "-m", "flows.train", "--params", "params/tiny.yaml", "--out", str(out),
+                           "-S", f"tracking.tracking_uri={uri}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"python -m flows.train: error: MLflow tracking server {uri} is unreachable "
+                     f"{lines[0].split('unreachable ', 1)[1]}"]
+    assert not out.exists()
+
+
+def test_train_flow_checks_the_server_before_loading_anything(tmp_path):
+    """The flow itself (what a deployment runs) raises the same error before it creates the run folder."""
+    from flows.train import train
+
+    out = tmp_path / "run"
+    with pytest.raises(TrackingUnavailable, match="unreachable"):
+        train.fn(params=str(ROOT / "params/tiny.yaml"), out_dir=str(out),
+                 overrides=[f"tracking.tracking_uri=http://127.0.0.1:{closed_port()}"])
+    assert not out.exists()
