@@ -325,8 +325,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ loop
 
     def train_step(self) -> dict[str, float]:
-        """One full step: collect (rollout + score), update, log, checkpoint when due."""
-        batch = self.collect()
+        """One full step: collect (rollout + score), then `finish_step`."""
+        return self.finish_step(self.collect())
+
+    def finish_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Update on a scored batch, log the step's metrics, checkpoint when due; returns the metrics."""
         if not batch.examples:  # dynamic sampling found no informative group: skip the update, not the step
             self.step += 1
             self.scheduler.step()

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the main job on the embedded default (params/default.yaml).
+# Set up (scripts/setup.sh), then the main job on the embedded default (params/default.yaml):
+# RL-train LoRA on the NVFP4 SmolLM2 base with AQN, then evaluate the adapter on the held-out split.
+# Extra arguments are -S overrides for both, e.g.  bash scripts/run.sh -S train.steps=10
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ "${QERL_SKIP_VENV:-0}" = "1" ] || . .venv/bin/activate
-qerl eval --params params/default.yaml "$@"
+out=runs/default
+qerl train --params params/default.yaml --out "$out" "$@" $( [ -d "$out/checkpoints" ] && echo --resume )
+qerl eval --params params/default.yaml --adapter "$out/adapter" --out "$out/eval" "$@"
+echo "reward curve: $out/reward_curve.png   metrics: $out/metrics.jsonl   eval: $out/eval/metrics.json"
