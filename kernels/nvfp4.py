@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 import triton
@@ -42,29 +43,23 @@ class Config:
 # Decode (M <= 64): swap-AB, weights on the MMA's 64-row side, block_m = next_pow2(M) >= 16 (set at launch).
 DECODE_CONFIGS = [
     Config(16, 128, 128, 4, 3, swap_ab=True),
-    Config(16, 128, 128, 8, 3, swap_ab=True),
     Config(16, 64, 256, 4, 3, swap_ab=True),
-    Config(16, 128, 256, 8, 2, swap_ab=True),
-    Config(16, 64, 128, 4, 4, swap_ab=True),
-    Config(16, 256, 64, 8, 4, swap_ab=True),
+    Config(16, 256, 128, 8, 3, swap_ab=True),
+    Config(16, 128, 128, 8, 4, swap_ab=True),
 ]
 # Prefill / training forward (large M): dequant cost per weight tile is amortized over block_m tokens.
 PREFILL_CONFIGS = [
+    Config(256, 128, 64, 8, 3),
     Config(128, 128, 64, 8, 4),
     Config(128, 256, 64, 8, 3),
-    Config(256, 128, 64, 8, 3),
-    Config(128, 128, 128, 8, 3),
-    Config(64, 128, 64, 4, 4),
     Config(128, 256, 64, 8, 3, swap_ab=True),
-    Config(256, 128, 64, 8, 3, swap_ab=True),
+    Config(64, 128, 64, 4, 4),
 ]
 # Backward dx = dy @ W (block_n = reduction over weight rows, block_k = output columns).
 BWD_CONFIGS = [
-    Config(128, 64, 128, 8, 4),
-    Config(128, 64, 256, 8, 3),
     Config(256, 64, 128, 8, 3),
+    Config(128, 64, 128, 8, 4),
     Config(128, 128, 128, 8, 3),
-    Config(64, 64, 256, 4, 4),
 ]
 
 DECODE_MAX_M = 64
@@ -105,9 +100,10 @@ def _m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 8192)
 
 
-def _split_k(tiles: int, k_iters: int, sms: int) -> int:
-    """Enough (tile, k-slice) programs for ~3 per SM; never an empty slice."""
-    if tiles >= 2 * sms:
+def _split_k(tiles: int, k_iters: int, sms: int, full: int) -> int:
+    """Enough (tile, k-slice) programs for ~3 per SM unless `full` tiles already keep the GPU busy;
+    never an empty slice."""
+    if tiles >= full:
         return 1
     split = max(1, min(k_iters, 32, triton.cdiv(3 * sms, tiles)))
     return triton.cdiv(k_iters, triton.cdiv(k_iters, split))
@@ -118,7 +114,9 @@ def _resolve_fwd(cfg: Config, M: int, N: int, K: int, device) -> Config:
         cfg = dataclasses.replace(cfg, block_m=max(16, triton.next_power_of_2(M)))
     if cfg.split_k is None:
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        cfg = dataclasses.replace(cfg, split_k=_split_k(tiles, triton.cdiv(K, cfg.block_k), _num_sms(device)))
+        sms = _num_sms(device)
+        full = 2 * sms if cfg.swap_ab else sms  # decode tiles are short: want more of them
+        cfg = dataclasses.replace(cfg, split_k=_split_k(tiles, triton.cdiv(K, cfg.block_k), sms, full))
     return cfg
 
 
@@ -127,11 +125,11 @@ def _heuristic_fwd(M: int, N: int, K: int) -> Config:
         return DECODE_CONFIGS[0]
     if M <= 256:
         return PREFILL_CONFIGS[4]
-    return PREFILL_CONFIGS[1]
+    return PREFILL_CONFIGS[0]
 
 
 def _heuristic_bwd(M: int, N: int, K: int) -> Config:
-    return BWD_CONFIGS[1] if M > 64 else Config(max(16, min(64, triton.next_power_of_2(M))), 64, 128, 4, 3)
+    return BWD_CONFIGS[0] if M > 64 else Config(max(16, min(64, triton.next_power_of_2(M))), 64, 128, 4, 3)
 
 
 def _capturing() -> bool:
@@ -144,8 +142,9 @@ def _tune(key: tuple, candidates: list[Config], run) -> Config:
     results = []
     for cfg in candidates:
         try:
-            run(cfg)
-            ms = do_bench(lambda: run(cfg), warmup=5, rep=25, return_mode="median")
+            asm = _ASM_OK
+            run(cfg, asm)
+            ms = do_bench(lambda: run(cfg, asm), warmup=5, rep=25, return_mode="median")
         except Exception as e:  # e.g. a config that needs more shared memory than the GPU has
             ms = float("inf")
             if os.environ.get("QERL_NVFP4_VERBOSE"):
@@ -185,8 +184,25 @@ def _check_weight(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -
     return N, K
 
 
-def _use_asm(use_asm: bool | None) -> bool:
-    return (not interpreting()) if use_asm is None else use_asm
+_ASM_OK = True
+
+
+def _launch(run, cfg: Config, use_asm: bool | None) -> None:
+    """Inline-PTX dequant by default on GPUs; if this Triton cannot build it, warn once and use the
+    plain-Triton decode (same exact values, more instructions)."""
+    global _ASM_OK
+    asm = (_ASM_OK and not interpreting()) if use_asm is None else use_asm
+    if not asm:
+        return run(cfg, False)
+    try:
+        run(cfg, True)
+    except Exception as e:  # CompilationError, or ptxas rejecting the PTX
+        if use_asm is not None:
+            raise
+        warnings.warn(f"NVFP4 inline-PTX dequant failed to compile ({type(e).__name__}: {e}); "
+                      "using the plain-Triton decode")
+        _ASM_OK = False
+        run(cfg, False)
 
 
 def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config | None = None,
@@ -205,9 +221,8 @@ def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config
     sbytes = scale.contiguous().view(torch.uint8)
     gs = gs.reshape(1)
     bias = bias.contiguous() if bias is not None else None
-    asm = _use_asm(use_asm)
 
-    def run(cfg: Config) -> None:
+    def run(cfg: Config, asm: bool = True) -> None:
         cfg = _resolve_fwd(cfg, M, N, K, x2.device)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         if cfg.split_k > 1:
@@ -217,13 +232,14 @@ def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config
             ws = cnt = y  # unused
         _tk.nvfp4_fwd_kernel[(tiles, cfg.split_k)](
             x2, words, sbytes, gs, bias if bias is not None else y, y, ws, cnt,
-            M, N, K, x2.stride(0), y.stride(0), words.stride(0), sbytes.stride(0),
-            HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SPLIT_K=cfg.split_k,
+            M, N, K, x2.stride(0), y.stride(0), words.stride(0), sbytes.stride(0), cfg.split_k,
+            HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SPLIT=cfg.split_k > 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            USE_ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EVEN_K=K % cfg.block_k == 0, USE_ASM=asm,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    run(config or _pick("fwd", M, N, K, x2.dtype, run))
+    _launch(run, config or _pick("fwd", M, N, K, x2.dtype, run), use_asm)
     return y
 
 
@@ -242,17 +258,17 @@ def grad_input(dy2, packed, scale, gs, *, out=None, config: Config | None = None
     words = packed.contiguous().view(torch.int32)
     sbytes = scale.contiguous().view(torch.uint8)
     gs = gs.reshape(1)
-    asm = _use_asm(use_asm)
 
-    def run(cfg: Config) -> None:
+    def run(cfg: Config, asm: bool = True) -> None:
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(K, cfg.block_k),)
         _tk.nvfp4_bwd_kernel[grid](
             dy2, words, sbytes, gs, dx, M, N, K, dy2.stride(0), dx.stride(0), words.stride(0), sbytes.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            USE_ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EVEN_K=K % cfg.block_k == 0, USE_ASM=asm,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    run(config or _pick("bwd", M, N, K, dy2.dtype, run))
+    _launch(run, config or _pick("bwd", M, N, K, dy2.dtype, run), use_asm)
     return dx
 
 

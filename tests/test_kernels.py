@@ -89,34 +89,35 @@ def test_import_without_triton():
     assert r.returncode == 0, r.stderr
 
 
-def _run_ptx(asm: str, word: int, scale_bits: int, bf16: bool) -> list[int]:
-    """Interpret the dequant PTX (its few opcodes) for one 32-bit word; returns the 8 16-bit outputs."""
-    def to_f(h):  # 16-bit pattern -> python float
-        if bf16:
-            return struct.unpack("<f", struct.pack("<I", h << 16))[0]
-        return float(torch.tensor([h], dtype=torch.int32).to(torch.int16).view(torch.float16).item())
+def _h2f(h: int, bf16: bool) -> float:
+    """16-bit pattern -> python float."""
+    t = torch.tensor([h & 0xFFFF], dtype=torch.int32).to(torch.int16)
+    return t.view(torch.bfloat16 if bf16 else torch.float16).item()
 
-    def from_f(v):
-        t = torch.tensor([v], dtype=torch.float64).to(torch.bfloat16 if bf16 else torch.float16)
-        return t.view(torch.int16).item() & 0xFFFF
 
-    regs, out = {"$8": word, "$9": scale_bits}, {}
+def _f2h(v: float, bf16: bool) -> int:
+    return torch.tensor([v], dtype=torch.float64).to(torch.bfloat16 if bf16 else torch.float16).view(
+        torch.int16).item() & 0xFFFF
+
+
+def _run_ptx(asm: str, regs: dict[str, int], bf16: bool) -> dict[str, int]:
+    """Interpret the few PTX opcodes our inline asm uses; regs maps '$n' -> 32-bit value; returns all regs."""
+    regs = dict(regs)
     val = lambda t: int(t, 16) if t.startswith("0x") else (int(t) if t.isdigit() else regs[t])  # noqa: E731
     for stmt in asm.replace("\n", " ").split(";"):
         stmt = stmt.strip().lstrip("{").strip()
         if not stmt or stmt.startswith(".reg") or stmt == "}":
             continue
         op, rest = stmt.split(None, 1)
-        if op == "mov.b32" and rest.startswith("{"):  # unpack into two 16-bit outputs
+        if op == "mov.b32" and rest.startswith("{"):  # unpack a 32-bit register into two 16-bit ones
             lo, hi = [t.strip() for t in rest[1:rest.index("}")].split(",")]
-            src = regs[rest.split(",")[-1].strip()]
-            out[lo], out[hi] = src & 0xFFFF, src >> 16
+            src = val(rest.split("}")[1].strip(" ,"))
+            regs[lo], regs[hi] = src & 0xFFFF, src >> 16
             continue
-        dst, args = rest.split(",", 1)
-        dst = dst.strip()
-        if op == "mov.b32" and "{" in args:  # pack a 16-bit operand twice
-            s = regs[args.strip()[1:-1].split(",")[0].strip()]
-            regs[dst] = s | (s << 16)
+        dst, args = (t.strip() for t in rest.split(",", 1))
+        if op == "mov.b32" and "{" in args:  # pack two 16-bit registers
+            lo, hi = [val(t.strip()) for t in args.strip()[1:-1].split(",")]
+            regs[dst] = (lo & 0xFFFF) | (hi << 16)
             continue
         a = [val(t.strip()) for t in args.split(",")]
         if op == "mov.b32":
@@ -129,35 +130,74 @@ def _run_ptx(asm: str, word: int, scale_bits: int, bf16: bool) -> list[int]:
             regs[dst] = a[0] & a[1]
         elif op == "or.b32":
             regs[dst] = a[0] | a[1]
+        elif op == "add.u32":
+            regs[dst] = (a[0] + a[1]) & 0xFFFFFFFF
+        elif op == "mul.lo.u32":
+            regs[dst] = (a[0] * a[1]) & 0xFFFFFFFF
+        elif op == "prmt.b32":  # default mode: selector nibble = byte index | 8 (replicate that byte's sign)
+            src = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
+            out = 0
+            for i in range(4):
+                nib = (a[2] >> (4 * i)) & 0xF
+                byte = src[nib & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
+            regs[dst] = out
+        elif op == "cvt.rn.f16x2.e4m3x2":
+            halves = [torch.tensor([(a[0] >> sh) & 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn).half()
+                      .view(torch.int16).item() & 0xFFFF for sh in (0, 8)]
+            regs[dst] = halves[0] | (halves[1] << 16)
         elif op.startswith("fma.rn."):
-            halves = [from_f(to_f((a[0] >> sh) & 0xFFFF) * to_f((a[1] >> sh) & 0xFFFF)
-                             + to_f((a[2] >> sh) & 0xFFFF)) for sh in (0, 16)]
+            halves = [_f2h(_h2f(a[0] >> sh, bf16) * _h2f(a[1] >> sh, bf16) + _h2f(a[2] >> sh, bf16), bf16)
+                      for sh in (0, 16)]
             regs[dst] = halves[0] | (halves[1] << 16)
         else:
             raise AssertionError(f"unknown PTX op {op}")
-    return [out[f"${i}"] for i in range(8)]
+    return regs
+
+
+def _e4m3(b: int) -> float:
+    return torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
 
 
 @pytest.mark.parametrize("bf16", [True, False])
-def test_dequant_ptx_bit_trick(bf16):
-    """The inline-PTX decode (run only on GPUs) gives e2m1 * s * 2^-7 exactly, for every code and slot."""
+def test_scale_ptx(bf16):
+    """e4m3 scale bytes -> s * 2^119 (bf16) / s * 2^7 (fp16), exact; zero stays zero."""
     from kernels import _triton_nvfp4 as tk
 
-    asm = tk.ASM_BF16 if bf16 else tk.ASM_FP16
+    asm = (tk.SCALE_BF16 if bf16 else tk.SCALE_FP16).value
+    codes = list(range(0, 0x7F)) + [0x00, 0x01, 0x7E, 0x20]
+    for i in range(0, len(codes) - 3, 4):
+        quad = codes[i:i + 4]
+        out = _run_ptx(asm, {"$2": sum(c << (8 * j) for j, c in enumerate(quad))}, bf16)
+        got = [out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16]
+        for c, h in zip(quad, got):
+            assert _h2f(h, bf16) == _e4m3(c) * (2.0**119 if bf16 else 2.0**7), (hex(c), hex(h))
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_dequant_ptx(bf16):
+    """The inline-PTX decode (run only on GPUs): slot j of words (w0, w1) / (w2, w3) -> e2m1 * s * 2^-7."""
+    from kernels import _triton_nvfp4 as tk
+
+    asm = (tk.DEQ_BF16 if bf16 else tk.DEQ_FP16).value
     g = torch.Generator().manual_seed(0)
-    words = torch.randint(0, 2**32, (200,), generator=g, dtype=torch.int64).tolist()
+    words = torch.randint(0, 2**32, (64,), generator=g, dtype=torch.int64).tolist()
     words += [sum(c << (4 * j) for j in range(8)) for c in range(16)]  # every code in every slot
-    for i, word in enumerate(words):
-        s = [0.125, 448.0, 2.0**-9, 0.3125, 6.0][i % 5]  # e4m3 values incl. subnormal and max
-        factor = 2.0**119 if bf16 else 2.0**7
-        sbits = torch.tensor([s * factor]).to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).item() & 0xFFFF
-        outs = _run_ptx(asm, word, sbits, bf16)
-        for j, o in enumerate(outs):
-            code = (word >> (4 * j)) & 15
-            want = codec.e2m1_decode(torch.tensor([code])).item() * s * 2.0**-7
-            got = (struct.unpack("<f", struct.pack("<I", o << 16))[0] if bf16
-                   else torch.tensor([o], dtype=torch.int32).to(torch.int16).view(torch.float16).item())
-            assert got == want, (hex(word), j, code, s, got, want)
+    scales = [0.125, 448.0, 2.0**-9, 0.3125, 6.0]  # e4m3 values incl. subnormal and max
+    factor = 2.0**119 if bf16 else 2.0**7
+    for i in range(0, len(words), 4):
+        w = words[i:i + 4]
+        sa, sb = scales[i % 5], scales[(i + 1) % 5]
+        pair = lambda v: _f2h(v * factor, bf16) * 0x10001  # noqa: E731
+        regs = {"$16": w[0], "$17": w[1], "$18": w[2], "$19": w[3], "$20": pair(sa), "$21": pair(sb)}
+        out = _run_ptx(asm, regs, bf16)
+        for j in range(8):
+            for half, s in ((0, sa), (1, sb)):
+                r = out[f"${2 * j + half}"]
+                for word, h in ((w[2 * half], r & 0xFFFF), (w[2 * half + 1], r >> 16)):
+                    code = (word >> (4 * j)) & 15
+                    want = codec.e2m1_decode(torch.tensor([code])).item() * s * 2.0**-7
+                    assert _h2f(h, bf16) == want, (hex(word), j, code, s)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -180,6 +220,7 @@ LINEAR_CASES = [  # (M, config): swap / plain, split-K, ragged N=72 and K=112 (n
     (7, K.Config(16, 32, 32, 4, 1, swap_ab=True, split_k=3)),
     (33, K.Config(16, 32, 64, 4, 1, split_k=1)),
     (20, K.Config(32, 16, 64, 4, 1, split_k=2)),
+    (40, K.Config(32, 16, 64, 4, 1, swap_ab=True, split_k=1)),
 ]
 
 
