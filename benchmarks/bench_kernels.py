@@ -86,13 +86,36 @@ def event_time_us(fns, reps=3) -> float:
 
 def ceilings() -> tuple[float, float]:
     """(device copy TB/s counting read + write, bf16 8192^3 matmul TFLOP/s), measured here."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    src = torch.randn(2**28, device="cuda")  # 1 GiB fp32; a copy kernel, not a graph memcpy node
     dst = torch.empty_like(src)
-    us = graph_time_us([lambda: dst.copy_(src)])
+    us = event_time_us([lambda: torch.mul(src, 1.0, out=dst)], reps=10)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     us_mm = graph_time_us([lambda: a @ b])
-    return 2 * src.numel() / us / 1e6, 2 * 8192**3 / us_mm / 1e6
+    return 2 * src.numel() * 4 / us / 1e6, 2 * 8192**3 / us_mm / 1e6
+
+
+def diag_quant() -> None:
+    """Which torch arithmetic does the CUDA reference quantizer follow? (fp32 weights, one real shape)"""
+    from kernels.reference import quantize_ref
+
+    w = torch.randn(4608, 3584, device="cuda") * 0.02
+    ours, ref = K.quantize(w), quantize_ref(w)
+    gs = ref[2]
+    blocks = w.view(4608, -1, 16)
+    amax = blocks.abs().amax(-1)
+    print(f"quant diag: scale bytes differ {(ours[1].view(torch.uint8) != ref[1].view(torch.uint8)).sum().item()}, "
+          f"packed bytes differ {(ours[0] != ref[0]).sum().item()}")
+    for name, q in (("amax*fp32(1/6)", amax * torch.tensor(1 / 6, device="cuda")), ("amax/6 (tensor)", amax / torch.full_like(amax, 6.0)),
+                    ("amax/6 (py)", amax / 6.0)):
+        sc = (gs * q).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sc = torch.where(sc.float() == 0, torch.full_like(sc, 0.125), sc)
+        for dname, v in (("div", blocks / (sc.float() / gs).unsqueeze(-1)), ("mul-recip", blocks * (1 / (sc.float() / gs)).unsqueeze(-1))):
+            packed = codec.pack_e2m1(codec.e2m1_round(v).flatten(-2))
+            print(f"  {name:16s} {dname:9s}: scale!=ref {(sc.view(torch.uint8) != ref[1].view(torch.uint8)).sum().item()}, "
+                  f"packed!=ref {(packed != ref[0]).sum().item()}, packed!=ours {(packed != ours[0]).sum().item()}")
+    t = graph_time_us([lambda: K.quantize(w, gs)])
+    print(f"  quantize 4608x3584 fp32: {t:.1f} us ({w.numel() * 4.56 / t / 1e6:.2f} TB/s)")
 
 
 def copies_for(nbytes: int, l2: int) -> int:
@@ -107,6 +130,7 @@ def main() -> None:
     ap.add_argument("--m", default=",".join(map(str, MS)))
     ap.add_argument("--no-torch", action="store_true", help="skip the dequantize-then-matmul path at M > 64")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--diag", action="store_true", help="quantizer arithmetic diagnosis first")
     args = ap.parse_args()
     assert torch.cuda.is_available() and kernels.available(), "needs CUDA + triton"
     K.set_autotune(args.tune)
@@ -117,6 +141,8 @@ def main() -> None:
     print(f"# {dev.name}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"{dev.multi_processor_count} SMs, L2 {l2 >> 20} MiB; copy {bw:.2f} TB/s, bf16 mm {peak:.0f} TFLOP/s",
           flush=True)
+    if args.diag:
+        diag_quant()
     ms_list = [int(m) for m in args.m.split(",")]
     rows, bwd_rows, bad = [], [], []
     torch.manual_seed(0)
@@ -209,6 +235,7 @@ def main() -> None:
             f.write(f"{key[0]} M<={key[1]} N={key[2]} K={key[3]}: "
                     + ", ".join(f"{c}={ms * 1e3:.1f}us" for c, ms in sorted(res, key=lambda r: r[1])) + "\n")
     print(text)
+    print(f"inline-PTX dequant in use: {K._ASM_OK}")
     if bad:
         print("CHECK FAILED:", bad)
         sys.exit(1)

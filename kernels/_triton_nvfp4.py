@@ -19,9 +19,9 @@ import triton.language as tl
 
 # E2M1 rounding boundaries exactly as qerl.quant.nvfp4.e2m1_round: index = #boundaries strictly below |x|;
 # the ties-up boundaries (0.75, 1.75, 3.5) are nudged one fp32 ulp down (values are exact fp32 numbers).
-_B1 = 0.7499999403953552  # nextafter(0.75, 0)
-_B3 = 1.7499998807907104  # nextafter(1.75, 0)
-_B5 = 3.4999997615814210  # nextafter(3.5, 0)
+_B1 = tl.constexpr(0.7499999403953552)  # nextafter(0.75, 0)
+_B3 = tl.constexpr(1.7499998807907104)  # nextafter(1.75, 0)
+_B5 = tl.constexpr(3.4999997615814210)  # nextafter(3.5, 0)
 
 # Inline PTX, 4 words (32 codes) per call (pack=4): $16..$19 = words w0..w3, $20/$21 = block-scale pairs for
 # (w0, w1)/(w2, w3); output slot j (= column 8g+j) gets registers $(2j) = (w0, w1) and $(2j+1) = (w2, w3) as
@@ -104,7 +104,7 @@ def _nib(w, J: tl.constexpr, s, dtype: tl.constexpr):
 @triton.jit
 def _dequant(words, sbytes, dtype: tl.constexpr, USE_ASM: tl.constexpr):
     """int32 words [R, C/8] + e4m3 scale bytes [R, C/16] -> [R, C] in dtype, = W * global_scale * 2^-7,
-    columns in tile order kappa = j * C/8 + g for k = 8g + j (see _perm_cols). The GEMMs give x the same
+    columns in tile order kappa = j * C/8 + g for k = 8g + j. The GEMMs give x the same
     order (a dot product does not care), and then every register the decoder packs (slot j of words g, g+1)
     holds two adjacent columns: the tile goes to shared memory for the MMA as is, with no repacking of
     halves and no layout-conversion round trips (measured on the SASS: 683 -> 480 instructions per
@@ -141,16 +141,8 @@ def _dequant(words, sbytes, dtype: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _perm_cols(x):
-    """x [R, C] -> columns in _dequant's order: kappa = j * C/8 + g holds column 8g + j."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.permute(tl.reshape(x, [R, C // 8, 8]), (0, 2, 1)), [R, C])
-
-
-@triton.jit
 def _unperm_cols(x):
-    """Inverse of _perm_cols."""
+    """[R, C] tile-order columns (kappa = j * C/8 + g) back to natural order (column 8g + j)."""
     R: tl.constexpr = x.shape[0]
     C: tl.constexpr = x.shape[1]
     return tl.reshape(tl.permute(tl.reshape(x, [R, 8, C // 8]), (0, 2, 1)), [R, C])
@@ -171,12 +163,17 @@ def nvfp4_fwd_kernel(
     M, N, K, stride_xm, stride_ym, stride_wn, stride_sn, split_k,
     HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, X_GATHER: tl.constexpr,
 ):
     """y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W dequantized tile by tile in registers.
 
     SWAP_AB computes y^T = W @ x^T so that the weight rows fill the MMA's 64-row side and a decode batch
     of 1..64 tokens is the narrow side (no wasted tensor-core rows, weights streamed once).
+    x must meet W in _dequant's tile column order. X_GATHER: the kernel loads x tiles with permuted
+    addresses (2-byte loads; cheap for decode-sized M); else the caller permuted x once (permute_x_cols) and
+    tiles go global -> shared by cp.async untouched. Either way the decoded W tile feeds the wgmma A
+    registers directly (SASS: no STS/LDSM for W); permuting x tiles in registers instead made Triton route
+    W through shared memory.
     SPLIT (split_k > 1 programs along grid axis 1): program (tile, k) writes an fp32 partial; the last program of a tile (counter) sums the
     partials in fixed order (deterministic) and resets the counter, so one launch does it all.
     """
@@ -196,7 +193,11 @@ def nvfp4_fwd_kernel(
     ar_s = tl.arange(0, BLOCK_K // 16)
     w_base = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + ar_w[None, :]
     s_base = s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + ar_s[None, :]
-    x_base = x_ptr + rm[:, None] * stride_xm + ar_k[None, :]
+    if X_GATHER:  # x straight in tile column order: kappa = j * BK/8 + g reads column 8g + j
+        x_col = 8 * (ar_k % (BLOCK_K // 8)) + ar_k // (BLOCK_K // 8)
+    else:
+        x_col = ar_k
+    x_base = x_ptr + rm[:, None] * stride_xm + x_col[None, :]
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -215,9 +216,8 @@ def nvfp4_fwd_kernel(
         else:
             words = tl.load(w_base + k0 // 8, mask=n_mask[:, None] & (ar_w[None, :] < KW - k0 // 8), other=0)
             sb = tl.load(s_base + k0 // 16, mask=n_mask[:, None] & (ar_s[None, :] < KS - k0 // 16), other=0)
-            xa = tl.load(x_base + k0, mask=m_mask[:, None] & (ar_k[None, :] < K - k0), other=0.0)
+            xa = tl.load(x_base + k0, mask=m_mask[:, None] & (x_col[None, :] < K - k0), other=0.0)
         w = _dequant(words, sb, dtype, USE_ASM)  # [BLOCK_N, BLOCK_K], tile column order
-        xa = _perm_cols(xa)  # the same order for x
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(xa), acc)
         else:

@@ -34,32 +34,37 @@ class Config:
     swap_ab: bool = False
     split_k: int | None = None  # None: chosen from the shape to fill the GPU
     group_m: int = 8
+    x_pre: bool = False  # fwd: permute x once per call (one copy, cp.async-able tiles) instead of gathering
+
 
     def short(self) -> str:
-        s = f"{'swap ' if self.swap_ab else ''}{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps}s{self.num_stages}"
+        s = f"{'xpre ' if self.x_pre else ''}{'swap ' if self.swap_ab else ''}{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps}s{self.num_stages}"
         return s + (f" sk{self.split_k}" if self.split_k else "")
 
 
 # Decode (M <= 64): swap-AB, weights on the MMA's 64-row side, block_m = next_pow2(M) >= 16 (set at launch).
 DECODE_CONFIGS = [
-    Config(16, 128, 128, 4, 3, swap_ab=True),
     Config(16, 64, 256, 4, 3, swap_ab=True),
-    Config(16, 256, 128, 8, 3, swap_ab=True),
+    Config(16, 128, 128, 4, 3, swap_ab=True),
     Config(16, 128, 128, 8, 4, swap_ab=True),
+    Config(16, 64, 128, 4, 4, swap_ab=True),
 ]
-# Prefill / training forward (large M): dequant cost per weight tile is amortized over block_m tokens.
+# Prefill / training forward (large M): dequant cost per weight tile is amortized over block_m tokens; 4-warp
+# tiles leave room for 2 CTAs per SM, so one CTA's dequant overlaps the other's tensor-core work.
 PREFILL_CONFIGS = [
-    Config(256, 128, 64, 8, 3),
-    Config(128, 128, 64, 8, 4),
-    Config(128, 256, 64, 8, 3),
-    Config(128, 256, 64, 8, 3, swap_ab=True),
-    Config(64, 128, 64, 4, 4),
+    Config(128, 128, 64, 4, 3, x_pre=True),
+    Config(128, 128, 64, 4, 3, swap_ab=True, x_pre=True),
+    Config(128, 256, 64, 8, 3, swap_ab=True, x_pre=True),
+    Config(256, 128, 64, 8, 3, x_pre=True),
+    Config(64, 128, 64, 4, 4, x_pre=True),
 ]
 # Backward dx = dy @ W (block_n = reduction over weight rows, block_k = output columns).
 BWD_CONFIGS = [
-    Config(256, 64, 128, 8, 3),
     Config(128, 64, 128, 8, 4),
     Config(128, 128, 128, 8, 3),
+    Config(128, 64, 128, 4, 3),
+    Config(64, 64, 128, 4, 4),
+    Config(128, 64, 256, 8, 3),
 ]
 
 DECODE_MAX_M = 64
@@ -125,7 +130,7 @@ def _heuristic_fwd(M: int, N: int, K: int) -> Config:
         return DECODE_CONFIGS[0]
     if M <= 256:
         return PREFILL_CONFIGS[4]
-    return PREFILL_CONFIGS[0]
+    return PREFILL_CONFIGS[2]
 
 
 def _heuristic_bwd(M: int, N: int, K: int) -> Config:
@@ -144,7 +149,7 @@ def _tune(key: tuple, candidates: list[Config], run) -> Config:
         try:
             asm = _ASM_OK
             run(cfg, asm)
-            ms = do_bench(lambda: run(cfg, asm), warmup=5, rep=25, return_mode="median")
+            ms = do_bench(lambda: run(cfg, asm), warmup=3, rep=15, return_mode="median")
         except Exception as e:  # e.g. a config that needs more shared memory than the GPU has
             ms = float("inf")
             if os.environ.get("QERL_NVFP4_VERBOSE"):
@@ -161,14 +166,35 @@ def _pick(kind: str, M: int, N: int, K: int, dtype: torch.dtype, run) -> Config:
     if cfg is not None:
         return cfg
     if _AUTOTUNE and not interpreting() and not _capturing():
-        if kind == "fwd":
-            cands = DECODE_CONFIGS if M <= DECODE_MAX_M else PREFILL_CONFIGS
-        else:
-            cands = BWD_CONFIGS if M > 64 else [_heuristic_bwd(M, N, K)]
-        cfg = _tune(key, cands, run)
+        cfg = _tune(key, _candidates(kind, M, N, K), run)
         _TUNED[key] = cfg
         return cfg
     return _heuristic_fwd(M, N, K) if kind == "fwd" else _heuristic_bwd(M, N, K)
+
+
+def permute_x_cols(x2: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [M, K] -> the kernels' tile column order (column 8g + j of each block_k tile moves to
+    j * block_k/8 + g, see _triton_nvfp4._dequant); one copy kernel, K % block_k == 0."""
+    M, K = x2.shape
+    return x2.view(M, K // block_k, block_k // 8, 8).transpose(2, 3).reshape(M, K)
+
+
+def _candidates(kind: str, M: int, N: int, K: int) -> list[Config]:
+    """What the autotuner times: the config lists, decode ones at every useful split-K (a runtime
+    argument: no extra compiles), with x gathered in-kernel or permuted per call."""
+    if kind == "bwd":
+        return BWD_CONFIGS if M > 64 else [_heuristic_bwd(M, N, K)]
+    if M > DECODE_MAX_M:
+        return PREFILL_CONFIGS
+    out = []
+    for c in DECODE_CONFIGS:
+        k_iters = triton.cdiv(K, c.block_k)
+        splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if s == 1 or 2 * s <= k_iters]
+        for sk in splits:
+            out.append(dataclasses.replace(c, split_k=sk))
+            if M > 16:
+                out.append(dataclasses.replace(c, split_k=sk, x_pre=True))
+    return out
 
 
 def _check_weight(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> tuple[int, int]:
@@ -225,17 +251,19 @@ def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config
     def run(cfg: Config, asm: bool = True) -> None:
         cfg = _resolve_fwd(cfg, M, N, K, x2.device)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        x_pre = cfg.x_pre and K % cfg.block_k == 0
+        xk = permute_x_cols(x2, cfg.block_k) if x_pre else x2
         if cfg.split_k > 1:
             ws = torch.empty(cfg.split_k * M * N, dtype=torch.float32, device=x2.device)
             cnt = _counters(x2.device, tiles)
         else:
             ws = cnt = y  # unused
         _tk.nvfp4_fwd_kernel[(tiles, cfg.split_k)](
-            x2, words, sbytes, gs, bias if bias is not None else y, y, ws, cnt,
-            M, N, K, x2.stride(0), y.stride(0), words.stride(0), sbytes.stride(0), cfg.split_k,
+            xk, words, sbytes, gs, bias if bias is not None else y, y, ws, cnt,
+            M, N, K, xk.stride(0), y.stride(0), words.stride(0), sbytes.stride(0), cfg.split_k,
             HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SPLIT=cfg.split_k > 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            EVEN_K=K % cfg.block_k == 0, USE_ASM=asm,
+            EVEN_K=K % cfg.block_k == 0, USE_ASM=asm, X_GATHER=not x_pre,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -7,9 +7,8 @@ with NaN so an unwritten tile fails.
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import os
-import struct
 import subprocess
 import sys
 
@@ -221,6 +220,8 @@ LINEAR_CASES = [  # (M, config): swap / plain, split-K, ragged N=72 and K=112 (n
     (33, K.Config(16, 32, 64, 4, 1, split_k=1)),
     (20, K.Config(32, 16, 64, 4, 1, split_k=2)),
     (40, K.Config(32, 16, 64, 4, 1, swap_ab=True, split_k=1)),
+    (6, K.Config(16, 32, 32, 4, 1, swap_ab=True, split_k=2, x_pre=True)),  # K=112: ragged -> gather
+    (17, K.Config(16, 16, 16, 4, 1, split_k=1, x_pre=True)),  # K % 16 == 0: x permuted on the host
 ]
 
 
@@ -334,11 +335,13 @@ ALL_FWD = K.DECODE_CONFIGS + K.PREFILL_CONFIGS
 def test_every_fwd_config_gpu(gpu_weights, cfg, nk):
     """Whatever the autotuner picks is right: each candidate on ragged and real shapes, split-K included."""
     p, s, gs, w64 = gpu_weights[nk]
-    for M in ([1, 37] if cfg in K.DECODE_CONFIGS else [300]):
-        x = torch.randn(M, nk[1], device="cuda").bfloat16()
-        y = torch.full((M, nk[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
-        K.linear_forward(x, p, s, gs, out=y, config=cfg)
-        assert rel_err(y, x.double() @ w64.T) < TOL[torch.bfloat16], M
+    decode = cfg in K.DECODE_CONFIGS
+    for M in ([1, 37] if decode else [300]):
+        for c in ([cfg, dataclasses.replace(cfg, x_pre=True, split_k=3)] if decode else [cfg]):
+            x = torch.randn(M, nk[1], device="cuda").bfloat16()
+            y = torch.full((M, nk[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+            K.linear_forward(x, p, s, gs, out=y, config=c)
+            assert rel_err(y, x.double() @ w64.T) < TOL[torch.bfloat16], (M, c.short())
 
 
 @pytest.mark.gpu
