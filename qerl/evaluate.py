@@ -125,9 +125,9 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
     """Load the policy (base + optional adapter) and evaluate it as `settings.eval` says; save if `out_dir`."""
     from qerl.runtime import load_policy
 
+    examples = eval_examples(settings, limit)  # before the model: bad data fails in a second, not after a load
     if model is None:
         model, tokenizer = load_policy(settings, adapter=adapter)
-    examples = eval_examples(settings, limit)
     e = settings.eval
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
