@@ -161,6 +161,9 @@ def main() -> None:
                     t_ours = graph_time_us([lambda q=q: K.linear_forward(x, *q) for q in nv])
                     t_torch = (event_time_us([lambda q=q: kernels.linear_ref(x, *q) for q in nv[:2]])
                                if (M <= 64 or not args.no_torch) else float("nan"))
+                    # what a non-fused large-M path would cost: our one-pass dequant kernel, then cuBLAS
+                    t_hyb = (graph_time_us([lambda q=q: F.linear(x, K.dequantize(*q)) for q in nv])
+                             if M >= 256 else float("nan"))
                     cfg = K._pick("fwd", M, N, Kd, torch.bfloat16, None)
                     if cfg.swap_ab or cfg.split_k:
                         cfg = K._resolve_fwd(cfg, M, N, Kd, x.device)
@@ -173,7 +176,7 @@ def main() -> None:
                             bad.append((layer, M, err))
                 flops = 2 * M * N * Kd
                 bytes_ours = nv_bytes + 2 * M * (N + Kd)
-                row = dict(layer=layer, M=M, cublas_us=t_cublas, ours_us=t_ours, torch_us=t_torch,
+                row = dict(layer=layer, M=M, cublas_us=t_cublas, ours_us=t_ours, torch_us=t_torch, hyb_us=t_hyb,
                            vs_cublas=t_cublas / t_ours, vs_torch=t_torch / t_ours,
                            tbs=bytes_ours / t_ours / 1e6, tflops=flops / t_ours / 1e6,
                            cublas_tbs=(2 * N * Kd + 2 * M * (N + Kd)) / t_cublas / 1e6,
@@ -191,6 +194,9 @@ def main() -> None:
                 tb_ours = graph_time_us([lambda q=q: K.grad_input(dy, *q) for q in nv])
                 tb_torch = (event_time_us([lambda q=q: kernels.grad_input_ref(dy, *q) for q in nv[:2]])
                             if not args.no_torch else float("nan"))
+                tb_hyb = graph_time_us([lambda q=q: dy @ K.dequantize(*q) for q in nv])
+                t_deq = graph_time_us([lambda q=q: K.dequantize(*q) for q in nv])
+                print(f"{layer:24s} dequant kernel {t_deq:.1f} us, {(nv_bytes + 2 * N * Kd) / t_deq / 1e6:.2f} TB/s", flush=True)
                 cfg = K._pick("bwd", M, N, Kd, torch.bfloat16, None)
                 err = float("nan")
                 if args.check:
@@ -199,7 +205,7 @@ def main() -> None:
                     if not (err < 5e-3):
                         bad.append((layer + " bwd", M, err))
             flops = 2 * M * N * Kd
-            bwd_rows.append(dict(layer=layer, M=M, cublas_us=tb_cublas, ours_us=tb_ours, torch_us=tb_torch,
+            bwd_rows.append(dict(layer=layer, M=M, cublas_us=tb_cublas, ours_us=tb_ours, torch_us=tb_torch, hyb_us=tb_hyb,
                                  vs_cublas=tb_cublas / tb_ours, tflops=flops / tb_ours / 1e6,
                                  cublas_tflops=flops / tb_cublas / 1e6, cfg=cfg.short(), err=err))
             print(f"{layer:24s} BWD M={M} cuBLAS {tb_cublas:9.1f} ours {tb_ours:9.1f} torch {tb_torch:9.1f} us | "
@@ -211,19 +217,19 @@ def main() -> None:
     md = [f"Device: {dev.name} ({dev.multi_processor_count} SMs, L2 {l2 >> 20} MiB); torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}. Measured ceilings: copy {bw:.2f} TB/s (read+write), "
           f"bf16 matmul {peak:.0f} TFLOP/s.", "",
-          "| layer (N×K) | M | cuBLAS bf16 µs | NVFP4 ours µs | PyTorch deq+mm µs | ours vs cuBLAS | ours vs PyTorch "
-          "| ours TB/s | ours TFLOP/s | cuBLAS TB/s | floor µs | config |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| layer (N×K) | M | cuBLAS bf16 µs | NVFP4 fused µs | PyTorch deq+mm µs | fused vs cuBLAS | fused vs PyTorch "
+          "| fused TB/s | fused TFLOP/s | cuBLAS TB/s | floor µs | our deq kernel+cuBLAS µs | config |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['layer']} | {r['M']} | {r['cublas_us']:.1f} | {r['ours_us']:.1f} | {r['torch_us']:.0f} | "
                   f"{r['vs_cublas']:.2f}× | {r['vs_torch']:.1f}× | {r['tbs']:.2f} | {r['tflops']:.0f} | "
-                  f"{r['cublas_tbs']:.2f} | {r['floor_us']:.1f} | {r['cfg']} |")
+                  f"{r['cublas_tbs']:.2f} | {r['floor_us']:.1f} | {r['hyb_us']:.0f} | {r['cfg']} |")
     md += ["", "Backward dx = dy · W, M = 2048:", "",
-           "| layer (N×K) | cuBLAS bf16 µs | NVFP4 ours µs | PyTorch deq+mm µs | ours vs cuBLAS | ours TFLOP/s "
-           "| cuBLAS TFLOP/s | config |", "|---|---|---|---|---|---|---|---|"]
+           "| layer (N×K) | cuBLAS bf16 µs | NVFP4 fused µs | PyTorch deq+mm µs | fused vs cuBLAS | fused TFLOP/s "
+           "| cuBLAS TFLOP/s | our deq kernel+cuBLAS µs | config |", "|---|---|---|---|---|---|---|---|---|"]
     for r in bwd_rows:
         md.append(f"| {r['layer']} | {r['cublas_us']:.1f} | {r['ours_us']:.1f} | {r['torch_us']:.0f} | "
-                  f"{r['vs_cublas']:.2f}× | {r['tflops']:.0f} | {r['cublas_tflops']:.0f} | {r['cfg']} |")
+                  f"{r['vs_cublas']:.2f}× | {r['tflops']:.0f} | {r['cublas_tflops']:.0f} | {r['hyb_us']:.0f} | {r['cfg']} |")
     text = "\n".join(md)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.md"), "w") as f:

@@ -141,6 +141,14 @@ def _dequant(words, sbytes, dtype: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _perm_cols(x):
+    """[R, C] natural columns -> tile order: kappa = j * C/8 + g holds column 8g + j."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, [R, C // 8, 8]), (0, 2, 1)), [R, C])
+
+
+@triton.jit
 def _unperm_cols(x):
     """[R, C] tile-order columns (kappa = j * C/8 + g) back to natural order (column 8g + j)."""
     R: tl.constexpr = x.shape[0]
@@ -163,17 +171,17 @@ def nvfp4_fwd_kernel(
     M, N, K, stride_xm, stride_ym, stride_wn, stride_sn, split_k,
     HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, X_GATHER: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, X_MODE: tl.constexpr,
 ):
     """y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W dequantized tile by tile in registers.
 
     SWAP_AB computes y^T = W @ x^T so that the weight rows fill the MMA's 64-row side and a decode batch
     of 1..64 tokens is the narrow side (no wasted tensor-core rows, weights streamed once).
-    x must meet W in _dequant's tile column order. X_GATHER: the kernel loads x tiles with permuted
-    addresses (2-byte loads; cheap for decode-sized M); else the caller permuted x once (permute_x_cols) and
-    tiles go global -> shared by cp.async untouched. Either way the decoded W tile feeds the wgmma A
-    registers directly (SASS: no STS/LDSM for W); permuting x tiles in registers instead made Triton route
-    W through shared memory.
+    x must meet W in _dequant's tile column order (X_MODE): 0 = the caller permuted x once (permute_x_cols),
+    tiles go global -> shared by cp.async untouched; 1 = gathered with permuted addresses (2-byte loads, not
+    pipelined); 2 = loaded contiguously and permuted in registers. With 0 and 1 the decoded W tile feeds the
+    wgmma A registers directly (SASS: no STS/LDSM for W); with 2 Triton routes W through shared memory,
+    but x loads stay pipelined (fastest at M <= 16 on H200).
     SPLIT (split_k > 1 programs along grid axis 1): program (tile, k) writes an fp32 partial; the last program of a tile (counter) sums the
     partials in fixed order (deterministic) and resets the counter, so one launch does it all.
     """
@@ -193,7 +201,7 @@ def nvfp4_fwd_kernel(
     ar_s = tl.arange(0, BLOCK_K // 16)
     w_base = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + ar_w[None, :]
     s_base = s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + ar_s[None, :]
-    if X_GATHER:  # x straight in tile column order: kappa = j * BK/8 + g reads column 8g + j
+    if X_MODE == 1:  # x straight in tile column order: kappa = j * BK/8 + g reads column 8g + j
         x_col = 8 * (ar_k % (BLOCK_K // 8)) + ar_k // (BLOCK_K // 8)
     else:
         x_col = ar_k
@@ -218,6 +226,8 @@ def nvfp4_fwd_kernel(
             sb = tl.load(s_base + k0 // 16, mask=n_mask[:, None] & (ar_s[None, :] < KS - k0 // 16), other=0)
             xa = tl.load(x_base + k0, mask=m_mask[:, None] & (x_col[None, :] < K - k0), other=0.0)
         w = _dequant(words, sb, dtype, USE_ASM)  # [BLOCK_N, BLOCK_K], tile column order
+        if X_MODE == 2:
+            xa = _perm_cols(xa)
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(xa), acc)
         else:
@@ -298,12 +308,12 @@ def nvfp4_bwd_kernel(
 @triton.jit
 def nvfp4_quant_kernel(
     w_ptr, gs_ptr, q_ptr, s_ptr, N, K, stride_wn,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, OBS_BF16: tl.constexpr, RECIP6: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, OBS_BF16: tl.constexpr,
 ):
     """Bit-exact twin of qerl.quant.nvfp4.quantize given the global scale (one pass over W).
 
-    OBS_BF16: bf16 weights round amax/6 in bf16 (the observer dtype). RECIP6: torch on CUDA divides by the
-    Python scalar 6 as a multiply by fp32(1/6); on the CPU it divides. All other divisions are IEEE (div_rn).
+    OBS_BF16: bf16 weights round amax/6 in bf16 (the observer dtype). Every division is IEEE (div_rn), as
+    torch's on both devices: a multiply by fp32(1/6) instead flips 2033 of 1M block scales of an fp16 weight.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -314,10 +324,7 @@ def nvfp4_quant_kernel(
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
     w = tl.reshape(w.to(tl.float32), [BLOCK_R, BLOCK_C // 16, 16])
     amax = tl.max(tl.abs(w), axis=2)
-    if RECIP6:
-        q = amax * 0.16666667163372040  # fp32(1/6)
-    else:
-        q = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    q = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
     if OBS_BF16:  # round to bf16, nearest-even, with integer ops (the interpreter's cast truncates)
         qb = q.to(tl.int32, bitcast=True)
         q = ((qb + 0x7FFF + ((qb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
@@ -338,3 +345,24 @@ def nvfp4_quant_kernel(
     sc = pid_c * (BLOCK_C // 16) + tl.arange(0, BLOCK_C // 16)
     tl.store(s_ptr + rows.to(tl.int64)[:, None] * (K // 16) + sc[None, :], code.to(tl.uint8),
              mask=r_mask[:, None] & (sc[None, :] < K // 16))
+
+
+@triton.jit
+def nvfp4_dequant_kernel(
+    w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """W[N, K] = e2m1 * scale / global_scale in out's dtype (bf16/fp16), one pass: the fast replacement for
+    the PyTorch dequantize (LoRA merges, exports, the dequant+cuBLAS comparison in the benchmark)."""
+    dtype = out_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c0 = tl.program_id(1) * BLOCK_C
+    cw = c0 // 8 + tl.arange(0, BLOCK_C // 8)
+    cs = c0 // 16 + tl.arange(0, BLOCK_C // 16)
+    r_mask = rows[:, None] < N
+    rr = rows.to(tl.int64)[:, None]
+    words = tl.load(w_ptr + rr * stride_wn + cw[None, :], mask=r_mask & (cw[None, :] < K // 8), other=0)
+    sb = tl.load(s_ptr + rr * stride_sn + cs[None, :], mask=r_mask & (cs[None, :] < K // 16), other=0)
+    w = _unperm_cols(_dequant(words, sb, dtype, USE_ASM).to(tl.float32) * (128.0 / tl.load(gs_ptr)))
+    cols = c0 + tl.arange(0, BLOCK_C)
+    tl.store(out_ptr + rr * K + cols[None, :], w.to(dtype), mask=r_mask & (cols[None, :] < K))

@@ -34,11 +34,11 @@ class Config:
     swap_ab: bool = False
     split_k: int | None = None  # None: chosen from the shape to fill the GPU
     group_m: int = 8
-    x_pre: bool = False  # fwd: permute x once per call (one copy, cp.async-able tiles) instead of gathering
+    x_mode: str = "tile"  # fwd, how x meets W's tile column order: "pre" (one copy per call), "gather", "tile"
 
 
     def short(self) -> str:
-        s = f"{'xpre ' if self.x_pre else ''}{'swap ' if self.swap_ab else ''}{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps}s{self.num_stages}"
+        s = f"x{self.x_mode} {'swap ' if self.swap_ab else ''}{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps}s{self.num_stages}"
         return s + (f" sk{self.split_k}" if self.split_k else "")
 
 
@@ -52,11 +52,11 @@ DECODE_CONFIGS = [
 # Prefill / training forward (large M): dequant cost per weight tile is amortized over block_m tokens; 4-warp
 # tiles leave room for 2 CTAs per SM, so one CTA's dequant overlaps the other's tensor-core work.
 PREFILL_CONFIGS = [
-    Config(128, 128, 64, 4, 3, x_pre=True),
-    Config(128, 128, 64, 4, 3, swap_ab=True, x_pre=True),
-    Config(128, 256, 64, 8, 3, swap_ab=True, x_pre=True),
-    Config(256, 128, 64, 8, 3, x_pre=True),
-    Config(64, 128, 64, 4, 4, x_pre=True),
+    Config(128, 128, 64, 4, 3, x_mode="pre"),
+    Config(128, 128, 64, 4, 3, swap_ab=True, x_mode="pre"),
+    Config(128, 256, 64, 8, 3, swap_ab=True, x_mode="pre"),
+    Config(256, 128, 64, 8, 3, x_mode="pre"),
+    Config(64, 128, 64, 4, 4, x_mode="pre"),
 ]
 # Backward dx = dy @ W (block_n = reduction over weight rows, block_k = output columns).
 BWD_CONFIGS = [
@@ -181,7 +181,7 @@ def permute_x_cols(x2: torch.Tensor, block_k: int) -> torch.Tensor:
 
 def _candidates(kind: str, M: int, N: int, K: int) -> list[Config]:
     """What the autotuner times: the config lists, decode ones at every useful split-K (a runtime
-    argument: no extra compiles), with x gathered in-kernel or permuted per call."""
+    argument: no extra compiles), with each way of putting x in tile column order."""
     if kind == "bwd":
         return BWD_CONFIGS if M > 64 else [_heuristic_bwd(M, N, K)]
     if M > DECODE_MAX_M:
@@ -189,11 +189,11 @@ def _candidates(kind: str, M: int, N: int, K: int) -> list[Config]:
     out = []
     for c in DECODE_CONFIGS:
         k_iters = triton.cdiv(K, c.block_k)
-        splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if s == 1 or 2 * s <= k_iters]
+        splits = [s for s in (1, 2, 4, 8, 12, 16) if s == 1 or 2 * s <= k_iters]
         for sk in splits:
             out.append(dataclasses.replace(c, split_k=sk))
             if M > 16:
-                out.append(dataclasses.replace(c, split_k=sk, x_pre=True))
+                out.append(dataclasses.replace(c, split_k=sk, x_mode="pre"))
     return out
 
 
@@ -251,8 +251,8 @@ def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config
     def run(cfg: Config, asm: bool = True) -> None:
         cfg = _resolve_fwd(cfg, M, N, K, x2.device)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        x_pre = cfg.x_pre and K % cfg.block_k == 0
-        xk = permute_x_cols(x2, cfg.block_k) if x_pre else x2
+        mode = cfg.x_mode if (cfg.x_mode != "pre" or K % cfg.block_k == 0) else "gather"
+        xk = permute_x_cols(x2, cfg.block_k) if mode == "pre" else x2
         if cfg.split_k > 1:
             ws = torch.empty(cfg.split_k * M * N, dtype=torch.float32, device=x2.device)
             cnt = _counters(x2.device, tiles)
@@ -263,7 +263,7 @@ def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config
             M, N, K, xk.stride(0), y.stride(0), words.stride(0), sbytes.stride(0), cfg.split_k,
             HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SPLIT=cfg.split_k > 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            EVEN_K=K % cfg.block_k == 0, USE_ASM=asm, X_GATHER=not x_pre,
+            EVEN_K=K % cfg.block_k == 0, USE_ASM=asm, X_MODE={"pre": 0, "gather": 1, "tile": 2}[mode],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -300,6 +300,23 @@ def grad_input(dy2, packed, scale, gs, *, out=None, config: Config | None = None
     return dx
 
 
+def dequantize(packed, scale, gs, dtype=torch.bfloat16, *, use_asm: bool | None = None) -> torch.Tensor:
+    """W [N, K] in dtype from NVFP4, one Triton pass (vs ~10 PyTorch kernels in the codec's dequantize)."""
+    N, K = _check_weight(packed, scale, gs)
+    out = torch.empty(N, K, dtype=dtype, device=packed.device)
+    words = packed.contiguous().view(torch.int32)
+    sbytes = scale.contiguous().view(torch.uint8)
+    block_c = 256 if K % 256 == 0 else 128
+
+    def run(cfg, asm: bool = True) -> None:
+        _tk.nvfp4_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K, block_c))](
+            words, sbytes, gs.reshape(1), out, N, K, words.stride(0), sbytes.stride(0),
+            BLOCK_R=32, BLOCK_C=block_c, USE_ASM=asm, num_warps=4)
+
+    _launch(run, None, use_asm)
+    return out
+
+
 def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None):
     """(weight_packed, weight_scale, weight_global_scale), bit-exact with qerl.quant.nvfp4.quantize."""
     from qerl.quant import nvfp4 as codec  # lazy: qerl.quant may import this package
@@ -325,7 +342,7 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None):
     grid = (triton.cdiv(N, block_r), triton.cdiv(K, block_c))
     _tk.nvfp4_quant_kernel[grid](
         w, gs, packed, scales, N, K, w.stride(0),
-        BLOCK_R=block_r, BLOCK_C=block_c, OBS_BF16=obs_bf16, RECIP6=w.is_cuda, num_warps=4,
+        BLOCK_R=block_r, BLOCK_C=block_c, OBS_BF16=obs_bf16, num_warps=4,
     )
     return packed, scales.view(torch.float8_e4m3fn), gs
 

@@ -220,8 +220,9 @@ LINEAR_CASES = [  # (M, config): swap / plain, split-K, ragged N=72 and K=112 (n
     (33, K.Config(16, 32, 64, 4, 1, split_k=1)),
     (20, K.Config(32, 16, 64, 4, 1, split_k=2)),
     (40, K.Config(32, 16, 64, 4, 1, swap_ab=True, split_k=1)),
-    (6, K.Config(16, 32, 32, 4, 1, swap_ab=True, split_k=2, x_pre=True)),  # K=112: ragged -> gather
-    (17, K.Config(16, 16, 16, 4, 1, split_k=1, x_pre=True)),  # K % 16 == 0: x permuted on the host
+    (6, K.Config(16, 32, 32, 4, 1, swap_ab=True, split_k=2, x_mode="pre")),  # K=112 ragged: falls back to gather
+    (17, K.Config(16, 16, 16, 4, 1, split_k=1, x_mode="pre")),  # K % 16 == 0: x permuted on the host
+    (5, K.Config(16, 32, 64, 4, 1, swap_ab=True, split_k=1, x_mode="gather")),
 ]
 
 
@@ -258,6 +259,12 @@ def test_autograd_interp(interp):
     assert rel_err(y, x.detach().double() @ w64.T + b.detach().double()) < 1e-3
     assert rel_err(x.grad, dy.double() @ w64) < 1e-3
     assert rel_err(b.grad, dy.double().sum((0, 1))) < 1e-3
+
+
+def test_dequantize_interp(interp):
+    p, s, gs = quantize_ref(make_weight("heavy", 19, 144, torch.float32))
+    ours = K.dequantize(p, s, gs, torch.float16)
+    torch.testing.assert_close(ours.double(), weight_fp64(p, s, gs).half().double(), rtol=2**-10, atol=0)
 
 
 def test_reference_fallback_fp32():
@@ -337,7 +344,8 @@ def test_every_fwd_config_gpu(gpu_weights, cfg, nk):
     p, s, gs, w64 = gpu_weights[nk]
     decode = cfg in K.DECODE_CONFIGS
     for M in ([1, 37] if decode else [300]):
-        for c in ([cfg, dataclasses.replace(cfg, x_pre=True, split_k=3)] if decode else [cfg]):
+        variants = [cfg, dataclasses.replace(cfg, x_mode="pre", split_k=3), dataclasses.replace(cfg, x_mode="gather")]
+        for c in (variants if decode else [cfg]):
             x = torch.randn(M, nk[1], device="cuda").bfloat16()
             y = torch.full((M, nk[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
             K.linear_forward(x, p, s, gs, out=y, config=c)
@@ -371,6 +379,14 @@ def test_fp16_and_pure_triton_path_gpu(gpu_weights, use_asm, M):
         dx = torch.full((M, 272), float("nan"), device="cuda", dtype=dtype)
         K.grad_input(dy, p, s, gs, out=dx, use_asm=use_asm)
         assert rel_err(dx, dy.double() @ w64) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@gpu
+def test_dequantize_gpu(gpu_weights):
+    for nk in [(1000, 272), (4608, 3584)]:
+        p, s, gs, w64 = gpu_weights[nk]
+        torch.testing.assert_close(K.dequantize(p, s, gs).double(), w64.bfloat16().double(), rtol=2**-8, atol=0)
 
 
 @pytest.mark.gpu
