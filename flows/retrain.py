@@ -77,11 +77,11 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
                                                                 "promoted": promoted})
         if promoted:
             registry.promote(version)
-            verdict = (f"promoted {registry.name} version {version} to {CHAMPION}: {EVAL_METRIC} {candidate:.4f} > "
-                       f"{scores['champion']:.4f} (champion version {champion_version}) + {min_improvement}")
+            verdict = (f"promoted {registry.name} version {version} to {CHAMPION}: {EVAL_METRIC} {candidate:.4f} beats "
+                       f"version {champion_version}'s {scores['champion']:.4f} by more than {min_improvement:+g}")
         else:
             verdict = (f"kept {CHAMPION} version {champion_version}: candidate version {version} {EVAL_METRIC} "
-                       f"{candidate:.4f} does not beat {scores['champion']:.4f} + {min_improvement}")
+                       f"{candidate:.4f} does not beat {scores['champion']:.4f} by more than {min_improvement:+g}")
         logger.info(verdict)
         tracker.set_tags({"promoted": promoted, "model_version": version, "verdict": verdict})
         tracker.log_metrics({"promoted": float(promoted)}, step=outcome.steps)

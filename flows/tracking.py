@@ -59,6 +59,14 @@ def probe(uri: str, timeout: float = 3.0) -> None:
                                       f"not writable")
 
 
+def _local_artifact_root(uri: str) -> str | None:
+    """Artifacts of a SQLite store live next to the database (MLflow would use ./mlruns of whichever folder the first
+    run started in); servers keep their own default."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+
+
 def _clean_key(key: str) -> str:
     return _BAD_KEY_CHARS.sub("_", key.replace("@", "_at_"))
 
@@ -86,7 +94,8 @@ class MlflowTracker:
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment, artifact_location=_local_artifact_root(tracking_uri))
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
         self.run_id = run.info.run_id
         self.artifact_uri = run.info.artifact_uri

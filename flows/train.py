@@ -22,6 +22,7 @@ from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tr
 from qerl.config import ConfigError, Settings, load_settings
 from tasks import (build_trainer, collect_rollouts, evaluate, export_adapter, generate_rollouts, grpo_update,
                    quantize_checkpoint, score_rewards)
+from tasks.quantize import is_complete
 
 QUANTIZED_ROOT = "runs/quantized"  # quantized bases, one folder per (source, scheme, codec version), shared by runs
 EVAL_METRIC = "accuracy"  # what "better" means when the retrain flow compares adapters (higher is better)
@@ -56,6 +57,8 @@ def with_quantized_base(settings: Settings, quantized_root: str) -> Settings:
     if q.scheme == "bf16" or q.quantized_path:
         return settings
     folder = quantize_checkpoint(settings.model.path, q.scheme, quantized_root)
+    if not is_complete(folder):  # cached, but the folder was deleted since: quantize again
+        folder = quantize_checkpoint.with_options(refresh_cache=True)(settings.model.path, q.scheme, quantized_root)
     return dataclasses.replace(settings, quant=dataclasses.replace(q, quantized_path=folder))
 
 

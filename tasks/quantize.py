@@ -1,14 +1,13 @@
 """`quantize_checkpoint`: the frozen base, quantized once per (source, scheme, codec version) and reused.
 
 Prefect caches the result (the output folder's path) under that key, and the folder's name carries the key too, so an
-unchanged quantization is never recomputed, in this flow run or the next.
+unchanged quantization is never recomputed, in this flow run or the next. A cached path whose folder was deleted since
+is the caller's to refresh (`flows.train.with_quantized_base` does).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 from pathlib import Path
 
 from prefect import task
@@ -44,14 +43,13 @@ def quantized_dir(model_path: str, scheme: str, out_root: str) -> Path:
     return Path(out_root) / f"{src.stem}-{scheme}-{key}"
 
 
-def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file()  # written last: the folder appears by an atomic rename
+def _cache_key(context, inputs: dict) -> str:
+    return "quantize-" + quantized_dir(inputs["model_path"], inputs["scheme"], inputs["out_root"]).name
 
 
-def _cache_key(context, inputs: dict) -> str | None:
-    dst = quantized_dir(inputs["model_path"], inputs["scheme"], inputs["out_root"])
-    # A cached path whose folder was deleted would hand training a missing model: no key means "run the task".
-    return f"quantize-{dst.name}" if _is_complete(dst) else None
+def is_complete(folder: str | Path) -> bool:
+    """A finished quantized folder (the core writes it atomically: config.json is there only when all is)."""
+    return (Path(folder) / "config.json").is_file()
 
 
 @task(name="quantize-checkpoint", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient,
@@ -62,14 +60,6 @@ def quantize_checkpoint(model_path: str, scheme: str, out_root: str = "runs/quan
     from qerl.quant.checkpoint import quantize_checkpoint as quantize
 
     dst = quantized_dir(model_path, scheme, out_root)
-    if _is_complete(dst):
-        return str(dst)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        quantize(resolve_model(model_path), tmp, scheme)
-        os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not is_complete(dst):  # e.g. a fresh Prefect home has no record of a folder made earlier
+        quantize(resolve_model(model_path), dst, scheme, progress=False)
     return str(dst)

@@ -55,17 +55,7 @@ def collect_rollouts(trainer):
 @task(name="grpo-update", **_IN_PROCESS)
 def grpo_update(trainer, batch) -> dict[str, float]:
     """The policy-gradient update of the LoRA weights; logs the step's metrics and checkpoints when due."""
-    s = trainer.settings.train
-    if not batch.examples:  # dynamic sampling found no informative group: the step passes without an update
-        trainer.step += 1
-        trainer.scheduler.step()
-        metrics = {"step": trainer.step, "skipped": 1.0, "sigma": batch.sigma}
-    else:
-        metrics = trainer.update(batch)
-    trainer.log_metrics(metrics)
-    if trainer.step % s.save_every == 0 or trainer.step == s.steps:
-        trainer.save_checkpoint()
-    return metrics
+    return trainer.finish_step(batch)
 
 
 @task(name="export-adapter", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)

@@ -1,0 +1,134 @@
+"""Fast checks of the pipeline's declarative parts and small helpers: params files, dvc.yaml, prefect.yaml, the DVC
+stage helpers, the quantization cache key, the retry and promotion rules."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl.config import load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _flat(path: str) -> dict:
+    return load_settings(ROOT / path).to_flat_dict()
+
+
+def test_bf16_lora_params_differ_from_the_default_only_in_the_base():
+    """The two runs `mlflow ui` compares must be the same experiment but for the quantized base and AQN."""
+    default, bf16 = _flat("params/default.yaml"), _flat("params/bf16_lora.yaml")
+    differing = {k for k in default if default[k] != bf16[k]}
+    allowed = {"quant.scheme", "aqn.enabled", "train.out_dir", "eval.out_dir", "tracking.backend"}
+    assert {"quant.scheme", "aqn.enabled"} <= differing <= allowed
+    assert bf16["quant.scheme"] == "bf16" and bf16["aqn.enabled"] is False
+
+
+def test_tiny_params_are_tiny():
+    s = load_settings(ROOT / "params/tiny.yaml")
+    assert s.model.path == "embedded" and s.train.steps <= 2 and s.train.eval_every >= 1
+    assert s.rollout.prompts_per_step * s.rollout.group_size <= 4 and s.rollout.max_new_tokens <= 16
+    assert s.eval.n <= 4 and s.tracking.backend == "mlflow"
+
+
+def _dvc_params(stage: dict) -> list[str]:
+    keys = []
+    for entry in stage.get("params", []):
+        for file, names in entry.items():
+            assert file == "params/default.yaml", "DVC stages read the default params file, named explicitly"
+            keys += names
+    return keys
+
+
+@pytest.mark.parametrize("params_file", ["params/default.yaml", "params/tiny.yaml"])
+def test_dvc_params_exist_in_the_params_files(params_file):
+    """DVC refuses to run a stage whose tracked parameter is missing from the file (it does not know qerl's
+    defaults); tiny.yaml stands in for default.yaml in the DVC test, so both must spell out every tracked key."""
+    raw = yaml.safe_load((ROOT / params_file).read_text())
+    for name, stage in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
+        for key in _dvc_params(stage):
+            node = raw
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"stage {name}: {key} is not set in {params_file}"
+                node = node[part]
+
+
+def test_dvc_pipeline_is_valid():
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    listed = subprocess.run(["dvc", "stage", "list"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["prepare", "quantize", "train", "evaluate"]
+    dag = subprocess.run(["dvc", "dag", "--dot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert dag.returncode == 0, dag.stderr
+    for edge in ('"prepare" -> "train"', '"quantize" -> "train"', '"train" -> "evaluate"'):
+        assert edge in dag.stdout
+
+
+def test_prefect_yaml_deployments():
+    config = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in config["deployments"]}
+    assert set(deployments) == {"train-embedded", "retrain-nightly"}
+    assert "schedules" not in deployments["train-embedded"]  # on demand
+    assert deployments["retrain-nightly"]["schedules"][0]["cron"]
+    for d in deployments.values():
+        assert d["work_pool"]["name"] == "qerl-process"
+        module, _, name = d["entrypoint"].partition(":")
+        flow = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), name)
+        assert set(d["parameters"]) <= set(flow.parameters.properties)
+
+
+def test_prepare_writes_what_training_reads(tmp_path):
+    from flows.stages import curves, prepare
+    from qerl import data
+
+    settings = load_settings(ROOT / "params/tiny.yaml")
+    written = prepare(settings, tmp_path)
+    generated = data.arithmetic_task("train", settings.data.n, digits=2, operators="+-")
+    loaded = data.load_dataset(str(written["train"]))
+    assert [(e.question, e.gold) for e in loaded] == [(e.question, e.gold) for e in generated]
+    assert len(data.load_dataset(str(written["test"]))) == settings.eval.n
+
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text('{"step": 1, "reward_mean": 0.0}\n{"step": 2, "reward_mean": 0.5, "sigma": 0.01}\n')
+    rows = list(csv.DictReader(curves(jsonl, tmp_path / "curves.csv").open()))
+    assert rows[1] == {"step": "2", "reward_mean": "0.5", "sigma": "0.01"} and rows[0]["sigma"] == ""
+
+
+def test_quantization_cache_key(tmp_path):
+    pytest.importorskip("prefect")
+    from tasks.quantize import code_version, quantized_dir
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    first = quantized_dir(str(model), "nvfp4", "runs/q")
+    assert first == quantized_dir(str(model), "nvfp4", "runs/q") and first.parent == Path("runs/q")
+    assert first.name.startswith("model-nvfp4-")
+    assert quantized_dir(str(model), "mxfp4", "runs/q") != first
+    time.sleep(0.01)
+    (model / "config.json").write_text("{ }")  # a rewritten source is a new key
+    assert quantized_dir(str(model), "nvfp4", "runs/q") != first
+    assert code_version() == code_version() and len(code_version()) == 12
+
+
+def test_retry_only_transient_faults():
+    pytest.importorskip("prefect")
+    from tasks.retry import is_transient
+
+    assert is_transient(ConnectionResetError()) and is_transient(TimeoutError()) and is_transient(OSError(5, "EIO"))
+    assert not is_transient(FileNotFoundError()) and not is_transient(ValueError()) and not is_transient(KeyError())
+
+
+def test_promotion_rule():
+    pytest.importorskip("prefect")
+    from flows.retrain import beats
+
+    assert beats(0.6, 0.5) and not beats(0.5, 0.5) and not beats(0.4, 0.5)
+    assert not beats(0.55, 0.5, min_improvement=0.1) and beats(0.0, 0.0, min_improvement=-1)

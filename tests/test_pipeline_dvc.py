@@ -1,0 +1,74 @@
+"""`dvc repro` on a fresh `git clone` of this repository (committed files only), with params/tiny.yaml standing in for
+params/default.yaml; then `dvc metrics show`, `dvc plots show` and a one-parameter `dvc exp run -S`.
+
+Slow on 2 cores (three stages load SmolLM2-135M): marked `slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("dvc")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "qerl-test", "GIT_AUTHOR_EMAIL": "test@qerl",
+       "GIT_COMMITTER_NAME": "qerl-test", "GIT_COMMITTER_EMAIL": "test@qerl"}
+
+
+def run(repo: Path, *cmd: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=repo, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def repro(tmp_path_factory):
+    """A clone with the tiny parameter set, reproduced once for the whole module."""
+    repo = tmp_path_factory.mktemp("dvc") / "qerl"
+    run(ROOT, "git", "clone", "--quiet", str(ROOT), str(repo))
+    shutil.copy(ROOT / "params" / "tiny.yaml", repo / "params" / "default.yaml")
+    return repo, run(repo, "dvc", "repro")
+
+
+def test_repro_runs_every_stage_and_tracks_outputs_with_dvc(repro):
+    repo, proc = repro
+    for stage in ("prepare", "quantize", "train", "evaluate"):
+        assert f"Running stage '{stage}'" in proc.stdout
+    metrics = json.loads((repo / "runs/dvc/eval/metrics.json").read_text())
+    assert metrics["num_examples"] == 4 and 0 <= metrics["accuracy"] <= 1
+    assert (repo / "runs/dvc/train/adapter/adapter_model.safetensors").is_file()
+    assert len((repo / "runs/dvc/train/curves.csv").read_text().splitlines()) == 1 + 2  # header + 2 steps
+
+    lock = (repo / "dvc.lock").read_text()
+    for out in ("runs/dvc/train/adapter", "runs/dvc/train/checkpoints", "runs/dvc/quantized", "data/prepared"):
+        assert f"path: {out}" in lock  # hashed by DVC, content in .dvc/cache
+    status = run(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout
+    assert "runs/" not in status and "data/prepared" not in status  # git sees none of the outputs
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+
+
+def test_metrics_and_plots_show(repro):
+    repo, _ = repro
+    shown = json.loads(run(repo, "dvc", "metrics", "show", "--json").stdout)
+    assert "accuracy" in json.dumps(shown)
+    plots = run(repo, "dvc", "plots", "show", "--json").stdout
+    assert "reward_mean" in plots and "reward_curve.png" in plots
+    run(repo, "dvc", "plots", "show", "-o", "plots-html")
+    assert (repo / "plots-html" / "index.html").is_file()
+
+
+def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro):
+    repo, _ = repro
+    proc = run(repo, "dvc", "exp", "run", "-S", "params/default.yaml:eval.max_new_tokens=8")
+    assert "Running stage 'evaluate'" in proc.stdout
+    assert "Running stage 'train'" not in proc.stdout and "Running stage 'quantize'" not in proc.stdout
+    table = run(repo, "dvc", "exp", "show", "--csv").stdout
+    assert "eval.max_new_tokens" in table.splitlines()[0] and ",8," in table

@@ -1,0 +1,217 @@
+"""The orchestration end to end, with real components: a Prefect server on loopback and a process worker, the
+`train-embedded` deployment of prefect.yaml run through the `prefect` CLI on params/tiny.yaml, its MLflow run and
+registry version, then the retrain flow's promote and keep paths on that champion.
+
+Slow on 2 cores (each flow loads SmolLM2-135M and generates): marked `slow`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prefect")
+pytest.importorskip("mlflow")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "params" / "tiny.yaml")
+POOL = "qerl-process"  # the work pool prefect.yaml names
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict, log: Path, request) -> subprocess.Popen:
+    """A child in its own process group, killed (group and all) when the fixture's scope ends."""
+    out = log.open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        out.close()
+
+    request.addfinalizer(stop)
+    return proc
+
+
+def tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+@dataclass
+class Stack:
+    api_url: str
+    env: dict
+    tmp: Path
+    tracking_uri: str
+    quantized_root: str
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, request):
+    """Prefect server (temporary PREFECT_HOME, SQLite) + an MLflow SQLite store, visible to this process and to
+    every child. The scheduler service is off so the nightly cron deployment never fires during a test."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    tmp = tmp_path_factory.mktemp("pipeline")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    tracking_uri = f"sqlite:///{tmp}/mlflow.db"
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": api_url,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
+           "MLFLOW_TRACKING_URI": tracking_uri, "PWD": str(ROOT)}  # PWD: prefect.yaml's working directory
+    log = tmp / "server.log"
+    server = start(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log, request)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"Prefect server did not come up:\n{tail(log)}")
+        time.sleep(1)
+    mp = pytest.MonkeyPatch()
+    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+        mp.setenv(key, env[key])
+    request.addfinalizer(mp.undo)
+    with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_HOME: env["PREFECT_HOME"]}):
+        yield Stack(api_url, env, tmp, tracking_uri, str(tmp / "quantized"))
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all()  # send what this process still holds before the server goes away
+        EventsWorker.drain_all()
+
+
+def prefect(stack: Stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["prefect", "--no-prompt", *args], cwd=ROOT, env=stack.env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def deployed_run(stack, request):
+    """`prefect deploy --all`, a worker, and `prefect deployment run 'qerl-train/train-embedded' --watch`."""
+    created = prefect(stack, "work-pool", "create", POOL, "--type", "process")
+    assert created.returncode == 0, created.stdout + created.stderr
+    deployed = prefect(stack, "deploy", "--all")
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    assert "qerl-retrain/retrain-nightly" in deployed.stdout
+    log = stack.tmp / "worker.log"
+    start(["prefect", "worker", "start", "--pool", POOL, "--type", "process"], stack.env, log, request)
+    out_dir = stack.tmp / "runs" / "deployed"
+    run = prefect(stack, "deployment", "run", "qerl-train/train-embedded", "--param", f"params={TINY}",
+                  "--param", f"out_dir={out_dir}", "--param", f"quantized_root={stack.quantized_root}",
+                  "--watch", "--watch-timeout", "1500", timeout=1600)
+    return run, out_dir, log
+
+
+def test_deployment_run_completes_with_an_mlflow_run(stack, deployed_run):
+    from mlflow import MlflowClient
+
+    run, out_dir, worker_log = deployed_run
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n--- worker ---\n{tail(worker_log, 80)}"
+    assert "Completed" in run.stdout
+    assert (out_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+    client = MlflowClient(stack.tracking_uri)
+    experiment = client.get_experiment_by_name("qerl")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`qerl.flow` = 'train'")
+    assert len(runs) == 1
+    mlrun = runs[0]
+    assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == "nvfp4-aqn"
+    assert mlrun.data.params["rollout.group_size"] == "2" and mlrun.data.params["aqn.enabled"] == "True"
+    rewards = client.get_metric_history(mlrun.info.run_id, "reward_mean")
+    assert [m.step for m in rewards] == [1, 2]
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "eval/accuracy")] == [1, 2]
+    assert {"entropy", "sigma", "eval/accuracy"} <= set(mlrun.data.metrics)
+    adapter = {f.path for f in client.list_artifacts(mlrun.info.run_id, "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= adapter
+    plots = {f.path for f in client.list_artifacts(mlrun.info.run_id, "plots")}
+    assert {"plots/reward_curve.png", "plots/training_curves.png"} <= plots
+    assert {f.path for f in client.list_artifacts(mlrun.info.run_id, "eval")} == {"eval/samples.json"}
+
+    champion = client.get_model_version_by_alias("qerl-adapter", "champion")  # the first version becomes champion
+    assert champion.run_id == mlrun.info.run_id and "eval.accuracy" in champion.tags
+
+
+def _task_states(flow_run_id) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
+
+
+@pytest.fixture(scope="module")
+def incoming(stack):
+    """A 'new data' drop for the retrain flow: the newest *.jsonl in the folder is what it trains on."""
+    from flows.stages import prepare
+    from qerl.config import load_settings
+
+    folder = stack.tmp / "incoming"
+    written = prepare(load_settings(TINY, ["data.seed=1"]), stack.tmp / "prepared")
+    folder.mkdir()
+    (folder / "old.jsonl").write_text("not read: an older file\n")
+    time.sleep(0.01)
+    newest = folder / "new.jsonl"
+    newest.write_text(written["train"].read_text())
+    return folder, newest
+
+
+@pytest.mark.parametrize("min_improvement, promoted", [(-1.0, True), (1.0, False)], ids=["promote", "keep"])
+def test_retrain_promotes_only_a_better_adapter(stack, deployed_run, incoming, min_improvement, promoted):
+    """The margin makes "beats" certain: accuracies lie in [0, 1], so -1 always promotes and +1 never does."""
+    from mlflow import MlflowClient
+
+    from flows.retrain import retrain
+
+    assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
+    client = MlflowClient(stack.tracking_uri)
+    before = client.get_model_version_by_alias("qerl-adapter", "champion")
+    folder, newest = incoming
+    state = retrain(params=TINY, overrides=["train.steps=1"], data_dir=str(folder), min_improvement=min_improvement,
+                    out_dir=str(stack.tmp / "runs" / f"retrain-{promoted}"), quantized_root=stack.quantized_root,
+                    return_state=True)
+    result = state.result()
+    after = client.get_model_version_by_alias("qerl-adapter", "champion")
+
+    assert result["promoted"] is promoted
+    assert result["previous_champion_version"] == str(before.version)
+    assert (str(after.version) == result["candidate_version"]) is promoted
+    assert (after.version == before.version) is not promoted
+    assert ("promoted" if promoted else "kept champion") in result["verdict"]
+    mlrun = client.get_run(result["run_id"])
+    assert mlrun.data.tags["promoted"] == str(promoted) and mlrun.data.tags["data"] == str(newest)
+    assert mlrun.data.tags["parent_version"] == str(before.version)
+    assert "champion_eval/accuracy" in mlrun.data.metrics and "eval/accuracy" in mlrun.data.metrics
+    candidate = client.get_model_version("qerl-adapter", result["candidate_version"])
+    assert candidate.tags["promoted"] == str(promoted)
+    # the base was quantized by the deployment run: this flow run took it from Prefect's cache
+    assert _task_states(state.state_details.flow_run_id)["quantize-checkpoint"] == "Cached"
