@@ -236,6 +236,10 @@ def main() -> None:
         f.write(text + "\n")
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(dict(rows=rows, bwd=bwd_rows, copy_tbs=bw, mm_tflops=peak, device=dev.name), f, indent=1)
+    with open(os.path.join(args.out, "tuned.py"), "w") as f:  # winners, pasted into kernels/nvfp4.py _TABLE
+        for (kind, mb, n, k, _), c in sorted(K._TUNED.items(), key=lambda kv: kv[0][:4]):
+            f.write(f"    ({kind!r}, {mb}, {n}, {k}): Config({c.block_m}, {c.block_n}, {c.block_k}, {c.num_warps}, "
+                    f"{c.num_stages}, swap_ab={c.swap_ab}, split_k={c.split_k}, x_mode={c.x_mode!r}),\n")
     with open(os.path.join(args.out, "tune.txt"), "w") as f:
         for key, res in K.TUNE_LOG.items():
             f.write(f"{key[0]} M<={key[1]} N={key[2]} K={key[3]}: "

@@ -160,6 +160,19 @@ def _tune(key: tuple, candidates: list[Config], run) -> Config:
     return best
 
 
+# Autotuned winners for Qwen2.5-7B/32B layer shapes on an H200 (benchmarks/bench_kernels.py --tune writes
+# them), keyed by (kind, M bucket, N, K); other M use the nearest tuned bucket above, other shapes _heuristic_*.
+_TABLE: dict[tuple[str, int, int, int], Config] = {}
+_TABLE_MS = (1, 16, 64, 256, 2048, 8192)
+
+
+def _table(kind: str, M: int, N: int, K: int) -> Config | None:
+    mb = next((b for b in _TABLE_MS if b >= M), _TABLE_MS[-1])
+    if kind == "bwd":
+        mb = 2048 if M > 64 else mb
+    return _TABLE.get((kind, mb, N, K))
+
+
 def _pick(kind: str, M: int, N: int, K: int, dtype: torch.dtype, run) -> Config:
     key = (kind, _m_bucket(M), N, K, dtype)
     cfg = _TUNED.get(key)
@@ -168,6 +181,9 @@ def _pick(kind: str, M: int, N: int, K: int, dtype: torch.dtype, run) -> Config:
     if _AUTOTUNE and not interpreting() and not _capturing():
         cfg = _tune(key, _candidates(kind, M, N, K), run)
         _TUNED[key] = cfg
+        return cfg
+    cfg = _table(kind, M, N, K) if not interpreting() else None
+    if cfg is not None:
         return cfg
     return _heuristic_fwd(M, N, K) if kind == "fwd" else _heuristic_bwd(M, N, K)
 
@@ -191,9 +207,8 @@ def _candidates(kind: str, M: int, N: int, K: int) -> list[Config]:
         k_iters = triton.cdiv(K, c.block_k)
         splits = [s for s in (1, 2, 4, 8, 12, 16) if s == 1 or 2 * s <= k_iters]
         for sk in splits:
-            out.append(dataclasses.replace(c, split_k=sk))
-            if M > 16:
-                out.append(dataclasses.replace(c, split_k=sk, x_mode="pre"))
+            for mode in ("tile", "pre", "gather") if M <= 16 else ("tile", "pre"):
+                out.append(dataclasses.replace(c, split_k=sk, x_mode=mode))
     return out
 
 
