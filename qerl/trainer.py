@@ -119,6 +119,10 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         seed_everything(s.train.seed)
 
+        d = s.data  # data first: a bad dataset fails in a second, not after a model load
+        examples = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
+                                     operators=d.operators, steps=d.steps)
+        self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         if model is None:
             model, tokenizer = load_base_model(s.model, s.quant)
         self.model, self.tokenizer = model, tokenizer
@@ -134,10 +138,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: lr_lambda(i, o.warmup_steps, s.train.steps, o.schedule, o.min_lr_ratio))
 
-        d = s.data
-        examples = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
-                                     operators=d.operators, steps=d.steps)
-        self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
         self.aqn = AQNSchedule(s.aqn.sigma_start or 1e-12, s.aqn.sigma_end or 1e-12, s.aqn.num_stages, s.train.steps)

@@ -252,3 +252,12 @@ def test_sampler_resumes_exactly_across_epoch_boundaries():
 
     with pytest.raises(ValueError, match="10 examples"):
         PromptSampler(examples[:9], batch_size=4).load_state_dict(state)
+
+
+def test_arithmetic_without_n_takes_the_whole_small_split():
+    from qerl.data import load_dataset
+
+    train = load_dataset("arithmetic", split="train", n=None, digits=1)
+    test = load_dataset("arithmetic", split="test", n=None, digits=1)
+    assert len(train) + len(test) == 9 * 9 * 2  # every 1-digit a+b and a-b, split by hash
+    assert len(load_dataset("arithmetic", split="train", n=None)) == 1000  # larger spaces are capped
