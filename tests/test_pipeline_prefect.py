@@ -215,3 +215,17 @@ def test_retrain_promotes_only_a_better_adapter(stack, deployed_run, incoming, m
     assert candidate.tags["promoted"] == str(promoted)
     # the base was quantized by the deployment run: this flow run took it from Prefect's cache
     assert _task_states(state.state_details.flow_run_id)["quantize-checkpoint"] == "Cached"
+
+
+def test_evaluate_flow_scores_the_champion(stack, deployed_run):
+    from mlflow import MlflowClient
+
+    from flows.evaluate import evaluate
+
+    assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
+    out = stack.tmp / "runs" / "eval-champion"
+    result = evaluate(params=TINY, alias="champion", out_dir=str(out), limit=2, quantized_root=stack.quantized_root)
+    assert result["metrics"]["num_examples"] == 2 and (out / "metrics.json").is_file()
+    assert Path(result["adapter"], "adapter_model.safetensors").is_file()  # downloaded from the registry
+    mlrun = MlflowClient(stack.tracking_uri).get_run(result["run_id"])
+    assert mlrun.data.tags["qerl.flow"] == "evaluate" and "eval/accuracy" in mlrun.data.metrics
