@@ -1,0 +1,164 @@
+"""One full GRPO step on random-weight Qwen2.5 shapes: peak GPU memory and seconds per phase.
+
+    PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b,14b --schemes nvfp4,bf16 --out DIR
+
+The step, phase by phase as `qerl.trainer.Trainer` runs it (driven directly: no dataset or tokenizer needed):
+rollout of 8 prompts x 8 samples (256-token prompts, exactly 1024 new tokens, temperature 1, AQN noise in the
+norms) on a `RolloutEngine`; dummy rewards -> group advantages; then one DAPO update of the LoRA adapters
+(r=16, all linears) with gradient checkpointing, micro-batched, `qerl.grpo.policy_loss` on
+`selective_log_softmax` of the training forward, AdamW step. The engine's KV cache stays allocated through the
+update (as in the trainer, so its graphs survive to the next step): the peak includes it. Graph capture is a
+one-off per run and reported apart. Results: DIR/grpo_step.jsonl and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_rollout import build_model, free_cuda, random_prompts  # noqa: E402
+from qerl import grpo  # noqa: E402
+from qerl.aqn import NoiseInjector  # noqa: E402
+from qerl.engine import RolloutEngine  # noqa: E402
+
+GIB = 2**30
+
+
+def sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_len: int = 256, new: int = 1024,
+              micro: int = 4, sigma: float = 1e-2, temperature: float = 1.0) -> dict:
+    r: dict = {"model": name, "scheme": scheme, "rows": prompts * group, "prompt": prompt_len, "new": new,
+               "micro_batch": micro}
+    torch.cuda.reset_peak_memory_stats()
+    t0 = sync_time()
+    model = build_model(name, scheme)
+    r["build_s"] = sync_time() - t0
+    r["weights_gib"] = torch.cuda.memory_allocated() / GIB
+    params = [p for p in model.parameters() if p.requires_grad]
+    r["lora_params_m"] = sum(p.numel() for p in params) / 1e6
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    model.gradient_checkpointing = True
+    rows = prompts * group
+    engine = RolloutEngine(model)
+    noise = NoiseInjector(model)
+
+    t0 = sync_time()
+    engine.prepare(rows, prompt_len, new)  # once per run: KV cache + decode graphs
+    r["capture_s"] = sync_time() - t0
+    r["kv_gib"] = engine.memory_bytes() / GIB
+
+    # Rollout (AQN noise written into the norm weights in place, removed afterwards).
+    ps = [p for p in random_prompts(prompts, prompt_len, model.config.vocab_size, seed=1) for _ in range(group)]
+    torch.cuda.reset_peak_memory_stats()
+    t0 = sync_time()
+    with noise.noisy(sigma, seed=1):
+        out = engine.generate(None, ps, new, temperature=temperature, eos_token_ids=[], seed=0)
+    r["rollout_s"] = sync_time() - t0
+    r["rollout_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    r["rollout_tok_s"] = rows * new / r["rollout_s"]
+
+    # Scoring stand-in: random rewards, group-normalized advantages.
+    rewards = torch.rand(rows, generator=torch.Generator().manual_seed(0))
+    dev = engine.device
+    adv = grpo.group_advantages(rewards, group).to(dev)
+
+    # Update: micro-batched DAPO loss over the completion tokens, one optimizer step.
+    torch.cuda.reset_peak_memory_stats()
+    t0 = sync_time()
+    ids = torch.tensor([p + c for p, c in zip(out.prompt_ids, out.completion_ids)], device=dev)
+    attn = torch.ones_like(ids)
+    mask = torch.ones(rows, new, device=dev)
+    rollout_logp = torch.stack(out.logprobs).to(dev)
+    cfg = grpo.LossConfig(loss_type="dapo")
+    count = float(mask.sum())
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    gaps = []
+    for i in range(0, rows, micro):
+        m = slice(i, i + micro)
+        logits = model(ids[m], attention_mask=attn[m], logits_to_keep=new + 1)[:, :-1].float() / temperature
+        logp = grpo.selective_log_softmax(logits, ids[m, prompt_len:])
+        loss, metrics = grpo.policy_loss(logp, None, adv[m], mask[m], cfg, rollout_logp=rollout_logp[m],
+                                         token_normalizer=count)
+        loss.backward()
+        gaps.append(metrics["rollout_logp_gap/mean"])
+        del logits, logp, loss
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    model.eval()
+    r["update_s"] = sync_time() - t0
+    r["update_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    r["reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    r["update_tok_s"] = rows * (prompt_len + new) / r["update_s"]
+    r["step_s"] = r["rollout_s"] + r["update_s"]
+    r["peak_gib"] = max(r["rollout_peak_gib"], r["update_peak_gib"])
+    # |rollout log-prob - training log-prob|: engine vs training forward, plus the AQN noise the rollout saw.
+    r["rollout_logp_gap"] = sum(gaps) / len(gaps)
+    r["sigma"] = sigma
+    engine.free()
+    del model, engine, optimizer, params, out
+    free_cuda()
+    return r
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | base | weights GiB | KV GiB | capture s | rollout s (tok/s) | update s | step s | "
+             "peak GiB (rollout / update) | reserved GiB | logp gap |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['scheme']} | {r['weights_gib']:.1f} | {r['kv_gib']:.1f} | "
+                     f"{r['capture_s']:.1f} | {r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['update_s']:.1f} | "
+                     f"{r['step_s']:.1f} | {r['rollout_peak_gib']:.1f} / {r['update_peak_gib']:.1f} | "
+                     f"{r['reserved_gib']:.1f} | {r['rollout_logp_gap']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="7b,14b")
+    ap.add_argument("--schemes", default="nvfp4,bf16")
+    ap.add_argument("--new", type=int, default=1024)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--sigma", type=float, default=1e-2)
+    ap.add_argument("--out", default="outputs/bench")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import kernels
+
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    print(f"device {torch.cuda.get_device_name()} ({total:.0f} GiB) | NVFP4 Triton kernels "
+          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'}", flush=True)
+    rows = []
+    with open(os.path.join(args.out, "grpo_step.jsonl"), "a") as log:
+        for name in args.models.split(","):
+            for scheme in args.schemes.split(","):
+                try:
+                    r = grpo_step(name, scheme, new=args.new, micro=args.micro, sigma=args.sigma)
+                except torch.OutOfMemoryError as e:
+                    print(f"[{name} {scheme}] out of memory: {str(e).splitlines()[0]}", flush=True)
+                    free_cuda()
+                    continue
+                except Exception as e:
+                    print(f"[{name} {scheme}] FAILED {type(e).__name__}: {e}", flush=True)
+                    free_cuda()
+                    continue
+                rows.append(r)
+                log.write(json.dumps(r) + "\n")
+                log.flush()
+                print(f"[{name} {scheme}] " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                                          for k, v in r.items()), flush=True)
+    print("\n" + table(rows))
+
+
+if __name__ == "__main__":
+    main()

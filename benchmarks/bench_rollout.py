@@ -1,0 +1,244 @@
+"""Rollout throughput of qerl's engine (bf16+LoRA, NVFP4+LoRA) on random-weight Qwen2.5 shapes, with Hugging Face
+`generate` (bf16, eager) as the outside anchor.
+
+    PYTHONPATH=. python3 benchmarks/bench_rollout.py --models 7b,32b --batches 8,32,64,128 --new 256,1024 \
+        [--long-batches 64] [--hf] [--plain] --out DIR [--budget SECONDS]
+
+Every row generates exactly `new` tokens (EOS ignored), from 256-token random prompts, temperature 1. Tokens/s =
+batch * new / wall time of one `RolloutEngine.generate` call, prefill included, after `engine.prepare` (graph
+capture is a one-off per engine, reported separately). Results: DIR/rollout.jsonl and a markdown table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from qerl.engine import RolloutEngine  # noqa: E402
+from qerl.lora import LoraSettings, apply_lora  # noqa: E402
+from qerl.model import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: E402
+from qerl.quant.linear import quantize_model  # noqa: E402
+
+# Published shapes (shared/notes/model-shapes.md); Qwen2 = bias on q/k/v, GQA, SwiGLU, rope theta 1e6.
+SHAPES = {
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+}
+
+
+DEVICE = "cuda"
+
+
+def hf_config(name: str) -> dict:
+    return {"model_type": "qwen2", "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+            "tie_word_embeddings": False, **SHAPES[name]}
+
+
+@torch.no_grad()
+def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda", seed: int = 0) -> Transformer:
+    """Random-weight model of a published shape, bf16, decoder linears in `scheme` ("bf16" | "nvfp4"), LoRA on
+    all of them. Built layer by layer (each quantized as soon as it exists), so a 32B model never sits in bf16
+    on the GPU: peak = the quantized model + one bf16 layer."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_hf(hf_config(name))
+    model = Transformer.from_config(cfg, dtype=torch.bfloat16, device="meta")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            model.lm_head.weight.normal_(0, cfg.hidden_size ** -0.5)
+            model.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            for i in range(cfg.num_hidden_layers):
+                layer = DecoderLayer(cfg)  # nn.Linear's default (kaiming-uniform) init
+                if scheme == "nvfp4":
+                    quantize_model(layer, "nvfp4", pattern=r".")  # q/k/v and gate/up share global scales
+                model.model.layers[i] = layer
+    finally:
+        torch.set_default_dtype(previous)
+    model.model.rotary_emb.to_empty(device=device)  # recomputes inv_freq on the device
+    if lora_rank:
+        params = apply_lora(model, LoraSettings(rank=lora_rank, alpha=2 * lora_rank), dtype=torch.bfloat16)
+        for p in params:
+            if p.dim() == 2 and p.shape[1] == lora_rank:  # lora_B: non-zero so the update path does real work
+                p.normal_(0, 1e-3)
+    return model.eval()
+
+
+def free_cuda() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def time_engine(engine: RolloutEngine, batch: int, prompt_len: int, new: int, vocab: int) -> dict:
+    t0 = time.perf_counter()
+    engine.prepare(batch, prompt_len, new)
+    capture_s = time.perf_counter() - t0
+    prompts = random_prompts(batch, prompt_len, vocab)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(None, prompts, new, temperature=1.0, eos_token_ids=[], seed=0)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    assert all(len(c) == new for c in out.completion_ids)
+    return {"seconds": seconds, "tokens_per_s": batch * new / seconds, "capture_s": capture_s,
+            "graphs": len(engine.graphs), "use_graphs": engine.use_graphs, "kernels": engine.kernels}
+
+
+def hf_anchor(name: str, batch: int, prompt_len: int, new: int) -> dict:
+    """transformers' own Qwen2 in bf16, eager `generate` (dynamic cache), greedy, fixed length."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    s = SHAPES[name]
+    config = Qwen2Config(hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                         num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+                         num_key_value_heads=s["num_key_value_heads"], vocab_size=s["vocab_size"],
+                         max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=None,
+                         pad_token_id=0, bos_token_id=None)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            model = Qwen2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor(random_prompts(batch, prompt_len, s["vocab_size"]), device=DEVICE)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, do_sample=False, min_new_tokens=None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, **kw)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, **kw)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    made = out.shape[1] - prompt_len
+    del model
+    free_cuda()
+    return {"seconds": seconds, "tokens_per_s": batch * made / seconds, "new": made}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | engine | batch | new tokens | tokens/s | s | vs bf16+LoRA | capture s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    base = {(r["model"], r["batch"], r["new"]): r["tokens_per_s"] for r in rows if r["engine"] == "qerl bf16+LoRA"}
+    for r in rows:
+        ref = base.get((r["model"], r["batch"], r["new"]))
+        ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
+        lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['new']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['seconds']:.2f} | {ratio} | {r.get('capture_s', 0):.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="7b,32b")
+    ap.add_argument("--schemes", default="bf16,nvfp4")
+    ap.add_argument("--batches", default="8,32,64,128")
+    ap.add_argument("--new", default="256,1024")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--hf", action="store_true", help="also time HF generate (first model, batch 64)")
+    ap.add_argument("--hf-new", type=int, default=64)
+    ap.add_argument("--plain", action="store_true", help="also the unfused path (graphs of Transformer.forward)")
+    ap.add_argument("--long-batches", default="", help="batches for the largest --new (default: all)")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds; configs that would not fit are skipped")
+    ap.add_argument("--out", default="outputs/bench")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
+    left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
+    import kernels
+
+    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | NVFP4 Triton kernels "
+          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'}", flush=True)
+    rows: list[dict] = []
+    skipped: list[str] = []
+    batches = [int(b) for b in args.batches.split(",")]
+    news = [int(n) for n in args.new.split(",")]
+    long_batches = [int(b) for b in args.long_batches.split(",")] if args.long_batches else batches
+    configs = [(b, n) for n in news for b in (long_batches if n == max(news) and len(news) > 1 else batches)]
+    # Most important first (the targets are at batch 64), so a short budget still measures them.
+    order = sorted(configs, key=lambda bn: (bn[0] != 64, bn[1], bn[0]))
+    with open(os.path.join(args.out, "rollout.jsonl"), "a") as log:
+        for name in args.models.split(","):
+            for scheme in args.schemes.split(","):
+                if left() < 30:
+                    skipped.append(f"{name} {scheme} (budget)")
+                    continue
+                t0 = time.perf_counter()
+                model = build_model(name, scheme)
+                build_s = time.perf_counter() - t0
+                gib = torch.cuda.memory_allocated() / 2**30
+                print(f"[{name} {scheme}] built in {build_s:.1f} s, {gib:.1f} GiB", flush=True)
+                variants = [("qerl " + ("bf16" if scheme == "bf16" else "NVFP4") + "+LoRA", True)]
+                if args.plain and scheme == "bf16":
+                    variants.append(("qerl bf16+LoRA, unfused", False))
+                per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
+                for label, fused in variants:
+                    engine = RolloutEngine(model, fused=fused)
+                    for batch, new in order if fused else [(64, news[0])]:
+                        if per_step * new * 1.6 + 5 > left():
+                            skipped.append(f"{name} {label} b{batch} x{new} (budget)")
+                            continue
+                        try:
+                            r = time_engine(engine, batch, args.prompt, new, model.config.vocab_size)
+                        except Exception as e:  # keep the other configs
+                            print(f"  {label} b{batch} x{new}: FAILED {type(e).__name__}: {e}", flush=True)
+                            skipped.append(f"{name} {label} b{batch} x{new} (error: {type(e).__name__})")
+                            engine.free()
+                            free_cuda()
+                            engine = RolloutEngine(model, fused=fused)
+                            continue
+                        per_step = max(per_step, r["seconds"] / new)
+                        r.update(model=name, engine=label, batch=batch, new=new, prompt=args.prompt,
+                                 weights_gib=gib, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                                 kv_gib=engine.memory_bytes() / 2**30)
+                        rows.append(r)
+                        log.write(json.dumps(r) + "\n")
+                        log.flush()
+                        print(f"  {label} b{batch} x{new}: {r['tokens_per_s']:,.0f} tok/s ({r['seconds']:.2f} s, "
+                              f"capture {r['capture_s']:.1f} s, graphs={r['use_graphs']}, "
+                              f"fused kernels={r['kernels']})", flush=True)
+                    engine.free()
+                del model, engine
+                free_cuda()
+                torch.cuda.reset_peak_memory_stats()
+        if args.hf:
+            name = args.models.split(",")[0]
+            if left() > 40:
+                try:
+                    r = hf_anchor(name, 64, args.prompt, args.hf_new)
+                    r.update(model=name, engine="HF generate bf16 (eager)", batch=64, prompt=args.prompt)
+                    rows.append(r)
+                    log.write(json.dumps(r) + "\n")
+                    print(f"  HF generate b64 x{r['new']}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
+                except Exception as e:
+                    print(f"  HF anchor FAILED {type(e).__name__}: {e}", flush=True)
+            else:
+                skipped.append("HF anchor (budget)")
+    print("\n" + table(rows))
+    if skipped:
+        print("\nnot run: " + "; ".join(skipped))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,657 @@
+"""Fast rollout engine: static KV cache, CUDA-graph decode steps, sampling on the GPU, compaction of finished rows.
+
+Same contract as `qerl.generate.generate` (a `Rollout`; log-probs = log_softmax(logits / T) of the sampled token;
+stop reasons eos/stop/length), built like gpt-fast:
+
+* One static KV cache per layer, [rows, kv_heads, slots, head_dim], owned by the engine and kept across calls, so
+  captured graphs stay valid. Rows are a power-of-two bucket; slots are rounded up to `window` (256).
+* Prefill runs the model's own forward (eager, row-chunked). Each decode step is one CUDA graph per
+  (batch bucket, KV window): attention reads only the first `window` slots that can hold tokens yet, not the
+  whole cache, so early steps of a long rollout do not pay for its end.
+* The decode step (`fused=True`) is our own short path over the model's modules: fused Triton kernels for
+  residual-add + RMSNorm, RoPE + KV write, SiLU*up, and LoRA as `base(x)` then one `addmm_` (x @ A^T) @ B^T into
+  the base output. That takes a layer from ~75 kernels to ~30; in a graph each tiny kernel still costs a few µs,
+  which at decode sizes is the same order as reading the (NVFP4) weights. Off CUDA the same path calls the
+  model's modules, so CPU runs compute what `Transformer.forward` computes. `fused=False` graphs
+  `Transformer.forward` itself (reference, and for models the short path does not cover).
+* Sampling (`qerl.generate.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization per
+  token. Every `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows
+  to the front of a smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
+* Graphs read LoRA factors, RMSNorm weights (AQN writes noise into them in place) and quantized buffers by
+  address: optimizer steps and `NoiseInjector` are in place, so graphs stay valid across RL steps. If any
+  parameter or buffer moved (e.g. `adapters_disabled` swaps `.data`, a reload), the graphs are recaptured.
+
+The trainer holds one `RolloutEngine` (or calls `generate_fast`, which keeps one per model). The KV cache stays
+allocated between calls (vLLM-style): call `free()` / `release_engine(model)` to hand its memory back.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from qerl.generate import Rollout, StopReason, _decode, _encode, default_eos_ids, sample_tokens
+from qerl.lora import LoraLinear
+from qerl.model import Transformer, apply_rope
+
+try:  # optional: the fused decode kernels (CUDA, or CPU under TRITON_INTERPRET=1 in tests)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - no triton, or a broken install
+    triton = None
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutEngine", "generate_fast", "engine_for", "release_engine"]
+
+_ENGINE_ATTR = "_qerl_rollout_engine"
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+# Each mirrors the PyTorch ops it replaces, including the intermediate roundings to the activation dtype
+# (RMSNorm rounds the normalized x before the weight multiply; RoPE runs in fp32; SiLU rounds before the
+# product), so the fused step stays within ~1 ulp of `Transformer.forward`.
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        """X[row] += R[row] (in place, rounded like a bf16 add), Y[row] = W * rmsnorm(X[row])."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(X + row * N + offs, mask=m, other=0.0)
+        if HAS_RES:
+            r = tl.load(R + row * N + offs, mask=m, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(X + row * N + offs, x, mask=m)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + offs, (w * normed).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rope_cache_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, QW, KW, eps, H, HKV, s_b, s_h, s_s,
+                           D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+        """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        offs = tl.arange(0, HALF)
+        c1 = tl.load(COS + row * D + offs)
+        c2 = tl.load(COS + row * D + HALF + offs)
+        s1 = tl.load(SIN + row * D + offs)
+        s2 = tl.load(SIN + row * D + HALF + offs)
+        if head < H:
+            src = Q + row * H * D + head * D
+            NW = QW
+        else:
+            src = K + row * HKV * D + (head - H) * D
+            NW = KW
+        x1 = tl.load(src + offs)
+        x2 = tl.load(src + HALF + offs)
+        if QK_NORM:  # Qwen3: per-head RMSNorm before RoPE
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+            w1 = tl.load(NW + offs).to(tl.float32)
+            w2 = tl.load(NW + HALF + offs).to(tl.float32)
+            x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+            x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = (f1 * c1 - f2 * s1).to(x1.dtype)
+        o2 = (f2 * c2 + f1 * s2).to(x1.dtype)
+        if head < H:
+            q_out = QO + row * H * D + head * D
+            tl.store(q_out + offs, o1)
+            tl.store(q_out + HALF + offs, o2)
+        else:
+            kvh = head - H
+            at = row.to(tl.int64) * s_b + kvh * s_h + tl.load(SLOT) * s_s  # int64: big caches pass 2**31 elements
+            tl.store(KC + at + offs, o1.to(KC.dtype.element_ty))
+            tl.store(KC + at + HALF + offs, o2.to(KC.dtype.element_ty))
+            v_in = V + row * HKV * D + kvh * D
+            tl.store(VC + at + offs, tl.load(v_in + offs).to(VC.dtype.element_ty))
+            tl.store(VC + at + HALF + offs, tl.load(v_in + HALF + offs).to(VC.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        g = tl.load(G + offs, mask=m, other=0.0)
+        u = tl.load(U + offs, mask=m, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+        tl.store(O + offs, (act * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
+
+
+def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + residual, written into x; weight * rmsnorm(x + residual)) for contiguous [rows, N]."""
+    rows, n = x.shape
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    block = triton.next_power_of_2(n)
+    _add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
+                                 HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return x, out
+
+
+def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> Tensor:
+    """Rotated q [rows, H*D]; rotated k and v written into rows :rows of the caches at slot `slot` [1]."""
+    rows = q.shape[0]
+    out = torch.empty_like(q)
+    norm = q_norm is not None
+    _rope_cache_kernel[(rows, num_heads + num_kv_heads)](
+        q, k, v, cos, sin, out, k_cache, v_cache, slot, q_norm.weight if norm else q, k_norm.weight if norm else q,
+        q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        D=head_dim, HALF=head_dim // 2, QK_NORM=norm, num_warps=1)
+    return out
+
+
+def fused_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    out = torch.empty_like(gate)
+    n, block = gate.numel(), 1024
+    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- cache
+
+
+class _EngineCache(nn.Module):
+    """One layer's engine-owned KV cache, duck-typed as `qerl.model.KVCache` for the model's own forward.
+
+    `window` caps the slots attention reads (the model takes the key length from `k_cache.shape[2]`); `row0`
+    offsets the rows a row-chunked prefill writes.
+    """
+
+    def __init__(self, k: Tensor, v: Tensor):
+        super().__init__()
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", v, persistent=False)
+        self.window, self.row0 = k.shape[2], 0
+
+    @property
+    def k_cache(self) -> Tensor:
+        return self.k[self.row0:, :, :self.window]
+
+    @property
+    def v_cache(self) -> Tensor:
+        return self.v[self.row0:, :, :self.window]
+
+    def update(self, cache_position: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        rows = slice(self.row0, self.row0 + k.shape[0])
+        kc, vc = self.k[rows], self.v[rows]
+        kc.index_copy_(2, cache_position, k.to(kc.dtype))
+        vc.index_copy_(2, cache_position, v.to(vc.dtype))
+        return kc[:, :, :self.window], vc[:, :, :self.window]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+
+
+class RolloutEngine:
+    """Batched sampling for one `Transformer`; keeps its KV cache and captured graphs across calls.
+
+    Args:
+        use_graphs: capture decode steps in CUDA graphs (default: on CUDA).
+        fused: the short decode path (Triton kernels on CUDA) instead of graphing `Transformer.forward`.
+        check_every: steps between host checks (live rows, stop strings, compaction). Up to this many tokens
+            are generated past a stop string before it is noticed; they are discarded.
+        window: granularity of cache slots and of the KV window attention reads.
+        min_bucket: smallest batch bucket (buckets are powers of two; below 8 rows a decode step on a GPU
+            costs the same, so CUDA defaults to 8, the CPU to 1).
+        prefill_tokens: rows per prefill chunk are chosen to keep about this many tokens per forward.
+        max_batch_size, max_seq_len: allocate for at least this much up front (avoids re-allocation and
+            re-capture when later calls are larger).
+    """
+
+    def __init__(self, model: Transformer, *, use_graphs: bool | None = None, fused: bool | None = None,
+                 check_every: int = 16, window: int = 256, min_bucket: int | None = None,
+                 prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0):
+        if not isinstance(model, Transformer):
+            raise TypeError(f"RolloutEngine needs a qerl.model.Transformer, got {type(model).__name__}")
+        if check_every < 1 or window < 1:
+            raise ValueError("check_every and window must be >= 1")
+        self.model = model
+        self.device = model.model.embed_tokens.weight.device
+        cuda = self.device.type == "cuda"
+        dynamic_rope = (model.config.rope_scaling or {}).get("rope_type") == "dynamic"  # syncs on max position
+        self.use_graphs = cuda and not dynamic_rope if use_graphs is None else use_graphs
+        self.fused = True if fused is None else fused
+        head_dim = model.config.head_dim
+        # Triton kernels only where they can run: CUDA, or Triton's CPU interpreter (tests).
+        self.kernels = (self.fused and triton is not None and head_dim % 2 == 0
+                        and (head_dim // 2) & (head_dim // 2 - 1) == 0
+                        and (cuda or _triton_interpreting()))
+        self.check_every, self.window = check_every, window
+        self.min_bucket = min_bucket or (8 if cuda else 1)
+        self.prefill_tokens = prefill_tokens
+        self.reserve = (max_batch_size, max_seq_len)
+        self.caches: list[_EngineCache] | None = None
+        self.cap_rows = self.cap_slots = 0
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self._pool = None
+        self._stream = None
+        self._signature_seen: tuple | None = None
+        self.stats: dict[str, float] = {"captures": 0, "compactions": 0, "steps": 0}
+
+    # ------------------------------------------------------------------------------------------------ memory
+
+    def bucket(self, n: int) -> int:
+        return max(self.min_bucket, 1 << max(0, n - 1).bit_length())
+
+    def _allocate(self, rows: int, slots: int) -> None:
+        """(Re)allocate the cache and static buffers; any captured graph referred to the old ones."""
+        self.free()
+        c, m = self.model.config, self.model
+        dtype, dev = m.model.embed_tokens.weight.dtype, self.device
+        shape = (rows, c.num_key_value_heads, slots, c.head_dim)
+        self.caches = [_EngineCache(torch.zeros(shape, dtype=dtype, device=dev),
+                                    torch.zeros(shape, dtype=dtype, device=dev)) for _ in m.model.layers]
+        self.cap_rows, self.cap_slots = rows, slots
+        self.tok_in = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos_in = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=dev)  # 0 = left padding
+        self.key_slots = torch.arange(slots, device=dev)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.row_map = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.logits_buf = torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev)
+
+    def free(self) -> None:
+        """Drop the KV cache, static buffers and graphs (their memory returns to the allocator)."""
+        self.graphs.clear()
+        self._pool = None
+        self.caches = None
+        self.cap_rows = self.cap_slots = 0
+        for name in ("tok_in", "pos_in", "slot", "valid", "key_slots", "done", "row_map", "logits_buf"):
+            self.__dict__.pop(name, None)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the KV cache and static buffers (graph pools not counted)."""
+        if self.caches is None:
+            return 0
+        tensors = [t for c in self.caches for t in (c.k, c.v)]
+        tensors += [self.tok_in, self.pos_in, self.valid, self.done, self.row_map, self.logits_buf]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _signature(self) -> tuple:
+        """What a captured graph bakes in: the addresses of every parameter and buffer, and LoRA on/off."""
+        m = self.model
+        ptrs = tuple(t.data_ptr() for t in (*m.parameters(), *m.buffers()))
+        return ptrs, tuple(x.enabled for x in m.modules() if isinstance(x, LoraLinear))
+
+    def _install(self, rows: int, slots: int) -> None:
+        need_rows = self.bucket(max(rows, self.reserve[0]))
+        need_slots = _round_up(max(slots, self.reserve[1]), self.window)
+        if self.caches is None or need_rows > self.cap_rows or need_slots > self.cap_slots:
+            self._allocate(max(need_rows, self.cap_rows), max(need_slots, self.cap_slots))
+        for layer in self.model.model.layers:
+            layer.self_attn.kv_cache = None  # ours are installed below; the signature must not see a model cache
+        signature = self._signature()
+        if signature != self._signature_seen:
+            if self.graphs:
+                log.info("model tensors or LoRA switches changed: recapturing rollout graphs")
+            self.graphs.clear()
+            self._signature_seen = signature
+        for layer, cache in zip(self.model.model.layers, self.caches):
+            layer.self_attn.kv_cache = cache
+
+    def _uninstall(self) -> None:
+        for layer in self.model.model.layers:
+            layer.self_attn.kv_cache = None
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def _linear(self, module: nn.Module, x: Tensor) -> Tensor:
+        if self.kernels and isinstance(module, LoraLinear) and module.enabled \
+                and module.lora_B.dtype == x.dtype and x.dim() == 2:
+            # base(x) + s * (x @ A^T) @ B^T: the second product accumulates into the base output (one GEMM
+            # instead of GEMM + scale + add); A and B are read live, so optimizer steps need no recapture.
+            return module.base(x).addmm_(F.linear(x, module.lora_A), module.lora_B.t(), alpha=module.scaling)
+        return module(x)
+
+    def _add_norm(self, x: Tensor, residual: Tensor | None, norm: nn.Module) -> tuple[Tensor, Tensor]:
+        if self.kernels:
+            return fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
+        x = x if residual is None else x + residual
+        return x, norm(x)
+
+    @torch.no_grad()  # also when called directly: in-place LoRA add on a custom-Function output
+    def _decode_fused(self, rows: int, window: int) -> None:
+        """One token for cache rows :rows (inputs in tok_in/pos_in/slot); fp32 logits into logits_buf[:rows]."""
+        m, c = self.model, self.model.config
+        heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        groups = heads // kv_heads
+        cos, sin = m.model.rotary_emb(self.pos_in[:rows])  # [rows, 1, D] fp32
+        cos, sin = cos[:, 0], sin[:, 0]
+        allowed = self.valid[:rows, :window] & (self.key_slots[:window] <= self.slot)  # left padding, causality
+        x = m.model.embed_tokens(self.tok_in[:rows])
+        if self.kernels:  # an additive mask, built once per step instead of once per layer inside SDPA
+            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        else:
+            mask = allowed
+        mask = mask[:, None, None, :]
+        residual = None
+        for layer, cache in zip(m.model.layers, self.caches):
+            attn = layer.self_attn
+            x, h = self._add_norm(x, residual, layer.input_layernorm)
+            q, k, v = self._linear(attn.q_proj, h), self._linear(attn.k_proj, h), self._linear(attn.v_proj, h)
+            if self.kernels:
+                q = fused_rope_cache(q, k, v, cos, sin, self.slot, cache.k, cache.v, heads, kv_heads, dim,
+                                     attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None)
+            else:
+                q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
+                if attn.qk_norm:
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+                cache.k[:rows].index_copy_(2, self.slot, k[:, :, None].to(cache.k.dtype))
+                cache.v[:rows].index_copy_(2, self.slot, v[:, :, None].to(cache.v.dtype))
+            # Query heads of one kv head side by side (as the model folds GQA): no repeat of the cache.
+            out = F.scaled_dot_product_attention(q.view(rows, kv_heads, groups, dim), cache.k[:rows, :, :window],
+                                                 cache.v[:rows, :, :window], attn_mask=mask)
+            residual = self._linear(attn.o_proj, out.reshape(rows, heads * dim))
+            x, h = self._add_norm(x, residual, layer.post_attention_layernorm)
+            mlp = layer.mlp
+            gate, up = self._linear(mlp.gate_proj, h), self._linear(mlp.up_proj, h)
+            act = fused_silu_mul(gate, up) if self.kernels else F.silu(gate) * up
+            residual = self._linear(mlp.down_proj, act)
+        _, h = self._add_norm(x, residual, m.model.norm)
+        self.logits_buf[:rows].copy_(self._linear(m.lm_head, h))
+
+    @torch.no_grad()  # also when called directly: in-place LoRA add on a custom-Function output
+    def _decode_model(self, rows: int, window: int) -> None:
+        """The same step through `Transformer.forward` (reference path)."""
+        for cache in self.caches:
+            cache.window = window
+        logits = self.model(self.tok_in[:rows, None], position_ids=self.pos_in[:rows],
+                            attention_mask=self.valid[:rows, :window], cache_position=self.slot, logits_to_keep=1)
+        self.logits_buf[:rows].copy_(logits[:, -1])
+
+    def _decode_eager(self, rows: int, window: int) -> None:
+        (self._decode_fused if self.fused else self._decode_model)(rows, window)
+
+    def _decode(self, rows: int, window: int) -> None:
+        graph = self.graphs.get((rows, window))
+        if graph is None and self.use_graphs:
+            graph = self._capture(rows, window)
+        if graph is None:
+            self._decode_eager(rows, window)
+        else:
+            graph.replay()
+
+    def _capture(self, rows: int, window: int):
+        """Warm up (same inputs as the coming replay, so its cache writes are idempotent), then capture."""
+        if self._pool is None:
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # first launches compile Triton kernels and create cuBLAS handles
+            self._decode_eager(rows, window)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                self._decode_eager(rows, window)
+        except Exception as e:  # e.g. a layer that syncs or copies from the host: run eagerly from now on
+            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
+            self.use_graphs = False
+            return None
+        self.graphs[(rows, window)] = graph
+        self.stats["captures"] += 1
+        return graph
+
+    def _window(self, slots: int) -> int:
+        return min(self.cap_slots, _round_up(slots, self.window))
+
+    # ------------------------------------------------------------------------------------------------ rollout
+
+    def _prefill(self, ids: Tensor, rows: int, prompt_len: int) -> None:
+        window = self._window(prompt_len)
+        chunk = max(1, self.prefill_tokens // prompt_len)
+        positions = torch.arange(prompt_len, device=self.device)
+        try:
+            for r0 in range(0, rows, chunk):
+                r1 = min(rows, r0 + chunk)
+                for cache in self.caches:
+                    cache.window, cache.row0 = window, r0
+                logits = self.model(ids[r0:r1], attention_mask=self.valid[r0:r1, :window], cache_position=positions,
+                                    logits_to_keep=1)
+                self.logits_buf[r0:r1].copy_(logits[:, -1])
+                del logits
+        finally:
+            for cache in self.caches:
+                cache.row0 = 0
+
+    @torch.no_grad()
+    def prepare(self, batch_size: int, prompt_len: int, max_new_tokens: int, all_buckets: bool = False) -> None:
+        """Allocate and capture ahead of time (benchmarks, or the trainer's first step): a prefill of the
+        bucket's rows (compiles prefill kernels) and the decode graphs of every window the run will reach, for
+        the batch's bucket (and every smaller bucket with `all_buckets`). Leaves garbage in the cache, which
+        every rollout overwrites or masks."""
+        model, was_training = self.model, self.model.training
+        model.eval()
+        try:
+            self._install(batch_size, prompt_len + max_new_tokens)
+            rows = self.bucket(batch_size)
+            self.valid[:rows].fill_(True)
+            self.pos_in[:rows] = prompt_len - 1
+            self._prefill(torch.zeros(rows, prompt_len, dtype=torch.long, device=self.device), rows, prompt_len)
+            buckets = [b for b in (self.bucket(1 << i) for i in range(rows.bit_length())) if b <= rows] \
+                if all_buckets else [rows]
+            windows = sorted({self._window(prompt_len + s + 1) for s in range(max_new_tokens)})
+            for b in sorted(set(buckets)):
+                for w in windows:
+                    self.slot.fill_(w - 1)
+                    if self.use_graphs and (b, w) not in self.graphs:
+                        self._capture(b, w)
+                    elif not self.use_graphs:
+                        self._decode_eager(b, w)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self._uninstall()
+            model.train(was_training)
+
+    @torch.no_grad()
+    def generate(self, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
+                 eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
+                 generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
+        """As `qerl.generate.generate(model, tokenizer, ...)`, on this engine's model."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)
+        stop_strings = tuple(s for s in stop_strings if s)
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+        if seed is not None and generator is not None:
+            raise ValueError("pass either seed or generator, not both")
+
+        model, device = self.model, self.device
+        prompt_ids = _encode(tokenizer, prompts)
+        if seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        eos = list(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model, tokenizer)
+        filler = eos[0] if eos else 0
+        batch, prompt_len = len(prompt_ids), max(map(len, prompt_ids))
+        reasons: list[StopReason] = ["length"] * batch
+        lengths = [max_new_tokens] * batch
+        if max_new_tokens == 0:
+            return Rollout(prompt_ids, [[] for _ in prompt_ids], [_decode(tokenizer, []) for _ in prompt_ids],
+                           [torch.zeros(0) for _ in prompt_ids], reasons)
+
+        was_training = model.training
+        model.eval()  # dropout off: graphs must not bake in a training-mode RNG draw
+        try:
+            self._install(batch, prompt_len + max_new_tokens)
+            tokens, logprobs, first_eos, stop_at = self._run(
+                tokenizer, prompt_ids, prompt_len, max_new_tokens, temperature, top_p, top_k, stop_strings, eos,
+                filler, generator, progress)
+        finally:
+            self._uninstall()
+            model.train(was_training)
+
+        for i in range(batch):
+            e, s = int(first_eos[i]), stop_at.get(i)
+            if s is not None and s < e:
+                lengths[i], reasons[i] = s + 1, "stop"
+            elif e < max_new_tokens:
+                lengths[i], reasons[i] = e + 1, "eos"
+        completion_ids = [tokens[i, :lengths[i]].tolist() for i in range(batch)]
+        return Rollout(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            texts=[_decode(tokenizer, ids) for ids in completion_ids],
+            logprobs=[logprobs[i, :lengths[i]].clone() for i in range(batch)],
+            stop_reasons=reasons,
+        )
+
+    def _run(self, tokenizer, prompt_ids, prompt_len, max_new, temperature, top_p, top_k, stop_strings, eos,
+             filler, generator, progress):
+        """Prefill + decode loop; returns tokens and log-probs [batch, max_new] (CPU), the first EOS step of each
+        row (max_new if none) and {row: step completing a stop string}."""
+        dev, batch = self.device, len(prompt_ids)
+        rows = self.bucket(batch)
+        # Per-call outputs, indexed by original row; row `batch` is where padding rows write.
+        tokens = torch.full((batch + 1, max_new), filler, dtype=torch.long, device=dev)
+        logprobs = torch.zeros((batch + 1, max_new), dtype=torch.float32, device=dev)
+        first_eos = torch.full((batch + 1,), max_new, dtype=torch.long, device=dev)
+        eos_t = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+
+        ids = torch.full((rows, prompt_len), filler, dtype=torch.long)
+        valid = torch.zeros((rows, self.cap_slots), dtype=torch.bool)
+        for i, row in enumerate(prompt_ids):
+            ids[i, prompt_len - len(row):] = torch.tensor(row)
+            valid[i, prompt_len - len(row):prompt_len] = True
+        valid[:, prompt_len:] = True  # generated slots: causality hides them until written
+        lens = torch.tensor([len(r) for r in prompt_ids] + [0] * (rows - batch))
+        self.valid[:rows].copy_(valid)
+        self.pos_in[:rows, 0].copy_(lens - 1)  # +1 before each decode step
+        self.done[:rows].copy_(torch.arange(rows) >= batch)
+        row_host = list(range(batch)) + [batch] * (rows - batch)
+        self.row_map[:rows].copy_(torch.tensor(row_host))
+        self._prefill(ids.to(dev), rows, prompt_len)
+
+        stop_window = max((len(s) for s in stop_strings), default=0) + 8
+        host_tokens: list[list[int]] = [[] for _ in range(batch)]
+        stop_at: dict[int, int] = {}
+        scanned = 0  # steps already copied to host_tokens
+
+        def check(upto: int) -> list[int]:
+            """Sync: scan steps [scanned, upto] for stop strings, return the live slots (in slot order)."""
+            nonlocal scanned
+            done = self.done[:rows].tolist()
+            if stop_strings and upto >= scanned:
+                new = tokens[:batch, scanned:upto + 1].tolist()
+                eos_steps = first_eos[:batch].tolist()
+                for slot, r in enumerate(row_host):
+                    if r == batch:
+                        continue
+                    host_tokens[r].extend(new[r])
+                    if r in stop_at:
+                        continue
+                    for j in range(scanned, min(upto, eos_steps[r] - 1) + 1):
+                        tail = _decode(tokenizer, host_tokens[r][max(0, j + 1 - stop_window):j + 1])
+                        if any(s in tail for s in stop_strings):
+                            stop_at[r] = j
+                            done[slot] = True
+                            break
+                scanned = upto + 1
+                self.done[:rows].copy_(torch.tensor(done))
+            return [s for s in range(rows) if not done[s]]
+
+        step = 0
+        for step in tqdm(range(max_new), desc="generate", unit="tok", disable=not progress):
+            token, logprob = sample_tokens(self.logits_buf[:rows], temperature, top_p, top_k, generator)
+            done, where = self.done[:rows], self.row_map[:rows]
+            token = token.masked_fill(done, filler)
+            tokens[where, step] = token
+            logprobs[where, step] = logprob
+            if eos_t is not None:
+                newly = ~done & torch.isin(token, eos_t)
+                first_eos[where] = torch.where(newly, step, first_eos[where])
+                done |= newly
+            if step + 1 == max_new:
+                break
+            self.tok_in[:rows].copy_(token)
+            if (step + 1) % self.check_every == 0:
+                live = check(step)
+                if not live:
+                    break
+                if self.bucket(len(live)) < rows:
+                    rows = self._compact(live, rows, row_host)
+            self.pos_in[:rows] += 1
+            self.slot.fill_(prompt_len + step)  # the slot of the token sampled at `step`
+            self._decode(rows, self._window(prompt_len + step + 1))
+            self.stats["steps"] += 1
+        if stop_strings:
+            check(step)
+        return tokens[:batch].cpu(), logprobs[:batch].cpu(), first_eos[:batch].cpu(), stop_at
+
+    def _compact(self, live: list[int], rows: int, row_host: list[int]) -> int:
+        """Move live slots to the front of the next bucket; fill it up with finished slots (harmless rows)."""
+        new_rows = self.bucket(len(live))
+        keep = set(live)
+        order = live + [s for s in range(rows) if s not in keep][:new_rows - len(live)]
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        for cache in self.caches:
+            cache.k[:new_rows] = cache.k.index_select(0, idx)
+            cache.v[:new_rows] = cache.v.index_select(0, idx)
+        for buf in (self.tok_in, self.pos_in, self.valid, self.done, self.row_map):
+            buf[:new_rows] = buf.index_select(0, idx)
+        row_host[:] = [row_host[s] for s in order]
+        self.stats["compactions"] += 1
+        return new_rows
+
+
+def _triton_interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------- functions
+
+
+def engine_for(model: Transformer, **kwargs) -> RolloutEngine:
+    """The engine attached to `model` (created with `kwargs` on first use), so repeated calls reuse its graphs."""
+    engine = model.__dict__.get(_ENGINE_ATTR)
+    if engine is None:
+        engine = RolloutEngine(model, **kwargs)
+        object.__setattr__(model, _ENGINE_ATTR, engine)  # a plain attribute, not a submodule
+    return engine
+
+
+def release_engine(model: Transformer) -> None:
+    """Free the KV cache and graphs of the engine attached to `model` (e.g. before a memory-hungry phase)."""
+    engine = model.__dict__.pop(_ENGINE_ATTR, None)
+    if engine is not None:
+        engine.free()
+
+
+def generate_fast(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
+                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
+                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
+                  generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
+    """`qerl.generate.generate` on the model's `RolloutEngine` (graphs and KV cache kept between calls)."""
+    return engine_for(model).generate(tokenizer, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, stop_strings=stop_strings, eos_token_ids=eos_token_ids, seed=seed,
+                                      generator=generator, progress=progress)
