@@ -25,6 +25,7 @@ from torch import Tensor
 from qerl import data, grpo, lora, rewards
 from qerl.aqn import AQNSchedule, NoiseInjector
 from qerl.config import Settings
+from qerl.engine import generate_fast
 from qerl.generate import generate
 from qerl.runtime import load_base_model, seed_everything
 from qerl.tracking import JsonlWriter, NullTracker, Tracker
@@ -176,8 +177,11 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()
+        # On CUDA the engine (static cache, CUDA graphs) keeps its graphs across steps: LoRA updates and AQN noise
+        # are in-place writes the graphs read.
+        sample = generate_fast if self.device.type == "cuda" else generate
         with self.noise.noisy(sigma, noise_seed):
-            out = generate(self.model, self.tokenizer, prompts, max_new_tokens=r.max_new_tokens,
+            out = sample(self.model, self.tokenizer, prompts, max_new_tokens=r.max_new_tokens,
                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_strings=r.stop_strings,
                            seed=self._seed(self.step, round_, 2))
         self.model.train(was_training)
