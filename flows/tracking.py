@@ -1,7 +1,7 @@
 """MLflow behind the core's `Tracker` protocol, plus the model-registry moves the flows make (register, champion alias).
 
-Everything goes through an explicit `MlflowClient` and run id rather than MLflow's fluent API: the fluent "active run" is
-thread-local, and Prefect may run a task on another thread than its flow.
+Everything goes through an explicit `MlflowClient` and run id rather than MLflow's fluent API: the fluent "active run"
+is thread-local, and Prefect may run a task on another thread than its flow.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "params" / "tiny.yaml")
 POOL = "qerl-process"  # the work pool prefect.yaml names
+# The flows after the deployment run need no more than one short step and two eval examples to show their logic.
+QUICK = ["train.steps=1", "eval.n=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8"]
 
 
 def free_port() -> int:
@@ -196,9 +198,9 @@ def test_retrain_promotes_only_a_better_adapter(stack, deployed_run, incoming, m
     client = MlflowClient(stack.tracking_uri)
     before = client.get_model_version_by_alias("qerl-adapter", "champion")
     folder, newest = incoming
-    state = retrain(params=TINY, overrides=["train.steps=1"], data_dir=str(folder), min_improvement=min_improvement,
-                    out_dir=str(stack.tmp / "runs" / f"retrain-{promoted}"), quantized_root=stack.quantized_root,
-                    return_state=True)
+    state = retrain(params=TINY, overrides=QUICK, data_dir=str(folder),
+                    min_improvement=min_improvement, out_dir=str(stack.tmp / "runs" / f"retrain-{promoted}"),
+                    quantized_root=stack.quantized_root, return_state=True)
     result = state.result()
     after = client.get_model_version_by_alias("qerl-adapter", "champion")
 
@@ -224,8 +226,27 @@ def test_evaluate_flow_scores_the_champion(stack, deployed_run):
 
     assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
     out = stack.tmp / "runs" / "eval-champion"
-    result = evaluate(params=TINY, alias="champion", out_dir=str(out), limit=2, quantized_root=stack.quantized_root)
+    result = evaluate(params=TINY, overrides=["eval.max_new_tokens=8"], alias="champion", out_dir=str(out), limit=2,
+                      quantized_root=stack.quantized_root)
     assert result["metrics"]["num_examples"] == 2 and (out / "metrics.json").is_file()
     assert Path(result["adapter"], "adapter_model.safetensors").is_file()  # downloaded from the registry
     mlrun = MlflowClient(stack.tracking_uri).get_run(result["run_id"])
     assert mlrun.data.tags["qerl.flow"] == "evaluate" and "eval/accuracy" in mlrun.data.metrics
+
+
+def test_bf16_lora_run_sits_next_to_the_nvfp4_run(stack, deployed_run):
+    """The baseline of the comparison: same experiment and metric names, told apart by run name and tags."""
+    from mlflow import MlflowClient
+
+    from flows.train import train
+
+    assert deployed_run[0].returncode == 0
+    result = train(params=TINY, overrides=["quant.scheme=bf16", "aqn.enabled=false", *QUICK],
+                   out_dir=str(stack.tmp / "runs" / "bf16"), quantized_root=stack.quantized_root)
+    client = MlflowClient(stack.tracking_uri)
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("qerl").experiment_id], filter_string="tags.`qerl.flow` = 'train'")}
+    assert set(runs) == {"nvfp4-aqn", "bf16-lora"} and runs["bf16-lora"].info.run_id == result["run_id"]
+    assert set(runs["bf16-lora"].data.metrics) == set(runs["nvfp4-aqn"].data.metrics)
+    assert runs["bf16-lora"].data.metrics["sigma"] == 0.0 and runs["bf16-lora"].data.tags["quant.scheme"] == "bf16"
+    assert runs["bf16-lora"].data.params["quant.quantized_path"] == "None"  # nothing quantized for the baseline
