@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from qerl.generate import Rollout, StopReason, _decode, _encode, default_eos_ids, sample_tokens
+from qerl.generate import Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids, sample_tokens
 from qerl.lora import LoraLinear
 from qerl.model import Transformer, apply_rope
 
@@ -469,21 +469,8 @@ class RolloutEngine:
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
         """As `qerl.generate.generate(model, tokenizer, ...)`, on this engine's model."""
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if isinstance(stop_strings, str):
-            stop_strings = (stop_strings,)
-        stop_strings = tuple(s for s in stop_strings if s)
-        if stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer")
-        if seed is not None and generator is not None:
-            raise ValueError("pass either seed or generator, not both")
+        stop_strings = check_sampling_args(max_new_tokens, temperature, top_p, top_k, stop_strings, tokenizer,
+                                           seed, generator)
 
         model, device = self.model, self.device
         prompt_ids = _encode(tokenizer, prompts)

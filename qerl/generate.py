@@ -93,18 +93,10 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
 
-@torch.no_grad()
-def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
-             eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
-             generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
-    """Sample up to `max_new_tokens` per prompt (greedy when temperature == 0).
-
-    Text prompts are tokenized without adding special tokens (they carry their chat template). Rows stop at an EOS id
-    (default: the model config's and the tokenizer's), at the first of `stop_strings` appearing in the decoded
-    completion, or at the length limit. `seed` (or an explicit `generator` on the model's device) makes the samples
-    reproducible; without either, the global RNG is used.
-    """
+def check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                        stop_strings: Sequence[str] | str, tokenizer: Any, seed: int | None,
+                        generator: torch.Generator | None) -> tuple[str, ...]:
+    """Validate `generate`'s sampling arguments (shared with the CUDA engine); returns the non-empty stop strings."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0:
@@ -120,6 +112,23 @@ def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], m
         raise ValueError("stop_strings need a tokenizer")
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator, not both")
+    return stop_strings
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
+             eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
+             generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
+    """Sample up to `max_new_tokens` per prompt (greedy when temperature == 0).
+
+    Text prompts are tokenized without adding special tokens (they carry their chat template). Rows stop at an EOS id
+    (default: the model config's and the tokenizer's), at the first of `stop_strings` appearing in the decoded
+    completion, or at the length limit. `seed` (or an explicit `generator` on the model's device) makes the samples
+    reproducible; without either, the global RNG is used.
+    """
+    stop_strings = check_sampling_args(max_new_tokens, temperature, top_p, top_k, stop_strings, tokenizer, seed,
+                                       generator)
 
     prompt_ids = _encode(tokenizer, prompts)
     device = model.model.embed_tokens.weight.device
