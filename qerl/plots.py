@@ -29,7 +29,7 @@ def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | 
     if not records:
         return []
     steps = [r["step"] for r in records]
-    window = max(1, len(records) // 10)
+    window = max(1, len(records) // 10, min(3, len(records) // 3))  # short runs still get a smoothed line
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
@@ -51,8 +51,11 @@ def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | 
     for ax, (key, label) in zip(axes.flat, present):
         xs = [r["step"] for r in records if key in r]
         ys = [r[key] for r in records if key in r]
-        ax.plot(xs, ys, alpha=0.4)
-        ax.plot(xs, _smooth(ys, window))
+        if key == "sigma":  # a step schedule: smoothing would blur the stage boundaries
+            ax.step(xs, ys, where="post")
+        else:
+            ax.plot(xs, ys, alpha=0.4)
+            ax.plot(xs, _smooth(ys, window))
         ax.set(title=label, xlabel="step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(present):]:

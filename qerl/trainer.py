@@ -320,8 +320,7 @@ class Trainer:
             "seconds_scoring": batch.score_seconds,
             "seconds_update": time.perf_counter() - start,
             "peak_memory_gb": peak_memory_gb(self.device),
-            "kl": 0.0,
-        }
+        }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
         metrics.update({k: v / token_count for k, v in sums.items()})
         metrics.update(batch.extra)
         return metrics

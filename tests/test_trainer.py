@@ -95,7 +95,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 
 def test_one_run_writes_metrics_checkpoints_adapter_and_plots(tmp_path):
-    trainer = make_trainer(tiny_settings(tmp_path), tmp_path / "run")
+    trainer = make_trainer(tiny_settings(tmp_path, grpo={"beta": 0.04}), tmp_path / "run")
     adapter = trainer.train()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
