@@ -502,14 +502,7 @@ class RolloutEngine:
                 lengths[i], reasons[i] = s + 1, "stop"
             elif e < max_new_tokens:
                 lengths[i], reasons[i] = e + 1, "eos"
-        completion_ids = [tokens[i, :lengths[i]].tolist() for i in range(batch)]
-        return Rollout(
-            prompt_ids=prompt_ids,
-            completion_ids=completion_ids,
-            texts=[_decode(tokenizer, ids) for ids in completion_ids],
-            logprobs=[logprobs[i, :lengths[i]].clone() for i in range(batch)],
-            stop_reasons=reasons,
-        )
+        return Rollout.from_padded(tokenizer, prompt_ids, tokens, logprobs, lengths, reasons)
 
     def _run(self, tokenizer, prompt_ids, prompt_len, max_new, temperature, top_p, top_k, stop_strings, eos,
              filler, generator, progress):

@@ -34,6 +34,15 @@ class Rollout:
     logprobs: list[Tensor]
     stop_reasons: list[StopReason]
 
+    @classmethod
+    def from_padded(cls, tokenizer: Any, prompt_ids: list[list[int]], tokens: Tensor, logprobs: Tensor,
+                    lengths: list[int], reasons: list[StopReason]) -> "Rollout":
+        """Cut padded [B, T] sample and log-prob tensors (on the CPU) to each row's length."""
+        completion_ids = [tokens[i, :n].tolist() for i, n in enumerate(lengths)]
+        return cls(prompt_ids=prompt_ids, completion_ids=completion_ids,
+                   texts=[_decode(tokenizer, ids) for ids in completion_ids],
+                   logprobs=[logprobs[i, :n].clone() for i, n in enumerate(lengths)], stop_reasons=reasons)
+
 
 def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
@@ -183,11 +192,4 @@ def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], m
             model.free_kv_cache()  # hand the memory back to the training step
 
     tokens, logprobs = tokens.cpu(), logprobs.cpu()
-    completion_ids = [tokens[i, :lengths[i]].tolist() for i in range(batch)]
-    return Rollout(
-        prompt_ids=prompt_ids,
-        completion_ids=completion_ids,
-        texts=[_decode(tokenizer, ids) for ids in completion_ids],
-        logprobs=[logprobs[i, :lengths[i]].clone() for i in range(batch)],
-        stop_reasons=reasons,
-    )
+    return Rollout.from_padded(tokenizer, prompt_ids, tokens, logprobs, lengths, reasons)
