@@ -141,7 +141,9 @@ class Trainer:
 
         self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
-        self.aqn = AQNSchedule(s.aqn.sigma_start or 1e-12, s.aqn.sigma_end or 1e-12, s.aqn.num_stages, s.train.steps)
+        # No schedule when AQN is off or its sigmas are 0 (config allows both-zero as "off"): sigma() is then 0.
+        noisy = s.aqn.enabled and s.aqn.sigma_start > 0 and s.aqn.sigma_end > 0
+        self.aqn = AQNSchedule(s.aqn.sigma_start, s.aqn.sigma_end, s.aqn.num_stages, s.train.steps) if noisy else None
         self.noise = NoiseInjector(model)
         g = s.grpo
         self.loss_cfg = grpo.LossConfig(loss_type=g.loss_type, epsilon_low=g.epsilon_low,
@@ -161,7 +163,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ phases
 
     def sigma(self, step: int | None = None) -> float:
-        return self.aqn.sigma(self.step if step is None else step) if self.settings.aqn.enabled else 0.0
+        return self.aqn.sigma(self.step if step is None else step) if self.aqn else 0.0
 
     def _seed(self, *parts: int) -> int:
         """A seed that depends only on the run seed and the position in the run, so resuming replays it exactly."""

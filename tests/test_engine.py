@@ -17,6 +17,7 @@ from qerl.engine import RolloutEngine, engine_for, generate_fast, release_engine
 from qerl.generate import Rollout, generate
 from qerl.lora import LoraSettings, adapters_disabled, apply_lora
 from qerl.model import ModelConfig, Transformer
+from tests.reference import policy_logprobs
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -95,12 +96,7 @@ def test_sampled_logprobs_are_the_policy_logprobs_and_seeded():
     out = engine.generate(None, ps, 10, temperature=0.7, top_p=0.9, top_k=20, seed=3, eos_token_ids=[])
     width = max(len(p) + len(c) for p, c in zip(out.prompt_ids, out.completion_ids))
     for prompt, completion, logprobs in zip(out.prompt_ids, out.completion_ids, out.logprobs):
-        seq = prompt + completion
-        ids = torch.tensor([[0] * (width - len(seq)) + seq])
-        mask = torch.tensor([[0] * (width - len(seq)) + [1] * len(seq)])
-        with torch.no_grad():
-            logits = model(ids, attention_mask=mask)[0, -len(completion) - 1:-1].float()
-        expected = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        expected = policy_logprobs(model, prompt, completion, width, 0.7)
         assert torch.allclose(logprobs, expected, atol=1e-4)
     again = engine.generate(None, ps, 10, temperature=0.7, top_p=0.9, top_k=20, seed=3, eos_token_ids=[])
     assert again.completion_ids == out.completion_ids

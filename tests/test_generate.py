@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from qerl.generate import Rollout, generate, sample_tokens
 from qerl.loading import load_model
+from tests.reference import policy_logprobs
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "2 + 2 ="]
 
@@ -36,12 +37,7 @@ def test_logprobs_equal_a_full_forward_at_the_sampled_tokens(tiny):
                    seed=3, eos_token_ids=[])
     width = max(len(p) + len(c) for p, c in zip(out.prompt_ids, out.completion_ids))
     for prompt, completion, logprobs in zip(out.prompt_ids, out.completion_ids, out.logprobs):
-        seq = prompt + completion
-        ids = torch.tensor([[0] * (width - len(seq)) + seq])
-        mask = torch.tensor([[0] * (width - len(seq)) + [1] * len(seq)])
-        with torch.no_grad():
-            logits = model(ids, attention_mask=mask)[0, -len(completion) - 1:-1].float()
-        expected = F.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        expected = policy_logprobs(model, prompt, completion, width, temperature)
         assert logprobs.dtype == torch.float32 and len(logprobs) == len(completion)
         assert torch.allclose(logprobs, expected, atol=1e-4)
 
