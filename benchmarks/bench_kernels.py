@@ -1,11 +1,12 @@
-"""NVFP4 kernels vs cuBLAS bf16 vs plain-PyTorch dequantize-then-matmul, Qwen2.5-7B/32B layer shapes.
+"""NVFP4 GEMM backends vs cuBLAS bf16 vs bitsandbytes NF4, on Qwen2.5-7B/32B shapes and two untuned families.
 
-    PYTHONPATH=. python3 benchmarks/bench_kernels.py [--check] [--tune] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py [--models 7b,32b,llama8b,qwen3-14b] [--m 1,16,...] [--out DIR]
 
-Graph-replay timing (CUDA graphs, median of replays) for cuBLAS and our kernels; event timing for the
-PyTorch path (its codec moves a lookup table to the GPU per call, which a graph cannot capture). Weight
-copies rotate so that each format's working set is >= 3x L2. Prints a markdown table (also written to
-DIR/bench.md, with every autotune candidate's time in DIR/tune.txt).
+Columns, all in one run: cuBLAS bf16 (the baseline), our Triton fused kernel, humming-kernels' GEMM, our
+dequantize + cuBLAS, bitsandbytes NF4 (`bnb.matmul_4bit`, QLoRA's kernel), and what qerl's dispatch picked
+(kernels.dispatch: measured on this GPU, cached). Forward at every M; backward dx = dy W at M = 2048.
+Graph-replay timing (CUDA graphs, median of replays); weight copies rotate so each format's working set is
+>= 3x L2. Prints a markdown table (also DIR/bench.md, DIR/bench.json).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from qerl.quant import nvfp4 as codec  # noqa: E402
 LAYERS = {
     "7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
     "32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gate_up", 55296, 5120), ("down", 5120, 27648)],
+    # never tuned on: the dispatch must generalize to them
+    "llama8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "qwen3-14b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gate_up", 34816, 5120), ("down", 5120, 17408)],
 }
-MS = [1, 16, 64, 256, 2048, 8192]
+MS = [1, 16, 64, 128, 256, 2048]
 
 
 def graph_time_us(fns, target_ms=3.0, replays=10) -> float:
@@ -95,45 +99,35 @@ def ceilings() -> tuple[float, float]:
     return 2 * src.numel() * 4 / us / 1e6, 2 * 8192**3 / us_mm / 1e6
 
 
-def diag_quant() -> None:
-    """Which torch arithmetic does the CUDA reference quantizer follow? (fp32 weights, one real shape)"""
-    from kernels.reference import quantize_ref
-
-    w = torch.randn(4608, 3584, device="cuda") * 0.02
-    ours, ref = K.quantize(w), quantize_ref(w)
-    gs = ref[2]
-    blocks = w.view(4608, -1, 16)
-    amax = blocks.abs().amax(-1)
-    print(f"quant diag: scale bytes differ {(ours[1].view(torch.uint8) != ref[1].view(torch.uint8)).sum().item()}, "
-          f"packed bytes differ {(ours[0] != ref[0]).sum().item()}")
-    for name, q in (("amax*fp32(1/6)", amax * torch.tensor(1 / 6, device="cuda")), ("amax/6 (tensor)", amax / torch.full_like(amax, 6.0)),
-                    ("amax/6 (py)", amax / 6.0)):
-        sc = (gs * q).clamp(-448, 448).to(torch.float8_e4m3fn)
-        sc = torch.where(sc.float() == 0, torch.full_like(sc, 0.125), sc)
-        for dname, v in (("div", blocks / (sc.float() / gs).unsqueeze(-1)), ("mul-recip", blocks * (1 / (sc.float() / gs)).unsqueeze(-1))):
-            packed = codec.pack_e2m1(codec.e2m1_round(v).flatten(-2))
-            print(f"  {name:16s} {dname:9s}: scale!=ref {(sc.view(torch.uint8) != ref[1].view(torch.uint8)).sum().item()}, "
-                  f"packed!=ref {(packed != ref[0]).sum().item()}, packed!=ours {(packed != ours[0]).sum().item()}")
-    t = graph_time_us([lambda: K.quantize(w, gs)])
-    print(f"  quantize 4608x3584 fp32: {t:.1f} us ({w.numel() * 4.56 / t / 1e6:.2f} TB/s)")
-
-
 def copies_for(nbytes: int, l2: int) -> int:
     return max(1, min(32, math.ceil(3 * l2 / nbytes)))
 
 
+def _try(fn) -> float:
+    try:
+        return fn()
+    except Exception as e:  # a missing optional library or a failed capture is a blank cell, not a crash
+        print(f"  ({type(e).__name__}: {str(e)[:160]})", flush=True)
+        return float("nan")
+
+
 def main() -> None:
+    from kernels import dispatch, humming_nvfp4
+    from kernels.gemm import NVFP4Gemm
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true", help="compare every timed output with an fp32 reference")
-    ap.add_argument("--tune", action="store_true", help="autotune each shape over the candidate configs")
-    ap.add_argument("--models", default="7b,32b")
+    ap.add_argument("--models", default="7b,32b,llama8b,qwen3-14b")
     ap.add_argument("--m", default=",".join(map(str, MS)))
-    ap.add_argument("--no-torch", action="store_true", help="skip the dequantize-then-matmul path at M > 64")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--diag", action="store_true", help="quantizer arithmetic diagnosis first")
     args = ap.parse_args()
     assert torch.cuda.is_available() and kernels.available(), "needs CUDA + triton"
-    K.set_autotune(args.tune)
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:
+        bnb = None
+        print(f"bitsandbytes unavailable: {e}")
+    print(f"humming-kernels {humming_nvfp4.version()} usable: {humming_nvfp4.available()} "
+          f"({humming_nvfp4.IMPORT_ERROR})")
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.cuda.get_device_properties(0)
     l2 = dev.L2_cache_size
@@ -141,11 +135,10 @@ def main() -> None:
     print(f"# {dev.name}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"{dev.multi_processor_count} SMs, L2 {l2 >> 20} MiB; copy {bw:.2f} TB/s, bf16 mm {peak:.0f} TFLOP/s",
           flush=True)
-    if args.diag:
-        diag_quant()
     ms_list = [int(m) for m in args.m.split(",")]
-    rows, bwd_rows, bad = [], [], []
+    rows = []
     torch.manual_seed(0)
+    cols = ("cublas", "triton", "humming", "deq_cublas", "bnb", "qerl")
     for model in args.models.split(","):
         for name, N, Kd in LAYERS[model]:
             layer = f"{model} {name} {N}x{Kd}"
@@ -154,98 +147,85 @@ def main() -> None:
             nv = [K.quantize((torch.randn(N, Kd, device="cuda") * 0.02).bfloat16()) for _ in range(max(r_nv, r_bf))]
             wbf = [codec.dequantize(*nv[i], dtype=torch.bfloat16) for i in range(r_bf)]
             nv = nv[:r_nv]
-            for M in ms_list:
-                x = torch.randn(M, Kd, device="cuda", dtype=torch.bfloat16)
+            hum = [NVFP4Gemm(*q, prefer="humming") for q in nv] if humming_nvfp4.available() else []
+            mine = [NVFP4Gemm(*q) for q in nv]  # what qerl runs: layout and backends as the dispatch picks
+            nf4 = []
+            if bnb is not None:
+                for w in wbf[:r_nv]:
+                    packed, state = bnb.functional.quantize_4bit(w, quant_type="nf4", blocksize=64)
+                    nf4.append((packed, state))
+            for M in ms_list + ["bwd"]:
+                bwd = M == "bwd"
+                m = 2048 if bwd else M
+                x = torch.randn(m, N if bwd else Kd, device="cuda", dtype=torch.bfloat16)
+                t = {}
                 with torch.inference_mode():
-                    t_cublas = graph_time_us([lambda w=w: F.linear(x, w) for w in wbf])
-                    t_ours = graph_time_us([lambda q=q: K.linear_forward(x, *q) for q in nv])
-                    t_torch = (event_time_us([lambda q=q: kernels.linear_ref(x, *q) for q in nv[:2]])
-                               if (M <= 64 or not args.no_torch) else float("nan"))
-                    # what a non-fused large-M path would cost: our one-pass dequant kernel, then cuBLAS
-                    t_hyb = (graph_time_us([lambda q=q: F.linear(x, K.dequantize(*q)) for q in nv])
-                             if M >= 256 else float("nan"))
-                    cfg = K._pick("fwd", M, N, Kd, torch.bfloat16, None)
-                    if cfg.swap_ab or cfg.split_k:
-                        cfg = K._resolve_fwd(cfg, M, N, Kd, x.device)
-                    err = float("nan")
-                    if args.check:
+                    if bwd:
+                        t["cublas"] = graph_time_us([lambda w=w: x @ w for w in wbf])
+                        t["triton"] = _try(lambda: graph_time_us([lambda q=q: K.grad_input(x, *q) for q in nv]))
+                        t["deq_cublas"] = _try(lambda: graph_time_us(
+                            [lambda g=g: g.grad_input(x, "dequant_cublas") for g in (hum or mine)]))
+                        t["humming"] = float("nan")
+                        t["qerl"] = graph_time_us([lambda g=g: g.grad_input(x) for g in mine])
+                        pick = mine[0].backend_for("bwd", x)
+                    else:
+                        t["cublas"] = graph_time_us([lambda w=w: F.linear(x, w) for w in wbf])
+                        t["triton"] = _try(lambda: graph_time_us([lambda q=q: K.linear_forward(x, *q) for q in nv]))
+                        t["humming"] = (_try(lambda: graph_time_us([lambda g=g: g.forward(x, "humming") for g in hum]))
+                                        if hum else float("nan"))
+                        t["deq_cublas"] = _try(lambda: graph_time_us(
+                            [lambda g=g: g.forward(x, "dequant_cublas") for g in (hum or mine)]))
+                        t["qerl"] = graph_time_us([lambda g=g: g.forward(x) for g in mine])
+                        pick = mine[0].backend_for("fwd", x)
+                    if nf4:
+                        if bwd:  # QLoRA's backward: dequantize NF4, then matmul (what bnb's MatMul4Bit does)
+                            fn = [lambda p=p, s=s: x @ bnb.functional.dequantize_4bit(p, s) for p, s in nf4]
+                        else:
+                            fn = [lambda p=p, s=s: bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s in nf4]
+                        t["bnb"] = _try(lambda: graph_time_us(fn))
+                        if t["bnb"] != t["bnb"]:
+                            t["bnb"] = _try(lambda: event_time_us(fn, reps=5))
+                    else:
+                        t["bnb"] = float("nan")
+                    if bwd:
+                        ref = x.float() @ codec.dequantize(*nv[0], dtype=torch.float32)
+                        y = mine[0].grad_input(x)
+                    else:
                         ref = x.float() @ codec.dequantize(*nv[0], dtype=torch.float32).T
-                        y = K.linear_forward(x, *nv[0])
-                        err = ((y.float() - ref).norm() / ref.norm()).item()
-                        if not (err < 5e-3):
-                            bad.append((layer, M, err))
-                flops = 2 * M * N * Kd
-                bytes_ours = nv_bytes + 2 * M * (N + Kd)
-                row = dict(layer=layer, M=M, cublas_us=t_cublas, ours_us=t_ours, torch_us=t_torch, hyb_us=t_hyb,
-                           vs_cublas=t_cublas / t_ours, vs_torch=t_torch / t_ours,
-                           tbs=bytes_ours / t_ours / 1e6, tflops=flops / t_ours / 1e6,
-                           cublas_tbs=(2 * N * Kd + 2 * M * (N + Kd)) / t_cublas / 1e6,
-                           cublas_tflops=flops / t_cublas / 1e6,
-                           floor_us=max(bytes_ours / bw / 1e6, flops / peak / 1e6), cfg=cfg.short(), err=err)
+                        y = mine[0].forward(x)
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                flops = 2 * m * N * Kd
+                row = dict(layer=layer, M=str(M), pick=pick, layout=mine[0].layout, err=err,
+                           floor_us=max((nv_bytes + 2 * m * (N + Kd)) / bw / 1e6, flops / peak / 1e6),
+                           **{f"{c}_us": t[c] for c in cols})
+                row["vs_cublas"] = t["cublas"] / t["qerl"]
+                row["vs_bnb"] = t["bnb"] / t["qerl"]
                 rows.append(row)
-                print(f"{layer:24s} M={M:5d} cuBLAS {t_cublas:9.1f} ours {t_ours:9.1f} torch {t_torch:9.1f} us"
-                      f" | x{row['vs_cublas']:.2f} vs cuBLAS, x{row['vs_torch']:.1f} vs torch | "
-                      f"{row['tbs']:.2f} TB/s {row['tflops']:.0f} TF/s | {cfg.short()} err {err:.1e}", flush=True)
-            # backward dx = dy @ W at M = 2048
-            M = 2048
-            dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-            with torch.inference_mode():
-                tb_cublas = graph_time_us([lambda w=w: dy @ w for w in wbf])
-                tb_ours = graph_time_us([lambda q=q: K.grad_input(dy, *q) for q in nv])
-                tb_torch = (event_time_us([lambda q=q: kernels.grad_input_ref(dy, *q) for q in nv[:2]])
-                            if not args.no_torch else float("nan"))
-                tb_hyb = graph_time_us([lambda q=q: dy @ K.dequantize(*q) for q in nv])
-                t_deq = graph_time_us([lambda q=q: K.dequantize(*q) for q in nv])
-                print(f"{layer:24s} dequant kernel {t_deq:.1f} us, {(nv_bytes + 2 * N * Kd) / t_deq / 1e6:.2f} TB/s", flush=True)
-                cfg = K._pick("bwd", M, N, Kd, torch.bfloat16, None)
-                err = float("nan")
-                if args.check:
-                    ref = dy.float() @ codec.dequantize(*nv[0], dtype=torch.float32)
-                    err = ((K.grad_input(dy, *nv[0]).float() - ref).norm() / ref.norm()).item()
-                    if not (err < 5e-3):
-                        bad.append((layer + " bwd", M, err))
-            flops = 2 * M * N * Kd
-            bwd_rows.append(dict(layer=layer, M=M, cublas_us=tb_cublas, ours_us=tb_ours, torch_us=tb_torch, hyb_us=tb_hyb,
-                                 vs_cublas=tb_cublas / tb_ours, tflops=flops / tb_ours / 1e6,
-                                 cublas_tflops=flops / tb_cublas / 1e6, cfg=cfg.short(), err=err))
-            print(f"{layer:24s} BWD M={M} cuBLAS {tb_cublas:9.1f} ours {tb_ours:9.1f} torch {tb_torch:9.1f} us | "
-                  f"x{tb_cublas / tb_ours:.2f} | {flops / tb_ours / 1e6:.0f} TF/s | {cfg.short()} err {err:.1e}",
-                  flush=True)
-            del nv, wbf
+                print(f"{layer:28s} M={M!s:5s} " + " ".join(f"{c} {t[c]:8.1f}" for c in cols)
+                      + f" | x{row['vs_cublas']:.2f} cuBLAS x{row['vs_bnb']:.2f} bnb | {pick} err {err:.1e}", flush=True)
+            del nv, wbf, hum, mine, nf4
             torch.cuda.empty_cache()
 
     md = [f"Device: {dev.name} ({dev.multi_processor_count} SMs, L2 {l2 >> 20} MiB); torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}. Measured ceilings: copy {bw:.2f} TB/s (read+write), "
-          f"bf16 matmul {peak:.0f} TFLOP/s.", "",
-          "| layer (N×K) | M | cuBLAS bf16 µs | NVFP4 fused µs | PyTorch deq+mm µs | fused vs cuBLAS | fused vs PyTorch "
-          "| fused TB/s | fused TFLOP/s | cuBLAS TB/s | floor µs | our deq kernel+cuBLAS µs | config |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          f"triton {__import__('triton').__version__}, humming-kernels {humming_nvfp4.version()}, bitsandbytes "
+          f"{getattr(bnb, '__version__', None)}. Ceilings: copy {bw:.2f} TB/s (read+write), bf16 matmul {peak:.0f} TFLOP/s.",
+          "", "µs per call (CUDA-graph replay, weights rotated past L2); M = bwd is dx = dy·W at M = 2048.", "",
+          "| layer (N×K) | M | cuBLAS bf16 | Triton fused | humming | deq + cuBLAS | bnb NF4 | **qerl** | qerl vs cuBLAS "
+          "| qerl vs bnb | picked (layout) | floor µs |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['layer']} | {r['M']} | {r['cublas_us']:.1f} | {r['ours_us']:.1f} | {r['torch_us']:.0f} | "
-                  f"{r['vs_cublas']:.2f}× | {r['vs_torch']:.1f}× | {r['tbs']:.2f} | {r['tflops']:.0f} | "
-                  f"{r['cublas_tbs']:.2f} | {r['floor_us']:.1f} | {r['hyb_us']:.0f} | {r['cfg']} |")
-    md += ["", "Backward dx = dy · W, M = 2048:", "",
-           "| layer (N×K) | cuBLAS bf16 µs | NVFP4 fused µs | PyTorch deq+mm µs | fused vs cuBLAS | fused TFLOP/s "
-           "| cuBLAS TFLOP/s | our deq kernel+cuBLAS µs | config |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in bwd_rows:
-        md.append(f"| {r['layer']} | {r['cublas_us']:.1f} | {r['ours_us']:.1f} | {r['torch_us']:.0f} | "
-                  f"{r['vs_cublas']:.2f}× | {r['tflops']:.0f} | {r['cublas_tflops']:.0f} | {r['hyb_us']:.0f} | {r['cfg']} |")
+        md.append(f"| {r['layer']} | {r['M']} | {r['cublas_us']:.1f} | {r['triton_us']:.1f} | {r['humming_us']:.1f} | "
+                  f"{r['deq_cublas_us']:.1f} | {r['bnb_us']:.1f} | **{r['qerl_us']:.1f}** | {r['vs_cublas']:.2f}× | "
+                  f"{r['vs_bnb']:.2f}× | {r['pick']} ({r['layout']}) | {r['floor_us']:.1f} |")
     text = "\n".join(md)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(dict(rows=rows, bwd=bwd_rows, copy_tbs=bw, mm_tflops=peak, device=dev.name), f, indent=1)
-    with open(os.path.join(args.out, "tuned.py"), "w") as f:  # winners, pasted into kernels/nvfp4.py _TABLE
-        for (kind, mb, n, k, _), c in sorted(K._TUNED.items(), key=lambda kv: kv[0][:4]):
-            f.write(f"    ({kind!r}, {mb}, {n}, {k}): Config({c.block_m}, {c.block_n}, {c.block_k}, {c.num_warps}, "
-                    f"{c.num_stages}, swap_ab={c.swap_ab}, split_k={c.split_k}, x_mode={c.x_mode!r}),\n")
-    with open(os.path.join(args.out, "tune.txt"), "w") as f:
-        for key, res in K.TUNE_LOG.items():
-            f.write(f"{key[0]} M<={key[1]} N={key[2]} K={key[3]}: "
-                    + ", ".join(f"{c}={ms * 1e3:.1f}us" for c, ms in sorted(res, key=lambda r: r[1])) + "\n")
+        json.dump(dict(rows=rows, copy_tbs=bw, mm_tflops=peak, device=dev.name,
+                       dispatch_env=dispatch.environment_key()), f, indent=1)
     print(text)
-    print(f"inline-PTX dequant in use: {K._ASM_OK}")
+    bad = [(r["layer"], r["M"], r["err"]) for r in rows if not r["err"] < 5e-3]
     if bad:
         print("CHECK FAILED:", bad)
         sys.exit(1)

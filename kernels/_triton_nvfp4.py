@@ -366,3 +366,38 @@ def nvfp4_dequant_kernel(
     w = _unperm_cols(_dequant(words, sb, dtype, USE_ASM).to(tl.float32) * (128.0 / tl.load(gs_ptr)))
     cols = c0 + tl.arange(0, BLOCK_C)
     tl.store(out_ptr + rr * K + cols[None, :], w.to(dtype), mask=r_mask & (cols[None, :] < K))
+
+
+@triton.jit
+def table_layout_dequant_kernel(
+    w_ptr, s_ptr, gs_ptr, code_tbl_ptr, scale_tbl_ptr, out_ptr, N, K, XOR,
+    BLOCK_KB: tl.constexpr, BLOCK_NB: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    """W (or W^T) in out's dtype from an NVFP4 weight stored in a tiled, permuted layout (humming-kernels'):
+    for k-block kb = k // 16 and n-block nb = n // 64, the 1024 codes of that 16 x 64 patch live in 128 int32
+    words at kb * 2N + nb * 128, code (n, k) in word code_tbl[n % 64, k % 16] >> 3, nibble & 7 (xor'ed with
+    XOR); its e4m3 block scale at kb * N + nb * 64 + scale_tbl[n % 64]. Both tables are probed from the
+    library once (kernels/humming_nvfp4.py). Values are e2m1 * (scale / global_scale) in fp32, then one
+    rounding: bit-identical to qerl.quant.nvfp4.dequantize. out is [K, N] if TRANSPOSED else [N, K]."""
+    dtype = out_ptr.dtype.element_ty
+    kk = tl.program_id(0) * (BLOCK_KB * 16) + tl.arange(0, BLOCK_KB * 16)
+    nn = tl.program_id(1) * (BLOCK_NB * 64) + tl.arange(0, BLOCK_NB * 64)
+    mask = (kk[:, None] < K) & (nn[None, :] < N)
+    kb = (kk // 16).to(tl.int64)
+    nr = nn % 64
+    t = tl.load(code_tbl_ptr + nr[None, :] * 16 + (kk % 16)[:, None])
+    word = tl.load(w_ptr + kb[:, None] * (2 * N) + (nn - nr)[None, :] * 2 + (t >> 3), mask=mask, other=0)
+    c = ((word >> ((t & 7) * 4)) & 15) ^ XOR
+    idx = c & 7
+    big = ((((idx >> 1) + 126) << 23) | ((idx & 1) << 22)).to(tl.float32, bitcast=True)
+    mag = tl.where(idx < 2, idx.to(tl.float32) * 0.5, big)
+    val = tl.where((c & 8) != 0, -mag, mag)
+    sp = tl.load(scale_tbl_ptr + nr)
+    sb = tl.load(s_ptr + kb[:, None] * N + (nn - nr + sp)[None, :], mask=mask, other=0)
+    gs = tl.load(gs_ptr)
+    eff = tl.math.div_rn(_e4m3_decode(sb), tl.full(sb.shape, 1.0, tl.float32) * gs)
+    w = (val * eff).to(dtype)
+    if TRANSPOSED:
+        tl.store(out_ptr + kk.to(tl.int64)[:, None] * N + nn[None, :], w, mask=mask)
+    else:
+        tl.store(out_ptr + nn.to(tl.int64)[None, :] * K + kk[:, None], w, mask=mask)

@@ -375,10 +375,12 @@ def grad_input(dy2, packed, scale, gs, *, out=None, config: Config | None = None
     return dx
 
 
-def dequantize(packed, scale, gs, dtype=torch.bfloat16, *, use_asm: bool | None = None) -> torch.Tensor:
-    """W [N, K] in dtype from NVFP4, one Triton pass (vs ~10 PyTorch kernels in the codec's dequantize)."""
+def dequantize(packed, scale, gs, dtype=torch.bfloat16, *, use_asm: bool | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] in dtype from NVFP4, one Triton pass (vs ~10 PyTorch kernels in the codec's dequantize);
+    into `out` ([N, K], contiguous) if given."""
     N, K = _check_weight(packed, scale, gs)
-    out = torch.empty(N, K, dtype=dtype, device=packed.device)
+    out = torch.empty(N, K, dtype=dtype, device=packed.device) if out is None else out
     words = packed.contiguous().view(torch.int32)
     sbytes = scale.contiguous().view(torch.uint8)
     block_c = 256 if K % 256 == 0 else 128

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -45,16 +46,16 @@ def fused_group_key(name: str) -> str | None:
 
 
 @functools.cache
-def _nvfp4_kernel() -> Callable | None:
-    """kernels.nvfp4_linear if it imports (optional: Triton, written separately), else None."""
+def _gpu_gemm() -> ModuleType | None:
+    """kernels.gemm (NVFP4 GEMM backends, optional: needs Triton) if it imports, else None."""
     try:
-        from kernels import nvfp4_linear
+        from kernels import gemm
     except ImportError:
         return None
     except Exception as e:  # a broken Triton install must not take the reference path down with it
-        log.warning("kernels.nvfp4_linear failed to import (%s); using the PyTorch reference path", e)
+        log.warning("kernels.gemm failed to import (%s); using the PyTorch reference path", e)
         return None
-    return nvfp4_linear
+    return gemm
 
 
 class _DequantizedLinear(torch.autograd.Function):
@@ -100,6 +101,9 @@ class QuantLinear(nn.Module):
         self.codec: Codec = codec
         self.dtype = dtype
         self.use_kernel = True  # False forces the PyTorch reference path (parity tests, debugging)
+        # On CUDA, NVFP4 layers hand their tensors to a kernels.gemm.NVFP4Gemm at the first forward; if it
+        # repacks them for another backend, that repacked copy is the only one kept (the buffers become None).
+        self._gemm = None
         for buffer_name, (shape, buffer_dtype) in codec.tensor_shapes(out_features, in_features).items():
             self.register_buffer(buffer_name, torch.empty(shape, dtype=buffer_dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
@@ -131,9 +135,45 @@ class QuantLinear(nn.Module):
             layer.bias = linear.bias.detach().clone()
         return layer
 
+    def _codec_names(self) -> list[str]:
+        return list(self.codec.tensor_shapes(1, self.codec.block_size))
+
     def quantized_tensors(self) -> dict[str, torch.Tensor]:
-        """The codec's tensors by checkpoint name (without bias)."""
-        return {name: getattr(self, name) for name in self.codec.tensor_shapes(1, self.codec.block_size)}
+        """The codec's tensors by checkpoint name (without bias), in the checkpoint's layout."""
+        if self._gemm is not None and self._buffers[self._codec_names()[0]] is None:
+            return self._gemm.canonical()  # rebuilt from the GPU backend's layout (exports, state dicts)
+        return {name: getattr(self, name) for name in self._codec_names()}
+
+    def cuda_gemm(self):
+        """The kernels.gemm.NVFP4Gemm that runs this layer on its GPU (created, and the weight repacked for the
+        fastest backend, on first use)."""
+        if self._gemm is None:
+            tensors = self.quantized_tensors()
+            self._gemm = _gpu_gemm().NVFP4Gemm(tensors["weight_packed"], tensors["weight_scale"],
+                                               tensors["weight_global_scale"], dtype=self.dtype)
+            if self._gemm.layout != "qerl":  # one copy of the 4-bit weight: drop ours
+                for name in self._codec_names():
+                    self._buffers[name] = None
+        return self._gemm
+
+    def release_gemm(self) -> None:
+        """Back to the checkpoint layout in this layer's buffers (before a move, a load, or to free the GPU copy)."""
+        if self._gemm is None:
+            return
+        if self._buffers[self._codec_names()[0]] is None:
+            for name, tensor in self._gemm.canonical().items():
+                self._buffers[name] = tensor
+        self._gemm = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._gemm is not None and self._buffers[self._codec_names()[0]] is None:
+            for name, tensor in self._gemm.canonical().items():
+                destination[prefix + name] = tensor
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.release_gemm()  # the loaded tensors replace the buffers; a stale GPU copy must not outlive them
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense [out, in] weight this layer computes with, in `dtype` (default: the layer's)."""
@@ -146,6 +186,7 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """model.to(dtype) / .half() move the stored format but never recast it (an fp8 or fp32 scale cast
         to bf16 would silently change the weights); the bias and the default compute dtype follow."""
+        self.release_gemm()  # a device or dtype move starts from the checkpoint layout
         stored = self.quantized_tensors()
         super()._apply(fn, recurse)
         for name, original in stored.items():
@@ -158,8 +199,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects input [..., {self.in_features}], got {tuple(x.shape)}")
-        if self.use_kernel and x.is_cuda and self.scheme == "nvfp4" and (kernel := _nvfp4_kernel()) is not None:
-            return kernel(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias=self.bias)
+        if self.use_kernel and x.is_cuda and self.scheme == "nvfp4" and (gemm := _gpu_gemm()) is not None \
+                and x.dtype in (torch.bfloat16, torch.float16):
+            return gemm.linear(x, self.cuda_gemm(), self.bias)
         out = _DequantizedLinear.apply(x, self)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 

@@ -1,0 +1,164 @@
+"""Which NVFP4 GEMM backend runs each (kind, layer shape, M bucket): measured on the GPU it runs on, cached on disk.
+
+Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM) and
+"dequant_cublas" (our one-pass dequantize into a reused scratch buffer, then cuBLAS). Which of them a layer can
+use depends on the layout its one weight copy is in. Before any measurement a shape-generic default picks one
+(`default_backend`); the first time a key is seen outside CUDA-graph capture, every candidate is timed by graph
+replay and the winner is kept in memory and in `cache_path()`, keyed by GPU name and library versions, so
+a process pays for each measurement once per machine. A corrupt or stale cache file is ignored with one warning.
+QERL_GEMM_TUNE=0 turns measuring off (defaults only); QERL_GEMM_CACHE moves the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("triton", "humming", "dequant_cublas")
+CACHE_VERSION = 1
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+_choices: dict[str, str] | None = None  # key -> backend, loaded lazily from disk
+_tuning_enabled = os.environ.get("QERL_GEMM_TUNE", "1") != "0"
+
+
+def m_bucket(m: int) -> int:
+    """Smallest bucket >= m (the last one for anything larger): one measurement serves a range of M."""
+    return next((b for b in M_BUCKETS if b >= m), M_BUCKETS[-1])
+
+
+def default_backend(kind: str, layout: str, m: int) -> str:
+    """The pick before any measurement, from the measured shape of the trade-off (BENCHMARKS.md): small M is
+    weight-bandwidth-bound (a 4-bit kernel wins), large M is tensor-core-bound (cuBLAS on bf16 wins)."""
+    if kind == "bwd":
+        return "triton" if layout == "qerl" and m <= 64 else "dequant_cublas"
+    if layout == "humming":
+        return "humming" if m <= 128 else "dequant_cublas"
+    return "triton" if m <= 64 else "dequant_cublas"
+
+
+def set_tuning(enabled: bool) -> None:
+    global _tuning_enabled
+    _tuning_enabled = enabled
+
+
+def cache_path() -> Path:
+    env = os.environ.get("QERL_GEMM_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "qerl" / "gemm_dispatch.json"
+
+
+@functools.cache
+def environment_key() -> str:
+    """GPU name and the versions that change kernel speed: a cache made elsewhere is never reused here."""
+    import triton
+
+    from . import humming_nvfp4
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|humming {humming_nvfp4.version()}"
+
+
+def _load() -> dict[str, str]:
+    global _choices
+    if _choices is not None:
+        return _choices
+    _choices = {}
+    path = cache_path()
+    if not path.exists():
+        return _choices
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            raise ValueError(f"version {data.get('version') if isinstance(data, dict) else None!r}, "
+                             f"expected {CACHE_VERSION}")
+        entries = data.get("choices", {}).get(environment_key(), {})
+        if not all(isinstance(k, str) and v in BACKENDS for k, v in entries.items()):
+            raise ValueError("unknown backend names")
+        _choices = dict(entries)
+    except (ValueError, OSError, AttributeError) as e:
+        log.warning("ignoring GEMM dispatch cache %s (%s); it will be re-measured", path, e)
+    return _choices
+
+
+def _save(key: str, backend: str) -> None:
+    """Merge one choice into the file (other environments' entries are kept); atomic rename."""
+    path = cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION \
+                or not isinstance(data.get("choices", {}), dict):
+            data = {}  # unreadable: rewritten whole
+    except (ValueError, OSError):
+        data = {}
+    data["version"] = CACHE_VERSION
+    data.setdefault("choices", {}).setdefault(environment_key(), {})[key] = backend
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gemm_dispatch.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home must not stop training
+        log.warning("could not write GEMM dispatch cache %s: %s", path, e)
+
+
+def forget() -> None:
+    """Drop the in-memory choices (tests; after QERL_GEMM_CACHE changes)."""
+    global _choices
+    _choices = None
+    environment_key.cache_clear()
+
+
+def _key(kind: str, layout: str, n: int, k: int, m: int) -> str:
+    return f"{kind}|{layout}|{n}x{k}|m{m_bucket(m)}"
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def choose(kind: str, layout: str, n: int, k: int, m: int, candidates: dict[str, Callable[[], object]],
+           timer: Callable[[Callable[[], object]], float] | None = None) -> str:
+    """The backend for this call. `candidates` maps each backend this layer can run to a zero-argument call
+    on inputs of this call's shape (used only if a measurement is made); `timer` returns seconds per call."""
+    choices = _load()
+    key = _key(kind, layout, n, k, m)
+    pick = choices.get(key)
+    if pick in candidates:
+        return pick
+    default = default_backend(kind, layout, m)
+    if default not in candidates:
+        default = next(iter(candidates))
+    if not _tuning_enabled or len(candidates) == 1 or _capturing():
+        return default
+    timer = timer or graph_time
+    times = {}
+    for name, fn in candidates.items():
+        try:
+            times[name] = timer(fn)
+        except Exception as e:  # a backend that fails here is not picked (e.g. out of shared memory)
+            log.warning("GEMM backend %s failed on %s: %s: %s", name, key, type(e).__name__, e)
+    if not times:
+        return default
+    pick = min(times, key=times.get)
+    log.info("GEMM %s: %s", key, ", ".join(f"{b} {t * 1e6:.1f} us" for b, t in sorted(times.items())))
+    choices[key] = pick
+    _save(key, pick)
+    return pick
+
+
+def graph_time(fn: Callable[[], object], replays: int = 20) -> float:
+    """Median seconds per call, replaying a CUDA graph of `fn` (launch overhead out of the way)."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()
+    return do_bench_cudagraph(fn, rep=max(replays, 10), return_mode="median") * 1e-3

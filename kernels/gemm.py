@@ -1,0 +1,181 @@
+"""A frozen NVFP4 weight on the GPU: one resident copy, and the fastest GEMM for each call's M.
+
+`NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them: repacked for
+humming-kernels when it is installed and the shape fits ("humming" layout), else as given ("qerl" layout, read
+by our Triton kernels). Forward and backward dx then pick a backend per (shape, M bucket) through
+`kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
+cuBLAS where tensor-core time does (training), whatever measured fastest in between.
+
+The scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 weight exists at a
+time (each use is consumed by cuBLAS on the same stream before the next layer's dequantize overwrites it).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch, humming_nvfp4
+from . import nvfp4 as triton_nvfp4
+
+log = logging.getLogger(__name__)
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of >= numel elements, shared by all layers (grown, never shrunk; sized before graph capture
+    by the eager warm-up that precedes it)."""
+    key = (str(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop(key, None)
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf[:numel]
+
+
+def release_scratch() -> None:
+    _SCRATCH.clear()
+
+
+class NVFP4Gemm:
+    """y = x @ W^T and dx = dy @ W for one frozen NVFP4 weight W [N, K] held once on a CUDA device."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                 dtype: torch.dtype = torch.bfloat16, prefer: str | None = None):
+        """`prefer`: "humming" or "qerl" to force a layout (tests, benchmarks); None picks humming if usable."""
+        self.n, self.k = packed.shape[0], packed.shape[1] * 2
+        self.device = packed.device
+        self.humming: humming_nvfp4.HummingWeight | None = None
+        self.tensors: dict[str, torch.Tensor] | None = None
+        if prefer != "qerl" and self._humming_usable(prefer == "humming"):
+            try:
+                self.humming = humming_nvfp4.HummingWeight(packed, scale, global_scale, dtype)
+            except Exception as e:  # compile failure, unexpected layout: keep our layout, say so once
+                if prefer == "humming":
+                    raise
+                _warn_once(f"humming-kernels unusable ({type(e).__name__}: {e}); using qerl's NVFP4 kernels")
+        if self.humming is None:
+            self.tensors = {"weight_packed": packed.contiguous(), "weight_scale": scale.contiguous(),
+                            "weight_global_scale": global_scale.reshape(1).float()}
+
+    def _humming_usable(self, required: bool) -> bool:
+        if not humming_nvfp4.available():
+            if required:
+                raise RuntimeError(f"humming-kernels is not usable: {humming_nvfp4.IMPORT_ERROR}")
+            if humming_nvfp4.IMPORT_ERROR is not None and not isinstance(humming_nvfp4.IMPORT_ERROR, ImportError):
+                _warn_once(f"humming-kernels failed to import ({humming_nvfp4.IMPORT_ERROR}); "
+                           "using qerl's NVFP4 kernels")
+            return False
+        if not humming_nvfp4.fits(self.n, self.k):
+            if required:
+                raise ValueError(f"humming layout needs N, K multiples of 64, got {self.n}x{self.k}")
+            return False
+        return True
+
+    @property
+    def layout(self) -> str:
+        return "humming" if self.humming is not None else "qerl"
+
+    @property
+    def nbytes(self) -> int:
+        if self.humming is not None:
+            return self.humming.nbytes
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def canonical(self) -> dict[str, torch.Tensor]:
+        """The compressed-tensors tensors (weight_packed, weight_scale, weight_global_scale), exactly as loaded."""
+        return self.humming.canonical() if self.humming is not None else dict(self.tensors)
+
+    # -- the backends -------------------------------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype, transposed: bool = False, out: torch.Tensor | None = None):
+        """W [N, K] (W^T [K, N] if transposed, a view for the qerl layout) in dtype; into the shared scratch
+        unless a flat `out` of N * K elements is given."""
+        flat = scratch(self.n * self.k, dtype, self.device) if out is None else out.view(-1)
+        if self.humming is not None:
+            return self.humming.dequantize(flat.view(self.k, self.n) if transposed else flat.view(self.n, self.k),
+                                           transposed)
+        t = self.tensors
+        w = triton_nvfp4.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype,
+                                    out=flat.view(self.n, self.k))
+        return w.t() if transposed else w  # cuBLAS takes the transposed view as is
+
+    def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
+        if backend == "humming":
+            return self.humming.forward(x2)
+        if backend == "triton":
+            t = self.tensors
+            return triton_nvfp4.linear_forward(x2, t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+        return x2 @ self.dequantize(x2.dtype, transposed=True)
+
+    def _grad_input(self, backend: str, dy2: torch.Tensor) -> torch.Tensor:
+        if backend == "triton":
+            t = self.tensors
+            return triton_nvfp4.grad_input(dy2, t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+        return dy2 @ self.dequantize(dy2.dtype, transposed=True).t()  # W^T is the coalesced write for humming
+
+    def _backends(self, kind: str) -> tuple[str, ...]:
+        if kind == "bwd":
+            return ("dequant_cublas",) if self.humming is not None else ("triton", "dequant_cublas")
+        return ("humming", "dequant_cublas") if self.humming is not None else ("triton", "dequant_cublas")
+
+    def backend_for(self, kind: str, x2: torch.Tensor) -> str:
+        run = self._forward if kind == "fwd" else self._grad_input
+        cands = {b: (lambda b=b: run(b, x2)) for b in self._backends(kind)}
+        return dispatch.choose(kind, self.layout, self.n, self.k, x2.shape[0], cands)
+
+    def forward(self, x2: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """y [M, N] for x2 [M, K] (bf16/fp16, unit stride along K)."""
+        if x2.shape[0] == 0:
+            return x2.new_empty(0, self.n)
+        return self._forward(backend or self.backend_for("fwd", x2), x2)
+
+    def grad_input(self, dy2: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """dx [M, K] for dy2 [M, N]."""
+        if dy2.shape[0] == 0:
+            return dy2.new_empty(0, self.k)
+        return self._grad_input(backend or self.backend_for("bwd", dy2), dy2)
+
+
+class _NVFP4GemmFunction(torch.autograd.Function):
+    """y = x @ W^T + b with W frozen: grads to x (and b) only; nothing of W is saved for backward."""
+
+    @staticmethod
+    def forward(ctx, x, gemm: NVFP4Gemm, bias):
+        x2 = x.reshape(-1, gemm.k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = gemm.forward(x2)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.gemm = gemm
+        ctx.bias_grad = bias is not None and ctx.needs_input_grad[2]
+        return y.reshape(*x.shape[:-1], gemm.n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gemm = ctx.gemm
+        dy2 = dy.reshape(-1, gemm.n)
+        if dy2.stride(1) != 1:
+            dy2 = dy2.contiguous()
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm.grad_input(dy2).reshape(*dy.shape[:-1], gemm.k)
+        if ctx.bias_grad:
+            db = dy2.float().sum(0).to(dy.dtype)
+        return dx, None, db
+
+
+def linear(x: torch.Tensor, gemm: NVFP4Gemm, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _NVFP4GemmFunction.apply(x, gemm, bias)

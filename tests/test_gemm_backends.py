@@ -1,0 +1,259 @@
+"""NVFP4 GEMM backends (kernels.gemm), their dispatch (kernels.dispatch) and the humming-layout dequantize.
+
+CPU: the dispatch with fake timings, its disk cache (round trip, corrupt, stale, another GPU's entries), and the
+table-layout dequantize kernel under Triton's interpreter against the codec, bit for bit, on a synthetic permuted
+layout. GPU (`-m gpu`): every backend against the PyTorch reference, humming's effective weights, the canonical
+round trip, the fallback when humming-kernels is absent, and QuantLinear keeping one copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+from qerl.quant import nvfp4 as codec
+
+CUDA = torch.cuda.is_available()
+if not CUDA and "triton" not in sys.modules:  # as in test_kernels.py: the interpreter is chosen at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+from kernels import dispatch, gemm, humming_nvfp4  # noqa: E402
+from kernels import nvfp4 as K  # noqa: E402
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "gemm_dispatch.json"
+    monkeypatch.setenv("QERL_GEMM_CACHE", str(path))
+    monkeypatch.setattr(dispatch, "_capturing", lambda: False)
+    dispatch.forget()
+    dispatch.set_tuning(True)
+    yield path
+    dispatch.forget()
+
+
+def _fake(times: dict[str, float], calls: list):
+    cands = {name: (lambda name=name: name) for name in times}
+
+    def timer(fn):
+        calls.append(fn())
+        return times[fn()]
+
+    return cands, timer
+
+
+def test_dispatch_picks_the_fastest_measured_backend_and_caches_it(cache):
+    calls = []
+    cands, timer = _fake({"triton": 3e-5, "dequant_cublas": 1e-5}, calls)
+    assert dispatch.choose("fwd", "qerl", 4096, 1024, 200, cands, timer) == "dequant_cublas"
+    assert sorted(calls) == ["dequant_cublas", "triton"]
+    # same bucket (129..256): no new measurement; the choice is on disk, keyed by this environment
+    assert dispatch.choose("fwd", "qerl", 4096, 1024, 256, cands, timer) == "dequant_cublas"
+    assert len(calls) == 2
+    data = json.loads(cache.read_text())
+    assert data["choices"][dispatch.environment_key()] == {"fwd|qerl|4096x1024|m256": "dequant_cublas"}
+    # a new process (forget) reads the file instead of measuring
+    dispatch.forget()
+    assert dispatch.choose("fwd", "qerl", 4096, 1024, 130, cands, lambda fn: pytest.fail("re-measured")) \
+        == "dequant_cublas"
+
+
+def test_dispatch_defaults_before_measuring_and_during_capture(cache, monkeypatch):
+    cands = {"humming": lambda: None, "dequant_cublas": lambda: None}
+    dispatch.set_tuning(False)
+    assert dispatch.choose("fwd", "humming", 64, 64, 8, cands) == "humming"
+    assert dispatch.choose("fwd", "humming", 64, 64, 2048, cands) == "dequant_cublas"
+    dispatch.set_tuning(True)
+    monkeypatch.setattr(dispatch, "_capturing", lambda: True)  # never time inside a CUDA-graph capture
+    assert dispatch.choose("bwd", "humming", 64, 64, 2048, cands, lambda fn: pytest.fail("timed")) \
+        == "dequant_cublas"
+    assert not cache.exists()
+
+
+def test_dispatch_ignores_a_failing_backend(cache, caplog):
+    def broken():
+        raise RuntimeError("out of shared memory")
+
+    cands = {"triton": broken, "dequant_cublas": lambda: None}
+    with caplog.at_level(logging.WARNING):
+        pick = dispatch.choose("fwd", "qerl", 64, 64, 4, cands, lambda fn: (fn(), 1.0)[1])
+    assert pick == "dequant_cublas"
+    assert "triton failed" in caplog.text
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "choices": {}}),
+                                     json.dumps({"version": 1, "choices": "nope"}), ""])
+def test_a_corrupt_or_stale_cache_is_ignored_with_one_warning(cache, caplog, content):
+    cache.write_text(content)
+    calls = []
+    cands, timer = _fake({"triton": 1e-5, "dequant_cublas": 2e-5}, calls)
+    with caplog.at_level(logging.WARNING):
+        assert dispatch.choose("fwd", "qerl", 128, 64, 1, cands, timer) == "triton"
+    assert calls, "a bad cache must lead to a fresh measurement"
+    assert sum("ignoring GEMM dispatch cache" in r.message for r in caplog.records) == 1
+    assert json.loads(cache.read_text())["version"] == dispatch.CACHE_VERSION  # rewritten whole
+
+
+def test_another_gpus_choices_are_kept_but_not_used(cache):
+    other = {"version": 1, "choices": {"Some Other GPU|torch x": {"fwd|qerl|128x64|m1": "dequant_cublas"}}}
+    cache.write_text(json.dumps(other))
+    calls = []
+    cands, timer = _fake({"triton": 1e-5, "dequant_cublas": 2e-5}, calls)
+    assert dispatch.choose("fwd", "qerl", 128, 64, 1, cands, timer) == "triton"
+    data = json.loads(cache.read_text())["choices"]
+    assert data["Some Other GPU|torch x"] == other["choices"]["Some Other GPU|torch x"]
+    assert data[dispatch.environment_key()] == {"fwd|qerl|128x64|m1": "triton"}
+
+
+def _synthetic_tiled_layout(packed: torch.Tensor, scale: torch.Tensor, seed: int, xor: int):
+    """Our tensors rearranged the way humming's repack does (a fixed permutation per 16 x 64 patch, 2N words
+    per 16-column stripe; scales [K/16, N] permuted within 64 rows), with random tables: what the dequantize
+    kernel must invert without knowing humming."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    g = torch.Generator().manual_seed(seed)
+    code_tbl = torch.randperm(1024, generator=g).to(torch.int32)  # [64 * 16]: slot of (n % 64, k % 16)
+    scale_tbl = torch.randperm(64, generator=g).to(torch.int32)
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(n, k).long()
+    nn = torch.arange(n)[:, None]
+    kk = torch.arange(k)[None, :]
+    slot = (kk // 16) * (16 * n) + (nn // 64) * 1024 + code_tbl.long()[(nn % 64) * 16 + kk % 16]
+    nibbles = torch.zeros(n * k, dtype=torch.long)
+    nibbles[slot.reshape(-1)] = codes.reshape(-1) ^ xor
+    nib = nibbles.view(-1, 8)
+    words = sum((nib[:, j] << (4 * j)) for j in range(8))
+    words = ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # two's complement int32
+    s_out = torch.empty(k // 16, n, dtype=torch.uint8)
+    srow = (torch.arange(n) // 64) * 64 + scale_tbl.long()[torch.arange(n) % 64]
+    s_out[:, srow] = scale.view(torch.uint8).t()
+    return words, s_out, code_tbl, scale_tbl
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU test below checks the real humming layout")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_table_layout_dequantize_is_bit_identical_to_the_codec(transposed):
+    from kernels import _triton_nvfp4 as tk
+
+    if not K.interpreting():
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set")
+    n, k, xor = 128, 96, 8
+    w = torch.randn(n, k) * 0.03
+    w[5, :16] = 0.0  # an all-zero block
+    t = codec.quantize(w)
+    words, s_out, code_tbl, scale_tbl = _synthetic_tiled_layout(t["weight_packed"], t["weight_scale"], 0, xor)
+    out = torch.full((k, n) if transposed else (n, k), float("nan"), dtype=torch.float32)
+    gs = t["weight_global_scale"].reshape(1).float()
+    tk.table_layout_dequant_kernel[(-(-k // 64), -(-n // 128))](
+        words, s_out, gs, code_tbl, scale_tbl, out, n, k, xor, BLOCK_KB=4, BLOCK_NB=2, TRANSPOSED=transposed)
+    ref = codec.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], torch.float32)
+    got = out.t() if transposed else out
+    assert torch.equal(got.contiguous().view(torch.int32), ref.view(torch.int32))
+
+
+def test_dispatch_defaults_follow_the_measured_trade_off():
+    assert dispatch.default_backend("fwd", "qerl", 1) == "triton"
+    assert dispatch.default_backend("fwd", "qerl", 2048) == "dequant_cublas"
+    assert dispatch.default_backend("fwd", "humming", 64) == "humming"
+    assert dispatch.default_backend("bwd", "humming", 16) == "dequant_cublas"
+    assert [dispatch.m_bucket(m) for m in (1, 3, 64, 65, 9000)] == [1, 4, 64, 128, 8192]
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+def _weight(n, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+
+
+needs_humming = pytest.mark.skipif(not humming_nvfp4.available(), reason="needs humming-kernels on CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["qerl", pytest.param("humming", marks=needs_humming)])
+@pytest.mark.parametrize("m", [1, 16, 64, 300, 2048])
+def test_every_backend_matches_the_pytorch_reference(layout, m, cache):
+    n, k = 1024, 512
+    t = codec.quantize(_weight(n, k))
+    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], prefer=layout)
+    assert g.layout == layout
+    w = codec.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], torch.float64)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for backend in g._backends("fwd"):
+        y = g.forward(x, backend).double()
+        ref = x.double() @ w.T
+        assert ((y - ref).norm() / ref.norm()).item() < 5e-3, backend
+    for backend in g._backends("bwd"):
+        dx = g.grad_input(dy, backend).double()
+        ref = dy.double() @ w
+        assert ((dx - ref).norm() / ref.norm()).item() < 5e-3, backend
+    # the dispatched path, through autograd
+    xg = x.clone().requires_grad_()
+    y = gemm.linear(xg, g)
+    y.backward(dy)
+    assert ((xg.grad.double() - dy.double() @ w).norm() / (dy.double() @ w).norm()).item() < 5e-3
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["qerl", pytest.param("humming", marks=needs_humming)])
+def test_dequantize_from_the_resident_copy_is_bit_identical(layout):
+    t = codec.quantize(_weight(384, 320, seed=1))
+    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], prefer=layout)
+    ref = codec.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], torch.bfloat16)
+    assert torch.equal(g.dequantize(torch.bfloat16).view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(g.dequantize(torch.bfloat16, transposed=True).t().contiguous().view(torch.int16),
+                       ref.view(torch.int16))
+    back = g.canonical()  # the checkpoint layout comes back exactly
+    for name in ("weight_packed", "weight_scale", "weight_global_scale"):
+        assert torch.equal(back[name].view(torch.uint8), t[name].reshape(back[name].shape).view(torch.uint8)), name
+
+
+@gpu
+@needs_humming
+def test_hummings_effective_weights_equal_the_codec():
+    """x = I makes the GEMM print its weights: humming must compute with exactly the weights we stored."""
+    n, k = 512, 256
+    t = codec.quantize(_weight(n, k, seed=2))
+    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], prefer="humming")
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    effective = g.forward(eye, "humming").t()  # [n, k]
+    ref = codec.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], torch.bfloat16)
+    differ = (effective.view(torch.int16) != ref.view(torch.int16)).sum().item()
+    assert differ == 0, f"{differ} of {ref.numel()} effective weights differ from qerl.quant.nvfp4.dequantize"
+
+
+@gpu
+def test_without_humming_the_layer_keeps_our_layout(monkeypatch):
+    monkeypatch.setattr(humming_nvfp4, "HummingLayer", None)
+    t = codec.quantize(_weight(256, 128))
+    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+    assert g.layout == "qerl" and g._backends("fwd") == ("triton", "dequant_cublas")
+    with pytest.raises(RuntimeError, match="humming-kernels is not usable"):
+        gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], prefer="humming")
+
+
+@gpu
+@needs_humming
+def test_quant_linear_keeps_one_copy_and_exports_the_checkpoint_layout():
+    from qerl.quant.linear import QuantLinear
+
+    lin = torch.nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    q = QuantLinear.from_linear(lin, "nvfp4")
+    before = {k: v.clone() for k, v in q.state_dict().items()}
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    y = q(x)
+    assert q.cuda_gemm().layout == "humming"
+    assert q.weight_packed is None and q.weight_scale is None  # no second copy
+    after = q.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)), k
+    q.cpu()  # a move restores the buffers
+    assert q.weight_packed is not None and q._gemm is None
+    q.cuda()
+    assert torch.equal(q(x), y)
