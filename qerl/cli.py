@@ -70,12 +70,24 @@ def _cmd_quantize(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    from qerl.distributed import DistributedError, process_group
     from qerl.trainer import Trainer
 
     settings = load_settings(args.params, args.overrides)
-    trainer = Trainer(settings, out_dir=args.out or settings.train.out_dir, resume=args.resume)
-    adapter = trainer.train(max_steps=args.max_steps)
-    print(f"adapter: {adapter}")
+    # Under torchrun: one rank of a data-parallel run (rank 0 writes the outputs); otherwise plain one process.
+    try:
+        with process_group(settings.train.collective_timeout_s) as group:
+            if not group.is_main:
+                logging.getLogger().setLevel(logging.WARNING)  # one rank reports progress
+            trainer = Trainer(settings, out_dir=args.out or settings.train.out_dir, resume=args.resume)
+            adapter = trainer.train(max_steps=args.max_steps)
+    except DistributedError as exc:  # a rank died or timed out: say so in a line, never hang
+        if args.verbose:
+            raise
+        print(f"qerl: error: {exc}", file=sys.stderr)
+        return 1
+    if group.is_main:
+        print(f"adapter: {adapter}")
     return 0
 
 

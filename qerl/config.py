@@ -137,6 +137,8 @@ class TrainSettings:
     eval_every: int = field(default=0, metadata=_check(ge=0))  # 0 = only at the end (flows)
     out_dir: str = "runs/default"
     rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})  # name or module:function -> weight
+    # torchrun runs: how long a collective waits for a rank before the job fails (a dead rank must not hang the rest)
+    collective_timeout_s: int = field(default=600, metadata=_check(gt=0))
 
     def validate(self) -> None:
         if not self.rewards:

@@ -45,8 +45,11 @@ class Rollout:
 
 
 def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                  generator: torch.Generator | Sequence[torch.Generator] | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row from fp32 logits [B, V]; return (tokens [B], their policy log-probs [B]).
+
+    `generator` may be one generator for the batch or one per row: with one per row, a row's samples do not depend
+    on which other rows share its batch.
 
     The log-prob is that of the full tempered distribution (untempered for greedy, temperature 0), since top-k/top-p
     only restrict where we sample, not the policy being optimized.
@@ -67,7 +70,10 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
         scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probs = scaled.softmax(-1)
     # Exponential race: argmax(p / E), E ~ Exp(1), is an exact draw from p without a host sync (unlike multinomial).
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    if isinstance(generator, Sequence):
+        noise = torch.stack([torch.empty_like(row).exponential_(1.0, generator=g) for row, g in zip(probs, generator)])
+    else:
+        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     tokens = (probs / noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
@@ -128,13 +134,16 @@ def check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, t
 def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
              eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
-             generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
+             generator: torch.Generator | None = None, progress: bool = False,
+             row_seeds: Sequence[int] | None = None) -> Rollout:
     """Sample up to `max_new_tokens` per prompt (greedy when temperature == 0).
 
     Text prompts are tokenized without adding special tokens (they carry their chat template). Rows stop at an EOS id
     (default: the model config's and the tokenizer's), at the first of `stop_strings` appearing in the decoded
     completion, or at the length limit. `seed` (or an explicit `generator` on the model's device) makes the samples
-    reproducible; without either, the global RNG is used.
+    reproducible; without either, the global RNG is used. `row_seeds` (one per prompt, instead of `seed`) gives every
+    row its own generator, so a row samples the same tokens whatever batch it is in (up to float rounding of the
+    batched forward): how data-parallel ranks reproduce a one-process run.
     """
     stop_strings = check_sampling_args(max_new_tokens, temperature, top_p, top_k, stop_strings, tokenizer, seed,
                                        generator)
@@ -143,6 +152,10 @@ def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], m
     device = model.model.embed_tokens.weight.device
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
+    if row_seeds is not None:
+        if seed is not None or generator is not None or len(row_seeds) != len(prompt_ids):
+            raise ValueError("row_seeds needs one seed per prompt and excludes seed and generator")
+        generator = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
     eos = list(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model, tokenizer)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     filler = eos[0] if eos else 0  # token fed to finished rows; their outputs are discarded

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qerl import data, grpo, lora, rewards
+from qerl import data, distributed, grpo, lora, rewards
 from qerl.aqn import AQNSchedule, NoiseInjector
 from qerl.config import Settings
 from qerl.engine import generate_fast
@@ -119,6 +119,10 @@ class Trainer:
                                   "or choose another --out")
         self.out.mkdir(parents=True, exist_ok=True)
         seed_everything(s.train.seed)
+        self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
+        if self.dist.active and s.grpo.dynamic_sampling:
+            raise ValueError("grpo.dynamic_sampling does not run over several processes yet: set it to false")
+        self.dist.shard(range(s.rollout.prompts_per_step))  # fail now, not at step 1, if the prompts do not split
 
         d = s.data  # data first: a bad dataset fails in a second, not after a model load
         examples = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
@@ -133,6 +137,7 @@ class Trainer:
                                                use_rslora=s.lora.use_rslora, train_norms=s.lora.train_norms)
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
         self.params = lora.apply_lora(model, self.lora_settings, dtype=next(model.parameters()).dtype)
+        self.dist.broadcast(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=s.optim.lr, betas=(s.optim.beta1, s.optim.beta2),
                                            eps=s.optim.eps, weight_decay=s.optim.weight_decay)
         o = s.optim
@@ -155,10 +160,11 @@ class Trainer:
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl")
         if resume and self.latest_checkpoint() is not None:
             self.load_checkpoint(self.latest_checkpoint())
-        else:
+        elif self.dist.is_main:
             self.metrics_log.truncate_after(0)
-        (self.out / "params.yaml").write_text(s.to_yaml())
-        self.tracker.log_params(s.to_flat_dict())
+        if self.dist.is_main:
+            (self.out / "params.yaml").write_text(s.to_yaml())
+            self.tracker.log_params(s.to_flat_dict())
 
     # ------------------------------------------------------------------------------------------------ phases
 
@@ -173,19 +179,26 @@ class Trainer:
         """Sample `group_size` completions per prompt with AQN noise in the norm weights (removed afterwards)."""
         r = self.settings.rollout
         examples = examples if examples is not None else self.sampler.next_batch()
+        first, examples = self.dist.shard(examples)  # every rank draws the step's prompts and keeps its groups
         prompts = [data.build_prompt(self.tokenizer, ex.question, self.system_prompt) for ex in examples]
         prompts = [p for p in prompts for _ in range(r.group_size)]
+        # Each completion's randomness comes from its place in the step, not its batch: N ranks sample what one does.
+        row_seeds = [self._seed(self.step, round_, 2, first + i, j) for i in range(len(examples))
+                     for j in range(r.group_size)]
         sigma, noise_seed = self.sigma(), self._seed(self.settings.aqn.seed, self.step, 1)
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()
         # On CUDA the engine (static cache, CUDA graphs) keeps its graphs across steps: LoRA updates and AQN noise
         # are in-place writes the graphs read.
+        # The engine draws one generator per batch (a rank's batch: its first row in the seed keeps ranks apart).
         sample = generate_fast if self.device.type == "cuda" else generate
+        seeding = ({"seed": self._seed(self.step, round_, 2, first)} if sample is generate_fast
+                   else {"row_seeds": row_seeds})
         with self.noise.noisy(sigma, noise_seed):
             out = sample(self.model, self.tokenizer, prompts, max_new_tokens=r.max_new_tokens,
-                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_strings=r.stop_strings,
-                           seed=self._seed(self.step, round_, 2))
+                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_strings=r.stop_strings,
+                         **seeding)
         self.model.train(was_training)
         return RolloutBatch(list(examples), r.group_size, out.prompt_ids, out.completion_ids, out.texts,
                             out.logprobs, out.stop_reasons, sigma, noise_seed, time.perf_counter() - start)
@@ -251,12 +264,13 @@ class Trainer:
         """μ optimizer steps of the policy loss over this batch (micro-batched, gradients accumulated)."""
         s, g = self.settings, self.settings.grpo
         start = time.perf_counter()
-        rewards_t = batch.rewards
-        adv = grpo.group_advantages(rewards_t, batch.group_size, scale=g.scale_rewards)
+        B = len(batch)
+        # Advantages over all the step's groups (scale_rewards=batch needs them all); this rank's rows are a slice.
+        rewards_t = torch.tensor(self.dist.gather(batch.rewards.tolist()), dtype=torch.float32)
+        adv = grpo.group_advantages(rewards_t, batch.group_size, scale=g.scale_rewards)[self.dist.rank * B:][:B]
         t = self._tensors(batch)
         truncated = torch.tensor([r == "length" for r in batch.stop_reasons])
         mask = grpo.loss_mask(t["mask"], self.loss_cfg, truncated)
-        B = len(batch)
         micro = [slice(i, min(i + g.micro_batch_size, B)) for i in range(0, B, g.micro_batch_size)]
         dev = self.device
         on_device = {k: v.to(dev) for k, v in t.items() if isinstance(v, Tensor)}
@@ -271,11 +285,14 @@ class Trainer:
                     ref_logp = torch.cat([self._logp_and_entropy(on_device["ids"][m], on_device["attn"][m], t["P"],
                                                                   False)[0] for m in micro])
         sums: dict[str, float] = {}
+        peaks: dict[str, float] = {}  # "/max" metrics: a max over micro-batches (and ranks), not a token-weighted mean
         entropy_sum = entropy_count = 0.0
         grad_norm = loss_total = 0.0
         self.model.train()
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
-        token_count = float(mask.sum().clamp(min=1))
+        # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
+        token_count, step_rows = self.dist.sum([float(mask.sum()), float(B)])
+        token_count = max(token_count, 1.0)
         for iteration in range(g.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
@@ -289,26 +306,41 @@ class Trainer:
                         rollout_logp=on_device["rollout_logp"][m], truncated=truncated[m].to(dev),
                         token_normalizer=token_count)
                     if self.loss_cfg.loss_type != "dapo":  # per-micro-batch means: weight by the micro-batch's share
-                        loss = loss * (m.stop - m.start) / B
+                        loss = loss * (m.stop - m.start) / step_rows
                     loss.backward()
                 loss_total += loss.item()
                 weight = float(mask[m].sum())
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v * weight
+                    if k.endswith("/max"):
+                        peaks[k] = max(peaks.get(k, v), v)
+                    else:
+                        sums[k] = sums.get(k, 0.0) + v * weight
                 if entropy is not None:
                     entropy_sum += float((entropy * on_device["mask"][m]).sum())
                     entropy_count += float(on_device["mask"][m].sum())
+            self.dist.sum_gradients(self.params)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
             self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32)
+        # The step's metrics over all ranks: sums of the partial sums, whole-step rows gathered, the slowest rank's times.
+        keys = sorted(sums)
+        loss_total, entropy_sum, entropy_count, *totals = self.dist.sum(
+            [loss_total, entropy_sum, entropy_count] + [sums[k] for k in keys])
+        sums = dict(zip(keys, totals))
+        peaks = dict(zip(sorted(peaks), self.dist.max([peaks[k] for k in sorted(peaks)])))
+        lengths = torch.tensor(self.dist.gather([len(c) for c in batch.completion_ids]), dtype=torch.float32)
+        truncated = torch.tensor(self.dist.gather(truncated.tolist()))
+        accuracy = torch.tensor(self.dist.gather(batch.accuracy.tolist()), dtype=torch.float32)
+        seconds_rollout, seconds_scoring, seconds_update, peak_memory = self.dist.max(
+            [batch.seconds, batch.score_seconds, time.perf_counter() - start, peak_memory_gb(self.device)])
+        B = len(rewards_t)
         tokens = float(lengths.sum())
         metrics = {
             "step": self.step,
             "reward_mean": float(rewards_t.mean()),
             "reward_std": float(rewards_t.std()) if B > 1 else 0.0,
-            "accuracy": float(batch.accuracy.mean()),
+            "accuracy": float(accuracy.mean()),
             "entropy": entropy_sum / max(entropy_count, 1.0),
             "loss": loss_total,
             "grad_norm": grad_norm,
@@ -317,13 +349,14 @@ class Trainer:
             "truncation_rate": float(truncated.float().mean()),
             "sigma": batch.sigma,
             "noise_seed": batch.noise_seed,
-            "rollout_tokens_per_s": tokens / max(batch.seconds, 1e-9),
-            "seconds_rollout": batch.seconds,
-            "seconds_scoring": batch.score_seconds,
-            "seconds_update": time.perf_counter() - start,
-            "peak_memory_gb": peak_memory_gb(self.device),
+            "rollout_tokens_per_s": tokens / max(seconds_rollout, 1e-9),
+            "seconds_rollout": seconds_rollout,
+            "seconds_scoring": seconds_scoring,
+            "seconds_update": seconds_update,
+            "peak_memory_gb": peak_memory,
         }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
         metrics.update({k: v / token_count for k, v in sums.items()})
+        metrics.update(peaks)
         metrics.update(batch.extra)
         return metrics
 
@@ -342,7 +375,8 @@ class Trainer:
         else:
             metrics = self.update(batch)
         self.log_metrics(metrics)
-        if self.step % self.settings.train.save_every == 0 or self.step == self.settings.train.steps:
+        if (self.step % self.settings.train.save_every == 0 or self.step == self.settings.train.steps) \
+                and self.dist.is_main:
             self.save_checkpoint()
         return metrics
 
@@ -353,11 +387,16 @@ class Trainer:
         log.info("training %s -> step %d of %d in %s", self.settings.model.path, stop, total, self.out)
         while self.step < stop:
             self.train_step()
-        adapter = self.export_adapter(self.out / "adapter")
-        self.write_plots()
+        adapter = self.out / "adapter"
+        if self.dist.is_main:
+            adapter = self.export_adapter(adapter)
+            self.write_plots()
+        self.dist.barrier()  # every rank returns once the run's outputs exist
         return adapter
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
+        if not self.dist.is_main:  # the metrics are already the whole step's: one rank writes them
+            return
         self.metrics_log.write(metrics)
         self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
         if self.progress:
@@ -422,5 +461,6 @@ class Trainer:
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = state["step"]
-        self.metrics_log.truncate_after(self.step)
+        if self.dist.is_main:
+            self.metrics_log.truncate_after(self.step)
         log.info("resumed from %s (step %d)", path, self.step)
