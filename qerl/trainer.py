@@ -13,6 +13,7 @@ import os
 import random
 import resource
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,10 +186,11 @@ class Trainer:
         with self.noise.noisy(sigma, noise_seed):
             out = sample(self.model, self.tokenizer, prompts, max_new_tokens=r.max_new_tokens,
                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_strings=r.stop_strings,
-                           seed=self._seed(self.step, round_, 2))
+                           seed=self._seed(self.step, round_, 2),
+                           progress=self.progress and sys.stderr.isatty())  # a live token bar in a terminal only
         self.model.train(was_training)
         seconds = time.perf_counter() - start
-        if self.progress:  # the first sign of life of a step, seconds after it starts (the summary comes after the update)
+        if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
                      self.settings.train.steps, len(prompts), sum(map(len, out.completion_ids)), seconds)
         return RolloutBatch(list(examples), r.group_size, out.prompt_ids, out.completion_ids, out.texts,
