@@ -1,0 +1,9 @@
+"""Prefect flows over the qerl core (train, evaluate, retrain), MLflow tracking and the DVC stage helpers."""
+
+import os as _os
+
+# Without PREFECT_API_URL, Prefect runs each flow on a temporary local server. Its telemetry heartbeat is of no use
+# there and, racing the flow's writes to the server's SQLite file, printed a ~120-line "database is locked"
+# traceback on runs that succeeded. Off unless the user says otherwise; a server you run yourself keeps its own
+# setting. Set here, before Prefect is imported, so the temporary server (a child process) inherits it.
+_os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

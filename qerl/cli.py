@@ -65,7 +65,7 @@ def _cmd_quantize(args) -> int:
     text = Path(args.eval_text).read_text() if args.eval_text else None
     report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, eval_text=text,
                                  strict=args.strict)
-    print(report.summary() if hasattr(report, "summary") else report)
+    print(f"quantized: {report.dst}")  # the summary is already in the log (quantize_checkpoint logs it once)
     return 0
 
 

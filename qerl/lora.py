@@ -302,6 +302,21 @@ def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:
                         train_norms=bool(config.get("modules_to_save")))
 
 
+def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict[str, Any], LoraSettings]:
+    """The adapter folder's PEFT config and its LoRA settings, after checking that both adapter files are there.
+
+    Cheap (no tensors read): callers run it before loading a model, so a wrong path fails in a second.
+    """
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise FileNotFoundError(f"adapter folder {adapter_dir} does not exist")
+    for fname in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter_dir / fname).is_file():
+            raise FileNotFoundError(f"{adapter_dir} has no {fname} (not a PEFT adapter folder)")
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    return config, _settings_from_peft(config, adapter_dir / ADAPTER_CONFIG)
+
+
 def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> LoraSettings:
     """Load a PEFT LoRA adapter into `model` (applying LoRA from its adapter_config.json if not yet applied).
 
@@ -309,11 +324,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
     stays applied, with fresh adapters). Returns the adapter's settings.
     """
     adapter_dir = Path(adapter_dir)
-    for fname in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (adapter_dir / fname).is_file():
-            raise FileNotFoundError(f"{adapter_dir} has no {fname}")
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    settings = _settings_from_peft(config, adapter_dir / ADAPTER_CONFIG)
+    config, settings = read_adapter_config(adapter_dir)
     if settings.train_norms:  # PEFT matches modules_to_save as plain name suffixes
         other = [n for n, m in model.named_modules()
                  if n and not _is_rmsnorm(m) and any(n.endswith(t) for t in config["modules_to_save"])]

@@ -58,6 +58,8 @@ def load_policy(settings: Settings, adapter: str | None = None):
     """Base model plus an adapter: loaded from `adapter` (a PEFT folder) if given, else fresh LoRA from settings."""
     from qerl import lora
 
+    if adapter:
+        lora.read_adapter_config(adapter)  # a wrong adapter fails now, not after the model load
     net, tokenizer = load_base_model(settings.model, settings.quant)
     if adapter:
         lora.load_adapter(net, adapter)

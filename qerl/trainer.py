@@ -13,6 +13,7 @@ import os
 import random
 import resource
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,10 +199,15 @@ class Trainer:
         with self.noise.noisy(sigma, noise_seed):
             out = sample(self.model, self.tokenizer, prompts, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_strings=r.stop_strings,
+                         progress=self.progress and sys.stderr.isatty(),  # a live token bar in a terminal only
                          **seeding)
         self.model.train(was_training)
+        seconds = time.perf_counter() - start
+        if self.progress:  # a step's first sign of life; its summary comes after the update
+            log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
+                     self.settings.train.steps, len(prompts), sum(map(len, out.completion_ids)), seconds)
         return RolloutBatch(list(examples), r.group_size, out.prompt_ids, out.completion_ids, out.texts,
-                            out.logprobs, out.stop_reasons, sigma, noise_seed, time.perf_counter() - start)
+                            out.logprobs, out.stop_reasons, sigma, noise_seed, seconds)
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
@@ -251,8 +257,12 @@ class Trainer:
     def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
         C = ids.shape[1] - P
-        logits = self.model(ids, attention_mask=attn, logits_to_keep=C + 1)[:, :-1].float()
-        logits = logits / self.settings.rollout.temperature
+        # Only the C positions that predict completion tokens go through the LM head: slicing [B, C + 1, V] logits
+        # afterwards would make autograd build a second vocabulary-sized gradient to scatter the slice back into.
+        predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
+        logits = self.model(ids, attention_mask=attn, logits_to_keep=predicting).float()
+        if self.settings.rollout.temperature != 1.0:
+            logits = logits.div_(self.settings.rollout.temperature)  # in place: no second [B, C, V] copy
         logp = grpo.selective_log_softmax(logits, ids[:, P:])
         entropy = None
         if want_entropy:

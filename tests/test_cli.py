@@ -23,7 +23,9 @@ def test_quantize_then_eval_the_quantized_folder(tiny_llama_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
-    assert "perplexity" in proc.stdout.lower()
+    log = proc.stdout + proc.stderr
+    assert "perplexity" in log.lower()
+    assert log.count("layers quantized") == 1 and "relative error 0." not in log  # one summary, no per-tensor lines
 
     params = tmp_path / "p.yaml"
     params.write_text(yaml.safe_dump({
@@ -44,6 +46,12 @@ def test_missing_model_is_one_clear_error(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.startswith("qerl: error:") and "nope" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_missing_adapter_fails_in_one_line_before_the_model_loads(tmp_path):
+    proc = qerl("eval", "--params", REPO / "params" / "default.yaml", "--adapter", tmp_path / "nonexistent")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [f"qerl: error: adapter folder {tmp_path / 'nonexistent'} does not exist"]
 
 
 def test_malformed_data_row_names_file_and_line(tmp_path):

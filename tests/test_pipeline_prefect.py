@@ -7,16 +7,13 @@ Slow on 2 cores (each flow loads SmolLM2-135M and generates): marked `slow`.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.prefect_server import ROOT, prefect_cli, start, start_server, tail
 
 pytest.importorskip("prefect")
 pytest.importorskip("mlflow")
@@ -28,38 +25,6 @@ TINY = str(ROOT / "params" / "tiny.yaml")
 POOL = "qerl-process"  # the work pool prefect.yaml names
 # The flows after the deployment run need no more than one short step and two eval examples to show their logic.
 QUICK = ["train.steps=1", "eval.n=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd: list[str], env: dict, log: Path, request) -> subprocess.Popen:
-    """A child in its own process group, killed (group and all) when the fixture's scope ends."""
-    out = log.open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop() -> None:
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        out.close()
-
-    request.addfinalizer(stop)
-    return proc
-
-
-def tail(path: Path, n: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
 
 @dataclass
@@ -78,26 +43,9 @@ def stack(tmp_path_factory, request):
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     tmp = tmp_path_factory.mktemp("pipeline")
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
     tracking_uri = f"sqlite:///{tmp}/mlflow.db"
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": api_url,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
-           "MLFLOW_TRACKING_URI": tracking_uri, "PWD": str(ROOT)}  # PWD: prefect.yaml's working directory
-    log = tmp / "server.log"
-    server = start(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log, request)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"Prefect server did not come up:\n{tail(log)}")
-        time.sleep(1)
+    api_url, env = start_server(tmp, request, PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
+                                PREFECT_WORKER_QUERY_SECONDS="2", MLFLOW_TRACKING_URI=tracking_uri)
     mp = pytest.MonkeyPatch()
     for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
         mp.setenv(key, env[key])
@@ -111,9 +59,8 @@ def stack(tmp_path_factory, request):
         EventsWorker.drain_all()
 
 
-def prefect(stack: Stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["prefect", "--no-prompt", *args], cwd=ROOT, env=stack.env, capture_output=True,
-                          text=True, timeout=timeout)
+def prefect(stack: Stack, *args: str, timeout: float = 120):
+    return prefect_cli(stack.env, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

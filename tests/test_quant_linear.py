@@ -75,6 +75,29 @@ def test_grads_flow_to_the_input_only_and_w_is_not_saved(scheme: str) -> None:
     assert torch.Size([64, 256]) not in saved  # no dense weight kept for backward
 
 
+def test_cpu_weight_cache_follows_every_change_of_the_stored_weight() -> None:
+    """Off CUDA the dequantized weight is kept between forwards; whatever changes the stored tensors (an in-place
+    write, load_state_dict, a reassigned buffer) must show in the next output, exactly as a fresh dequantization."""
+    _, layer = make_layer("nvfp4")
+    _, other = make_layer("nvfp4", seed=1)
+    x = torch.randn(4, 128)
+
+    def expected() -> torch.Tensor:
+        return F.linear(x, layer.dequantized_weight(torch.float32), layer.bias)
+
+    layer(x)  # fills the cache
+    first = layer.compute_weight(torch.float32)
+    assert layer.compute_weight(torch.float32) is first  # kept, not decoded again
+    with torch.no_grad():
+        layer.weight_scale.copy_(other.weight_scale)  # in place
+    assert torch.equal(layer(x), expected())
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(x), expected())
+    layer.weight_packed = torch.flip(layer.weight_packed, [0]).contiguous()  # a new tensor
+    assert torch.equal(layer(x), expected())
+    assert layer.compute_weight(torch.float64).dtype == torch.float64  # a cache per compute dtype
+
+
 def test_state_dict_round_trip_into_empty_layers() -> None:
     _, layer = make_layer("nvfp4")
     state = layer.state_dict()

@@ -65,13 +65,13 @@ class _DequantizedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer
         ctx.input_dtype = x.dtype
-        return F.linear(x, layer.dequantized_weight(x.dtype))
+        return F.linear(x, layer.compute_weight(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         if not ctx.needs_input_grad[0]:
             return None, None
-        w = ctx.layer.dequantized_weight(grad_out.dtype)
+        w = ctx.layer.compute_weight(grad_out.dtype)
         return (grad_out @ w).to(ctx.input_dtype), None
 
 
@@ -104,6 +104,7 @@ class QuantLinear(nn.Module):
         # On CUDA, NVFP4 layers hand their tensors to a kernels.gemm.NVFP4Gemm at the first forward; if it
         # repacks them for another backend, that repacked copy is the only one kept (the buffers become None).
         self._gemm = None
+        self._dense_cache: tuple | None = None  # (dtype, [(stored tensor, version)], dense weight): compute_weight
         for buffer_name, (shape, buffer_dtype) in codec.tensor_shapes(out_features, in_features).items():
             self.register_buffer(buffer_name, torch.empty(shape, dtype=buffer_dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
@@ -179,6 +180,23 @@ class QuantLinear(nn.Module):
         """The dense [out, in] weight this layer computes with, in `dtype` (default: the layer's)."""
         return self.codec.dequantize(self.quantized_tensors(), dtype or self.dtype)
 
+    def compute_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight the reference path multiplies with. On CUDA it is dequantized afresh every call (the
+        memory is the point of a 4-bit base there). Elsewhere (CPU) it is dequantized once and kept: re-decoding
+        every weight at every forward and backward was a large share of a CPU training step, and a small model's
+        dense copy costs little memory. The cache is keyed by the stored tensors themselves and their version
+        counters, so an in-place write, a load_state_dict or a reassigned buffer re-dequantizes."""
+        stored = list(self.quantized_tensors().values())
+        if any(t.is_cuda for t in stored):
+            return self.dequantized_weight(dtype)
+        cache = self._dense_cache
+        if cache is None or cache[0] != dtype or any(
+                old is not now or version != now._version for (old, version), now in zip(cache[1], stored)):
+            self._dense_cache = None  # free the stale copy before building the new one
+            # holding the stored tensors in the key keeps their storage alive, so an address is never reused
+            self._dense_cache = cache = (dtype, [(t, t._version) for t in stored], self.dequantized_weight(dtype))
+        return cache[2]
+
     def weight_bits(self) -> int:
         """Bits stored for the weight (all codec tensors; bias excluded)."""
         return sum(t.numel() * t.element_size() * 8 for t in self.quantized_tensors().values())
@@ -188,6 +206,7 @@ class QuantLinear(nn.Module):
         to bf16 would silently change the weights); the bias and the default compute dtype follow."""
         self.release_gemm()  # a device or dtype move starts from the checkpoint layout
         stored = self.quantized_tensors()
+        self._dense_cache = None
         super()._apply(fn, recurse)
         for name, original in stored.items():
             moved = self._buffers[name]
