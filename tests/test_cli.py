@@ -41,7 +41,7 @@ def test_quantize_then_eval_the_quantized_folder(tiny_llama_dir, tmp_path):
 
 def test_missing_model_is_one_clear_error(tmp_path):
     proc = qerl("quantize", "--model", tmp_path / "nope", "--out", tmp_path / "out")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input
     assert proc.stderr.startswith("qerl: error:") and "nope" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -52,6 +52,6 @@ def test_malformed_data_row_names_file_and_line(tmp_path):
     params = tmp_path / "p.yaml"
     params.write_text(yaml.safe_dump({"eval": {"name": str(rows), "n": 1}}))
     proc = qerl("eval", "--params", params)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input
     assert f"{rows}:2" in proc.stderr and "answer" in proc.stderr
     assert "Traceback" not in proc.stderr
