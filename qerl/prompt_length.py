@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 _LINE = re.compile(r":(\d+)$")  # jsonl examples carry ids like "gsm8k/test.jsonl:17"
 
 
+def model_context(model: Any) -> int | None:
+    """The context window of a loaded model (ours or a Hugging Face one); None if it does not say."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 def where(example: Example, source: str) -> str:
     """`file:line` for examples read from a file, else the source and the example's id."""
     match = _LINE.search(example.id)

@@ -28,7 +28,7 @@ from qerl.config import Settings
 from qerl.engine import generate_fast
 from qerl.generate import generate
 from qerl.manifest import write_manifest
-from qerl.prompt_length import fit_prompts
+from qerl.prompt_length import fit_prompts, model_context
 from qerl.runlock import run_folder_lock
 from qerl.runtime import load_base_model, load_tokenizer_and_context, seed_everything
 from qerl.tracking import JsonlWriter, NullTracker, Tracker
@@ -151,7 +151,7 @@ class Trainer:
         if model is None:
             tokenizer, context = load_tokenizer_and_context(s.model, s.quant)  # no weights yet: a second or two
         else:
-            context = model.config.max_position_embeddings
+            context = model_context(model)
         examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
                                source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
