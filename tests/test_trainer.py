@@ -71,14 +71,14 @@ def tiny_settings(tmp_path, **sections):
     return settings_from_dict(raw)
 
 
-def make_trainer(settings, out, resume=False):
+def make_trainer(settings, out, resume=False, **options):
     tok = char_tokenizer()
     model = tiny_model(tok)
     from qerl.quant.linear import quantize_model
 
     quantize_model(model, settings.quant.scheme)
     model.requires_grad_(False)
-    return Trainer(settings, out, resume=resume, model=model, tokenizer=tok, progress=False)
+    return Trainer(settings, out, resume=resume, model=model, tokenizer=tok, progress=False, **options)
 
 
 def adapter_tensors(run_dir):
