@@ -11,6 +11,7 @@ Errors end in one line, as in the `qerl` command (exit 2 for bad input).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ def main() -> int:
     parser.add_argument("--stall-at-checkpoint", type=int, default=None)
     parser.add_argument("--marker", default=None)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     import qerl.trainer
     from qerl.errors import report
