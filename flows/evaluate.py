@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tracker, probe, resolve_tracking_uri
 from flows.train import EVAL_METRIC, QUANTIZED_ROOT, run_tags, with_quantized_base
 from qerl.config import ConfigError, load_settings
+from qerl.errors import debug_requested, report
 from tasks import evaluate as evaluate_task
 
 
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TrackingUnavailable) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
+        return report(parser.prog, exc, debug_requested())
     print(f"{EVAL_METRIC}: {result['metrics'][EVAL_METRIC]:.4f}  ({result['out_dir']})")
     return 0
 

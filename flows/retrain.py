@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from flows.tracking import CHAMPION, MlflowTracker, Registry, TrackingUnavailable, probe, resolve_tracking_uri
 from flows.train import EVAL_METRIC, QUANTIZED_ROOT, default_out_dir, describe, run_tags, train_and_evaluate
 from qerl.config import ConfigError, load_settings
+from qerl.errors import debug_requested, report
 from tasks import evaluate, find_newest_data
 
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TrackingUnavailable, NoChampion) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
+        return report(parser.prog, exc, debug_requested())
     print(result["verdict"])
     return 0
 

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from qerl.config import ConfigError, Settings, load_settings
+from qerl.config import Settings, load_settings
+from qerl.errors import debug_requested, report
 
 
 def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
@@ -70,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {path} ({sum(1 for _ in path.open())} examples)")
         else:
             print(curves(args.metrics_jsonl, args.out_csv))
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 1
+    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
+        return report(parser.prog, exc, debug_requested())
     return 0
 
 

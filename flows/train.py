@@ -20,6 +20,7 @@ from prefect.utilities.annotations import quote
 
 from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
+from qerl.errors import debug_requested, report
 from tasks import (build_trainer, collect_rollouts, evaluate, export_adapter, generate_rollouts, grpo_update,
                    quantize_checkpoint, score_rewards)
 from tasks.quantize import is_complete
@@ -63,18 +64,26 @@ def with_quantized_base(settings: Settings, quantized_root: str) -> Settings:
 
 
 def default_out_dir(settings: Settings) -> str:
-    """A fresh folder per flow run (the trainer refuses to overwrite a run's checkpoints)."""
+    """A fresh folder per flow run (the trainer refuses to overwrite a previous run without --overwrite)."""
     return str(Path(settings.train.out_dir) / time.strftime("%Y%m%d-%H%M%S"))
 
 
 def train_and_evaluate(settings: Settings, out_dir: str, tracker, *, quantized_root: str = QUANTIZED_ROOT,
                        max_steps: int | None = None, resume: bool = False, init_adapter: str | None = None,
-                       before_training=None) -> TrainOutcome:
+                       before_training=None, overwrite: bool = False) -> TrainOutcome:
     """The body both training flows share. `before_training(trainer)` runs once the policy is loaded (the retrain
     flow evaluates the champion there, on the same in-process model)."""
-    logger = get_run_logger()
     settings = with_quantized_base(settings, quantized_root)
-    trainer = build_trainer(settings, out_dir, tracker, resume=resume, init_adapter=init_adapter)
+    trainer = build_trainer(settings, out_dir, tracker, resume=resume, init_adapter=init_adapter, overwrite=overwrite)
+    try:
+        return _train_and_evaluate(trainer, settings, out_dir, tracker, max_steps, before_training)
+    finally:
+        trainer.close()  # the run folder's lock: held through the final evaluation, which writes into the folder
+
+
+def _train_and_evaluate(trainer, settings: Settings, out_dir: str, tracker, max_steps: int | None,
+                        before_training) -> TrainOutcome:
+    logger = get_run_logger()
     if before_training is not None:
         before_training(trainer)
     total = settings.train.steps
@@ -106,7 +115,8 @@ def train_and_evaluate(settings: Settings, out_dir: str, tracker, *, quantized_r
 
 @flow(name="qerl-train", log_prints=True)
 def train(params: str = "params/default.yaml", overrides: list[str] | None = None, out_dir: str | None = None,
-          max_steps: int | None = None, resume: bool = False, quantized_root: str = QUANTIZED_ROOT) -> dict:
+          max_steps: int | None = None, resume: bool = False, quantized_root: str = QUANTIZED_ROOT,
+          overwrite: bool = False) -> dict:
     """Train a LoRA adapter on the quantized base (params file + `section.key=value` overrides), evaluate it, and
     register it as a new version of `tracking.registered_model` (the first one becomes the champion)."""
     settings = load_settings(params, overrides or [])
@@ -116,7 +126,7 @@ def train(params: str = "params/default.yaml", overrides: list[str] | None = Non
     with open_tracker(settings, run_name=settings.tracking.run_name or describe(settings),
                       tags=run_tags(settings, **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
         outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root, max_steps=max_steps,
-                                     resume=resume)
+                                     resume=resume, overwrite=overwrite)
         if isinstance(tracker, MlflowTracker):
             outcome.model_version = register(tracker, settings, outcome)
     return dataclasses.asdict(outcome)
@@ -146,17 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--out", default=None, help="run folder (default: <train.out_dir>/<timestamp>)")
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--resume", action="store_true")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
+    again.add_argument("--overwrite", action="store_true", help="delete a previous run's outputs in --out first")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = load_settings(args.params, args.overrides)
         if settings.tracking.backend == "mlflow":
             probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
-        result = train(args.params, args.overrides, args.out, args.max_steps, args.resume)
+        result = train(args.params, args.overrides, args.out, args.max_steps, args.resume, overwrite=args.overwrite)
     except (ConfigError, TrackingUnavailable) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
+        return report(parser.prog, exc, debug_requested())
     print(f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
           + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
     return 0

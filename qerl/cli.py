@@ -5,11 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
-from qerl.config import ConfigError, load_settings
+from qerl.config import load_settings
+from qerl.errors import debug_requested, report
+
+
+def _add_debug(p: argparse.ArgumentParser, default) -> None:
+    # On the main parser and on each command (`qerl train ... --debug` is what people type); SUPPRESS keeps a
+    # command's absent flag from resetting the main parser's.
+    p.add_argument("--debug", action="store_true", default=default,
+                   help="show the full traceback of an error (also: QERL_DEBUG=1)")
 
 
 def _add_params(p: argparse.ArgumentParser) -> None:
@@ -21,6 +28,7 @@ def _add_params(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    _add_debug(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("eval", help="accuracy of a model (and optional adapter) on an evaluation split")
@@ -40,10 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params(p)
     p.add_argument("--out", default=None, help="run folder (default: train.out_dir)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (of train.steps)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the run folder")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue from the newest intact checkpoint in the run folder")
+    again.add_argument("--overwrite", action="store_true",
+                       help="delete a previous run's outputs in the run folder and start over")
 
     p = sub.add_parser("params", help="print the resolved parameters as YAML")
     _add_params(p)
+    for command in sub.choices.values():
+        _add_debug(command, default=argparse.SUPPRESS)
     return parser
 
 
@@ -62,11 +76,19 @@ def _cmd_quantize(args) -> int:
     from qerl.loading import resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint
 
-    text = Path(args.eval_text).read_text() if args.eval_text else None
+    text = _read_text(Path(args.eval_text)) if args.eval_text else None
     report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, eval_text=text,
                                  strict=args.strict)
     print(f"quantized: {report.dst}")  # the summary is already in the log (quantize_checkpoint logs it once)
     return 0
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes().count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
 
 
 def _cmd_train(args) -> int:
@@ -74,15 +96,18 @@ def _cmd_train(args) -> int:
     from qerl.trainer import Trainer
 
     settings = load_settings(args.params, args.overrides)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps {args.max_steps}: must be >= 1")
     # Under torchrun: one rank of a data-parallel run (rank 0 writes the outputs); otherwise plain one process.
     try:
         with process_group(settings.train.collective_timeout_s) as group:
             if not group.is_main:
                 logging.getLogger().setLevel(logging.WARNING)  # one rank reports progress
-            trainer = Trainer(settings, out_dir=args.out or settings.train.out_dir, resume=args.resume)
-            adapter = trainer.train(max_steps=args.max_steps)
+            with Trainer(settings, out_dir=args.out or settings.train.out_dir, resume=args.resume,
+                         overwrite=args.overwrite) as trainer:
+                adapter = trainer.train(max_steps=args.max_steps)
     except DistributedError as exc:  # a rank died or timed out: say so in a line, never hang
-        if args.verbose:
+        if debug_requested(getattr(args, "debug", False)):
             raise
         print(f"qerl: error: {exc}", file=sys.stderr)
         return 1
@@ -98,23 +123,14 @@ def _cmd_params(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    debug = args.verbose or os.environ.get("QERL_DEBUG") == "1"
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+    debug = debug_requested(args.verbose or args.debug)
+    logging.basicConfig(level=logging.DEBUG if debug_requested(args.verbose) else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     command = {"eval": _cmd_eval, "quantize": _cmd_quantize, "train": _cmd_train, "params": _cmd_params}
     try:
         return command[args.command](args)
-    except ConfigError as exc:
-        print(f"qerl: error: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:  # bad user input: one line; --verbose shows the traceback
-        if debug:
-            raise
-        print(f"qerl: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("qerl: interrupted", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as exc:  # one line (exit 2 for bad input); --debug shows the traceback
+        return report("qerl", exc, debug)
 
 
 if __name__ == "__main__":

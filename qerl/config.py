@@ -28,11 +28,12 @@ class ConfigError(ValueError):
 
 
 class _RuleError(ConfigError):
-    """Raised by a section's `validate`: `key` names the field, so the error can point at where it was set."""
+    """Raised by a section's `validate`: `keys` name the fields the rule relates, so the error can point at where one
+    was set (a `-S` flag among them first: that is what the user just typed)."""
 
-    def __init__(self, key: str, message: str):
+    def __init__(self, keys: str | tuple[str, ...], message: str):
         super().__init__(message)
-        self.key = key
+        self.keys = (keys,) if isinstance(keys, str) else keys
 
 
 def _check(**bounds: float) -> dict:
@@ -111,9 +112,13 @@ class AQNSettings:
     seed: int = 0
 
     def validate(self) -> None:
+        sigmas = ("sigma_start", "sigma_end")
         if self.enabled and self.num_stages > 1 and (self.sigma_start <= 0) != (self.sigma_end <= 0):
-            raise _RuleError("sigma_end", f"sigma_start = {self.sigma_start}, sigma_end = {self.sigma_end}: both must "
+            raise _RuleError(sigmas, f"sigma_start = {self.sigma_start}, sigma_end = {self.sigma_end}: both must "
                              "be > 0 for a geometric schedule")
+        if self.enabled and self.sigma_start < self.sigma_end:  # the schedule decays: a growing one is a typo
+            raise _RuleError(sigmas, f"sigma_start = {self.sigma_start} < sigma_end = {self.sigma_end}: the noise "
+                             "decays from sigma_start to sigma_end, so sigma_start must be >= sigma_end")
 
 
 @dataclass
@@ -156,6 +161,9 @@ class DataSettings:
     steps: int = field(default=1, metadata=_check(ge=1, le=8))
     seed: int = 0
     system_prompt: Optional[str] = None  # None = qerl.data.SYSTEM_PROMPT
+    # A prompt longer than the model's context minus max_new_tokens: "error" names its file and line; "drop" leaves
+    # such examples out (train and eval) and logs how many.
+    overlong_prompts: Literal["error", "drop"] = "error"
 
     def validate(self) -> None:
         bad = set(self.operators) - set("+-*")
@@ -236,7 +244,13 @@ def load_settings(path: str | Path | None = None, overrides: typing.Sequence[str
     path = Path(path) if path is not None else DEFAULT_PARAMS
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found")
-    text = path.read_text()
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8") \
+            from None
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -340,8 +354,9 @@ def _build(cls: type, raw: Any, at: str, sources: dict[str, str], default: str) 
         try:
             obj.validate()
         except _RuleError as exc:
-            path = f"{at}.{exc.key}"
-            raise ConfigError(f"{_where(path, sources, default)}: {at}.{exc}") from None
+            places = [_where(f"{at}.{key}", sources, default) for key in exc.keys]
+            where = next((p for p in places if p.startswith("-S ")), places[0])
+            raise ConfigError(f"{where}: {at}.{exc}") from None
     return obj
 
 

@@ -202,11 +202,16 @@ def load_jsonl(path: str | Path, kind: Literal["gsm8k", "math"] | None = None) -
         raise ValueError(f"kind must be 'gsm8k', 'math' or None, got {kind!r}")
     path = Path(path)
     examples: list[Example] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:  # bytes, decoded line by line inside the try: a bad byte gets its file and line too
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)") \
+                        from None
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:

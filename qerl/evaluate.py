@@ -123,12 +123,21 @@ def eval_examples(settings: Settings, limit: int | None = None) -> list:
 def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path | None = None,
              limit: int | None = None, model=None, tokenizer=None, progress: bool = True) -> EvalResult:
     """Load the policy (base + optional adapter) and evaluate it as `settings.eval` says; save if `out_dir`."""
-    from qerl.runtime import load_policy
+    from qerl.data import SYSTEM_PROMPT
+    from qerl.prompt_length import fit_prompts, model_context
+    from qerl.runtime import load_policy, load_tokenizer_and_context
 
+    e = settings.eval
     examples = eval_examples(settings, limit)  # before the model: bad data fails in a second, not after a load
     if model is None:
+        tokenizer, context = load_tokenizer_and_context(settings.model, settings.quant)
+    else:
+        context = model_context(model)
+    system_prompt = settings.data.system_prompt if settings.data.system_prompt is not None else SYSTEM_PROMPT
+    examples = fit_prompts(examples, tokenizer, system_prompt, context, e.max_new_tokens, source=e.path or e.name,
+                           setting="eval.max_new_tokens", policy=settings.data.overlong_prompts)
+    if model is None:
         model, tokenizer = load_policy(settings, adapter=adapter)
-    e = settings.eval
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
                       system_prompt=settings.data.system_prompt, progress=progress)

@@ -63,6 +63,27 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
     return model, _load_tokenizer(path)
 
 
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer of a model folder or .gguf file, without its weights (None if the folder has none)."""
+    path = resolve_model(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_tokenizer(path.parent, gguf_file=path.name)
+    return _load_tokenizer(path)
+
+
+def context_length(path: str | os.PathLike) -> int:
+    """The model's context window (max_position_embeddings, as `load_model` will configure it), without its weights."""
+    path = resolve_model(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        value = _gguf_value(reader, f"{_gguf_value(reader, 'general.architecture')}.context_length")
+    else:
+        value = read_config(path).get("max_position_embeddings")
+    return int(value) if value else ModelConfig.max_position_embeddings  # ModelConfig.from_hf's default
+
+
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
     """"embedded" / "smollm2" -> the cached SmolLM2-135M-Instruct folder; anything else must be an existing path."""
     if str(name_or_path) in EMBEDDED_ALIASES:

@@ -313,7 +313,10 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict[str, Any],
     for fname in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (adapter_dir / fname).is_file():
             raise FileNotFoundError(f"{adapter_dir} has no {fname} (not a PEFT adapter folder)")
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    try:
+        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except ValueError as e:  # JSON or UTF-8
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: not a readable JSON file ({e})") from None
     return config, _settings_from_peft(config, adapter_dir / ADAPTER_CONFIG)
 
 
@@ -336,7 +339,10 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
     else:
         _check_settings_match(model, settings)
 
-    loaded = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    try:
+        loaded = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for truncated or garbage files
+        raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS}: cannot read safetensors ({e})") from None
     expected = lora_state_dict(model)
     missing, unexpected = sorted(expected.keys() - loaded.keys()), sorted(loaded.keys() - expected.keys())
     shapes = [f"{k}: file {tuple(loaded[k].shape)} vs model {tuple(v.shape)}"

@@ -54,6 +54,14 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
     return net, tokenizer
 
 
+def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
+    """The base's tokenizer and context length, read without its weights: enough to check prompts before the load."""
+    from qerl.loading import context_length, load_tokenizer, resolve_model
+
+    source = resolve_model(quant.quantized_path or model.path)
+    return load_tokenizer(source), context_length(source)
+
+
 def load_policy(settings: Settings, adapter: str | None = None):
     """Base model plus an adapter: loaded from `adapter` (a PEFT folder) if given, else fresh LoRA from settings."""
     from qerl import lora

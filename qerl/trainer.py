@@ -23,12 +23,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qerl import data, distributed, grpo, lora, rewards
+from qerl import checkpoints, data, distributed, grpo, lora, rewards, runfolder
 from qerl.aqn import AQNSchedule, NoiseInjector
 from qerl.config import Settings
 from qerl.engine import generate_fast
 from qerl.generate import generate
-from qerl.runtime import load_base_model, seed_everything
+from qerl.manifest import write_manifest
+from qerl.prompt_length import fit_prompts, model_context
+from qerl.runlock import run_folder_lock
+from qerl.runtime import load_base_model, load_tokenizer_and_context, seed_everything
 from qerl.tracking import JsonlWriter, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -107,27 +110,59 @@ class Trainer:
 
     `train()` runs the whole loop; `rollout()`, `score()`, `update()` are its phases, for callers that orchestrate
     them (Prefect tasks). State lives in `out_dir`: params.yaml, metrics.jsonl, checkpoints/, adapter/.
+    The trainer holds an exclusive lock on `out_dir` from construction until `close()` (or the end of a `with`
+    block, or the process): a second trainer on the same folder fails at once.
     """
 
     def __init__(self, settings: Settings, out_dir: str | Path, tracker: Tracker | None = None, resume: bool = False,
-                 model=None, tokenizer=None, progress: bool = True):
-        self.settings = s = settings
+                 model=None, tokenizer=None, progress: bool = True, overwrite: bool = False):
         self.out = Path(out_dir)
+        # Locked before anything looks at the folder, so two racing trainers cannot both find it free. Under
+        # torchrun, rank 0 holds it for the whole job (the other ranks write nothing there).
+        main = distributed.current().is_main
+        self.lock = run_folder_lock(self.out).acquire() if main else None
+        try:
+            self._start(settings, tracker, resume, overwrite, model, tokenizer, progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run folder (idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self, settings: Settings, tracker: Tracker | None, resume: bool, overwrite: bool, model, tokenizer,
+               progress: bool) -> None:
+        self.settings = s = settings
         self.tracker = tracker or NullTracker()
         self.progress = progress
-        if not resume and self.latest_checkpoint() is not None:
-            raise FileExistsError(f"{self.out} already holds checkpoints: pass --resume to continue that run, "
-                                  "or choose another --out")
-        self.out.mkdir(parents=True, exist_ok=True)
-        seed_everything(s.train.seed)
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
+        if self.dist.is_main:
+            checkpoints.remove_killed_writes(self.out / CHECKPOINTS)  # we hold the lock: no live writer owns them
+            runfolder.check_start(self.out, resume, overwrite, has_checkpoint=bool(checkpoints.finished(
+                self.out / CHECKPOINTS)))
+        seed_everything(s.train.seed)
         if self.dist.active and s.grpo.dynamic_sampling:
             raise ValueError("grpo.dynamic_sampling does not run over several processes yet: set it to false")
         self.dist.shard(range(s.rollout.prompts_per_step))  # fail now, not at step 1, if the prompts do not split
 
         d = s.data  # data first: a bad dataset fails in a second, not after a model load
+        self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
         examples = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
                                      operators=d.operators, steps=d.steps)
+        if model is None:
+            tokenizer, context = load_tokenizer_and_context(s.model, s.quant)  # no weights yet: a second or two
+        else:
+            context = model_context(model)
+        examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
+                               source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         if model is None:
             model, tokenizer = load_base_model(s.model, s.quant)
@@ -145,7 +180,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: lr_lambda(i, o.warmup_steps, s.train.steps, o.schedule, o.min_lr_ratio))
 
-        self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
         # No schedule when AQN is off or its sigmas are 0 (config allows both-zero as "off"): sigma() is then 0.
         noisy = s.aqn.enabled and s.aqn.sigma_start > 0 and s.aqn.sigma_end > 0
@@ -159,9 +193,14 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl")
-        if resume and self.latest_checkpoint() is not None:
-            self.load_checkpoint(self.latest_checkpoint())
-        elif self.dist.is_main:
+        # Rank 0 resolves damaged checkpoints (it moves them aside) before the other ranks read the same folder.
+        resumed = None
+        if resume and self.dist.is_main:
+            resumed = self.resume_from_newest_intact()
+        self.dist.barrier()
+        if resume and not self.dist.is_main:
+            resumed = self.resume_from_newest_intact()
+        if resumed is None and self.dist.is_main:
             self.metrics_log.truncate_after(0)
         if self.dist.is_main:
             (self.out / "params.yaml").write_text(s.to_yaml())
@@ -427,16 +466,18 @@ class Trainer:
         return lora.save_adapter(self.model, out_dir, base, self.lora_settings)
 
     def latest_checkpoint(self) -> Path | None:
-        root = self.out / CHECKPOINTS
-        done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
+        """The newest finished checkpoint folder (intact or not: `resume_from_newest_intact` checks)."""
+        done = checkpoints.finished(self.out / CHECKPOINTS)
         return done[-1] if done else None
 
     def save_checkpoint(self, keep: int = 2) -> Path:
-        """Adapter + optimizer + scheduler + RNG + data position, written to a temp dir and renamed (atomic)."""
+        """Adapter + optimizer + scheduler + RNG + data position, written to a temp dir with a manifest (sizes and
+        hashes, written last) and renamed (atomic). The `keep` newest are kept, so a damaged newest one has a
+        predecessor to fall back to."""
         root = self.out / CHECKPOINTS
         root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{self.step:06d}"
-        tmp = root / f".tmp-step-{self.step:06d}-{os.getpid()}"
+        final = root / f"{checkpoints.PREFIX}{self.step:06d}"
+        tmp = checkpoints.temp_folder(root, self.step, os.getpid())
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         self.export_adapter(tmp / "adapter")
@@ -450,16 +491,50 @@ class Trainer:
             "settings": self.settings.to_dict(),
         }
         torch.save(state, tmp / STATE_FILE)
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in sorted(p for p in root.glob("step-*") if p != final)[:-max(keep - 1, 0) or None]:
+        for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", final)
         return final
 
+    def resume_from_newest_intact(self) -> Path | None:
+        """Load the newest intact checkpoint, falling back past damaged ones (each reported in one line); None if
+        the run has none."""
+        found = checkpoints.newest_intact(self.out / CHECKPOINTS, self.read_checkpoint)
+        if found is None:
+            return None
+        path, state = found
+        self.apply_checkpoint(path, state)
+        return path
+
+    @staticmethod
+    def read_checkpoint(path: Path) -> dict[str, Any]:
+        """A checkpoint's trainer state, its adapter file checked readable; raises `CheckpointCorrupt` naming the
+        file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched."""
+        from safetensors import safe_open
+
+        file = path / STATE_FILE
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=False)
+            missing = {"step", "optimizer", "scheduler", "sampler", "rng"} - set(state)
+            if missing:
+                raise KeyError(f"lacks {', '.join(sorted(missing))}")
+            file = path / "adapter" / lora.ADAPTER_WEIGHTS
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    f.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - torch, pickle and safetensors each raise their own types
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else "empty or truncated"
+            raise checkpoints.CheckpointCorrupt(f"{file}: unreadable ({type(e).__name__}: {reason})") from None
+        return state
+
     def load_checkpoint(self, path: Path) -> None:
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        self.apply_checkpoint(path, self.read_checkpoint(path))
+
+    def apply_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         lora.load_adapter(self.model, path / "adapter")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -473,4 +548,4 @@ class Trainer:
         self.step = state["step"]
         if self.dist.is_main:
             self.metrics_log.truncate_after(self.step)
-        log.info("resumed from %s (step %d)", path, self.step)
+        log.info("resuming from %s (step %d)", path, self.step)

@@ -21,14 +21,19 @@ _IN_PROCESS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 @task(name="load-trainer", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
 def build_trainer(settings: Settings, out_dir: str, tracker: Tracker | None = None, resume: bool = False,
-                  init_adapter: str | None = None):
-    """Load the (quantized) base, attach LoRA, and optionally start from an existing adapter's weights."""
+                  init_adapter: str | None = None, overwrite: bool = False):
+    """Load the (quantized) base, attach LoRA, and optionally start from an existing adapter's weights. The trainer
+    holds the run folder's lock until the caller's `trainer.close()`."""
     from qerl import lora
     from qerl.trainer import Trainer
 
-    trainer = Trainer(settings, out_dir, tracker=tracker, resume=resume)
+    trainer = Trainer(settings, out_dir, tracker=tracker, resume=resume, overwrite=overwrite)
     if init_adapter is not None and trainer.step == 0:
-        lora.load_adapter(trainer.model, init_adapter)  # copies in place: the optimizer keeps its parameters
+        try:
+            lora.load_adapter(trainer.model, init_adapter)  # copies in place: the optimizer keeps its parameters
+        except BaseException:
+            trainer.close()
+            raise
     return trainer
 
 

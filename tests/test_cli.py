@@ -43,7 +43,7 @@ def test_quantize_then_eval_the_quantized_folder(tiny_llama_dir, tmp_path):
 
 def test_missing_model_is_one_clear_error(tmp_path):
     proc = qerl("quantize", "--model", tmp_path / "nope", "--out", tmp_path / "out")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input
     assert proc.stderr.startswith("qerl: error:") and "nope" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -60,6 +60,77 @@ def test_malformed_data_row_names_file_and_line(tmp_path):
     params = tmp_path / "p.yaml"
     params.write_text(yaml.safe_dump({"eval": {"name": str(rows), "n": 1}}))
     proc = qerl("eval", "--params", params)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input
     assert f"{rows}:2" in proc.stderr and "answer" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_quantize_onto_a_non_empty_folder_is_one_line(tiny_llama_dir, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = qerl("quantize", "--model", tiny_llama_dir, "--out", out)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"qerl: error: destination {out} already exists and is not an empty folder"]
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_quantize_removes_what_a_killed_quantization_left_and_refuses_a_destination_in_use(tiny_llama_dir, tmp_path):
+    from qerl.runlock import output_lock
+
+    out = tmp_path / "q"
+    leftover = tmp_path / ".q.tmp-k1ll3d"  # what mkdtemp named the folder of a quantization killed half-way
+    leftover.mkdir()
+    (leftover / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
+    with output_lock(out):
+        proc = qerl("quantize", "--model", tiny_llama_dir, "--out", out)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"qerl: error: output folder {out} is in use by PID ")
+        assert leftover.exists()  # a writer may own it while the lock is held
+    proc = qerl("quantize", "--model", tiny_llama_dir, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert not leftover.exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp folder, no lock file left
+
+
+def test_a_damaged_adapter_is_one_line_and_debug_shows_the_traceback(tiny_llama_dir, tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x00\x01garbage")
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump({"model": {"path": str(tiny_llama_dir)}, "quant": {"scheme": "bf16"},
+                                      "eval": {"n": 1, "max_new_tokens": 2}}))
+    args = ("eval", "--params", params, "--adapter", adapter, "--out", tmp_path / "eval")
+    proc = qerl(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"qerl: error: {adapter / 'adapter_model.safetensors'}: cannot read safetensors (")
+    assert "Traceback" not in proc.stderr
+    debug = qerl(*args, "--debug")
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
+    import os
+
+    env_debug = subprocess.run([sys.executable, "-m", "qerl.cli", *map(str, args)], capture_output=True, text=True,
+                               cwd=REPO, timeout=600, env={**os.environ, "QERL_DEBUG": "1"})
+    assert env_debug.returncode == 2 and "Traceback (most recent call last)" in env_debug.stderr
+
+
+def test_an_unexpected_error_is_one_line_with_exit_1_and_a_hint(capsys):
+    from qerl.errors import report
+
+    assert report("qerl", RuntimeError("CUDA out of memory.\nTried to allocate 6.00 GiB")) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "qerl: error: RuntimeError: CUDA out of memory. Tried to allocate 6.00 GiB (unexpected; rerun with --debug "
+        "or QERL_DEBUG=1 for the traceback)"]
+    assert report("qerl", FileExistsError("x exists")) == 2
+    assert report("qerl", KeyboardInterrupt()) == 130
+
+
+def test_a_non_utf8_data_file_is_one_line_naming_file_and_line(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "\xff", "answer": "2 #### 2"}\n')
+    proc = qerl("eval", "-S", f"eval.name={rows}", "-S", "eval.n=null")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"qerl: error: {rows}:2: not UTF-8 (byte 0xff at byte 15 of the line)"]

@@ -108,3 +108,34 @@ def test_cli_params_prints_resolved_yaml():
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "rank: 4" in proc.stdout
+
+
+def test_aqn_sigma_start_below_sigma_end_is_rejected_where_it_was_written(tmp_path):
+    params = tmp_path / "p.yaml"
+    params.write_text("aqn:\n  sigma_start: 1.0e-4\n  sigma_end: 1.0e-2\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml:2: aqn\.sigma_start = 0\.0001 < sigma_end = 0\.01") as info:
+        load_settings(params)
+    assert "\n" not in str(info.value)
+    assert load_settings(params, ["aqn.enabled=false"]).aqn.enabled is False  # off: the sigmas do not matter
+    assert load_settings(overrides=["aqn.sigma_start=1e-3", "aqn.sigma_end=1e-3"]).aqn.sigma_start == 1e-3  # constant
+
+
+@pytest.mark.parametrize("override", ["aqn.sigma_start=0", "aqn.sigma_end=0.5", "aqn.sigma_start=1e-5"])
+def test_an_aqn_rule_broken_by_a_flag_names_the_flag_not_the_file(override):
+    with pytest.raises(ConfigError) as info:
+        load_settings(overrides=[override])
+    assert str(info.value).startswith(f"-S {override}: aqn.sigma_start = ")
+
+
+def test_a_non_utf8_params_file_names_its_line(tmp_path):
+    params = tmp_path / "p.yaml"
+    params.write_bytes(b"lora:\n  rank: 8\ndata:\n  system_prompt: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml:4: not UTF-8 text \(byte 0xe9\)"):
+        load_settings(params)
+
+
+def test_overlong_prompts_policy_is_validated():
+    assert load_settings().data.overlong_prompts == "error"
+    assert load_settings(overrides=["data.overlong_prompts=drop"]).data.overlong_prompts == "drop"
+    with pytest.raises(ConfigError, match="-S data.overlong_prompts=truncate: .*'error', 'drop'"):
+        load_settings(overrides=["data.overlong_prompts=truncate"])

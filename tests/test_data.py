@@ -184,6 +184,14 @@ def test_malformed_math_row_error_names_file_and_line(tmp_path, bad_row, message
         load_jsonl(path)
 
 
+def test_a_non_utf8_byte_names_file_and_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    good = b'{"question": "1+1?", "answer": "2 #### 2"}\n'
+    path.write_bytes(good + good + b'{"question": "caf\xff?", "answer": "2 #### 2"}\n')
+    with pytest.raises(ValueError, match=rf"{path}:3: not UTF-8 \(byte 0xff at byte 18 of the line\)"):
+        load_jsonl(path)
+
+
 def test_unrecognised_layout_asks_for_kind(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"question": "Q", "answer": "2"}])
     with pytest.raises(ValueError, match=re.escape(f"{path}:1: ") + ".*kind="):

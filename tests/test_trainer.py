@@ -71,14 +71,14 @@ def tiny_settings(tmp_path, **sections):
     return settings_from_dict(raw)
 
 
-def make_trainer(settings, out, resume=False):
+def make_trainer(settings, out, resume=False, **options):
     tok = char_tokenizer()
     model = tiny_model(tok)
     from qerl.quant.linear import quantize_model
 
     quantize_model(model, settings.quant.scheme)
     model.requires_grad_(False)
-    return Trainer(settings, out, resume=resume, model=model, tokenizer=tok, progress=False)
+    return Trainer(settings, out, resume=resume, model=model, tokenizer=tok, progress=False, **options)
 
 
 def adapter_tensors(run_dir):
@@ -140,6 +140,7 @@ def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path
 
     part = make_trainer(settings, tmp_path / "part")
     part.train(max_steps=3)  # "killed" after step 3: the last checkpoint is step 2
+    part.close()
     (tmp_path / "part" / "adapter").rename(tmp_path / "part" / "adapter-stale")
     # a kill mid-write leaves a temp folder behind, never a half checkpoint
     half = tmp_path / "part" / "checkpoints" / ".tmp-step-000004-1"
@@ -157,7 +158,8 @@ def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path
 
 def test_existing_run_without_resume_is_refused(tmp_path):
     settings = tiny_settings(tmp_path, train={"steps": 2})
-    make_trainer(settings, tmp_path / "run").train()
+    with make_trainer(settings, tmp_path / "run") as trainer:
+        trainer.train()
     with pytest.raises(FileExistsError, match="--resume"):
         make_trainer(settings, tmp_path / "run")
 

@@ -27,6 +27,7 @@ import torch
 from qerl.quant import nvfp4
 from qerl.quant.formats import Codec, get_codec
 from qerl.quant.linear import DECODER_LINEAR_PATTERN, fused_group_key
+from qerl.runlock import output_lock
 
 __all__ = ["quantize_checkpoint", "QuantizeReport", "quantization_config", "scheme_from_config",
            "is_quantizable_weight", "COMPRESSED_TENSORS_VERSION"]
@@ -213,6 +214,16 @@ def _relative_error(w: torch.Tensor, deq: torch.Tensor) -> float:
     return (w - deq).norm().item() / norm if norm > 0 else 0.0
 
 
+def _temp_prefix(dst: Path) -> str:
+    return f".{dst.name}.tmp-"
+
+
+def _remove_killed_writes(dst: Path) -> None:
+    for stale in dst.parent.glob(_temp_prefix(dst) + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("removed %s (a quantization that was killed)", stale)
+
+
 def _check_destination(src: Path, dst: Path) -> None:
     if dst.resolve() == src.resolve():
         raise ValueError(f"destination {dst} is the source folder")
@@ -298,9 +309,13 @@ def quantize_checkpoint(
     quantized = {n for n, shape in source.shapes.items() if is_quantizable_weight(n, shape)}
     scales = _SharedScales(source, quantized, device) if codec.scheme == "nvfp4" else None
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    # One writer per destination: under its lock, temp folders beside `dst` are the remains of killed writes.
+    lock = output_lock(dst).acquire()
+    tmp = None
     try:
+        _remove_killed_writes(dst)
+        _check_destination(src, dst)  # again, under the lock: a racing writer may have finished meanwhile
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dst), dir=dst.parent))
         weight_map: dict[str, str] = {}
         bar = tqdm(total=len(source.weight_map), desc=f"quantize {codec.scheme}", unit="tensor", disable=not progress)
         for shard in source.shards:
@@ -323,8 +338,11 @@ def quantize_checkpoint(
         _write_config(src, tmp, codec.scheme, [n.removesuffix(".weight") for n in report.kept_dense])
         os.replace(tmp, dst)  # atomic; also replaces an empty dst folder
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        lock.release()
     log.info("%s", report.summary())
     if eval_text is not None:
         report.perplexity_before = _perplexity(src, eval_text, device)

@@ -1,0 +1,51 @@
+"""How command-line entry points (`qerl`, `python -m flows.*`) end on an error: one line on stderr, never a traceback
+unless asked for (`--debug` or QERL_DEBUG=1), like DVC's `ERROR: ...` and its `-v`.
+
+Exit codes: 2 for bad input the user can fix (parameters, data files, paths, a run folder in use or holding another
+run, damaged checkpoints), 1 for anything else (a bug, out of memory, a full disk), 130 for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from qerl.runlock import FolderLocked
+
+DEBUG_ENV = "QERL_DEBUG"
+BAD_INPUT_EXIT = 2
+FAILURE_EXIT = 1
+
+# ValueError covers ConfigError, the checkpoint and data errors, JSON and UTF-8 decode errors.
+BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+             FolderLocked)
+
+
+def debug_requested(flag: bool = False) -> bool:
+    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (library messages often span several), never empty."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, KeyError) and len(exc.args) == 1:
+        text = f"missing key {exc.args[0]!r}"
+    if len(text) > 2000:
+        text = text[:2000] + " ..."
+    return text or type(exc).__name__
+
+
+def report(prog: str, exc: BaseException, debug: bool = False) -> int:
+    """Print `exc` for the user and return the exit code; with `debug`, the traceback comes first."""
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, BAD_INPUT):
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        return BAD_INPUT_EXIT
+    hint = "" if debug else f" (unexpected; rerun with --debug or {DEBUG_ENV}=1 for the traceback)"
+    print(f"{prog}: error: {type(exc).__name__}: {one_line(exc)}{hint}", file=sys.stderr)
+    return FAILURE_EXIT

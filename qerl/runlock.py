@@ -1,0 +1,101 @@
+"""An exclusive, process-lifetime lock on a folder (a training run, a quantization target).
+
+An OS file lock (`flock`) rather than a PID file: the kernel releases it when the holder exits in any way, `kill -9`
+included, so a lock is never stale and never needs breaking by hand. The lock file records the holder's PID and host
+so that the loser's one-line error can name them. Unix only (fcntl), like the rest of the training stack.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+
+class FolderLocked(RuntimeError):
+    """Another process holds the lock; the message names it (PID and host) in one line."""
+
+
+class FolderLock:
+    """`with FolderLock(lock_file, what="run folder runs/x"):` or `lock = FolderLock(...).acquire()` ... `release()`.
+
+    Fails at once (no waiting): two trainers on one folder is a mistake to report, not a queue to form.
+    """
+
+    def __init__(self, lock_file: str | Path, what: str):
+        self.path = Path(lock_file)
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> "FolderLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _describe_holder(fd)
+                os.close(fd)
+                raise FolderLocked(f"{self.what} is in use by {holder} (lock file {self.path}); wait for it to "
+                                   "finish or stop it, or choose another folder") from None
+            # The previous holder unlinks the file on release: a lock taken on an unlinked file protects nothing,
+            # so make sure the path still names the file we locked, else try again on the new one.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked: nobody can take a lock on it in between
+        finally:
+            os.close(fd)  # releases the flock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:  # a dropped Trainer frees its folder (the OS does it anyway at exit)
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
+            pass
+
+
+def _describe_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"PID {info['pid']} on host {info['host']}"
+    except (ValueError, KeyError, TypeError, OSError):  # the holder is between taking the lock and writing its name
+        return "another process"
+
+
+def run_folder_lock(folder: str | Path) -> FolderLock:
+    """The lock of a training run folder: `<folder>/.qerl.lock`."""
+    return FolderLock(Path(folder) / ".qerl.lock", what=f"run folder {folder}")
+
+
+def output_lock(target: str | Path) -> FolderLock:
+    """The lock of a folder that appears atomically (a quantized checkpoint): a sibling `.<name>.lock`, since the
+    folder itself does not exist until the write succeeds."""
+    target = Path(target)
+    return FolderLock(target.parent / f".{target.name}.lock", what=f"output folder {target}")

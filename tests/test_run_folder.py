@@ -1,0 +1,150 @@
+"""One run per folder: a second trainer on it fails at once naming the holder, a lock dies with its process, and a
+previous run is never overwritten without --resume or --overwrite."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qerl.runlock import FolderLocked, run_folder_lock
+from tests.test_trainer import make_trainer, tiny_settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_process(*args):
+    return subprocess.Popen([sys.executable, "-m", "tests.tiny_trainer_process", *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_trainers_racing_on_one_folder_one_wins_the_other_fails_at_once_naming_it(tmp_path):
+    run, release = tmp_path / "run", tmp_path / "release"
+    a, b = tiny_process(run, "--hold-until", release), tiny_process(run, "--hold-until", release)
+    loser = None
+    deadline = time.monotonic() + 120
+    while loser is None:  # the loser exits on its own while the winner still holds the folder
+        loser = next((p for p in (a, b) if p.poll() is not None), None)
+        assert time.monotonic() < deadline, "neither trainer gave up"
+        time.sleep(0.05)
+    winner = b if loser is a else a
+    _, err = loser.communicate()
+    assert loser.returncode == 2, err
+    assert err.splitlines() == [f"tiny-trainer: error: run folder {run} is in use by PID {winner.pid} on host "
+                                f"{socket.gethostname()} (lock file {run / '.qerl.lock'}); wait for it to finish or "
+                                "stop it, or choose another folder"]
+    release.touch()
+    assert winner.wait(120) == 0, winner.communicate()
+    assert steps(run) == [1, 2, 3, 4]  # one run's steps, not two runs interleaved
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert not (run / ".qerl.lock").exists()  # released and removed at the end
+
+
+def test_a_lock_dies_with_its_process(tmp_path):
+    run, release = tmp_path / "run", tmp_path / "release"
+    holder = tiny_process(run, "--hold-until", release)
+    wait_for(run / "metrics.jsonl", holder)
+    with pytest.raises(FolderLocked, match=f"PID {holder.pid} on host"):
+        run_folder_lock(run).acquire()
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(30)
+    assert (run / ".qerl.lock").exists()  # left behind by the killed holder, and no obstacle
+    run_folder_lock(run).acquire().release()
+
+
+def test_qerl_train_on_a_folder_in_use_is_one_line_naming_the_holder(tmp_path):
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
+                              str(run)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(run / ".qerl.lock", first)
+        second = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
+                                 str(run)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        first.kill()
+        first.wait(30)
+    assert second.returncode == 2
+    assert second.stderr.splitlines() == [
+        f"qerl: error: run folder {run} is in use by PID {first.pid} on host {socket.gethostname()} "
+        f"(lock file {run / '.qerl.lock'}); wait for it to finish or stop it, or choose another folder"]
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    """A finished 4-step run whose checkpoints were deleted afterwards (to save space, say)."""
+    run = tmp_path / "run"
+    with make_trainer(tiny_settings(tmp_path), run) as trainer:
+        trainer.train()
+    for ckpt in (run / "checkpoints").iterdir():
+        for f in sorted(ckpt.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        ckpt.rmdir()
+    (run / "checkpoints").rmdir()
+    return run
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def test_a_finished_run_without_checkpoints_is_not_overwritten_without_a_flag(finished_run, tmp_path):
+    before = snapshot(finished_run)
+    with pytest.raises(FileExistsError) as info:
+        make_trainer(tiny_settings(tmp_path), finished_run)
+    assert str(info.value) == (f"{finished_run} already holds a run (metrics.jsonl, adapter/): pass --resume to "
+                               "continue it, --overwrite to replace it (its outputs are deleted), or choose another "
+                               "--out")
+    with pytest.raises(FileExistsError, match="nothing to resume in .* holds metrics.jsonl, adapter/ but no "
+                                              "checkpoint; pass --overwrite"):
+        make_trainer(tiny_settings(tmp_path), finished_run, resume=True)
+    assert snapshot(finished_run) == before  # nothing lost, not even the metrics
+    run_folder_lock(finished_run).acquire().release()  # and the refused trainers let go of the folder
+
+
+def test_overwrite_replaces_the_previous_run(finished_run, tmp_path):
+    (finished_run / "metrics.jsonl").write_text('{"step": 1, "old": true}\n' * 9)
+    old_adapter = (finished_run / "adapter" / "adapter_model.safetensors").read_bytes()
+    notes = finished_run / "notes.txt"
+    notes.write_text("mine")
+    settings = tiny_settings(tmp_path, train={"steps": 2})
+    with pytest.raises(ValueError, match="--resume and --overwrite exclude each other"):
+        make_trainer(settings, finished_run, resume=True, overwrite=True)
+    with make_trainer(settings, finished_run, overwrite=True) as trainer:
+        trainer.train()
+    assert steps(finished_run) == [1, 2] and "old" not in (finished_run / "metrics.jsonl").read_text()
+    assert (finished_run / "adapter" / "adapter_model.safetensors").read_bytes() != old_adapter
+    assert notes.read_text() == "mine"  # only the run's own outputs go
+
+
+def test_resume_on_an_empty_folder_starts_at_step_zero(tmp_path):
+    with make_trainer(tiny_settings(tmp_path), tmp_path / "new", resume=True) as trainer:
+        assert trainer.step == 0
+
+
+def test_qerl_train_refuses_a_previous_run_in_one_line_before_loading_anything(finished_run):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
+                           str(finished_run)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"qerl: error: {finished_run} already holds a run (metrics.jsonl, adapter/): "
+                                        "pass --resume to continue it, --overwrite to replace it (its outputs are "
+                                        "deleted), or choose another --out"]
+    assert time.perf_counter() - start < 60
