@@ -50,7 +50,7 @@ def test_missing_model_is_one_clear_error(tmp_path):
 
 def test_missing_adapter_fails_in_one_line_before_the_model_loads(tmp_path):
     proc = qerl("eval", "--params", REPO / "params" / "default.yaml", "--adapter", tmp_path / "nonexistent")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input
     assert proc.stderr.splitlines() == [f"qerl: error: adapter folder {tmp_path / 'nonexistent'} does not exist"]
 
 
