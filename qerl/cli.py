@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"qerl: error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as exc:  # bad user input: one line; --verbose shows the traceback
+    # bad user input, or a hub dataset neither cached nor reachable: one line; --verbose shows the traceback
+    except (FileNotFoundError, ValueError, ConnectionError) as exc:
         if debug:
             raise
         print(f"qerl: error: {exc}", file=sys.stderr)

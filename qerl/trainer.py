@@ -121,8 +121,7 @@ class Trainer:
         seed_everything(s.train.seed)
 
         d = s.data  # data first: a bad dataset fails in a second, not after a model load
-        examples = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
-                                     operators=d.operators, steps=d.steps)
+        examples = data.examples_for(d)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         if model is None:
             model, tokenizer = load_base_model(s.model, s.quant)
