@@ -113,7 +113,8 @@ def _open_hub(datasets: Any, name: str, config: str | None, split: str) -> datas
         raise ConnectionError(
             f"hub dataset {where} is not in the local datasets cache ({datasets.config.HF_DATASETS_CACHE}) and the "
             f"hub is unreachable: fetch it once where the hub is reachable with `{fetch}` (then copy that cache "
-            f"here, or point HF_DATASETS_CACHE at it), or save it to a file (Dataset.to_parquet) and name that file instead"
+            f"here, or point HF_DATASETS_CACHE at it), or save it to a file (Dataset.to_parquet) and name that file "
+            f"instead"
         ) from None
     except FileNotFoundError:
         raise FileNotFoundError(f"no hub dataset {where} (a local path must exist; a hub id is owner/name)") from None
@@ -186,8 +187,8 @@ def table_examples(table: Any, label: str, question_field: str | None = None, an
         try:
             if not isinstance(question, str) or not question.strip():
                 raise ValueError(f"column {question_col!r} holds {question!r}, expected non-empty text")
-            examples.append(Example(f"{id_prefix or label}:{row}", question.strip(), _gold(answer, answer_format, answer_col),
-                                    answer_format))
+            gold = _gold(answer, answer_format, answer_col)
+            examples.append(Example(f"{id_prefix or label}:{row}", question.strip(), gold, answer_format))
         except ValueError as e:
             raise ValueError(f"{label} row {row}: {e}") from None
     return examples
