@@ -43,7 +43,7 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
     overrides = list(overrides or [])
     newest = find_newest_data(data_dir)
     if newest:
-        overrides += [f"data.name={newest}", "data.n=null"]
+        overrides += [f"data.name={newest}", "data.n=null", "data.path=null"]  # path belongs to gsm8k/math500 names
         logger.info("training on the newest data: %s", newest)
     else:
         logger.info("no *.jsonl in %s: training on the data the params name", data_dir)

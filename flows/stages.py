@@ -1,5 +1,6 @@
 """Plain entry points for the DVC stages the `qerl` CLI does not cover (no Prefect or MLflow imported here).
 
+    python -m flows.stages fingerprint --params params/default.yaml --out data/fingerprint.json
     python -m flows.stages prepare --params params/default.yaml --out data/prepared
     python -m flows.stages curves runs/dvc/train/metrics.jsonl runs/dvc/train/curves.csv
 """
@@ -25,9 +26,7 @@ def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
     from qerl import data
     from qerl.evaluate import eval_examples
 
-    d = settings.data
-    train = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
-                              operators=d.operators, steps=d.steps)
+    train = data.examples_for(settings.data)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {}
@@ -39,6 +38,21 @@ def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
         tmp.replace(path)
         written[name] = path
     return written
+
+
+def fingerprint(settings: Settings, out_json: str | Path) -> Path:
+    """Write what identifies the training and evaluation data (`qerl.data.fingerprint`) as JSON.
+
+    DVC cannot see a hub dataset, or a file named only in the params, so its `fingerprint` stage runs this on every
+    `dvc repro` and `prepare` depends on the result: data preparation reruns exactly when a fingerprint changes.
+    """
+    from qerl import data
+
+    prints = {"train": data.fingerprint(settings.data), "test": data.fingerprint(settings.eval, knobs=settings.data)}
+    out = Path(out_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prints, indent=2) + "\n")
+    return out
 
 
 def curves(metrics_jsonl: str | Path, out_csv: str | Path) -> Path:
@@ -61,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", default=None)
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", required=True)
+    p = sub.add_parser("fingerprint", help="write the fingerprints of the data/eval datasets as JSON")
+    p.add_argument("--params", default=None)
+    p.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    p.add_argument("--out", required=True)
     p = sub.add_parser("curves", help="metrics.jsonl -> CSV for dvc plots")
     p.add_argument("metrics_jsonl")
     p.add_argument("out_csv")
@@ -69,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             for name, path in prepare(load_settings(args.params, args.overrides), args.out).items():
                 print(f"{name}: {path} ({sum(1 for _ in path.open())} examples)")
+        elif args.command == "fingerprint":
+            print(fingerprint(load_settings(args.params, args.overrides), args.out).read_text(), end="")
         else:
             print(curves(args.metrics_jsonl, args.out_csv))
     except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback

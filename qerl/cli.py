@@ -1,4 +1,5 @@
-"""`qerl quantize | train | eval | params`: the command line over the core (no Prefect, MLflow or DVC needed)."""
+"""`qerl quantize | train | eval | export | params`: the command line over the core (no Prefect, MLflow or DVC
+needed)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the newest intact checkpoint in the run folder")
     again.add_argument("--overwrite", action="store_true",
                        help="delete a previous run's outputs in the run folder and start over")
+
+    p = sub.add_parser("export", help="the trained policy for vLLM and transformers: the NVFP4 base + the PEFT "
+                                      "adapter, or (--merge) the LoRA merged and re-quantized; README.md with commands")
+    p.add_argument("--adapter", required=True, help="a PEFT adapter folder (e.g. runs/default/adapter)")
+    p.add_argument("--out", required=True, help="destination folder (must not exist or be empty)")
+    p.add_argument("--merge", action="store_true", help="merge the LoRA into the base and quantize it again")
+    p.add_argument("--model", default=None, help="the base checkpoint (default: the adapter's base_model_name_or_path)")
+    p.add_argument("--scheme", default=None, choices=["nvfp4", "mxfp4", "bf16"],
+                   help="the base's format in training (default: a quantized base's own, else nvfp4)")
 
     p = sub.add_parser("params", help="print the resolved parameters as YAML")
     _add_params(p)
@@ -116,6 +126,15 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from qerl.export import export_policy
+
+    result = export_policy(args.adapter, args.out, merge=args.merge, model=args.model, scheme=args.scheme)
+    print(f"wrote {result.out} ({'merged, ' if result.merged else ''}{result.scheme}); serve it with:")
+    print(result.vllm_command)
+    return 0
+
+
 def _cmd_params(args) -> int:
     print(load_settings(args.params, args.overrides).to_yaml(), end="")
     return 0
@@ -126,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = debug_requested(args.verbose or args.debug)
     logging.basicConfig(level=logging.DEBUG if debug_requested(args.verbose) else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    command = {"eval": _cmd_eval, "quantize": _cmd_quantize, "train": _cmd_train, "params": _cmd_params}
+    command = {"eval": _cmd_eval, "quantize": _cmd_quantize, "train": _cmd_train, "export": _cmd_export,
+               "params": _cmd_params}
     try:
         return command[args.command](args)
     except (Exception, KeyboardInterrupt) as exc:  # one line (exit 2 for bad input); --debug shows the traceback

@@ -152,9 +152,16 @@ class TrainSettings:
 
 @dataclass
 class DataSettings:
-    name: str = "arithmetic"  # arithmetic | gsm8k | math500 | a .jsonl path | a hub dataset name
-    path: Optional[str] = None  # a local jsonl for gsm8k/math500
-    split: str = "train"
+    # arithmetic (generated) | a hub dataset id (e.g. openai/gsm8k) | a local jsonl/json/parquet/csv file or a folder
+    # of them (read by Hugging Face `datasets`) | gsm8k, math500 (short for their hub ids, or for the file at `path`)
+    name: str = "arithmetic"
+    path: Optional[str] = None  # a local copy for gsm8k/math500
+    config: Optional[str] = None  # the hub dataset's configuration (e.g. main for openai/gsm8k)
+    split: str = "train"  # of a hub dataset or folder (a single file is one split)
+    question_field: Optional[str] = None  # the question column; None: question, problem or prompt
+    answer_field: Optional[str] = None  # the answer column; None: answer or solution
+    # how the answer column writes the gold: gsm8k "... #### 42", math "... \boxed{42}", plain "42"; auto: by row 1
+    answer_format: Literal["auto", "gsm8k", "math", "plain"] = "auto"
     n: Optional[int] = field(default=2000, metadata=_check(gt=0))  # examples to draw (None = all)
     digits: int = field(default=2, metadata=_check(ge=1, le=12))  # arithmetic task knobs
     operators: str = "+-"
@@ -175,7 +182,11 @@ class DataSettings:
 class EvalSettings:
     name: str = "arithmetic"  # same choices as data.name; the arithmetic knobs come from `data`
     path: Optional[str] = None
+    config: Optional[str] = None  # config, split and the field keys: as in `data`, for the evaluation set
     split: str = "test"
+    question_field: Optional[str] = None
+    answer_field: Optional[str] = None
+    answer_format: Literal["auto", "gsm8k", "math", "plain"] = "auto"
     n: Optional[int] = field(default=200, metadata=_check(gt=0))
     max_new_tokens: int = field(default=256, metadata=_check(gt=0))
     temperature: float = field(default=0.0, metadata=_check(ge=0))  # 0 = greedy

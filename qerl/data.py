@@ -227,26 +227,11 @@ def load_jsonl(path: str | Path, kind: Literal["gsm8k", "math"] | None = None) -
     return examples
 
 
-_HUB_NAMES: dict[str, tuple[str, str | None, Literal["gsm8k", "math"]]] = {
+# Short names for well-known datasets: (hub id, config, answer format). With `path`, the local copy is read instead.
+_HUB_NAMES: dict[str, tuple[str, str | None, str]] = {
     "gsm8k": ("openai/gsm8k", "main", "gsm8k"),
-    "math500": ("HuggingFaceH4/MATH-500", None, "math"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "auto"),  # the hub copy has a bare `answer`, local copies \boxed{}
 }
-
-
-def _load_hub(name: str, config: str | None, split: str, kind: Literal["gsm8k", "math"] | None) -> list[Example]:
-    try:
-        import datasets  # lazy: optional, and needs the network on first use
-    except ImportError as e:
-        raise ImportError(f"loading {name!r} from the hub needs `pip install datasets` (or pass a local jsonl)") from e
-    rows = datasets.load_dataset(name, config, split=split)
-    examples = []
-    for i, row in enumerate(rows):
-        try:
-            kind = kind or _guess_kind(row)
-            examples.append(_example_from_row(row, kind, f"{name}/{split}:{i}"))
-        except ValueError as e:
-            raise ValueError(f"{name} [{split}] row {i}: {e}") from None
-    return examples
 
 
 def load_dataset(
@@ -255,14 +240,22 @@ def load_dataset(
     n: int | None = None,
     seed: int = 0,
     path: str | Path | None = None,
+    *,
+    config: str | None = None,
+    question_field: str | None = None,
+    answer_field: str | None = None,
+    answer_format: str = "auto",
     **task_kwargs: Any,
 ) -> list[Example]:
-    """Load problems by name: "arithmetic" (generated, n defaults to 1000), "gsm8k" / "math500" (from `path` when
-    given, else the hub), a path to a .jsonl file, or any hub dataset name.
+    """Load problems by name: "arithmetic" (generated, n defaults to 1000), or a table read by Hugging Face
+    `datasets` (see `qerl.tables`): a hub id (`config` and `split` as in `datasets.load_dataset`), a local
+    jsonl/json/parquet/csv file, or a folder of them. "gsm8k" / "math500" are short for their hub ids, or for the
+    local copy at `path`. `question_field` / `answer_field` name the columns (default: the usual GSM8K / MATH
+    names) and `answer_format` how the gold is written ("gsm8k" `#### 42`, "math" `\\boxed{}`, "plain"; "auto").
 
-    `task_kwargs` are the `ARITHMETIC_KNOBS` of `arithmetic_task`; other datasets ignore them, so one config can
-    feed any dataset. With `n`, a seeded random subset of n examples is returned (in file order); n larger than the
-    set is an error.
+    `task_kwargs` are the `ARITHMETIC_KNOBS` of `arithmetic_task`; other datasets ignore them (and the arithmetic
+    task ignores the table options), so one config can feed any dataset. With `n`, a seeded random subset of n
+    examples is returned (in table order); n larger than the set is an error.
     """
     unknown = sorted(set(task_kwargs) - set(ARITHMETIC_KNOBS))
     if unknown:
@@ -274,22 +267,59 @@ def load_dataset(
         return arithmetic_task(split, 1000 if n is None else n, seed=seed, strict=n is not None,
                                **task_kwargs)  # type: ignore[arg-type]
 
-    if name in _HUB_NAMES:
-        hub_name, config, kind = _HUB_NAMES[name]
-        examples = load_jsonl(path, kind) if path is not None else _load_hub(hub_name, config, split, kind)
-    elif path is not None:
-        raise ValueError(f"path= is only for gsm8k and math500 (pass another file as the name), got name={name!r}")
-    elif name.endswith(".jsonl") or Path(name).is_file():
-        examples = load_jsonl(name)
-    else:
-        examples = _load_hub(name, None, split, None)
+    from qerl import tables
 
+    name, config, answer_format = _resolve_table(name, path, config, answer_format)
+    table = tables.open_table(name, config, split)
+    examples = tables.table_examples(table, tables.table_label(name, config, split), question_field, answer_field,
+                                     answer_format, id_prefix=tables.table_label(name, config, split, short=True))
     if n is None:
         return examples
     if not 0 <= n <= len(examples):
         raise ValueError(f"n={n} but {name!r} has {len(examples)} examples")
     keep = sorted(random.Random(seed).sample(range(len(examples)), n))
     return [examples[i] for i in keep]
+
+
+def _resolve_table(name: str, path: str | Path | None, config: str | None,
+                   answer_format: str) -> tuple[str, str | None, str]:
+    """(table name, config, answer format) after the short names: `path` replaces a short name's hub id."""
+    if name in _HUB_NAMES:
+        hub_id, hub_config, preset = _HUB_NAMES[name]
+        answer_format = preset if answer_format == "auto" else answer_format
+        return (str(path), None, answer_format) if path is not None else (hub_id, config or hub_config, answer_format)
+    if path is not None:
+        raise ValueError(f"path= is only for gsm8k and math500 (pass another file as the name), got name={name!r}")
+    return name, config, answer_format
+
+
+def examples_for(source: Any, knobs: Any = None, n: int | None = None) -> list[Example]:
+    """The examples a `data` or `eval` settings section names (`n` defaults to its own); the arithmetic knobs come
+    from `knobs` (default: the section itself, which for `eval` must be given the `data` section)."""
+    knobs = knobs or source
+    return load_dataset(source.name, split=source.split, n=source.n if n is None else n, seed=source.seed,
+                        path=source.path, config=source.config, question_field=source.question_field,
+                        answer_field=source.answer_field, answer_format=source.answer_format,
+                        digits=knobs.digits, operators=knobs.operators, steps=knobs.steps)
+
+
+def fingerprint(source: Any, knobs: Any = None) -> dict[str, Any]:
+    """What identifies the data a `data` / `eval` section names, before any subsetting by `n`: `datasets`'
+    fingerprint of the table (its cache key: the hub revision, or a local file's path and modification time), or a
+    hash of the generated task. Cheap after the first load; pipelines rerun data preparation when it changes.
+    """
+    knobs = knobs or source
+    if source.name == "arithmetic":
+        examples = load_dataset("arithmetic", split=source.split, n=None, seed=source.seed, digits=knobs.digits,
+                                operators=knobs.operators, steps=knobs.steps)
+        digest = hashlib.sha256(json.dumps([[e.id, e.question, e.gold] for e in examples]).encode()).hexdigest()
+        return {"name": "arithmetic", "split": source.split, "rows": len(examples), "fingerprint": digest[:16]}
+    from qerl import tables
+
+    name, config, _ = _resolve_table(source.name, source.path, source.config, source.answer_format)
+    table = tables.open_table(name, config, source.split)
+    return {"name": name, "config": config, "split": source.split, "rows": len(table),
+            "fingerprint": table._fingerprint}  # public in all but name: `datasets` keys its cache by it
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -114,10 +114,7 @@ def eval_examples(settings: Settings, limit: int | None = None) -> list:
     """The evaluation split named by `settings.eval` (arithmetic knobs shared with `settings.data`)."""
     from qerl import data
 
-    e, d = settings.eval, settings.data
-    n = limit or e.n
-    return data.load_dataset(e.name, split=e.split, n=n, seed=e.seed, path=e.path,
-                             digits=d.digits, operators=d.operators, steps=d.steps)
+    return data.examples_for(settings.eval, knobs=settings.data, n=limit or settings.eval.n)
 
 
 def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path | None = None,

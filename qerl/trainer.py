@@ -155,8 +155,7 @@ class Trainer:
 
         d = s.data  # data first: a bad dataset fails in a second, not after a model load
         self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
-        examples = data.load_dataset(d.name, split=d.split, n=d.n, seed=d.seed, path=d.path, digits=d.digits,
-                                     operators=d.operators, steps=d.steps)
+        examples = data.examples_for(d)
         if model is None:
             tokenizer, context = load_tokenizer_and_context(s.model, s.quant)  # no weights yet: a second or two
         else:

@@ -64,10 +64,11 @@ def test_dvc_pipeline_is_valid():
     env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
     listed = subprocess.run(["dvc", "stage", "list"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr
-    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["prepare", "quantize", "train", "evaluate"]
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["fingerprint", "prepare", "quantize", "train",
+                                                                          "evaluate"]
     dag = subprocess.run(["dvc", "dag", "--dot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert dag.returncode == 0, dag.stderr
-    for edge in ('"prepare" -> "train"', '"quantize" -> "train"', '"train" -> "evaluate"'):
+    for edge in ('"fingerprint" -> "prepare"', '"prepare" -> "train"', '"quantize" -> "train"', '"train" -> "evaluate"'):
         assert edge in dag.stdout
 
 

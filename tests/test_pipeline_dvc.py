@@ -52,7 +52,8 @@ def test_repro_runs_every_stage_and_tracks_outputs_with_dvc(repro):
         assert f"path: {out}" in lock  # hashed by DVC, content in .dvc/cache
     status = run(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout
     assert "runs/" not in status and "data/prepared" not in status  # git sees none of the outputs
-    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+    # Only the data check reports itself: it looks at the data on every repro (always_changed), nothing else is stale.
+    assert run(repo, "dvc", "status").stdout.split() == ["fingerprint:", "always", "changed"]
 
 
 def test_metrics_and_plots_show(repro):
@@ -72,3 +73,20 @@ def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro):
     assert "Running stage 'train'" not in proc.stdout and "Running stage 'quantize'" not in proc.stdout
     table = run(repo, "dvc", "exp", "show", "--csv").stdout
     assert "eval.max_new_tokens" in table.splitlines()[0] and ",8," in table
+
+
+def test_prepare_reruns_when_the_data_change_and_not_otherwise(tmp_path):
+    """A CSV named only in the params: DVC cannot see it, the fingerprint stage can."""
+    repo = tmp_path / "qerl"
+    run(ROOT, "git", "clone", "--quiet", str(ROOT), str(repo))
+    data = tmp_path / "problems.csv"
+    data.write_text("Frage,Antwort\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
+    params = repo / "params" / "default.yaml"
+    params.write_text(params.read_text().replace("data:\n  name: arithmetic\n", f"data:\n  name: {data}\n"
+                                                 "  question_field: Frage\n  answer_field: Antwort\n"))
+    assert "Running stage 'prepare'" in run(repo, "dvc", "repro", "prepare").stdout
+    again = run(repo, "dvc", "repro", "prepare").stdout
+    assert "Running stage 'fingerprint'" in again and "Stage 'prepare' didn't change, skipping" in again
+    data.write_text("Frage,Antwort\nWhat is 1 + 1?,2\nWhat is 2 + 3?,5\n")
+    assert "Running stage 'prepare'" in run(repo, "dvc", "repro", "prepare").stdout
+    assert "What is 2 + 3?" in (repo / "data" / "prepared" / "train.jsonl").read_text()

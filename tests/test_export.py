@@ -1,0 +1,144 @@
+"""`qerl export` on the embedded SmolLM2: the unmerged (NVFP4 base + PEFT adapter) and merged folders load in
+transformers (compressed-tensors decompression) and PEFT through the README's own snippet and give qerl's greedy
+tokens; the vLLM command names what was written; a mismatched adapter fails in one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+import torch
+
+from qerl import lora
+from qerl.cli import main
+
+pytest.importorskip("peft")
+pytest.importorskip("compressed_tensors")
+
+NEW_TOKENS = 16
+QUESTION = "What is 17 + 25?"
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """qerl's policy as trained: the embedded model, NVFP4 in memory, a LoRA adapter with nonzero B (saved)."""
+    from qerl.loading import load_model
+    from qerl.quant.linear import quantize_model
+
+    model, tokenizer = load_model("embedded")
+    quantize_model(model, "nvfp4")
+    settings = lora.LoraSettings(rank=8, alpha=16)
+    lora.apply_lora(model, settings)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # small enough that the model still answers, large enough to change its answer
+        for layer in lora.lora_layers(model).values():
+            layer.lora_B.copy_(0.04 * torch.randn(layer.lora_B.shape, generator=g))
+    adapter = lora.save_adapter(model, tmp_path_factory.mktemp("run") / "adapter", "embedded", settings)
+    return model, tokenizer, adapter
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def qerl_greedy(model, tokenizer) -> list[int]:
+    from qerl.generate import generate
+
+    return generate(model, tokenizer, [prompt_ids(tokenizer)], max_new_tokens=NEW_TOKENS,
+                    temperature=0.0).completion_ids[0]
+
+
+def snippet_model(out):
+    """Run the README's python snippet as a user would paste it; return its model and tokenizer."""
+    readme = (out / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, str(out / "README.md"), "exec"), namespace)  # noqa: S102 - our own generated snippet
+    return namespace["model"], namespace["tokenizer"]
+
+
+def transformers_greedy(model, tokenizer) -> list[int]:
+    ids = torch.tensor([prompt_ids(tokenizer)])
+    with torch.no_grad():  # fp32 compute, as qerl's on the CPU: the weights are what is compared
+        out = model.float().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                     do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def vllm_command(out) -> list[str]:
+    block = re.search(r"```bash\n(.*?)\n```", (out / "README.md").read_text(), re.S).group(1)
+    return shlex.split(block)
+
+
+@pytest.mark.slow
+def test_unmerged_export_is_the_policy_in_transformers_and_peft(policy, tmp_path, capsys):
+    model, tokenizer, adapter = policy
+    out = tmp_path / "export"
+    assert main(["export", "--adapter", str(adapter), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == " ".join(vllm_command(out))
+
+    # vLLM: the base folder in compressed-tensors NVFP4, the adapter registered by name, rank within the limit.
+    command = vllm_command(out)
+    assert command[:3] == ["vllm", "serve", str(out / "base")] and "--enable-lora" in command
+    name, _, path = command[command.index("--lora-modules") + 1].partition("=")
+    assert name == "export" and path == str(out / "adapter")
+    assert int(command[command.index("--max-lora-rank") + 1]) >= 8
+    config = json.loads((out / "base" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "nvfp4-pack-quantized"
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 8
+
+    hf_model, hf_tokenizer = snippet_model(out)
+    assert type(hf_model).__name__ == "PeftModelForCausalLM"
+    expected = qerl_greedy(model, tokenizer)
+    assert transformers_greedy(hf_model, hf_tokenizer) == expected
+    with lora.adapters_disabled(model):  # the adapter matters: an export that dropped it would fail above
+        assert qerl_greedy(model, tokenizer) != expected
+
+
+@pytest.mark.slow
+def test_merged_export_loads_in_transformers_with_qerls_greedy_tokens(policy, tmp_path):
+    from qerl.loading import load_model
+
+    _, _, adapter = policy
+    out = tmp_path / "merged"
+    assert main(["export", "--adapter", str(adapter), "--out", str(out), "--merge"]) == 0
+    assert vllm_command(out) == ["vllm", "serve", str(out)]
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized" and not (out / "adapter_config.json").exists()
+
+    hf_model, hf_tokenizer = snippet_model(out)
+    ours, tokenizer = load_model(out, dtype=torch.float32)
+    assert transformers_greedy(hf_model, hf_tokenizer) == qerl_greedy(ours, tokenizer)
+
+
+def test_mismatched_adapter_and_bad_destinations_fail_in_one_line(tiny_llama_dir, tmp_path, capsys):
+    from qerl.loading import load_model
+
+    model, _ = load_model(tiny_llama_dir)  # hidden size 64: its adapter cannot fit SmolLM2's 576
+    settings = lora.LoraSettings(rank=4, alpha=8, target_modules=("q_proj",))
+    lora.apply_lora(model, settings)
+    adapter = lora.save_adapter(model, tmp_path / "adapter", "embedded", settings)
+
+    def error(*args: str) -> str:
+        assert main(["export", "--adapter", str(adapter), *args]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1
+        return lines[0]
+
+    message = error("--out", str(tmp_path / "out"))
+    assert message.startswith("qerl: error: the adapter does not match the base ")
+    assert "shape mismatch" in message and "model.layers.0.self_attn.q_proj.lora_A.weight: file (4, 64) vs " \
+                                              "model (4, 576)" in message
+    assert not (tmp_path / "out").exists()
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/gone/base"}))
+    assert "the adapter's base '/gone/base' (adapter_config.json base_model_name_or_path) does not exist here: " \
+           "pass --model" in error("--out", str(tmp_path / "out"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    assert "--out" in error("--out", str(tmp_path / "taken"), "--model", str(tiny_llama_dir))
