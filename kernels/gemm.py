@@ -16,7 +16,6 @@ import logging
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from . import dispatch, humming_nvfp4
 from . import nvfp4 as triton_nvfp4
