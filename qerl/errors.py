@@ -18,8 +18,9 @@ BAD_INPUT_EXIT = 2
 FAILURE_EXIT = 1
 
 # ValueError covers ConfigError, the checkpoint and data errors, JSON and UTF-8 decode errors.
+# ConnectionError: a hub dataset neither cached nor reachable (qerl.tables says how to fetch it).
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
-             FolderLocked)
+             ConnectionError, FolderLocked)
 
 
 def debug_requested(flag: bool = False) -> bool:

@@ -72,11 +72,17 @@ def _open_file(datasets: Any, path: Path) -> datasets.Dataset:
     if loader is None:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of "
                          f"{', '.join(sorted(FILE_LOADERS))} (or a folder of them, or a hub dataset id)")
+    if loader in ("json", "csv"):
+        _check_utf8(path)  # pyarrow's decode error names neither the file nor the line
     # A single file is one split; `datasets` calls it "train" whatever it holds.
     return _open(datasets, str(path), lambda: datasets.load_dataset(loader, data_files=str(path), split="train"))
 
 
 def _open(datasets: Any, label: str, load: Any) -> datasets.Dataset:
+    """A local table, without `datasets`' progress bars (noise for a file read in a second, and they would
+    come before a one-line error)."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
         return load()
     except (FileNotFoundError, ConnectionError, ImportError):
@@ -84,6 +90,20 @@ def _open(datasets: Any, label: str, load: Any) -> datasets.Dataset:
     except Exception as e:  # pyarrow and pandas parse errors have many types; each becomes one line naming the file
         reason = _bad_json_line(Path(label)) or " ".join(str(e).split()) or type(e).__name__
         raise ValueError(f"{label}: {reason}") from None
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _check_utf8(path: Path) -> None:
+    """ValueError naming file:line and the byte if a text data file is not UTF-8."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
+                                 "of the line)") from None
 
 
 def _bad_json_line(path: Path) -> str | None:
@@ -190,5 +210,7 @@ def table_examples(table: Any, label: str, question_field: str | None = None, an
             gold = _gold(answer, answer_format, answer_col)
             examples.append(Example(f"{id_prefix or label}:{row}", question.strip(), gold, answer_format))
         except ValueError as e:
-            raise ValueError(f"{label} row {row}: {e}") from None
+            # a JSON-lines file's row is its line: name it as file:line, as every other qerl error does
+            where = f"{label}:{row}" if str(label).endswith(".jsonl") else f"{label} row {row}"
+            raise ValueError(f"{where}: {e}") from None
     return examples
