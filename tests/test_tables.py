@@ -148,7 +148,7 @@ def test_hub_id_loads_offline_from_the_datasets_cache(hub_cache, tmp_path):
 def test_uncached_hub_dataset_offline_is_one_line_naming_it_and_how_to_fetch_it(hub_cache, tmp_path):
     proc = stages("prepare", "-S", "data.name=someone/absent", "-S", "data.config=v2", "--out", "prepared",
                   cache=hub_cache, tmp_path=tmp_path)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input, as every one-line error
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("python -m flows.stages: error: hub dataset 'someone/absent' (config 'v2') is not in the "
                            f"local datasets cache ({hub_cache})")
