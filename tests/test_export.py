@@ -124,7 +124,7 @@ def test_mismatched_adapter_and_bad_destinations_fail_in_one_line(tiny_llama_dir
     adapter = lora.save_adapter(model, tmp_path / "adapter", "embedded", settings)
 
     def error(*args: str) -> str:
-        assert main(["export", "--adapter", str(adapter), *args]) == 1
+        assert main(["export", "--adapter", str(adapter), *args]) == 2  # bad input
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1
         return lines[0]
