@@ -146,6 +146,8 @@ def _detect_format(answer: str) -> str:
 
 def _gold(answer: Any, answer_format: str, column: str) -> str:
     """The bare gold answer from one answer cell; ValueError (without location) when it has none."""
+    if answer is None:  # a row without the key (JSON) or an empty cell (CSV, parquet)
+        raise ValueError(f"missing answer in column {column!r}")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"column {column!r} holds {type(answer).__name__}, expected text or a number")
     text = str(answer).strip()
@@ -170,7 +172,7 @@ def _gold(answer: Any, answer_format: str, column: str) -> str:
 def table_examples(table: Any, label: str, question_field: str | None = None, answer_field: str | None = None,
                    answer_format: str = "auto", id_prefix: str | None = None) -> list[Example]:
     """Every row of `table` as an Example: ids `id_prefix:row` (default the label; rows count from 1), `source` the
-    answer format. Errors name `label` and the row."""
+    answer format. Errors name `label:row`."""
     from qerl.data import Example
 
     if answer_format not in ANSWER_FORMATS:
@@ -190,5 +192,5 @@ def table_examples(table: Any, label: str, question_field: str | None = None, an
             gold = _gold(answer, answer_format, answer_col)
             examples.append(Example(f"{id_prefix or label}:{row}", question.strip(), gold, answer_format))
         except ValueError as e:
-            raise ValueError(f"{label} row {row}: {e}") from None
+            raise ValueError(f"{label}:{row}: {e}") from None  # file:line style
     return examples

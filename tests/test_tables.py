@@ -74,7 +74,7 @@ def test_missing_column_names_the_column_and_the_columns_that_exist(tmp_path):
 def test_bad_rows_and_files_are_one_line_errors(tmp_path):
     gsm8k = tmp_path / "g.jsonl"
     gsm8k.write_text('{"question": "Q", "answer": "#### 1"}\n{"question": "Q2", "answer": "no marker"}\n')
-    with pytest.raises(ValueError, match=rf"^{gsm8k} row 2: no gold answer: column 'answer' has no '#### <answer>'$"):
+    with pytest.raises(ValueError, match=rf"^{gsm8k}:2: no gold answer: column 'answer' has no '#### <answer>'$"):
         load_dataset(str(gsm8k))
     broken = tmp_path / "b.jsonl"
     broken.write_text('{"question": "Q", "answer": "1"}\n{"question": "Q2", "answer": \n')
