@@ -17,6 +17,7 @@ import gc
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -61,6 +62,34 @@ def run_overrides(common: list[str], arm: list[str], seed: int, run_dir: Path) -
             "tracking.backend=mlflow"]
 
 
+@dataclass
+class PlannedRun:
+    arm: str
+    seed: int
+    overrides: list[str]
+    run_dir: Path
+
+
+def plan_runs(params: str, common: list[str], arms: dict[str, list[str]], seeds: int, out: Path) -> list[PlannedRun]:
+    """Every (arm, seed) run, seed-major (an experiment stopped early still has every arm on the same seeds), each
+    one's settings validated and checked against what its folder was started with: a bad arm, or a folder from
+    other settings that a rerun would silently skip or resume, fails here in a line, before anything trains."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds {seeds}: must be >= 1")
+    planned = []
+    for seed in range(seeds):
+        for arm, arm_overrides in arms.items():
+            run_dir = out / "runs" / arm / f"seed-{seed}"
+            overrides = run_overrides(common, arm_overrides, seed, run_dir)
+            fingerprint = load_settings(params, overrides).fingerprint()
+            earlier = _read_json(run_dir / MLFLOW_RUN)
+            if earlier is not None and earlier.get("settings") != fingerprint:
+                raise ConfigError(f"{run_dir} holds a run started with other settings (params, arms or -S): rerun "
+                                  f"with the same ones, or choose another --out")
+            planned.append(PlannedRun(arm, seed, overrides, run_dir))
+    return planned
+
+
 def default_out_dir(params: str) -> Path:
     return Path("runs/compare") / Path(params).stem
 
@@ -96,7 +125,7 @@ def train_arm_seed(params: str, overrides: list[str], arm: str, seed: int, run_d
             run_id=earlier["run_id"] if earlier else None,
             tags=run_tags(settings, **{"qerl.flow": "compare", "arm": arm, "seed": seed, "out_dir": run_dir})
     ) as tracker:
-        _write_json(folder / MLFLOW_RUN, {"run_id": tracker.run_id})
+        _write_json(folder / MLFLOW_RUN, {"run_id": tracker.run_id, "settings": settings.fingerprint()})
         if earlier:
             logger.info("%s seed %d: resuming MLflow run %s from %s", arm, seed, tracker.run_id, folder)
         outcome = train_and_evaluate(settings, run_dir, tracker, quantized_root=quantized_root, resume=True)
@@ -134,13 +163,9 @@ def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, 
     logger = get_run_logger()
     common = list(overrides or [])
     chosen = dict(parse_arm(spec) for spec in (arms or list(ARMS)))
-    if seeds < 1:
-        raise ConfigError(f"--seeds {seeds}: must be >= 1")
     out = Path(out_dir) if out_dir else default_out_dir(params)
-    # Every arm's settings are checked before anything trains: a bad arm fails in a second, not after hours.
-    plans = {arm: load_settings(params, run_overrides(common, arm_overrides, 0, out)) for arm, arm_overrides
-             in chosen.items()}
-    first = next(iter(plans.values()))
+    planned = plan_runs(params, common, chosen, seeds, out)
+    first = load_settings(params, planned[0].overrides)
     probe(resolve_tracking_uri(first))
     out.mkdir(parents=True, exist_ok=True)
     earlier = _read_json(out / PARENT)
@@ -153,21 +178,20 @@ def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, 
                                "overrides": json.dumps(common), "reward_threshold": reward_threshold})
         # Step-0 entropy of each base format: the paper's "quantization raises entropy", measured on the same prompts.
         formats = {}
-        for settings in plans.values():
-            base = load_settings(params, [*common, f"quant.scheme={settings.quant.scheme}", "aqn.enabled=false",
-                                          "tracking.backend=mlflow"])
-            formats.setdefault(base.quant.scheme, base)
+        for run in planned:
+            scheme = load_settings(params, run.overrides).quant.scheme
+            if scheme not in formats:
+                formats[scheme] = load_settings(params, [*common, f"quant.scheme={scheme}", "aqn.enabled=false",
+                                                         "tracking.backend=mlflow"])
         entropies = [base_entropy(s, out / "base_entropy", entropy_prompts, quantized_root) for s in formats.values()]
         for e in entropies:
             logger.info("step-0 policy entropy of the %s base: %.4f nats/token", e["scheme"], e["entropy"])
 
         records = []
-        for seed in range(seeds):  # seed-major: an experiment stopped early still has every arm on the same seeds
-            for arm, arm_overrides in chosen.items():
-                run_dir = out / "runs" / arm / f"seed-{seed}"
-                result = train_arm_seed(params, run_overrides(common, arm_overrides, seed, run_dir), arm, seed,
-                                        str(run_dir), parent.run_id, quantized_root)
-                records.append(_record(run_dir, result))
+        for run in planned:
+            result = train_arm_seed(params, run.overrides, run.arm, run.seed, str(run.run_dir), parent.run_id,
+                                    quantized_root)
+            records.append(_record(run.run_dir, result))
         paths = write_report(records, entropies, out / "report", reward_threshold)
         for path in paths:
             parent.log_artifact(path, "report")

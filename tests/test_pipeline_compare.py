@@ -80,6 +80,15 @@ def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_re
     assert all(r.info.status == "FINISHED" for r in again)
     assert client.get_run(first["parent_run_id"]).info.status == "FINISHED"
 
+    # The same folder with other settings is refused up front, not skipped as if it were finished.
+    from flows.compare import ARMS as BUILT_IN
+    from flows.compare import plan_runs
+    from qerl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"seed-0 holds a run started with other settings .* another --out$"):
+        plan_runs(TINY, [*quick[1:], "train.steps=2"], {arm: BUILT_IN[arm] for arm in ARMS}, 1, out)
+    assert len(plan_runs(TINY, quick, {arm: BUILT_IN[arm] for arm in ARMS}, 2, out)) == 4  # seed 1 is new: fine
+
 
 def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flows.compare", "--params", TINY, "--arms", "fp8-lora",
