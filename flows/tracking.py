@@ -87,7 +87,9 @@ class MlflowTracker:
     """
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str | None = None,
-                 tags: dict[str, str] | None = None):
+                 tags: dict[str, str] | None = None, parent_run_id: str | None = None, run_id: str | None = None):
+        """A new run of `experiment`, nested under `parent_run_id` if given; or, with `run_id`, that existing run
+        reopened (a resumed training run continues the same MLflow run)."""
         from mlflow import MlflowClient
 
         probe(tracking_uri)
@@ -96,16 +98,25 @@ class MlflowTracker:
         found = self.client.get_experiment_by_name(experiment)
         self.experiment_id = found.experiment_id if found else self.client.create_experiment(
             experiment, artifact_location=_local_artifact_root(tracking_uri))
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+        tags = dict(tags or {})
+        if parent_run_id is not None:
+            tags["mlflow.parentRunId"] = parent_run_id  # what the MLflow UI nests runs by
+        if run_id is not None:
+            self.client.update_run(run_id, status="RUNNING")
+            run = self.client.get_run(run_id)
+            for key, value in tags.items():
+                self.client.set_tag(run_id, key, value)
+        else:
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         self.artifact_uri = run.info.artifact_uri
         self.run_name = run.info.run_name
 
     @classmethod
-    def from_settings(cls, settings: Settings, run_name: str | None = None,
-                      tags: dict[str, str] | None = None) -> "MlflowTracker":
+    def from_settings(cls, settings: Settings, run_name: str | None = None, tags: dict[str, str] | None = None,
+                      parent_run_id: str | None = None, run_id: str | None = None) -> "MlflowTracker":
         t = settings.tracking
-        return cls(resolve_tracking_uri(settings), t.experiment, run_name or t.run_name, tags)
+        return cls(resolve_tracking_uri(settings), t.experiment, run_name or t.run_name, tags, parent_run_id, run_id)
 
     # -- the core's Tracker protocol
 

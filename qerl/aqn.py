@@ -81,6 +81,76 @@ class AQNSchedule:
             return self.sigma_start
         return self.sigma_start * (self.sigma_end / self.sigma_start) ** ((k - 1) / (self.num_stages - 2))
 
+    # The geometric schedule is a pure function of the step: nothing to observe, nothing to checkpoint.
+    def observe(self, entropy: float) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        pass
+
+
+@dataclass
+class EntropyTargetedSchedule:
+    """Beyond the paper: sigma steered by the policy's entropy instead of fixed in advance.
+
+    After every RL step the trainer reports the policy's mean per-token entropy on that step's completions
+    (:meth:`observe`). Below ``target_entropy`` the next rollouts get a larger sigma (``sigma * rate``), at or above
+    it a smaller one (``sigma / rate``), always clipped to ``[sigma_min, sigma_max]``. So noise is spent where the
+    policy has collapsed and withdrawn once it explores on its own, rather than decaying on a fixed clock whether
+    or not the policy needed it. The first rollouts use ``sigma_start``.
+
+    The state is one float, saved in every checkpoint, so a resumed run replays the same sigmas bit for bit.
+    """
+
+    target_entropy: float
+    sigma_start: float = 1e-2
+    sigma_min: float = 5e-4
+    sigma_max: float = 5e-2
+    rate: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.target_entropy <= 0:
+            raise ValueError(f"target_entropy must be > 0, got {self.target_entropy}")
+        if not 0 < self.sigma_min <= self.sigma_start <= self.sigma_max:
+            raise ValueError(f"need 0 < sigma_min <= sigma_start <= sigma_max, got {self.sigma_min}, "
+                             f"{self.sigma_start}, {self.sigma_max}")
+        if self.rate <= 1:
+            raise ValueError(f"rate must be > 1, got {self.rate}")
+        self.current = self.sigma_start
+
+    def sigma(self, step: int) -> float:
+        """The sigma for the next rollouts (``step`` is accepted for the schedules' common interface)."""
+        return self.current
+
+    def observe(self, entropy: float) -> None:
+        """Move sigma one notch towards the target after a step whose policy entropy was ``entropy``."""
+        factor = self.rate if entropy < self.target_entropy else 1 / self.rate
+        self.current = min(self.sigma_max, max(self.sigma_min, self.current * factor))
+
+    def state_dict(self) -> dict[str, float]:
+        return {"sigma": self.current}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.current = state["sigma"]
+
+
+def build_schedule(aqn, total_steps: int) -> "AQNSchedule | EntropyTargetedSchedule | None":
+    """The schedule `aqn` (a `qerl.config.AQNSettings`) asks for; None when AQN is off, so sigma is 0 throughout.
+
+    Config allows both geometric sigmas at 0 as another way to say "off".
+    """
+    if not aqn.enabled:
+        return None
+    if aqn.schedule == "entropy":
+        return EntropyTargetedSchedule(aqn.target_entropy, aqn.sigma_start, aqn.sigma_min, aqn.sigma_max,
+                                       aqn.sigma_rate)
+    if aqn.sigma_start <= 0 or aqn.sigma_end <= 0:
+        return None
+    return AQNSchedule(aqn.sigma_start, aqn.sigma_end, aqn.num_stages, total_steps)
+
 
 def norm_weights(
     model: nn.Module, include_final_norm: bool = True, include_qk_norm: bool = False

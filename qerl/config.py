@@ -110,13 +110,35 @@ class AQNSettings:
     num_stages: int = field(default=10, metadata=_check(ge=1))
     in_training_forward: bool = False  # also perturb the norms during the update's forward
     seed: int = 0
+    # geometric: the paper's stages (sigma_start -> sigma_end, the first stage noise-free). entropy: sigma starts at
+    # sigma_start and is multiplied by sigma_rate after each step whose policy entropy was below target_entropy,
+    # divided by it otherwise, within [sigma_min, sigma_max] (qerl.aqn.EntropyTargetedSchedule).
+    schedule: Literal["geometric", "entropy"] = "geometric"
+    target_entropy: Optional[float] = field(default=None, metadata=_check(gt=0))  # nats per completion token
+    sigma_min: float = field(default=5e-4, metadata=_check(gt=0))
+    sigma_max: float = field(default=5e-2, metadata=_check(gt=0))
+    sigma_rate: float = field(default=1.5, metadata=_check(gt=1))
 
     def validate(self) -> None:
         sigmas = ("sigma_start", "sigma_end")
-        if self.enabled and self.num_stages > 1 and (self.sigma_start <= 0) != (self.sigma_end <= 0):
+        if not self.enabled:
+            return
+        if self.schedule == "entropy":
+            if self.target_entropy is None:
+                raise _RuleError("target_entropy", "target_entropy = None: schedule 'entropy' needs a target "
+                                 "(nats per token, e.g. 0.8)")
+            if self.sigma_max < self.sigma_min:
+                raise _RuleError("sigma_max", f"sigma_max = {self.sigma_max}: must be >= sigma_min = "
+                                 f"{self.sigma_min}")
+            if not self.sigma_min <= self.sigma_start <= self.sigma_max:
+                raise _RuleError("sigma_start", f"sigma_start = {self.sigma_start}: schedule 'entropy' starts "
+                                 f"there, so it must lie in [sigma_min, sigma_max] = [{self.sigma_min}, "
+                                 f"{self.sigma_max}]")
+            return
+        if self.num_stages > 1 and (self.sigma_start <= 0) != (self.sigma_end <= 0):
             raise _RuleError(sigmas, f"sigma_start = {self.sigma_start}, sigma_end = {self.sigma_end}: both must "
                              "be > 0 for a geometric schedule")
-        if self.enabled and self.sigma_start < self.sigma_end:  # the schedule decays: a growing one is a typo
+        if self.sigma_start < self.sigma_end:  # the geometric schedule decays: a growing one is a typo
             raise _RuleError(sigmas, f"sigma_start = {self.sigma_start} < sigma_end = {self.sigma_end}: the noise "
                              "decays from sigma_start to sigma_end, so sigma_start must be >= sigma_end")
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from qerl import checkpoints, data, distributed, grpo, lora, rewards, runfolder
-from qerl.aqn import AQNSchedule, NoiseInjector
+from qerl.aqn import NoiseInjector, build_schedule
 from qerl.config import Settings
 from qerl.engine import generate_fast
 from qerl.generate import generate
@@ -180,9 +180,7 @@ class Trainer:
             self.optimizer, lambda i: lr_lambda(i, o.warmup_steps, s.train.steps, o.schedule, o.min_lr_ratio))
 
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
-        # No schedule when AQN is off or its sigmas are 0 (config allows both-zero as "off"): sigma() is then 0.
-        noisy = s.aqn.enabled and s.aqn.sigma_start > 0 and s.aqn.sigma_end > 0
-        self.aqn = AQNSchedule(s.aqn.sigma_start, s.aqn.sigma_end, s.aqn.num_stages, s.train.steps) if noisy else None
+        self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         self.noise = NoiseInjector(model)
         g = s.grpo
         self.loss_cfg = grpo.LossConfig(loss_type=g.loss_type, epsilon_low=g.epsilon_low,
@@ -308,6 +306,28 @@ class Trainer:
                 entropy = grpo.entropy_from_logits(logits.detach())
         return logp, entropy
 
+    @torch.no_grad()
+    def measure_entropy(self, examples: list[data.Example]) -> dict[str, float]:
+        """The policy's mean per-token entropy on its own completions to `examples` (`group_size` each), as the
+        `entropy` training metric measures it, without updating anything: e.g. a base format's entropy at step 0.
+        The rollouts carry this step's AQN noise, as in training; build the trainer with AQN off for the clean policy.
+        """
+        batch = self.rollout(examples)
+        t = self._tensors(batch)
+        was_training = self.model.training
+        self.model.eval()
+        total = count = 0.0
+        mb = self.settings.grpo.micro_batch_size
+        for start in range(0, len(batch), mb):
+            rows = slice(start, start + mb)
+            _, entropy = self._logp_and_entropy(t["ids"][rows].to(self.device), t["attn"][rows].to(self.device),
+                                                t["P"], want_entropy=True)
+            mask = t["mask"][rows].to(self.device)
+            total += float((entropy * mask).sum())
+            count += float(mask.sum())
+        self.model.train(was_training)
+        return {"entropy": total / max(count, 1.0), "completions": len(batch), "tokens": int(count)}
+
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """μ optimizer steps of the policy loss over this batch (micro-batched, gradients accumulated)."""
         s, g = self.settings, self.settings.grpo
@@ -422,6 +442,8 @@ class Trainer:
             metrics = {"step": self.step, "skipped": 1.0, "sigma": batch.sigma}
         else:
             metrics = self.update(batch)
+            if self.aqn is not None:  # the entropy-targeted schedule picks the next step's sigma from this one's
+                self.aqn.observe(metrics["entropy"])
         self.log_metrics(metrics)
         if (self.step % self.settings.train.save_every == 0 or self.step == self.settings.train.steps) \
                 and self.dist.is_main:
@@ -485,6 +507,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
+            "aqn": self.aqn.state_dict() if self.aqn is not None else {},
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "settings": self.settings.to_dict(),
@@ -538,6 +561,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
+        if self.aqn is not None:
+            self.aqn.load_state_dict(state.get("aqn", {}))  # older checkpoints: geometric only, which keeps no state
         rng = state["rng"]
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])

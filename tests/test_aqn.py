@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from qerl.aqn import AQNSchedule, NoiseInjector, norm_weights
+from qerl.aqn import AQNSchedule, EntropyTargetedSchedule, NoiseInjector, build_schedule, norm_weights
+from qerl.config import AQNSettings
 
 
 def reference_sigma(step: int, total_steps: int, start: float, end: float, num_stages: int) -> float:
@@ -48,6 +49,36 @@ def test_schedule_stage_boundaries_are_exact():
     # 10 * 9 / 30 = 3 exactly; the reference's float 10 // (30 / 9) gives 2.
     s = AQNSchedule(num_stages=9, total_steps=30)
     assert s.stage(9) == 2 and s.stage(10) == 3
+
+
+def test_entropy_schedule_raises_sigma_below_target_and_lowers_it_above_within_bounds():
+    s = EntropyTargetedSchedule(target_entropy=1.0, sigma_start=1e-2, sigma_min=4e-3, sigma_max=3e-2, rate=2.0)
+    seen = [s.sigma(0)]
+    for entropy in (0.5, 0.5, 0.5, 1.5, 1.0, 2.0, 2.0, 2.0):  # at the target counts as "above": noise withdraws
+        s.observe(entropy)
+        seen.append(s.sigma(len(seen)))
+    assert seen == [1e-2, 2e-2, 3e-2, 3e-2, 1.5e-2, 7.5e-3, 4e-3, 4e-3, 4e-3]
+
+
+def test_entropy_schedule_state_round_trips_and_rejects_bad_settings():
+    a = EntropyTargetedSchedule(target_entropy=1.0, rate=1.3)
+    for entropy in (0.2, 0.4, 3.0):
+        a.observe(entropy)
+    b = EntropyTargetedSchedule(target_entropy=1.0, rate=1.3)
+    b.load_state_dict(a.state_dict())
+    assert b.sigma(3) == a.sigma(3) != 1e-2
+    for bad in (dict(target_entropy=0.0), dict(target_entropy=1.0, rate=1.0),
+                dict(target_entropy=1.0, sigma_start=1.0, sigma_max=0.1)):
+        with pytest.raises(ValueError):
+            EntropyTargetedSchedule(**bad)
+
+
+def test_build_schedule_follows_the_settings():
+    assert build_schedule(AQNSettings(enabled=False), 10) is None
+    assert build_schedule(AQNSettings(sigma_start=0, sigma_end=0), 10) is None  # both zero: another "off"
+    assert isinstance(build_schedule(AQNSettings(), 10), AQNSchedule)
+    entropy = build_schedule(AQNSettings(schedule="entropy", target_entropy=0.7, sigma_rate=2.0), 10)
+    assert isinstance(entropy, EntropyTargetedSchedule) and entropy.target_entropy == 0.7 and entropy.rate == 2.0
 
 
 def test_schedule_degenerate_stage_counts_and_validation():

@@ -56,6 +56,9 @@ def test_unset_keys_take_defaults():
         ("optim.lr=.nan", "-S optim.lr=.nan: optim.lr = nan: expected a finite number"),
         ("data.operators=/", "-S data.operators=/: data.operators = '/': use a non-empty subset of '+-*'"),
         ("bogus.key=1", "-S bogus.key=1: unknown key 'bogus'"),
+        ("aqn.schedule=cosine", "-S aqn.schedule=cosine: aqn.schedule = 'cosine': expected one of 'geometric', 'entropy'"),
+        ("aqn.sigma_rate=1", "-S aqn.sigma_rate=1: aqn.sigma_rate = 1.0: must be > 1"),
+        ("aqn.target_entropy=-0.5", "-S aqn.target_entropy=-0.5: aqn.target_entropy = -0.5: must be > 0"),
         ("norank", "-S norank: expected section.key=value"),
     ],
 )
@@ -77,6 +80,24 @@ def test_bad_value_in_a_file_names_file_and_line(tmp_path):
     bad.write_text("lora: [1, 2\n")
     with pytest.raises(ConfigError, match=rf"^{bad}:\d+: invalid YAML"):
         load_settings(bad)
+
+
+def test_entropy_schedule_settings_are_checked_together(tmp_path):
+    entropy = ["aqn.schedule=entropy", "aqn.target_entropy=0.8"]
+    s = load_settings(overrides=entropy)
+    assert s.aqn.schedule == "entropy" and s.aqn.sigma_min <= s.aqn.sigma_start <= s.aqn.sigma_max
+    cases = [
+        (["aqn.schedule=entropy"], "aqn.target_entropy = None: schedule 'entropy' needs a target"),
+        (entropy + ["aqn.sigma_min=0.1", "aqn.sigma_max=0.01"], "-S aqn.sigma_max=0.01: aqn.sigma_max = 0.01: must "
+                                                                 "be >= sigma_min = 0.1"),
+        (entropy + ["aqn.sigma_start=0.5"], "-S aqn.sigma_start=0.5: aqn.sigma_start = 0.5: schedule 'entropy' "
+                                            "starts there, so it must lie in [sigma_min, sigma_max]"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as err:
+            load_settings(overrides=overrides)
+        assert message in str(err.value) and "\n" not in str(err.value)
+    assert load_settings(overrides=["aqn.schedule=entropy", "aqn.enabled=false"]).aqn.enabled is False  # off: unchecked
 
 
 def test_missing_params_file_is_a_clear_error(tmp_path):

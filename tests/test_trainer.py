@@ -156,6 +156,32 @@ def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path
     assert steps == [1, 2, 3, 4]
 
 
+def test_entropy_targeted_aqn_resumes_bit_exactly(tmp_path):
+    """The schedule's sigma is state (it depends on every past step's entropy): it must survive the checkpoint."""
+    settings = tiny_settings(tmp_path, train={"steps": 5},
+                             aqn={"schedule": "entropy", "target_entropy": 3.2, "sigma_start": 0.02,
+                                  "sigma_min": 0.005, "sigma_max": 0.08, "sigma_rate": 2.0})
+    full = make_trainer(settings, tmp_path / "full")
+    full.train()
+    part = make_trainer(settings, tmp_path / "part")
+    part.train(max_steps=3)  # "killed" after step 3: the last checkpoint is step 2
+
+    def records(run):
+        return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    full_log = records("full")
+    resumed = make_trainer(settings, tmp_path / "part", resume=True)
+    assert resumed.step == 2 and resumed.sigma() == full_log[2]["sigma"]  # step 3's rollouts, as in the full run
+    resumed.train()
+    part_log = records("part")
+    sigmas = [r["sigma"] for r in full_log]
+    assert len(set(sigmas)) > 1, sigmas  # the schedule moved: a frozen sigma would prove nothing
+    assert [r["sigma"] for r in part_log] == sigmas
+    assert [r["entropy"] for r in part_log] == [r["entropy"] for r in full_log]
+    ta, tb = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "part")
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
 def test_existing_run_without_resume_is_refused(tmp_path):
     settings = tiny_settings(tmp_path, train={"steps": 2})
     with make_trainer(settings, tmp_path / "run") as trainer:

@@ -1,0 +1,235 @@
+"""The experiment flow: arms x seeds of one parameter set, under one MLflow parent run, and the report that compares
+them (does quantization noise help RL here?).
+
+    python -m flows.compare --params params/compare.yaml --arms bf16-lora nvfp4 nvfp4-aqn --seeds 3
+
+An arm is a named set of `section.key=value` overrides: the built-in ones are in ARMS, and `--arms NAME:K=V,K=V`
+defines another. Every run is `flows.train.train_and_evaluate` in `<out>/runs/<arm>/seed-<n>` (seed n sets
+train.seed and aqn.seed; the data and the held-out split stay the same), logged as an MLflow run nested under the
+experiment's parent run and tagged `arm` and `seed`. A rerun skips finished runs (their `result.json`), resumes a
+crashed one from its last checkpoint into the same MLflow run, then rebuilds the report from the run folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.tracking import MlflowTracker, TrackingUnavailable, probe, resolve_tracking_uri
+from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
+from qerl.config import ConfigError, Settings, load_settings
+from qerl.report import RunRecord, write_report
+from qerl.tracking import JsonlWriter
+
+# The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's
+# base format through qerl's own NF4 codec (quant.scheme: nf4), not bitsandbytes.
+ARMS: dict[str, list[str]] = {
+    "bf16-lora": ["quant.scheme=bf16", "aqn.enabled=false"],
+    "nf4-lora": ["quant.scheme=nf4", "aqn.enabled=false"],
+    "nvfp4": ["quant.scheme=nvfp4", "aqn.enabled=false"],
+    "nvfp4-aqn": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=geometric"],
+    "nvfp4-aqn-entropy": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=entropy"],
+}
+DONE = "result.json"  # written last: a run folder without it is unfinished (never started, or crashed)
+MLFLOW_RUN = "mlflow_run.json"  # the run's MLflow id, written first: a resumed run continues that MLflow run
+PARENT = "experiment.json"  # the parent run's id: a rerun files its runs under the same parent
+
+
+def parse_arm(spec: str) -> tuple[str, list[str]]:
+    """`name` (built-in) or `name:section.key=value,section.key=value` (values without commas)."""
+    name, sep, body = spec.partition(":")
+    if not sep:
+        if name not in ARMS:
+            raise ConfigError(f"--arms {spec}: unknown arm (built-in: {', '.join(ARMS)}; or define one as "
+                              f"NAME:section.key=value,...)")
+        return name, list(ARMS[name])
+    overrides = [item.strip() for item in body.split(",") if item.strip()]
+    if not name or not overrides or any("=" not in item for item in overrides):
+        raise ConfigError(f"--arms {spec}: expected NAME:section.key=value[,section.key=value...]")
+    return name, overrides
+
+
+def run_overrides(common: list[str], arm: list[str], seed: int, run_dir: Path) -> list[str]:
+    """What one run trains with: the experiment's overrides, then the arm's, then the seed and the folder."""
+    return [*common, *arm, f"train.seed={seed}", f"aqn.seed={seed}", f"train.out_dir={run_dir}",
+            "tracking.backend=mlflow"]
+
+
+@dataclass
+class PlannedRun:
+    arm: str
+    seed: int
+    overrides: list[str]
+    run_dir: Path
+
+
+def plan_runs(params: str, common: list[str], arms: dict[str, list[str]], seeds: int, out: Path) -> list[PlannedRun]:
+    """Every (arm, seed) run, seed-major (an experiment stopped early still has every arm on the same seeds), each
+    one's settings validated and checked against what its folder was started with: a bad arm, or a folder from
+    other settings that a rerun would silently skip or resume, fails here in a line, before anything trains."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds {seeds}: must be >= 1")
+    planned = []
+    for seed in range(seeds):
+        for arm, arm_overrides in arms.items():
+            run_dir = out / "runs" / arm / f"seed-{seed}"
+            overrides = run_overrides(common, arm_overrides, seed, run_dir)
+            fingerprint = load_settings(params, overrides).fingerprint()
+            earlier = _read_json(run_dir / MLFLOW_RUN)
+            if earlier is not None and earlier.get("settings") != fingerprint:
+                raise ConfigError(f"{run_dir} holds a run started with other settings (params, arms or -S): rerun "
+                                  f"with the same ones, or choose another --out")
+            planned.append(PlannedRun(arm, seed, overrides, run_dir))
+    return planned
+
+
+def default_out_dir(params: str) -> Path:
+    return Path("runs/compare") / Path(params).stem
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _record(run_dir: Path, result: dict) -> RunRecord:
+    return RunRecord(result["arm"], result["seed"], JsonlWriter(run_dir / "metrics.jsonl").read(), result["eval"])
+
+
+@flow(name="qerl-compare-run", flow_run_name="{arm}-seed{seed}", log_prints=True)
+def train_arm_seed(params: str, overrides: list[str], arm: str, seed: int, run_dir: str, parent_run_id: str,
+                   quantized_root: str = QUANTIZED_ROOT) -> dict:
+    """One (arm, seed): skipped if finished, resumed if it crashed, else trained from scratch; then evaluated."""
+    logger = get_run_logger()
+    folder = Path(run_dir)
+    if (result := _read_json(folder / DONE)) is not None:
+        logger.info("%s seed %d: finished earlier (%s), skipped", arm, seed, folder / DONE)
+        return result
+    settings = load_settings(params, overrides)
+    folder.mkdir(parents=True, exist_ok=True)
+    earlier = _read_json(folder / MLFLOW_RUN)
+    with MlflowTracker.from_settings(
+            settings, run_name=f"{arm}-seed{seed}", parent_run_id=parent_run_id,
+            run_id=earlier["run_id"] if earlier else None,
+            tags=run_tags(settings, **{"qerl.flow": "compare", "arm": arm, "seed": seed, "out_dir": run_dir})
+    ) as tracker:
+        _write_json(folder / MLFLOW_RUN, {"run_id": tracker.run_id, "settings": settings.fingerprint()})
+        if earlier:
+            logger.info("%s seed %d: resuming MLflow run %s from %s", arm, seed, tracker.run_id, folder)
+        outcome = train_and_evaluate(settings, run_dir, tracker, quantized_root=quantized_root, resume=True)
+    result = {"arm": arm, "seed": seed, "steps": outcome.steps, "eval": outcome.eval, "run_id": tracker.run_id}
+    _write_json(folder / DONE, result)
+    gc.collect()  # the model goes with the trainer; give its memory back before the next run loads another
+    return result
+
+
+def base_entropy(settings: Settings, out: Path, num_prompts: int, quantized_root: str) -> dict:
+    """The policy entropy of `settings.quant.scheme`'s base (fresh LoRA, AQN off) at step 0 on the first
+    `num_prompts` held-out questions, sampled with the same seed for every format; cached in `out/<scheme>.json`."""
+    from qerl.evaluate import eval_examples
+    from tasks import build_trainer
+
+    scheme = settings.quant.scheme
+    cached = out / f"{scheme}.json"
+    if (found := _read_json(cached)) is not None:
+        return found
+    settings = with_quantized_base(settings, quantized_root)
+    trainer = build_trainer(settings, str(out / scheme))
+    measured = {"scheme": scheme, **trainer.measure_entropy(eval_examples(settings, limit=num_prompts))}
+    del trainer
+    gc.collect()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(cached, measured)
+    return measured
+
+
+@flow(name="qerl-compare", log_prints=True)
+def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, seeds: int = 3,
+            overrides: list[str] | None = None, out_dir: str | None = None, quantized_root: str = QUANTIZED_ROOT,
+            reward_threshold: float = 0.5, entropy_prompts: int = 32) -> dict:
+    """Train every arm with seeds 0..seeds-1, then write the report to `<out_dir>/report` and the parent run."""
+    logger = get_run_logger()
+    common = list(overrides or [])
+    chosen = dict(parse_arm(spec) for spec in (arms or list(ARMS)))
+    out = Path(out_dir) if out_dir else default_out_dir(params)
+    planned = plan_runs(params, common, chosen, seeds, out)
+    first = load_settings(params, planned[0].overrides)
+    probe(resolve_tracking_uri(first))
+    out.mkdir(parents=True, exist_ok=True)
+    earlier = _read_json(out / PARENT)
+    with MlflowTracker.from_settings(first, run_name=f"compare-{Path(params).stem}",
+                                     run_id=earlier["parent_run_id"] if earlier else None,
+                                     tags={"qerl.flow": "compare", "out_dir": str(out)}) as parent:
+        _write_json(out / PARENT, {"parent_run_id": parent.run_id})
+        if not earlier:
+            parent.log_params({"params": params, "arms": json.dumps(chosen), "seeds": seeds,
+                               "overrides": json.dumps(common), "reward_threshold": reward_threshold})
+        # Step-0 entropy of each base format: the paper's "quantization raises entropy", measured on the same prompts.
+        formats = {}
+        for run in planned:
+            scheme = load_settings(params, run.overrides).quant.scheme
+            if scheme not in formats:
+                formats[scheme] = load_settings(params, [*common, f"quant.scheme={scheme}", "aqn.enabled=false",
+                                                         "tracking.backend=mlflow"])
+        entropies = [base_entropy(s, out / "base_entropy", entropy_prompts, quantized_root) for s in formats.values()]
+        for e in entropies:
+            logger.info("step-0 policy entropy of the %s base: %.4f nats/token", e["scheme"], e["entropy"])
+
+        records = []
+        for run in planned:
+            result = train_arm_seed(params, run.overrides, run.arm, run.seed, str(run.run_dir), parent.run_id,
+                                    quantized_root)
+            records.append(_record(run.run_dir, result))
+        paths = write_report(records, entropies, out / "report", reward_threshold)
+        for path in paths:
+            parent.log_artifact(path, "report")
+        parent.log_metrics({f"{e['scheme']}/step0_entropy": e["entropy"] for e in entropies}, step=0)
+        logger.info("report: %s\n%s", out / "report", (out / "report" / "report.md").read_text())
+    return {"out_dir": str(out), "parent_run_id": parent.run_id, "report": [str(p) for p in paths],
+            "runs": [{"arm": r.arm, "seed": r.seed, "eval": r.eval} for r in records]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params/compare.yaml")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), metavar="ARM",
+                        help=f"built-in: {', '.join(ARMS)}; or NAME:section.key=value,... (default: all built-in)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm (default 3)")
+    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="an override for every arm")
+    parser.add_argument("--out", default=None, help="experiment folder (default: runs/compare/<params stem>)")
+    parser.add_argument("--reward-threshold", type=float, default=0.5,
+                        help="the report's 'steps to reach' reward (3-step trailing mean; default 0.5)")
+    parser.add_argument("--entropy-prompts", type=int, default=32,
+                        help="held-out questions the step-0 entropy of each base format is measured on")
+    parser.add_argument("--quantized-root", default=QUANTIZED_ROOT)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        for spec in args.arms:  # fail in a line, before Prefect and the model start up
+            parse_arm(spec)
+        probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
+        result = compare(args.params, args.arms, args.seeds, args.overrides, args.out, args.quantized_root,
+                         args.reward_threshold, args.entropy_prompts)
+    except (ConfigError, TrackingUnavailable) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    print(f"report: {Path(result['out_dir']) / 'report' / 'report.md'}  mlflow parent run {result['parent_run_id']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

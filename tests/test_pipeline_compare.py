@@ -1,0 +1,100 @@
+"""The experiment flow on params/tiny.yaml with real Prefect and a real MLflow store: 2 arms x 1 seed x 1 step, the
+nested runs, the report files, then a rerun that skips the finished run and resumes the "crashed" one."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prefect")
+pytest.importorskip("mlflow")
+
+pytestmark = pytest.mark.slow  # loads SmolLM2-135M four times (two base entropies, two runs) and starts Prefect twice
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "params" / "tiny.yaml")
+ARMS = ["bf16-lora", "nvfp4-aqn-entropy"]  # two base formats (so two step-0 entropies), the new schedule end to end
+REPORT = {"reward_by_arm.png", "entropy_by_arm.png", "summary.csv", "base_entropy.csv", "report.md"}
+
+
+def nested_runs(client, experiment_id, parent_id):
+    return client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+
+
+def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_rerun(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from flows.compare import compare
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # Prefect's temporary local server, in a temporary home
+    quick = ["train.steps=1", "eval.n=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
+             "aqn.target_entropy=1.0", f"tracking.tracking_uri={uri}", "tracking.experiment=compare-test"]
+    out = tmp_path / "exp"
+
+    def run():
+        return compare(params=TINY, arms=ARMS, seeds=1, overrides=quick, out_dir=str(out),
+                       quantized_root=str(tmp_path / "quantized"), reward_threshold=0.5, entropy_prompts=2)
+
+    with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):
+        first = run()
+
+        client = MlflowClient(uri)
+        parent = client.get_run(first["parent_run_id"])
+        assert parent.info.status == "FINISHED" and parent.data.tags["qerl.flow"] == "compare"
+        children = nested_runs(client, parent.info.experiment_id, parent.info.run_id)
+        assert sorted((r.data.tags["arm"], r.data.tags["seed"]) for r in children) == [("bf16-lora", "0"),
+                                                                                       ("nvfp4-aqn-entropy", "0")]
+        for child in children:
+            assert child.info.status == "FINISHED"
+            assert {"reward_mean", "entropy", "sigma", "eval/accuracy"} <= set(child.data.metrics)
+        entropy_arm = next(r for r in children if r.data.tags["arm"] == "nvfp4-aqn-entropy")
+        assert entropy_arm.data.params["aqn.schedule"] == "entropy" and entropy_arm.data.metrics["sigma"] > 0
+        logged = {Path(f.path).name for f in client.list_artifacts(parent.info.run_id, "report")}
+        assert logged == REPORT
+        report = out / "report"
+        assert {p.name for p in report.iterdir()} == REPORT
+        assert [r["arm"] for r in csv.DictReader((report / "summary.csv").open())] == ARMS
+        entropies = {r["scheme"]: float(r["entropy"]) for r in csv.DictReader((report / "base_entropy.csv").open())}
+        assert set(entropies) == {"bf16", "nvfp4"} and all(e > 0 for e in entropies.values())
+
+        # Rerun: bf16-lora finished and is skipped; nvfp4-aqn-entropy "crashed" after its last checkpoint (its
+        # result.json is gone) and resumes into the same MLflow run; nothing else is trained or measured again.
+        finished = out / "runs" / "bf16-lora" / "seed-0"
+        crashed = out / "runs" / "nvfp4-aqn-entropy" / "seed-0"
+        untouched = {p: p.stat().st_mtime_ns for p in [finished / "metrics.jsonl", finished / "result.json",
+                                                       out / "base_entropy" / "bf16.json"]}
+        (crashed / "result.json").unlink()
+        second = run()
+
+    assert second["parent_run_id"] == first["parent_run_id"]
+    assert {p: p.stat().st_mtime_ns for p in untouched} == untouched
+    assert (crashed / "result.json").is_file()
+    again = nested_runs(client, parent.info.experiment_id, parent.info.run_id)
+    assert sorted(r.info.run_id for r in again) == sorted(r.info.run_id for r in children)
+    assert all(r.info.status == "FINISHED" for r in again)
+    assert client.get_run(first["parent_run_id"]).info.status == "FINISHED"
+
+    # The same folder with other settings is refused up front, not skipped as if it were finished.
+    from flows.compare import ARMS as BUILT_IN
+    from flows.compare import plan_runs
+    from qerl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"seed-0 holds a run started with other settings .* another --out$"):
+        plan_runs(TINY, [*quick[1:], "train.steps=2"], {arm: BUILT_IN[arm] for arm in ARMS}, 1, out)
+    assert len(plan_runs(TINY, quick, {arm: BUILT_IN[arm] for arm in ARMS}, 2, out)) == 4  # seed 1 is new: fine
+
+
+def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flows.compare", "--params", TINY, "--arms", "fp8-lora",
+                           "--out", str(tmp_path / "exp")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "python -m flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
+        "nvfp4-aqn, nvfp4-aqn-entropy; or define one as NAME:section.key=value,...)"]
+    assert not (tmp_path / "exp").exists()
