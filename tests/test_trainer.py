@@ -140,6 +140,7 @@ def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path
 
     part = make_trainer(settings, tmp_path / "part")
     part.train(max_steps=3)  # "killed" after step 3: the last checkpoint is step 2
+    part.close()  # as the process's exit would: the run folder's lock goes with it
     part.close()
     (tmp_path / "part" / "adapter").rename(tmp_path / "part" / "adapter-stale")
     # a kill mid-write leaves a temp folder behind, never a half checkpoint
@@ -165,6 +166,7 @@ def test_entropy_targeted_aqn_resumes_bit_exactly(tmp_path):
     full.train()
     part = make_trainer(settings, tmp_path / "part")
     part.train(max_steps=3)  # "killed" after step 3: the last checkpoint is step 2
+    part.close()  # as the process's exit would: the run folder's lock goes with it
 
     def records(run):
         return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
