@@ -8,12 +8,13 @@ stop reasons eos/stop/length), built like gpt-fast:
 * Prefill runs the model's own forward (eager, row-chunked). Each decode step is one CUDA graph per
   (batch bucket, KV window): attention reads only the first `window` slots that can hold tokens yet, not the
   whole cache, so early steps of a long rollout do not pay for its end.
-* The decode step (`fused=True`) is our own short path over the model's modules: fused Triton kernels for
-  residual-add + RMSNorm, RoPE + KV write, SiLU*up, and LoRA as `base(x)` then one `addmm_` (x @ A^T) @ B^T into
-  the base output. That takes a layer from ~75 kernels to ~30; in a graph each tiny kernel still costs a few µs,
-  which at decode sizes is the same order as reading the (NVFP4) weights. Off CUDA the same path calls the
-  model's modules, so CPU runs compute what `Transformer.forward` computes. `fused=False` graphs
-  `Transformer.forward` itself (reference, and for models the short path does not cover).
+* The decode step (`fused=True`) is the model's own `Transformer.decode_step` over the engine's caches: with the
+  fused Triton kernels of `qerl.fused_ops` (residual-add + RMSNorm, RoPE + KV write, SiLU*up) and LoRA as
+  `base(x)` then one `addmm_` where they run. That takes a layer from ~75 kernels to ~30; in a graph each tiny
+  kernel still costs a few µs, which at decode sizes is the same order as reading the (NVFP4) weights. Off CUDA
+  it runs the plain PyTorch ops, so CPU runs compute what `Transformer.forward` computes. `fused=False` graphs
+  `Transformer.forward` itself (the reference). The engine never reaches into attention, MLP or LoRA: it owns
+  the caches, which rows and slots are live, graph capture and compaction.
 * Sampling (`qerl.generate.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization per
   token. Every `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows
   to the front of a smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
@@ -21,7 +22,7 @@ stop reasons eos/stop/length), built like gpt-fast:
   address: optimizer steps and `NoiseInjector` are in place, so graphs stay valid across RL steps. If any
   parameter or buffer moved (e.g. `adapters_disabled` swaps `.data`, a reload), the graphs are recaptured.
 
-The trainer holds one `RolloutEngine` (or calls `generate_fast`, which keeps one per model). The KV cache stays
+`qerl.rollout.EngineBackend` drives it for the trainer and evaluation (`generate_fast` keeps one per model). The KV cache stays
 allocated between calls (vLLM-style): call `free()` / `release_engine(model)` to hand its memory back.
 """
 from __future__ import annotations
@@ -31,133 +32,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from qerl.generate import Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids, sample_tokens
 from qerl.lora import LoraLinear
-from qerl.model import Transformer, apply_rope
-
-try:  # optional: the fused decode kernels (CUDA, or CPU under TRITON_INTERPRET=1 in tests)
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - no triton, or a broken install
-    triton = None
+from qerl.model import Transformer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RolloutEngine", "generate_fast", "engine_for", "release_engine"]
 
 _ENGINE_ATTR = "_qerl_rollout_engine"
-
-
-# ---------------------------------------------------------------------------------------------------- kernels
-# Each mirrors the PyTorch ops it replaces, including the intermediate roundings to the activation dtype
-# (RMSNorm rounds the normalized x before the weight multiply; RoPE runs in fp32; SiLU rounds before the
-# product), so the fused step stays within ~1 ulp of `Transformer.forward`.
-
-if triton is not None:
-
-    @triton.jit
-    def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-        """X[row] += R[row] (in place, rounded like a bf16 add), Y[row] = W * rmsnorm(X[row])."""
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        m = offs < N
-        x = tl.load(X + row * N + offs, mask=m, other=0.0)
-        if HAS_RES:
-            r = tl.load(R + row * N + offs, mask=m, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-            tl.store(X + row * N + offs, x, mask=m)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(Y + row * N + offs, (w * normed).to(Y.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _rope_cache_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, QW, KW, eps, H, HKV, s_b, s_h, s_s,
-                           D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
-        """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT."""
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        c1 = tl.load(COS + row * D + offs)
-        c2 = tl.load(COS + row * D + HALF + offs)
-        s1 = tl.load(SIN + row * D + offs)
-        s2 = tl.load(SIN + row * D + HALF + offs)
-        if head < H:
-            src = Q + row * H * D + head * D
-            NW = QW
-        else:
-            src = K + row * HKV * D + (head - H) * D
-            NW = KW
-        x1 = tl.load(src + offs)
-        x2 = tl.load(src + HALF + offs)
-        if QK_NORM:  # Qwen3: per-head RMSNorm before RoPE
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
-            w1 = tl.load(NW + offs).to(tl.float32)
-            w2 = tl.load(NW + HALF + offs).to(tl.float32)
-            x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
-            x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = (f1 * c1 - f2 * s1).to(x1.dtype)
-        o2 = (f2 * c2 + f1 * s2).to(x1.dtype)
-        if head < H:
-            q_out = QO + row * H * D + head * D
-            tl.store(q_out + offs, o1)
-            tl.store(q_out + HALF + offs, o2)
-        else:
-            kvh = head - H
-            at = row.to(tl.int64) * s_b + kvh * s_h + tl.load(SLOT) * s_s  # int64: big caches pass 2**31 elements
-            tl.store(KC + at + offs, o1.to(KC.dtype.element_ty))
-            tl.store(KC + at + HALF + offs, o2.to(KC.dtype.element_ty))
-            v_in = V + row * HKV * D + kvh * D
-            tl.store(VC + at + offs, tl.load(v_in + offs).to(VC.dtype.element_ty))
-            tl.store(VC + at + HALF + offs, tl.load(v_in + HALF + offs).to(VC.dtype.element_ty))
-
-    @triton.jit
-    def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        g = tl.load(G + offs, mask=m, other=0.0)
-        u = tl.load(U + offs, mask=m, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-        tl.store(O + offs, (act * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
-
-
-def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(x + residual, written into x; weight * rmsnorm(x + residual)) for contiguous [rows, N]."""
-    rows, n = x.shape
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    block = triton.next_power_of_2(n)
-    _add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
-                                 HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)))
-    return x, out
-
-
-def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, k_cache: Tensor,
-                     v_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> Tensor:
-    """Rotated q [rows, H*D]; rotated k and v written into rows :rows of the caches at slot `slot` [1]."""
-    rows = q.shape[0]
-    out = torch.empty_like(q)
-    norm = q_norm is not None
-    _rope_cache_kernel[(rows, num_heads + num_kv_heads)](
-        q, k, v, cos, sin, out, k_cache, v_cache, slot, q_norm.weight if norm else q, k_norm.weight if norm else q,
-        q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=head_dim, HALF=head_dim // 2, QK_NORM=norm, num_warps=1)
-    return out
-
-
-def fused_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    out = torch.empty_like(gate)
-    n, block = gate.numel(), 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- cache
@@ -228,16 +114,14 @@ class RolloutEngine:
         dynamic_rope = (model.config.rope_scaling or {}).get("rope_type") == "dynamic"  # syncs on max position
         self.use_graphs = cuda and not dynamic_rope if use_graphs is None else use_graphs
         self.fused = True if fused is None else fused
-        head_dim = model.config.head_dim
         # Triton kernels only where they can run: CUDA, or Triton's CPU interpreter (tests).
-        self.kernels = (self.fused and triton is not None and head_dim % 2 == 0
-                        and (head_dim // 2) & (head_dim // 2 - 1) == 0
-                        and (cuda or _triton_interpreting()))
+        self.kernels = self.fused and model.fused_decode_supported()
         self.check_every, self.window = check_every, window
         self.min_bucket = min_bucket or (8 if cuda else 1)
         self.prefill_tokens = prefill_tokens
         self.reserve = (max_batch_size, max_seq_len)
         self.caches: list[_EngineCache] | None = None
+        self.kv: list[tuple[Tensor, Tensor]] | None = None
         self.cap_rows = self.cap_slots = 0
         self.graphs: dict[tuple[int, int], Any] = {}
         self._pool = None
@@ -258,6 +142,7 @@ class RolloutEngine:
         shape = (rows, c.num_key_value_heads, slots, c.head_dim)
         self.caches = [_EngineCache(torch.zeros(shape, dtype=dtype, device=dev),
                                     torch.zeros(shape, dtype=dtype, device=dev)) for _ in m.model.layers]
+        self.kv = [(c.k, c.v) for c in self.caches]  # what `Transformer.decode_step` reads and writes
         self.cap_rows, self.cap_slots = rows, slots
         self.tok_in = torch.zeros(rows, dtype=torch.long, device=dev)
         self.pos_in = torch.zeros(rows, 1, dtype=torch.long, device=dev)
@@ -272,7 +157,7 @@ class RolloutEngine:
         """Drop the KV cache, static buffers and graphs (their memory returns to the allocator)."""
         self.graphs.clear()
         self._pool = None
-        self.caches = None
+        self.caches = self.kv = None
         self.cap_rows = self.cap_slots = 0
         for name in ("tok_in", "pos_in", "slot", "valid", "key_slots", "done", "row_map", "logits_buf"):
             self.__dict__.pop(name, None)
@@ -313,64 +198,16 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------------ forward
 
-    def _linear(self, module: nn.Module, x: Tensor) -> Tensor:
-        if self.kernels and isinstance(module, LoraLinear) and module.enabled \
-                and module.lora_B.dtype == x.dtype and x.dim() == 2:
-            # base(x) + s * (x @ A^T) @ B^T: the second product accumulates into the base output (one GEMM
-            # instead of GEMM + scale + add); A and B are read live, so optimizer steps need no recapture.
-            return module.base(x).addmm_(F.linear(x, module.lora_A), module.lora_B.t(), alpha=module.scaling)
-        return module(x)
-
-    def _add_norm(self, x: Tensor, residual: Tensor | None, norm: nn.Module) -> tuple[Tensor, Tensor]:
-        if self.kernels:
-            return fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
-        x = x if residual is None else x + residual
-        return x, norm(x)
+    def _decode_step(self, rows: int, window: int) -> None:
+        """One token for cache rows :rows (inputs in tok_in/pos_in/slot) through `Transformer.decode_step`;
+        fp32 logits into logits_buf[:rows]."""
+        attend = self.valid[:rows, :window] & (self.key_slots[:window] <= self.slot)  # left padding, causality
+        logits = self.model.decode_step(self.tok_in[:rows], self.pos_in[:rows], self.slot, attend, self.kv,
+                                        fused=self.kernels)
+        self.logits_buf[:rows].copy_(logits)
 
     @torch.no_grad()  # also when called directly: in-place LoRA add on a custom-Function output
-    def _decode_fused(self, rows: int, window: int) -> None:
-        """One token for cache rows :rows (inputs in tok_in/pos_in/slot); fp32 logits into logits_buf[:rows]."""
-        m, c = self.model, self.model.config
-        heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        groups = heads // kv_heads
-        cos, sin = m.model.rotary_emb(self.pos_in[:rows])  # [rows, 1, D] fp32
-        cos, sin = cos[:, 0], sin[:, 0]
-        allowed = self.valid[:rows, :window] & (self.key_slots[:window] <= self.slot)  # left padding, causality
-        x = m.model.embed_tokens(self.tok_in[:rows])
-        if self.kernels:  # an additive mask, built once per step instead of once per layer inside SDPA
-            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
-        else:
-            mask = allowed
-        mask = mask[:, None, None, :]
-        residual = None
-        for layer, cache in zip(m.model.layers, self.caches):
-            attn = layer.self_attn
-            x, h = self._add_norm(x, residual, layer.input_layernorm)
-            q, k, v = self._linear(attn.q_proj, h), self._linear(attn.k_proj, h), self._linear(attn.v_proj, h)
-            if self.kernels:
-                q = fused_rope_cache(q, k, v, cos, sin, self.slot, cache.k, cache.v, heads, kv_heads, dim,
-                                     attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None)
-            else:
-                q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
-                if attn.qk_norm:
-                    q, k = attn.q_norm(q), attn.k_norm(k)
-                q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
-                cache.k[:rows].index_copy_(2, self.slot, k[:, :, None].to(cache.k.dtype))
-                cache.v[:rows].index_copy_(2, self.slot, v[:, :, None].to(cache.v.dtype))
-            # Query heads of one kv head side by side (as the model folds GQA): no repeat of the cache.
-            out = F.scaled_dot_product_attention(q.view(rows, kv_heads, groups, dim), cache.k[:rows, :, :window],
-                                                 cache.v[:rows, :, :window], attn_mask=mask)
-            residual = self._linear(attn.o_proj, out.reshape(rows, heads * dim))
-            x, h = self._add_norm(x, residual, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            gate, up = self._linear(mlp.gate_proj, h), self._linear(mlp.up_proj, h)
-            act = fused_silu_mul(gate, up) if self.kernels else F.silu(gate) * up
-            residual = self._linear(mlp.down_proj, act)
-        _, h = self._add_norm(x, residual, m.model.norm)
-        self.logits_buf[:rows].copy_(self._linear(m.lm_head, h))
-
-    @torch.no_grad()  # also when called directly: in-place LoRA add on a custom-Function output
-    def _decode_model(self, rows: int, window: int) -> None:
+    def _decode_forward(self, rows: int, window: int) -> None:
         """The same step through `Transformer.forward` (reference path)."""
         for cache in self.caches:
             cache.window = window
@@ -379,7 +216,7 @@ class RolloutEngine:
         self.logits_buf[:rows].copy_(logits[:, -1])
 
     def _decode_eager(self, rows: int, window: int) -> None:
-        (self._decode_fused if self.fused else self._decode_model)(rows, window)
+        (self._decode_step if self.fused else self._decode_forward)(rows, window)
 
     def _decode(self, rows: int, window: int) -> None:
         graph = self.graphs.get((rows, window))
@@ -600,12 +437,6 @@ class RolloutEngine:
         row_host[:] = [row_host[s] for s in order]
         self.stats["compactions"] += 1
         return new_rows
-
-
-def _triton_interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------- functions

@@ -112,6 +112,15 @@ class LoraLinear(nn.Module):
         delta = nn.functional.linear(nn.functional.linear(h, self.lora_A), self.lora_B)
         return out + (delta * self.scaling).to(out.dtype)
 
+    def fused_forward(self, x: Tensor) -> Tensor:
+        """Inference only (the fused decode step, under no_grad; no dropout): base(x) + s * (x @ A^T) @ B^T with
+        the second product accumulated into the base output by one addmm (one launch instead of GEMM + scale +
+        add). A and B are read live, so a captured graph follows optimizer steps. Where the addmm cannot apply
+        (adapter off, adapter dtype != activation dtype, not 2-D) it is `forward`."""
+        if not self.enabled or self.lora_B.dtype != x.dtype or x.dim() != 2:
+            return self(x)
+        return self.base(x).addmm_(nn.functional.linear(x, self.lora_A), self.lora_B.t(), alpha=self.scaling)
+
     def delta_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """(B @ A) * scaling, [out, in]."""
         return (self.lora_B.detach().to(dtype) @ self.lora_A.detach().to(dtype)) * self.scaling

@@ -3,11 +3,17 @@
 Parameter names match transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` exactly, so
 checkpoints load as a plain state dict and PEFT adapter keys line up. One forward serves training (no cache) and
 rollout (static KV cache): both compute the same numbers, which the policy-gradient ratio relies on.
+
+`Transformer.decode_step` is the one-token step of a rollout engine over caches the engine owns: the same blocks,
+with the Triton kernels of `qerl.fused_ops` where they run (`fused=True`). Each block calls its input projections
+through one method (`Attention.project_qkv`, `MLP.gate_up`), the one place to change when q/k/v or gate/up become
+one GEMM.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -222,6 +228,22 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: Tensor, residual: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor]:
+        """(x + residual, norm(x + residual)) for [rows, dim]; fused: one kernel that adds into x in place."""
+        if fused:
+            from qerl import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
+
+            return fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        x = x if residual is None else x + residual
+        return x, self(x)
+
+
+def project(linear: nn.Module, x: Tensor, fused: bool = False) -> Tensor:
+    """linear(x); in a fused decode step, a layer's `fused_forward` where it has one (LoRA: base(x) then one addmm
+    of the low-rank update into it, instead of GEMM + scale + add)."""
+    fast = getattr(linear, "fused_forward", None) if fused else None
+    return linear(x) if fast is None else fast(x)
+
 
 class KVCache(nn.Module):
     """Static per-layer key/value cache [B, kv_heads, max_seq_len, head_dim]; slots are written in place."""
@@ -264,12 +286,17 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.kv_cache: KVCache | None = None
 
+    def project_qkv(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden]."""
+        return project(self.q_proj, x, fused), project(self.k_proj, x, fused), project(self.v_proj, x, fused)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 cache_position: Tensor | None) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -287,6 +314,32 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def decode_step(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    slot: Tensor, fused: bool = False) -> Tensor:
+        """One token per row: h [rows, hidden] (normed), cos/sin [rows, head_dim]; writes k, v at cache slot `slot`
+        [1] of rows :rows and attends over the first mask.shape[-1] slots (mask [rows, 1, 1, window]: boolean,
+        or additive when fused). Returns the o_proj output [rows, hidden]."""
+        rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        window = mask.shape[-1]
+        q, k, v = self.project_qkv(h, fused)
+        if fused:
+            from qerl import fused_ops
+
+            q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim,
+                                           self.q_norm if self.qk_norm else None,
+                                           self.k_norm if self.qk_norm else None)
+        else:
+            q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+            k_cache[:rows].index_copy_(2, slot, k[:, :, None].to(k_cache.dtype))
+            v_cache[:rows].index_copy_(2, slot, v[:, :, None].to(v_cache.dtype))
+        # Query heads of one kv head side by side (as forward folds GQA): no repeat of the cache.
+        out = F.scaled_dot_product_attention(q.view(rows, kv_heads, heads // kv_heads, dim),
+                                             k_cache[:rows, :, :window], v_cache[:rows, :, :window], attn_mask=mask)
+        return project(self.o_proj, out.reshape(rows, heads * dim), fused)
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -298,8 +351,24 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
+    def gate_up(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
+        """gate and up projections [..., intermediate] of the normed input x [..., hidden]."""
+        return project(self.gate_proj, x, fused), project(self.up_proj, x, fused)
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
+
+    def decode_step(self, h: Tensor, fused: bool = False) -> Tensor:
+        """forward for [rows, hidden]; fused: SiLU(gate) * up in one kernel."""
+        gate, up = self.gate_up(h, fused)
+        if fused:
+            from qerl import fused_ops
+
+            act = fused_ops.fused_silu_mul(gate, up)
+        else:
+            act = F.silu(gate) * up
+        return project(self.down_proj, act, fused)
 
 
 class DecoderLayer(nn.Module):
@@ -316,6 +385,15 @@ class DecoderLayer(nn.Module):
                 cache_position: Tensor | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_position)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode_step(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor,
+                    k_cache: Tensor, v_cache: Tensor, slot: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
+        """forward for one token per row, with the residual add deferred into the next norm (where the fused
+        kernel does it): takes and returns (x, residual), the block's output being x + residual."""
+        x, h = self.input_layernorm.add_forward(x, residual, fused)
+        residual = self.self_attn.decode_step(h, cos, sin, mask, k_cache, v_cache, slot, fused)
+        x, h = self.post_attention_layernorm.add_forward(x, residual, fused)
+        return x, self.mlp.decode_step(h, fused)
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -393,6 +471,22 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, mask, cache_position)
         return self.norm(x)
 
+    def decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,
+                    kv_caches: Sequence[tuple[Tensor, Tensor]], fused: bool = False) -> Tensor:
+        """Hidden states [rows, hidden] after the final norm (arguments as `Transformer.decode_step`)."""
+        cos, sin = self.rotary_emb(positions)  # [rows, 1, D] fp32
+        cos, sin = cos[:, 0], sin[:, 0]
+        x = self.embed_tokens(tokens)
+        if fused:  # an additive mask, built once per step instead of once per layer inside SDPA
+            mask = torch.zeros(attend.shape, dtype=x.dtype, device=x.device).masked_fill_(~attend, float("-inf"))
+        else:
+            mask = attend
+        mask = mask[:, None, None, :]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = layer.decode_step(x, residual, cos, sin, mask, k_cache, v_cache, slot, fused)
+        return self.norm.add_forward(x, residual, fused)[1]
+
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype | None):
@@ -469,6 +563,29 @@ class Transformer(nn.Module):
         """Drop the cache, returning its memory (e.g. before a training step)."""
         for layer in self.model.layers:
             layer.self_attn.kv_cache = None
+
+    def fused_decode_supported(self) -> bool:
+        """Whether `decode_step(fused=True)` can run here: the Triton kernels run on the model's device (CUDA, or
+        the CPU interpreter) and the RoPE kernel's block, head_dim / 2, is a power of two."""
+        from qerl import fused_ops
+
+        half = self.config.head_dim // 2
+        return self.config.head_dim % 2 == 0 and half & (half - 1) == 0 \
+            and fused_ops.kernels_run_on(self.model.embed_tokens.weight.device)
+
+    @torch.no_grad()  # the fused LoRA path adds in place into a (possibly custom-Function) base output
+    def decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,
+                    kv_caches: Sequence[tuple[Tensor, Tensor]], fused: bool = False) -> Tensor:
+        """One token for each of `rows` sequences over caches the caller owns; logits [rows, vocab] (model dtype).
+
+        tokens [rows]; positions [rows, 1] (RoPE positions); slot [1]: the cache slot each row's k, v are written
+        to; attend [rows, window] bool: the slots each row may attend to (the caller's left padding and causality);
+        kv_caches: one (k, v) pair per layer, each [>= rows, kv_heads, >= window slots, head_dim], read and written
+        in rows :rows and slots :window. Computes what `forward` computes for these tokens; `fused=True` runs the
+        Triton kernels (see `fused_decode_supported`) and LoRA's addmm path, ~1 ulp from `forward` in bf16.
+        Everything it launches depends only on shapes, so a CUDA graph of it replays correctly.
+        """
+        return project(self.lm_head, self.model.decode_step(tokens, positions, slot, attend, kv_caches, fused), fused)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache_position: Tensor | None = None, logits_to_keep: int | Tensor | None = None) -> Tensor:

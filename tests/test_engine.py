@@ -160,7 +160,7 @@ def test_triton_kernels_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch, torch.nn.functional as F
-        from qerl import engine as E
+        from qerl import engine as E, fused_ops as K
         from qerl.model import RMSNorm, apply_rope
         from qerl.generate import generate
         from tests.test_engine import tiny, prompts
@@ -168,10 +168,10 @@ def test_triton_kernels_in_the_interpreter():
         x, r = torch.randn(3, 48), torch.randn(3, 48)
         norm = RMSNorm(48, 1e-5)
         norm.weight.data.uniform_(0.5, 1.5)
-        h, y = E.fused_add_rmsnorm(x.clone(), r, norm.weight, 1e-5)
+        h, y = K.fused_add_rmsnorm(x.clone(), r, norm.weight, 1e-5)
         assert torch.equal(h, x + r) and (y - norm(x + r)).abs().max() < 1e-6
         g, u = torch.randn(4, 40), torch.randn(4, 40)
-        assert (E.fused_silu_mul(g, u) - F.silu(g) * u).abs().max() < 1e-6
+        assert (K.fused_silu_mul(g, u) - F.silu(g) * u).abs().max() < 1e-6
         rows, H, Hkv, D = 3, 4, 2, 16
         q, k, v = torch.randn(rows, H * D), torch.randn(rows, Hkv * D), torch.randn(rows, Hkv * D)
         ang = torch.randn(rows, D // 2)
@@ -180,7 +180,7 @@ def test_triton_kernels_in_the_interpreter():
         qn.weight.data.uniform_(0.5, 1.5); kn.weight.data.uniform_(0.5, 1.5)
         for q_norm, k_norm in ((None, None), (qn, kn)):
             kc, vc = torch.zeros(4, Hkv, 8, D), torch.zeros(4, Hkv, 8, D)
-            qo = E.fused_rope_cache(q, k, v, cos, sin, torch.tensor([5]), kc, vc, H, Hkv, D, q_norm, k_norm)
+            qo = K.fused_rope_cache(q, k, v, cos, sin, torch.tensor([5]), kc, vc, H, Hkv, D, q_norm, k_norm)
             q_ref, k_ref = q.view(rows, H, D), k.view(rows, Hkv, D)
             if q_norm is not None:
                 q_ref, k_ref = q_norm(q_ref), k_norm(k_ref)
@@ -188,8 +188,11 @@ def test_triton_kernels_in_the_interpreter():
             assert (qo.view(rows, H, D) - q_ref).abs().max() < 1e-5
             assert (kc[:rows, :, 5] - k_ref).abs().max() < 1e-5 and torch.equal(vc[:rows, :, 5], v.view(rows, Hkv, D))
             assert kc[:, :, :5].abs().sum() == 0 and kc[rows:].abs().sum() == 0  # nothing else written
+        from qerl.lora import LoraSettings, apply_lora
         for model_type in ("qwen2", "qwen3"):
             model, ps = tiny(model_type, layers=1), prompts(3)
+            for p in apply_lora(model, LoraSettings(rank=4, alpha=8)):  # LoRA's addmm path runs too
+                p.data.normal_(0, 0.1)
             engine = E.RolloutEngine(model, check_every=2)
             assert engine.kernels
             out = engine.generate(None, ps, 5, temperature=0, eos_token_ids=[])
@@ -211,13 +214,13 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
         from triton.backends.nvidia.compiler import CUDABackend
         from triton.compiler import ASTSource
 
-        from qerl import engine as E
+        from qerl import fused_ops as K
         target = GPUTarget("cuda", 90, 32)
         backend = CUDABackend(target)
     except Exception as e:  # internal API of another Triton version
         pytest.skip(f"Triton compiler internals unavailable: {e}")
-    if E.triton is None:
-        pytest.skip("qerl.engine imported without triton")
+    if K.triton is None:
+        pytest.skip("qerl.fused_ops imported without triton")
 
     def lower(fn, signature, constexprs):
         options = backend.parse_options({"num_warps": 4})
@@ -229,15 +232,15 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
 
     for p in ("*bf16", "*fp32"):
         for res in (False, True):
-            lower(E._add_rmsnorm_kernel, {"X": p, "R": p, "W": p, "Y": p, "N": "i32", "eps": "fp32",
+            lower(K._add_rmsnorm_kernel, {"X": p, "R": p, "W": p, "Y": p, "N": "i32", "eps": "fp32",
                                           "HAS_RES": "constexpr", "BLOCK": "constexpr"}, {"HAS_RES": res, "BLOCK": 4096})
         for qk in (False, True):
-            lower(E._rope_cache_kernel,
+            lower(K._rope_cache_kernel,
                   {"Q": p, "K": p, "V": p, "COS": "*fp32", "SIN": "*fp32", "QO": p, "KC": p, "VC": p, "SLOT": "*i64",
                    "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32", "s_h": "i32",
                    "s_s": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr"},
                   {"D": 128, "HALF": 64, "QK_NORM": qk})
-        lower(E._silu_mul_kernel, {"G": p, "U": p, "O": p, "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024})
+        lower(K._silu_mul_kernel, {"G": p, "U": p, "O": p, "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024})
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

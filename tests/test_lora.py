@@ -90,6 +90,19 @@ def test_lora_linear_matches_formula_and_starts_at_base():
     assert torch.equal(layer(x), base(x))
 
 
+def test_fused_forward_is_forward_with_one_addmm():
+    """The decode step's LoRA path: base(x) + s * (x A^T) B^T accumulated by addmm; forward where it cannot apply."""
+    torch.manual_seed(0)
+    layer = LoraLinear(nn.Linear(8, 6), rank=4, alpha=8)
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.fused_forward(x), layer(x))
+        assert torch.equal(layer.fused_forward(x[None]), layer(x[None]))  # not 2-D: forward itself
+        layer.enabled = False
+        assert torch.equal(layer.fused_forward(x), layer.base(x))
+
+
 def test_rslora_scaling():
     assert LoraSettings(rank=16, alpha=32).scaling == 2.0
     assert LoraSettings(rank=16, alpha=32, use_rslora=True).scaling == 8.0

@@ -125,6 +125,33 @@ def test_kv_cache_prefill_and_decode_match_full_forward(tiny_pair):
     assert (cached[real] - full[real]).abs().max() < 1e-5
 
 
+def test_decode_step_over_caller_caches_matches_full_forward(tiny_pair):
+    """`decode_step` (what the rollout engine graphs) on caches the caller owns: same logits as one full forward."""
+    _, model = tiny_pair
+    rows = [[5, 17, 99, 3, 42, 7, 8, 9, 10, 11], [11, 12, 13, 14, 15, 16]]
+    ids, mask = left_pad(rows)
+    prompt_len, slots = 6, 12
+    c = model.config
+    caches = [(torch.zeros(4, c.num_key_value_heads, slots, c.head_dim),
+               torch.zeros(4, c.num_key_value_heads, slots, c.head_dim)) for _ in model.model.layers]
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask)
+        model.setup_kv_cache(batch_size=2, max_seq_len=slots)  # prefill through forward, then copy its cache
+        model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len], cache_position=torch.arange(prompt_len))
+        for (k, v), layer in zip(caches, model.model.layers):
+            k[:2].copy_(layer.self_attn.kv_cache.k_cache)
+            v[:2].copy_(layer.self_attn.kv_cache.v_cache)
+        model.free_kv_cache()
+        positions = mask.cumsum(-1) - 1
+        for t in range(prompt_len, ids.shape[1]):
+            slot, window = torch.tensor([t]), t + 2  # a window past the written slots: causality hides them
+            attend = torch.nn.functional.pad(mask[:, :t + 1].bool(), (0, 1)) & (torch.arange(window) <= t)
+            logits = model.decode_step(ids[:, t], positions[:, t:t + 1], slot, attend, caches)
+            assert logits.shape == (2, c.vocab_size)
+            assert (logits - full[:, t]).abs().max() < 1e-5
+    assert all(layer.self_attn.kv_cache is None for layer in model.model.layers)
+
+
 def test_kv_cache_needs_setup(tiny_pair):
     _, model = tiny_pair
     model.free_kv_cache()
