@@ -84,6 +84,9 @@ class RolloutSettings:
     top_p: float = field(default=1.0, metadata=_check(gt=0, le=1))
     top_k: int = field(default=0, metadata=_check(ge=0))  # 0 = off
     stop_strings: list[str] = field(default_factory=list)
+    # The sampler of training and evaluation (qerl.rollout): engine = RolloutEngine (static KV cache, CUDA graphs),
+    # reference = qerl.generate.generate; auto = the engine on CUDA, the reference on the CPU.
+    backend: Literal["auto", "engine", "reference"] = "auto"
 
 
 @dataclass

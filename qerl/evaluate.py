@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 from tqdm.auto import tqdm
 
 from qerl.config import Settings
+from qerl.rollout import RolloutBackend, Sampling, make_backend
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +59,25 @@ def evaluate(
     system_prompt: str | None = None,
     reward_fn: Callable[[str, str], float] | None = None,
     progress: bool = True,
+    backend: RolloutBackend | None = None,
 ) -> EvalResult:
-    """Generate `num_samples` completions per example and score them against the gold answers."""
+    """Generate `num_samples` completions per example and score them against the gold answers.
+
+    `backend` samples (default: `make_backend(model, tokenizer)`, the engine on CUDA, the reference on the CPU)."""
     from qerl import data, rewards
-    from qerl.generate import generate
 
     reward_fn = reward_fn or rewards.score
     system_prompt = system_prompt if system_prompt is not None else data.SYSTEM_PROMPT
     jobs = [(ex, s) for ex in examples for s in range(num_samples)]
     records: list[dict[str, Any]] = []
     start, tokens = time.perf_counter(), 0
-    was_training = model.training
-    model.eval()
+    backend = backend or make_backend(model, tokenizer)
     bar = tqdm(total=len(jobs), desc="eval", unit="sample", disable=not progress)
     for b in range(0, len(jobs), batch_size):
         chunk = jobs[b : b + batch_size]
         prompts = [data.build_prompt(tokenizer, ex.question, system_prompt) for ex, _ in chunk]
-        out = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed + b)
+        out = backend.generate(prompts, Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                                 seed=seed + b))
         for (ex, sample), prompt, text, ids, reason in zip(chunk, prompts, out.texts, out.completion_ids,
                                                           out.stop_reasons):
             tokens += len(ids)
@@ -87,7 +89,6 @@ def evaluate(
         bar.update(len(chunk))
         bar.set_postfix(acc=f"{sum(r['score'] for r in records) / len(records):.3f}")
     bar.close()
-    model.train(was_training)
     return EvalResult(_summarize(records, num_samples, tokens, time.perf_counter() - start), records)
 
 
@@ -118,8 +119,11 @@ def eval_examples(settings: Settings, limit: int | None = None) -> list:
 
 
 def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path | None = None,
-             limit: int | None = None, model=None, tokenizer=None, progress: bool = True) -> EvalResult:
-    """Load the policy (base + optional adapter) and evaluate it as `settings.eval` says; save if `out_dir`."""
+             limit: int | None = None, model=None, tokenizer=None, progress: bool = True,
+             backend: RolloutBackend | None = None) -> EvalResult:
+    """Load the policy (base + optional adapter) and evaluate it as `settings.eval` says; save if `out_dir`.
+
+    Samples with `backend` (e.g. the trainer's), else with `settings.rollout.backend` built for the model."""
     from qerl.data import SYSTEM_PROMPT
     from qerl.prompt_length import fit_prompts, model_context
     from qerl.runtime import load_policy, load_tokenizer_and_context
@@ -135,9 +139,10 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
                            setting="eval.max_new_tokens", policy=settings.data.overlong_prompts)
     if model is None:
         model, tokenizer = load_policy(settings, adapter=adapter)
+    backend = backend or make_backend(model, tokenizer, settings.rollout.backend)
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
-                      system_prompt=settings.data.system_prompt, progress=progress)
+                      system_prompt=settings.data.system_prompt, progress=progress, backend=backend)
     if out_dir is not None:
         result.save(out_dir)
     log.info("eval: %s", ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))

@@ -24,12 +24,11 @@ import torch
 from torch import Tensor
 
 from qerl import checkpoints, data, distributed, grpo, lora, rewards, runfolder
-from qerl.aqn import NoiseInjector, build_schedule
+from qerl.aqn import build_schedule
 from qerl.config import Settings
-from qerl.engine import generate_fast
-from qerl.generate import generate
 from qerl.manifest import write_manifest
 from qerl.prompt_length import fit_prompts, model_context
+from qerl.rollout import RolloutBackend, Sampling, make_backend
 from qerl.runlock import run_folder_lock
 from qerl.runtime import load_base_model, load_tokenizer_and_context, seed_everything
 from qerl.tracking import JsonlWriter, NullTracker, Tracker
@@ -115,14 +114,15 @@ class Trainer:
     """
 
     def __init__(self, settings: Settings, out_dir: str | Path, tracker: Tracker | None = None, resume: bool = False,
-                 model=None, tokenizer=None, progress: bool = True, overwrite: bool = False):
+                 model=None, tokenizer=None, progress: bool = True, overwrite: bool = False,
+                 rollout_backend: RolloutBackend | None = None):
         self.out = Path(out_dir)
         # Locked before anything looks at the folder, so two racing trainers cannot both find it free. Under
         # torchrun, rank 0 holds it for the whole job (the other ranks write nothing there).
         main = distributed.current().is_main
         self.lock = run_folder_lock(self.out).acquire() if main else None
         try:
-            self._start(settings, tracker, resume, overwrite, model, tokenizer, progress)
+            self._start(settings, tracker, resume, overwrite, model, tokenizer, progress, rollout_backend)
         except BaseException:
             self.close()
             raise
@@ -139,7 +139,8 @@ class Trainer:
         self.close()
 
     def _start(self, settings: Settings, tracker: Tracker | None, resume: bool, overwrite: bool, model, tokenizer,
-               progress: bool) -> None:
+               progress: bool,
+               rollout_backend: RolloutBackend | None) -> None:
         self.settings = s = settings
         self.tracker = tracker or NullTracker()
         self.progress = progress
@@ -181,7 +182,9 @@ class Trainer:
 
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
-        self.noise = NoiseInjector(model)
+        # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
+        self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend)
+        self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
         g = s.grpo
         self.loss_cfg = grpo.LossConfig(loss_type=g.loss_type, epsilon_low=g.epsilon_low,
                                         epsilon_high=g.epsilon_high, beta=g.beta,
@@ -223,21 +226,14 @@ class Trainer:
         row_seeds = [self._seed(self.step, round_, 2, first + i, j) for i in range(len(examples))
                      for j in range(r.group_size)]
         sigma, noise_seed = self.sigma(), self._seed(self.settings.aqn.seed, self.step, 1)
-        was_training = self.model.training
-        self.model.eval()
-        start = time.perf_counter()
-        # On CUDA the engine (static cache, CUDA graphs) keeps its graphs across steps: LoRA updates and AQN noise
-        # are in-place writes the graphs read.
         # The engine draws one generator per batch (a rank's batch: its first row in the seed keeps ranks apart).
-        sample = generate_fast if self.device.type == "cuda" else generate
-        seeding = ({"seed": self._seed(self.step, round_, 2, first)} if sample is generate_fast
-                   else {"row_seeds": row_seeds})
-        with self.noise.noisy(sigma, noise_seed):
-            out = sample(self.model, self.tokenizer, prompts, max_new_tokens=r.max_new_tokens,
-                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_strings=r.stop_strings,
-                         progress=self.progress and sys.stderr.isatty(),  # a live token bar in a terminal only
-                         **seeding)
-        self.model.train(was_training)
+        sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                            stop_strings=tuple(r.stop_strings), seed=self._seed(self.step, round_, 2, first),
+                            row_seeds=tuple(row_seeds))
+        start = time.perf_counter()
+        with self.rollout_backend.sync(sigma, noise_seed):
+            out = self.rollout_backend.generate(prompts, sampling,
+                                                progress=self.progress and sys.stderr.isatty())  # a live bar in a terminal
         seconds = time.perf_counter() - start
         if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
