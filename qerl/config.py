@@ -55,8 +55,15 @@ class ModelSettings:
 
 @dataclass
 class QuantSettings:
-    scheme: Literal["nvfp4", "mxfp4", "nf4", "bf16"] = "nvfp4"  # format of the frozen base weights
+    # Format of the frozen base weights. nf4-bnb: QLoRA as its users run it, bitsandbytes' NF4 storage and kernels
+    # (quantized at load; needs the `qlora` extra); nf4: qerl's own NF4 layout, through our dequantize path.
+    scheme: Literal["nvfp4", "mxfp4", "nf4", "nf4-bnb", "bf16"] = "nvfp4"
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
+
+    def validate(self) -> None:
+        if self.scheme == "nf4-bnb" and self.quantized_path:
+            raise _RuleError("quantized_path", f"quantized_path = {self.quantized_path!r}: scheme nf4-bnb quantizes "
+                             "at load (as transformers' load_in_4bit); leave quantized_path unset")
 
 
 @dataclass

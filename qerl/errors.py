@@ -17,10 +17,16 @@ DEBUG_ENV = "QERL_DEBUG"
 BAD_INPUT_EXIT = 2
 FAILURE_EXIT = 1
 
+
+
+class MissingExtra(ImportError):
+    """A setting needs an optional dependency that is not installed; the message says which extra to install."""
+
+
 # ValueError covers ConfigError, the checkpoint and data errors, JSON and UTF-8 decode errors.
 # ConnectionError: a hub dataset neither cached nor reachable (qerl.tables says how to fetch it).
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
-             ConnectionError, FolderLocked)
+             ConnectionError, FolderLocked, MissingExtra)
 
 
 def debug_requested(flag: bool = False) -> bool:

@@ -38,15 +38,20 @@ def seed_everything(seed: int) -> None:
 def load_base_model(model: ModelSettings, quant: QuantSettings):
     """The frozen base: a pre-quantized folder if given, else the source checkpoint quantized in memory."""
     from qerl.loading import load_model, resolve_model
+    from qerl.quant import bnb
     from qerl.quant.linear import QuantLinear, quantize_model
 
+    if quant.scheme == bnb.SCHEME:
+        bnb.require_bitsandbytes()  # before a minutes-long load, not after
     device = resolve_device(model.device)
     dtype = resolve_dtype(model.dtype, device)
     source = resolve_model(quant.quantized_path or model.path)
     start = time.perf_counter()
     net, tokenizer = load_model(source, dtype=dtype, device=device)
     already_quantized = any(isinstance(m, QuantLinear) for m in net.modules())
-    if quant.scheme != "bf16" and not already_quantized:
+    if quant.scheme == bnb.SCHEME:  # QLoRA's base: bitsandbytes' own NF4 storage and kernels, quantized at load
+        bnb.quantize_model_bnb(net)
+    elif quant.scheme != "bf16" and not already_quantized:
         quantize_model(net, quant.scheme)
     net.requires_grad_(False)
     net.gradient_checkpointing = model.gradient_checkpointing

@@ -247,7 +247,7 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
 
 
 def gpu_model(scheme: str, lora_rank=8, seed=0):
-    """A small random Qwen2-shaped model on CUDA in bf16 (optionally NVFP4) with live, non-zero LoRA."""
+    """A small random Qwen2-shaped model on CUDA in bf16 (or "nvfp4", "nf4-bnb") with live, non-zero LoRA."""
     from qerl.quant.linear import quantize_model
 
     cfg = ModelConfig.from_hf({"model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1024,
@@ -263,6 +263,10 @@ def gpu_model(scheme: str, lora_rank=8, seed=0):
                 lin.weight.normal_(0, 2.0 / lin.in_features ** 0.5)
     if scheme == "nvfp4":
         quantize_model(model, "nvfp4")
+    elif scheme == "nf4-bnb":
+        from qerl.quant.bnb import quantize_model_bnb
+
+        quantize_model_bnb(model)
     params = apply_lora(model, LoraSettings(rank=lora_rank, alpha=2 * lora_rank), dtype=torch.bfloat16)
     with torch.no_grad():
         for p in params:
