@@ -1,14 +1,15 @@
 """One full GRPO step on random-weight Qwen2.5 shapes: peak GPU memory and seconds per phase.
 
-    PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b,14b --schemes nvfp4,bf16 --out DIR
+    PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b,14b --schemes nvfp4,bf16,nf4-bnb --out DIR
 
 The step, phase by phase as `qerl.trainer.Trainer` runs it (driven directly: no dataset or tokenizer needed):
 rollout of 8 prompts x 8 samples (256-token prompts, exactly 1024 new tokens, temperature 1, AQN noise in the
-norms) on a `RolloutEngine`; dummy rewards -> group advantages; then one DAPO update of the LoRA adapters
+norms) through the trainer's rollout seam (`qerl.rollout.EngineBackend`: sync, then generate); dummy rewards -> group advantages; then one DAPO update of the LoRA adapters
 (r=16, all linears) with gradient checkpointing, micro-batched, `qerl.grpo.policy_loss` on
 `selective_log_softmax` of the training forward, AdamW step. The engine's KV cache stays allocated through the
 update (as in the trainer, so its graphs survive to the next step): the peak includes it. Graph capture is a
-one-off per run and reported apart. Results: DIR/grpo_step.jsonl and a markdown table.
+one-off per run and reported apart. Results: DIR/grpo_step.jsonl and a markdown table. The nf4-bnb arm is QLoRA
+as its users run it (bitsandbytes NF4 + LoRA; needs `pip install -e ".[qlora]"`, else it is skipped).
 """
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_rollout import build_model, free_cuda, random_prompts  # noqa: E402
+from bench_rollout import SCHEMES, bnb_version, build_model, free_cuda, random_prompts  # noqa: E402
 from qerl import grpo  # noqa: E402
-from qerl.aqn import NoiseInjector  # noqa: E402
-from qerl.engine import RolloutEngine  # noqa: E402
+from qerl.rollout import EngineBackend, Sampling  # noqa: E402
 
 GIB = 2**30
 
@@ -49,8 +49,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     model.gradient_checkpointing = True
     rows = prompts * group
-    engine = RolloutEngine(model)
-    noise = NoiseInjector(model)
+    backend = EngineBackend(model, None)
+    engine = backend.engine
 
     t0 = sync_time()
     engine.prepare(rows, prompt_len, new)  # once per run: KV cache + decode graphs
@@ -61,8 +61,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     ps = [p for p in random_prompts(prompts, prompt_len, model.config.vocab_size, seed=1) for _ in range(group)]
     torch.cuda.reset_peak_memory_stats()
     t0 = sync_time()
-    with noise.noisy(sigma, seed=1):
-        out = engine.generate(None, ps, new, temperature=temperature, eos_token_ids=[], seed=0)
+    with backend.sync(sigma, noise_seed=1):
+        out = backend.generate(ps, Sampling(max_new_tokens=new, temperature=temperature, eos_token_ids=(), seed=0))
     r["rollout_s"] = sync_time() - t0
     r["rollout_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     r["rollout_tok_s"] = rows * new / r["rollout_s"]
@@ -105,28 +105,35 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     # |rollout log-prob - training log-prob|: engine vs training forward, plus the AQN noise the rollout saw.
     r["rollout_logp_gap"] = sum(gaps) / len(gaps)
     r["sigma"] = sigma
-    engine.free()
-    del model, engine, optimizer, params, out
+    backend.free()
+    del model, engine, backend, optimizer, params, out
     free_cuda()
     return r
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | base | weights GiB | KV GiB | capture s | rollout s (tok/s) | update s | step s | "
-             "peak GiB (rollout / update) | reserved GiB | logp gap |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "peak GiB (rollout / update) | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    step = {(r["model"], r["scheme"]): r["step_s"] for r in rows}
+
+    def speedup(r: dict, scheme: str) -> str:
+        other = step.get((r["model"], scheme))
+        return f"{other / r['step_s']:.2f}x" if other else "-"
+
     for r in rows:
         lines.append(f"| {r['model']} | {r['scheme']} | {r['weights_gib']:.1f} | {r['kv_gib']:.1f} | "
                      f"{r['capture_s']:.1f} | {r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['update_s']:.1f} | "
                      f"{r['step_s']:.1f} | {r['rollout_peak_gib']:.1f} / {r['update_peak_gib']:.1f} | "
-                     f"{r['reserved_gib']:.1f} | {r['rollout_logp_gap']:.3f} |")
+                     f"{r['reserved_gib']:.1f} | {r['rollout_logp_gap']:.3f} | "
+                     f"{speedup(r, 'bf16')} / {speedup(r, 'nf4-bnb')} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="7b,14b")
-    ap.add_argument("--schemes", default="nvfp4,bf16")
+    ap.add_argument("--schemes", default="nvfp4,bf16,nf4-bnb", help=f"any of {', '.join(SCHEMES)}")
     ap.add_argument("--new", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--sigma", type=float, default=1e-2)
@@ -137,13 +144,17 @@ def main() -> None:
 
     total = torch.cuda.get_device_properties(0).total_memory / GIB
     print(f"device {torch.cuda.get_device_name()} ({total:.0f} GiB) | NVFP4 Triton kernels "
-          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'}", flush=True)
+          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'} | "
+          f"bitsandbytes {bnb_version()}", flush=True)
     rows = []
     with open(os.path.join(args.out, "grpo_step.jsonl"), "a") as log:
         for name in args.models.split(","):
             for scheme in args.schemes.split(","):
                 try:
                     r = grpo_step(name, scheme, new=args.new, micro=args.micro, sigma=args.sigma)
+                except ImportError as e:  # the QLoRA arm without bitsandbytes
+                    print(f"[{name} {scheme}] skipped: {e}", flush=True)
+                    continue
                 except torch.OutOfMemoryError as e:
                     print(f"[{name} {scheme}] out of memory: {str(e).splitlines()[0]}", flush=True)
                     free_cuda()

@@ -1,8 +1,11 @@
-"""Rollout throughput of qerl's engine (bf16+LoRA, NVFP4+LoRA) on random-weight Qwen2.5 shapes, with Hugging Face
-`generate` (bf16, eager) as the outside anchor.
+"""Rollout throughput of qerl's engine (bf16+LoRA, NVFP4+LoRA, and QLoRA: bitsandbytes NF4+LoRA) on random-weight
+Qwen2.5 shapes, with Hugging Face `generate` (bf16, eager) as the outside anchor.
 
     PYTHONPATH=. python3 benchmarks/bench_rollout.py --models 7b,32b --batches 8,32,64,128 --new 256,1024 \
-        [--long-batches 64] [--hf] [--plain] --out DIR [--budget SECONDS]
+        [--schemes bf16,nvfp4,nf4-bnb] [--long-batches 64] [--hf] [--plain] --out DIR [--budget SECONDS]
+
+The nf4-bnb arm (quant.scheme nf4-bnb: bitsandbytes' Linear4bit storage and `matmul_4bit`, as TRL and Unsloth run
+QLoRA) needs bitsandbytes (`pip install -e ".[qlora]"`); without it that arm is skipped and named at the end.
 
 Every row generates exactly `new` tokens (EOS ignored), from 256-token random prompts, temperature 1. Tokens/s =
 batch * new / wall time of one `RolloutEngine.generate` call, prefill included, after `engine.prepare` (graph
@@ -24,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from qerl.engine import RolloutEngine  # noqa: E402
 from qerl.lora import LoraSettings, apply_lora  # noqa: E402
 from qerl.model import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: E402
+from qerl.quant.bnb import quantize_model_bnb, require_bitsandbytes  # noqa: E402
 from qerl.quant.linear import quantize_model  # noqa: E402
 
 # Published shapes (shared/notes/model-shapes.md); Qwen2 = bias on q/k/v, GQA, SwiGLU, rope theta 1e6.
@@ -38,6 +42,8 @@ SHAPES = {
 
 
 DEVICE = "cuda"
+SCHEMES = ("bf16", "nvfp4", "nf4-bnb")
+LABELS = {"bf16": "qerl bf16+LoRA", "nvfp4": "qerl NVFP4+LoRA", "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)"}
 
 
 def hf_config(name: str) -> dict:
@@ -47,9 +53,13 @@ def hf_config(name: str) -> dict:
 
 @torch.no_grad()
 def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda", seed: int = 0) -> Transformer:
-    """Random-weight model of a published shape, bf16, decoder linears in `scheme` ("bf16" | "nvfp4"), LoRA on
+    """Random-weight model of a published shape, bf16, decoder linears in `scheme` (one of SCHEMES), LoRA on
     all of them. Built layer by layer (each quantized as soon as it exists), so a 32B model never sits in bf16
     on the GPU: peak = the quantized model + one bf16 layer."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if scheme == "nf4-bnb":
+        require_bitsandbytes()  # one line saying how to install it, before any GPU memory is touched
     torch.manual_seed(seed)
     cfg = ModelConfig.from_hf(hf_config(name))
     model = Transformer.from_config(cfg, dtype=torch.bfloat16, device="meta")
@@ -65,6 +75,8 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
                 layer = DecoderLayer(cfg)  # nn.Linear's default (kaiming-uniform) init
                 if scheme == "nvfp4":
                     quantize_model(layer, "nvfp4", pattern=r".")  # q/k/v and gate/up share global scales
+                elif scheme == "nf4-bnb":
+                    quantize_model_bnb(layer, pattern=r".")  # bitsandbytes' quantize_4bit, on the GPU
                 model.model.layers[i] = layer
     finally:
         torch.set_default_dtype(previous)
@@ -75,6 +87,13 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
             if p.dim() == 2 and p.shape[1] == lora_rank:  # lora_B: non-zero so the update path does real work
                 p.normal_(0, 1e-3)
     return model.eval()
+
+
+def bnb_version() -> str:
+    try:
+        return require_bitsandbytes().__version__
+    except ImportError:
+        return "not installed (the nf4-bnb arm is skipped)"
 
 
 def free_cuda() -> None:
@@ -138,21 +157,28 @@ def hf_anchor(name: str, batch: int, prompt_len: int, new: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | engine | batch | new tokens | tokens/s | s | vs bf16+LoRA | capture s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    base = {(r["model"], r["batch"], r["new"]): r["tokens_per_s"] for r in rows if r["engine"] == "qerl bf16+LoRA"}
+    lines = ["| model | engine | batch | new tokens | tokens/s | s | vs bf16+LoRA | vs QLoRA | capture s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def speeds(label: str) -> dict:
+        return {(r["model"], r["batch"], r["new"]): r["tokens_per_s"] for r in rows if r["engine"] == label}
+
+    bf16, qlora = speeds(LABELS["bf16"]), speeds(LABELS["nf4-bnb"])
+
+    def ratio(r: dict, ref: dict) -> str:
+        base = ref.get((r["model"], r["batch"], r.get("new")))
+        return f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+
     for r in rows:
-        ref = base.get((r["model"], r["batch"], r["new"]))
-        ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
         lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['new']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['seconds']:.2f} | {ratio} | {r.get('capture_s', 0):.1f} |")
+                     f"{r['seconds']:.2f} | {ratio(r, bf16)} | {ratio(r, qlora)} | {r.get('capture_s', 0):.1f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="7b,32b")
-    ap.add_argument("--schemes", default="bf16,nvfp4")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--batches", default="8,32,64,128")
     ap.add_argument("--new", default="256,1024")
     ap.add_argument("--prompt", type=int, default=256)
@@ -169,7 +195,8 @@ def main() -> None:
     import kernels
 
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | NVFP4 Triton kernels "
-          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'}", flush=True)
+          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'} | "
+          f"bitsandbytes {bnb_version()}", flush=True)
     rows: list[dict] = []
     skipped: list[str] = []
     batches = [int(b) for b in args.batches.split(",")]
@@ -185,11 +212,16 @@ def main() -> None:
                     skipped.append(f"{name} {scheme} (budget)")
                     continue
                 t0 = time.perf_counter()
-                model = build_model(name, scheme)
+                try:
+                    model = build_model(name, scheme)
+                except ImportError as e:  # the QLoRA arm without bitsandbytes: the other arms still run
+                    print(f"[{name} {scheme}] skipped: {e}", flush=True)
+                    skipped.append(f"{name} {scheme} ({e})")
+                    continue
                 build_s = time.perf_counter() - t0
                 gib = torch.cuda.memory_allocated() / 2**30
                 print(f"[{name} {scheme}] built in {build_s:.1f} s, {gib:.1f} GiB", flush=True)
-                variants = [("qerl " + ("bf16" if scheme == "bf16" else "NVFP4") + "+LoRA", True)]
+                variants = [(LABELS[scheme], True)]
                 if args.plain and scheme == "bf16":
                     variants.append(("qerl bf16+LoRA, unfused", False))
                 per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits

@@ -100,6 +100,10 @@ def test_linear_matches_its_dequantized_weight_and_loads_into_bnb_linear4bit(bnb
     with torch.no_grad():
         torch.testing.assert_close(real(x), out, atol=1e-4, rtol=1e-4)
 
+    layer.to(torch.bfloat16)  # the compute dtype follows; the packed codes and their state do not change
+    assert layer.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+    assert torch.equal(layer.weight.data, state["weight"]) and layer(x.detach()).dtype == torch.float32
+
 
 def test_trainer_and_engine_run_on_a_bnb_base(bnb, tmp_path):
     """The QLoRA baseline in the same stack: LoRA on it, the engine equals the reference, a GRPO step trains."""

@@ -97,6 +97,13 @@ class BnbLinear4bit(nn.Module):
         bnb = require_bitsandbytes()
         return bnb.functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(dtype or self.dtype)
 
+    def _apply(self, fn, recurse: bool = True):
+        """model.to(dtype) / .half() leave the packed codes alone (not floating point) and move the compute dtype,
+        as for QuantLinear; device moves carry the quant state along (Params4bit.to)."""
+        super()._apply(fn, recurse)
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        return self
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # Linear4bit's layout: the packed weight and bias, then every piece of the quant state under "weight.".
         super()._save_to_state_dict(destination, prefix, keep_vars)
