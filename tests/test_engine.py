@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+from qerl import fused_ops  # noqa: F401  (imports Triton now, compiled mode: see below)
 from qerl.aqn import NoiseInjector
 from qerl.engine import RolloutEngine, engine_for, generate_fast, release_engine
 from qerl.generate import Rollout, generate
@@ -21,6 +22,10 @@ from tests.reference import policy_logprobs
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# Triton chooses interpreter or compiler once, when it is first imported. test_kernels switches this process to the
+# interpreter if nothing imported Triton before it; the compiler-frontend test below needs compiled kernels, and the
+# CPU engine tests the plain PyTorch path. Importing the decode kernels here (collected before test_kernels) keeps
+# the suite in compiled mode; the interpreter runs in subprocesses.
 
 
 def tiny(model_type="llama", vocab=97, layers=2, hidden=64, heads=4, kv_heads=2, seed=0, device="cpu",
