@@ -105,23 +105,24 @@ class NVFP4Gemm:
         if self.humming is not None:
             return self.humming.dequantize(flat.view(self.k, self.n) if transposed else flat.view(self.n, self.k),
                                            transposed)
-        t = self.tensors
-        w = triton_nvfp4.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype,
-                                    out=flat.view(self.n, self.k))
+        w = triton_nvfp4.dequantize(*self._ours(), dtype, out=flat.view(self.n, self.k))
         return w.t() if transposed else w  # cuBLAS takes the transposed view as is
+
+    def _ours(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed, scale, global scale) as our Triton kernels take them (qerl layout only)."""
+        t = self.tensors
+        return t["weight_packed"], t["weight_scale"], t["weight_global_scale"]
 
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
         if backend == "humming":
             return self.humming.forward(x2)
         if backend == "triton":
-            t = self.tensors
-            return triton_nvfp4.linear_forward(x2, t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+            return triton_nvfp4.linear_forward(x2, *self._ours())
         return x2 @ self.dequantize(x2.dtype, transposed=True)
 
     def _grad_input(self, backend: str, dy2: torch.Tensor) -> torch.Tensor:
         if backend == "triton":
-            t = self.tensors
-            return triton_nvfp4.grad_input(dy2, t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+            return triton_nvfp4.grad_input(dy2, *self._ours())
         return dy2 @ self.dequantize(dy2.dtype, transposed=True).t()  # W^T is the coalesced write for humming
 
     def _backends(self, kind: str) -> tuple[str, ...]:

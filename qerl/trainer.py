@@ -139,8 +139,7 @@ class Trainer:
         self.close()
 
     def _start(self, settings: Settings, tracker: Tracker | None, resume: bool, overwrite: bool, model, tokenizer,
-               progress: bool,
-               rollout_backend: RolloutBackend | None) -> None:
+               progress: bool, rollout_backend: RolloutBackend | None) -> None:
         self.settings = s = settings
         self.tracker = tracker or NullTracker()
         self.progress = progress

@@ -139,9 +139,14 @@ class QuantLinear(nn.Module):
     def _codec_names(self) -> list[str]:
         return list(self.codec.tensor_shapes(1, self.codec.block_size))
 
+    @property
+    def _repacked(self) -> bool:
+        """Whether the GPU backend holds the only copy of the weight (in its own layout; the buffers are None)."""
+        return self._gemm is not None and self._buffers[self._codec_names()[0]] is None
+
     def quantized_tensors(self) -> dict[str, torch.Tensor]:
         """The codec's tensors by checkpoint name (without bias), in the checkpoint's layout."""
-        if self._gemm is not None and self._buffers[self._codec_names()[0]] is None:
+        if self._repacked:
             return self._gemm.canonical()  # rebuilt from the GPU backend's layout (exports, state dicts)
         return {name: getattr(self, name) for name in self._codec_names()}
 
@@ -159,16 +164,14 @@ class QuantLinear(nn.Module):
 
     def release_gemm(self) -> None:
         """Back to the checkpoint layout in this layer's buffers (before a move, a load, or to free the GPU copy)."""
-        if self._gemm is None:
-            return
-        if self._buffers[self._codec_names()[0]] is None:
+        if self._repacked:
             for name, tensor in self._gemm.canonical().items():
                 self._buffers[name] = tensor
         self._gemm = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._gemm is not None and self._buffers[self._codec_names()[0]] is None:
+        if self._repacked:
             for name, tensor in self._gemm.canonical().items():
                 destination[prefix + name] = tensor
 
@@ -186,6 +189,8 @@ class QuantLinear(nn.Module):
         every weight at every forward and backward was a large share of a CPU training step, and a small model's
         dense copy costs little memory. The cache is keyed by the stored tensors themselves and their version
         counters, so an in-place write, a load_state_dict or a reassigned buffer re-dequantizes."""
+        if self._gemm is not None:  # on CUDA (and maybe repacked): no need to rebuild the stored tensors to know it
+            return self.dequantized_weight(dtype)
         stored = list(self.quantized_tensors().values())
         if any(t.is_cuda for t in stored):
             return self.dequantized_weight(dtype)
