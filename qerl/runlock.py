@@ -81,12 +81,18 @@ class FolderLock:
             pass
 
 
-def _describe_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"PID {info['pid']} on host {info['host']}"
-    except (ValueError, KeyError, TypeError, OSError):  # the holder is between taking the lock and writing its name
-        return "another process"
+def _describe_holder(fd: int, wait_s: float = 1.0) -> str:
+    """'PID n on host h' from the lock file. The holder writes its name right after taking the lock; on a loaded
+    machine that can lag, so an empty or half-written file is read again for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            return f"PID {info['pid']} on host {info['host']}"
+        except (ValueError, KeyError, TypeError, OSError):  # between taking the lock and writing its name
+            if time.monotonic() >= deadline:
+                return "another process"
+            time.sleep(0.02)
 
 
 def run_folder_lock(folder: str | Path) -> FolderLock:
