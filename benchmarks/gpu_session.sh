@@ -9,7 +9,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ -n "${TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -25
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q ${PYTEST_ARGS:--x} -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 IFS=';' read -ra cmds <<< "${BENCH:-}"
 for c in "${cmds[@]}"; do

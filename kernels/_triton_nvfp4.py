@@ -369,6 +369,113 @@ def nvfp4_dequant_kernel(
 
 
 @triton.jit
+def table_layout_dequant_kernel_hoisted(
+    w_ptr, s_ptr, gs_ptr, code_tbl_ptr, scale_tbl_ptr, out_ptr, N, K, XOR,
+    BLOCK_KB: tl.constexpr, BLOCK_NB: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    """W (or W^T) in out's dtype from an NVFP4 weight stored in a tiled, permuted layout (humming-kernels'):
+    for k-block kb = k // 16 and n-block nb = n // 64, the 1024 codes of that 16 x 64 patch live in 128 int32
+    words at kb * 2N + nb * 128, code (n, k) in word code_tbl[n % 64, k % 16] >> 3, nibble & 7 (xor'ed with
+    XOR); its e4m3 block scale at kb * N + nb * 64 + scale_tbl[n % 64]. Both tables are probed from the
+    library once (kernels/humming_nvfp4.py). Values are e2m1 * (scale / global_scale) in fp32, then one
+    rounding: bit-identical to qerl.quant.nvfp4.dequantize. out is [K, N] if TRANSPOSED else [N, K].
+
+    Variant (benchmark only): the code table loaded once per (k % 16, n) and the block scales once per
+    (k-block, n), broadcast over a [k-blocks, 16, n] tile. Measured 1.8x slower than the production kernel on
+    an H100 (BENCHMARKS.md)."""
+    dtype = out_ptr.dtype.element_ty
+    KB: tl.constexpr = BLOCK_KB
+    NT: tl.constexpr = BLOCK_NB * 64  # n per tile
+    kb0 = tl.program_id(0) * KB
+    n0 = tl.program_id(1) * NT
+    kbs = kb0 + tl.arange(0, KB)
+    kb_ok = kbs < K // 16
+    kb64 = kbs.to(tl.int64)
+    nl = tl.arange(0, NT)
+    nr = nl % 64
+    nn = n0 + nl
+    n_ok = nn < N
+    t = tl.load(code_tbl_ptr + nr[None, :] * 16 + tl.arange(0, 16)[:, None])  # [16, NT]: word * 8 + nibble
+    woff = (nn - nr)[None, :] * 2 + (t >> 3)  # word within the k-block's 2N words
+    word = tl.load(w_ptr + kb64[:, None, None] * (2 * N) + woff[None, :, :],
+                   mask=kb_ok[:, None, None] & n_ok[None, None, :], other=0)  # [KB, 16, NT]
+    c = ((word >> ((t & 7) * 4)[None, :, :]) & 15) ^ XOR
+    idx3 = c & 7
+    big = ((((idx3 >> 1) + 126) << 23) | ((idx3 & 1) << 22)).to(tl.float32, bitcast=True)
+    mag = tl.where(idx3 < 2, idx3.to(tl.float32) * 0.5, big)
+    # the sign as a bit: `-mag` compiles to 0 - mag on the GPU, which turns E2M1's -0 into +0
+    val = (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    sp = tl.load(scale_tbl_ptr + nr)
+    sb = tl.load(s_ptr + kb64[:, None] * N + (nn - nr + sp)[None, :], mask=kb_ok[:, None] & n_ok[None, :],
+                 other=0)  # [KB, NT]
+    gs = tl.load(gs_ptr)
+    eff = tl.math.div_rn(_e4m3_decode(sb), tl.full(sb.shape, 1.0, tl.float32) * gs)
+    w = tl.reshape((val * eff[:, None, :]).to(dtype), (KB * 16, NT))
+    kk = kb0 * 16 + tl.arange(0, KB * 16)
+    mask = (kk[:, None] < K) & n_ok[None, :]
+    if TRANSPOSED:
+        tl.store(out_ptr + kk.to(tl.int64)[:, None] * N + nn[None, :], w, mask=mask)
+    else:
+        tl.store(out_ptr + nn.to(tl.int64)[None, :] * K + kk[:, None], w, mask=mask)
+
+
+@triton.jit
+def table_layout_dequant_kernel_gather(
+    w_ptr, s_ptr, gs_ptr, code_tbl_ptr, scale_tbl_ptr, out_ptr, N, K, XOR,
+    BLOCK_KB: tl.constexpr, BLOCK_NB: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    """Variant (benchmark only): the tile's words loaded once, coalesced, and permuted by `tl.gather`.
+    W (or W^T) in out's dtype from an NVFP4 weight stored in a tiled, permuted layout (humming-kernels'):
+    for k-block kb = k // 16 and n-block nb = n // 64, the 1024 codes of that 16 x 64 patch live in 128 int32
+    words at kb * 2N + nb * 128, code (n, k) in word code_tbl[n % 64, k % 16] >> 3, nibble & 7 (xor'ed with
+    XOR); its e4m3 block scale at kb * N + nb * 64 + scale_tbl[n % 64]. Both tables are probed from the
+    library once (kernels/humming_nvfp4.py). Values are e2m1 * (scale / global_scale) in fp32, then one
+    rounding: bit-identical to qerl.quant.nvfp4.dequantize. out is [K, N] if TRANSPOSED else [N, K].
+
+    Memory-bound (0.56 B read, 2 B written per weight), so every global access is coalesced: the tile's words
+    are loaded once in storage order and permuted in registers/shared memory by `tl.gather`; the tables and the
+    block scales are loaded once per (k-row, n) and per (k-block, n) and broadcast."""
+    dtype = out_ptr.dtype.element_ty
+    KB: tl.constexpr = BLOCK_KB
+    NT: tl.constexpr = BLOCK_NB * 64  # n per tile
+    kb0 = tl.program_id(0) * KB
+    n0 = tl.program_id(1) * NT
+    kbs = kb0 + tl.arange(0, KB)
+    kb_ok = kbs < K // 16
+    kb64 = kbs.to(tl.int64)
+    # the tile's BLOCK_NB patches per k-block: 128 * BLOCK_NB consecutive words at kb * 2N + 2 * n0
+    wcol = 2 * n0 + tl.arange(0, 2 * NT)
+    words = tl.load(w_ptr + kb64[:, None] * (2 * N) + wcol[None, :],
+                    mask=kb_ok[:, None] & (wcol[None, :] < 2 * N), other=0)  # [KB, 2 NT]
+    nl = tl.arange(0, NT)
+    nr = nl % 64
+    t = tl.load(code_tbl_ptr + nr[None, :] * 16 + tl.arange(0, 16)[:, None])  # [16, NT]: word * 8 + nibble
+    widx = (nl - nr)[None, :] * 2 + (t >> 3)  # word within the tile's k-row
+    idx = tl.broadcast_to(tl.reshape(widx, (1, 16 * NT)), (KB, 16 * NT))
+    word = tl.reshape(tl.gather(words, idx, axis=1), (KB, 16, NT))
+    c = ((word >> ((t & 7) * 4)[None, :, :]) & 15) ^ XOR
+    idx3 = c & 7
+    big = ((((idx3 >> 1) + 126) << 23) | ((idx3 & 1) << 22)).to(tl.float32, bitcast=True)
+    mag = tl.where(idx3 < 2, idx3.to(tl.float32) * 0.5, big)
+    # the sign as a bit: `-mag` compiles to 0 - mag on the GPU, which turns E2M1's -0 into +0
+    val = (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    nn = n0 + nl
+    n_ok = nn < N
+    sp = tl.load(scale_tbl_ptr + nr)
+    sb = tl.load(s_ptr + kb64[:, None] * N + (nn - nr + sp)[None, :], mask=kb_ok[:, None] & n_ok[None, :],
+                 other=0)  # [KB, NT]
+    gs = tl.load(gs_ptr)
+    eff = tl.math.div_rn(_e4m3_decode(sb), tl.full(sb.shape, 1.0, tl.float32) * gs)
+    w = tl.reshape((val * eff[:, None, :]).to(dtype), (KB * 16, NT))
+    kk = kb0 * 16 + tl.arange(0, KB * 16)
+    mask = (kk[:, None] < K) & n_ok[None, :]
+    if TRANSPOSED:
+        tl.store(out_ptr + kk.to(tl.int64)[:, None] * N + nn[None, :], w, mask=mask)
+    else:
+        tl.store(out_ptr + nn.to(tl.int64)[None, :] * K + kk[:, None], w, mask=mask)
+
+
+@triton.jit
 def table_layout_dequant_kernel(
     w_ptr, s_ptr, gs_ptr, code_tbl_ptr, scale_tbl_ptr, out_ptr, N, K, XOR,
     BLOCK_KB: tl.constexpr, BLOCK_NB: tl.constexpr, TRANSPOSED: tl.constexpr,
@@ -391,7 +498,8 @@ def table_layout_dequant_kernel(
     idx = c & 7
     big = ((((idx >> 1) + 126) << 23) | ((idx & 1) << 22)).to(tl.float32, bitcast=True)
     mag = tl.where(idx < 2, idx.to(tl.float32) * 0.5, big)
-    val = tl.where((c & 8) != 0, -mag, mag)
+    # the sign as a bit: `-mag` compiles to 0 - mag on the GPU, which turns E2M1's -0 into +0
+    val = (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
     sp = tl.load(scale_tbl_ptr + nr)
     sb = tl.load(s_ptr + kb[:, None] * N + (nn - nr + sp)[None, :], mask=mask, other=0)
     gs = tl.load(gs_ptr)

@@ -62,7 +62,10 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
 def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
     """The base's tokenizer and context length, read without its weights: enough to check prompts before the load."""
     from qerl.loading import context_length, load_tokenizer, resolve_model
+    from qerl.quant import bnb
 
+    if quant.scheme == bnb.SCHEME:
+        bnb.require_bitsandbytes()  # a missing package is the first thing to fix, before any path
     source = resolve_model(quant.quantized_path or model.path)
     return load_tokenizer(source), context_length(source)
 

@@ -22,9 +22,16 @@ def smollm2_tokenizer(smollm2_dir):
 def smollm2_dir():
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once from the GGUF into the qerl cache,
     ~30 s the first time, instant afterwards)."""
+    import torch
+
     from qerl.loading import embedded_model_path
 
-    return embedded_model_path()
+    try:
+        return embedded_model_path()
+    except FileNotFoundError as e:
+        if torch.cuda.is_available():  # the GPU machines cannot carry the 98 MB GGUF; CPU CI always has it
+            pytest.skip(str(e))
+        raise
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ def test_without_bitsandbytes_the_scheme_fails_in_one_line_saying_how_to_install
     assert str(info.value) == expected
     with pytest.raises(ImportError, match="qlora"):  # before the model is loaded
         load_base_model(ModelSettings(path="/nonexistent"), QuantSettings(scheme="nf4-bnb"))
-    assert cli.main(["eval", "-S", "quant.scheme=nf4-bnb", "-S", "eval.n=2"]) == 2  # bad input the user can fix
+    assert cli.main(["eval", "-S", "model.path=/nonexistent", "-S", "quant.scheme=nf4-bnb", "-S", "eval.n=2"]) == 2  # bad input the user can fix
     assert capsys.readouterr().err == f"qerl: error: {expected}\n"
 
 
