@@ -117,7 +117,7 @@ def _cmd_train(args) -> int:
                          overwrite=args.overwrite) as trainer:
                 adapter = trainer.train(max_steps=args.max_steps)
     except DistributedError as exc:  # a rank died or timed out: say so in a line, never hang
-        if debug_requested(getattr(args, "debug", False)):
+        if debug_requested(args.debug):
             raise
         print(f"qerl: error: {exc}", file=sys.stderr)
         return 1
