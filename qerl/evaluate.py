@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
+from qerl import atomic
 from qerl.config import Settings
 from qerl.rollout import RolloutBackend, Sampling, make_backend
 
@@ -27,15 +28,9 @@ class EvalResult:
         """Writes metrics.json and samples.jsonl (one row per example and sample) atomically."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in self.records))
-        _write_atomic(out / "metrics.json", json.dumps(self.metrics, indent=2) + "\n")
+        atomic.write_text(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in self.records))
+        atomic.write_json(out / "metrics.json", self.metrics)
         return out
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from qerl.atomic import atomic_dir
 from qerl.quant.checkpoint import quantize_checkpoint
 from qerl.quant.formats import get_codec
 
@@ -244,26 +245,6 @@ def _peft_config(settings: LoraSettings, base_model_name_or_path: str, modules_t
     }
 
 
-@contextmanager
-def _atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp dir next to `out_dir`; on success it replaces `out_dir` (an old one is removed), else vanishes."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would make the result private to this user
-    try:
-        yield tmp
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / "x")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _check_settings_match(model: nn.Module, settings: LoraSettings) -> None:
     layers = lora_layers(model)
     if not layers:
@@ -288,7 +269,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     _check_settings_match(model, settings)
     norms = sorted({name.rsplit(".", 1)[-1] for name in trained_norms(model)}) or None
     state = {k: v.to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(_peft_config(settings, base_model_name_or_path, norms), indent=2))
     return Path(out_dir)
@@ -470,7 +451,7 @@ def merge_and_export(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLik
     """
     scheme = get_codec(scheme).scheme  # unknown scheme: a clear error before any work
     config = _hf_config(model, base_config)
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         bf16_dir = tmp if scheme == "bf16" else Path(tempfile.mkdtemp(prefix=".bf16-", dir=tmp.parent))
         try:
             with torch.no_grad():

@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 
 import torch
 
+from qerl.atomic import atomic_dir
 from qerl.quant import nvfp4
 from qerl.quant.formats import Codec, get_codec
 from qerl.quant.linear import DECODER_LINEAR_PATTERN, fused_group_key
@@ -311,36 +310,32 @@ def quantize_checkpoint(
 
     # One writer per destination: under its lock, temp folders beside `dst` are the remains of killed writes.
     lock = output_lock(dst).acquire()
-    tmp = None
     try:
         _remove_killed_writes(dst)
         _check_destination(src, dst)  # again, under the lock: a racing writer may have finished meanwhile
-        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dst), dir=dst.parent))
-        weight_map: dict[str, str] = {}
-        bar = tqdm(total=len(source.weight_map), desc=f"quantize {codec.scheme}", unit="tensor", disable=not progress)
-        for shard in source.shards:
-            out: dict[str, torch.Tensor] = {}
-            for name, w in source.tensors(shard):
-                report.bytes_before += w.numel() * w.element_size()
-                out.update(_quantize_tensor(name, w, codec, scales, report, strict, device))
-                del w
-                bar.update()
-            for name, t in out.items():
-                weight_map[name] = shard
-                report.bytes_after += t.numel() * t.element_size()
-            save_file({k: v.contiguous() for k, v in out.items()}, tmp / shard, metadata={"format": "pt"})
-            del out
-        bar.close()
-        if source.sharded:
-            index = {"metadata": {"total_size": report.bytes_after}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        _copy_side_files(src, tmp)
-        _write_config(src, tmp, codec.scheme, [n.removesuffix(".weight") for n in report.kept_dense])
-        os.replace(tmp, dst)  # atomic; also replaces an empty dst folder
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_dir(dst, temp_prefix=_temp_prefix(dst)) as tmp:  # replaces an empty dst folder
+            weight_map: dict[str, str] = {}
+            bar = tqdm(total=len(source.weight_map), desc=f"quantize {codec.scheme}", unit="tensor",
+                       disable=not progress)
+            for shard in source.shards:
+                out: dict[str, torch.Tensor] = {}
+                for name, w in source.tensors(shard):
+                    report.bytes_before += w.numel() * w.element_size()
+                    out.update(_quantize_tensor(name, w, codec, scales, report, strict, device))
+                    del w
+                    bar.update()
+                for name, t in out.items():
+                    weight_map[name] = shard
+                    report.bytes_after += t.numel() * t.element_size()
+                save_file({k: v.contiguous() for k, v in out.items()}, tmp / shard, metadata={"format": "pt"})
+                del out
+            bar.close()
+            if source.sharded:
+                index = {"metadata": {"total_size": report.bytes_after},
+                         "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            _copy_side_files(src, tmp)
+            _write_config(src, tmp, codec.scheme, [n.removesuffix(".weight") for n in report.kept_dense])
     finally:
         lock.release()
     log.info("%s", report.summary())
