@@ -83,12 +83,14 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_quantize(args) -> int:
+    from qerl.evaluate import add_perplexity
     from qerl.loading import resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint
 
     text = _read_text(Path(args.eval_text)) if args.eval_text else None
-    report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, eval_text=text,
-                                 strict=args.strict)
+    report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, strict=args.strict)
+    if text is not None:
+        add_perplexity(report, text)
     print(f"quantized: {report.dst}")  # the summary is already in the log (quantize_checkpoint logs it once)
     return 0
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import shutil
 from collections.abc import Iterator
@@ -275,7 +274,6 @@ def quantize_checkpoint(
     dst: Path | str,
     scheme: str,
     progress: bool = True,
-    eval_text: str | None = None,
     strict: bool = False,
     device: torch.device | str | None = None,
 ) -> QuantizeReport:
@@ -286,7 +284,6 @@ def quantize_checkpoint(
         dst: output folder; must not exist (or be empty).
         scheme: "nvfp4" (compressed-tensors NVFP4A16), "mxfp4", "nf4" or "bf16".
         progress: tqdm bar over tensors.
-        eval_text: if given, perplexity of src and dst on it (via qerl.loading.load_model).
         strict: raise instead of keeping in bf16 a linear whose in_features does not fit the block size.
         device: where to quantize (default: CUDA if available, else CPU; results are bit-identical).
     """
@@ -339,24 +336,5 @@ def quantize_checkpoint(
     finally:
         lock.release()
     log.info("%s", report.summary())
-    if eval_text is not None:
-        report.perplexity_before = _perplexity(src, eval_text, device)
-        report.perplexity_after = _perplexity(dst, eval_text, device)
-        log.info("perplexity %.3f -> %.3f", report.perplexity_before, report.perplexity_after)
     return report
 
-
-@torch.no_grad()
-def _perplexity(folder: Path, text: str, device: torch.device, max_tokens: int = 2048) -> float:
-    """exp(mean next-token NLL) of `text` (first `max_tokens` tokens) under the model in `folder`."""
-    from qerl.loading import load_model
-
-    model, tokenizer = load_model(folder, device=device)
-    if tokenizer is None:
-        raise ValueError(f"{folder}: no tokenizer files, cannot compute perplexity")
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(device)
-    if ids.shape[1] < 2:
-        raise ValueError("eval_text must have at least 2 tokens")
-    logits = model(ids)
-    nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-    return math.exp(nll.item())
