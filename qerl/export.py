@@ -29,12 +29,10 @@ from qerl.atomic import atomic_dir
 from qerl.loading import convert_gguf, quant_scheme, read_config, resolve_model
 from qerl.model import ModelConfig, Transformer
 from qerl.quant.checkpoint import quantize_checkpoint
-from qerl.quant.formats import get_codec
+from qerl.quant.formats import SERVABLE_SCHEMES, get_codec
 
 log = logging.getLogger(__name__)
 
-# Schemes both vLLM and transformers read (compressed-tensors or dense); nf4 is qerl's own format.
-SERVABLE_SCHEMES = ("nvfp4", "mxfp4", "bf16")
 # vLLM accepts these values of --max-lora-rank; the command names the smallest that holds the adapter's rank.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -255,8 +253,8 @@ def _served_name(out: Path) -> str:
 
 def _readme(out: Path, merged: bool, scheme: str, command: str, config: dict, served_name: str) -> str:
     model_dir = out if merged else out / "base"
-    fmt = {"nvfp4": "NVFP4 (compressed-tensors `nvfp4-pack-quantized`)",
-           "mxfp4": "MXFP4 (compressed-tensors `mxfp4-pack-quantized`)", "bf16": "bf16"}[scheme]
+    ct_format = get_codec(scheme).compressed_tensors_format
+    fmt = f"{scheme.upper()} (compressed-tensors `{ct_format}`)" if ct_format else scheme
     load = (f'AutoModelForCausalLM.from_pretrained(\n    "{model_dir}",\n'
             '    quantization_config=CompressedTensorsConfig(dequantize=True),  # 4-bit weights -> bf16 nn.Linear\n)'
             if scheme != "bf16" else f'AutoModelForCausalLM.from_pretrained("{model_dir}", dtype=torch.bfloat16)')

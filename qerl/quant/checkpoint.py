@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from qerl.atomic import atomic_dir
-from qerl.quant import nvfp4
-from qerl.quant.formats import Codec, get_codec
+from qerl.quant.formats import Codec, get_codec, scheme_for_compressed_tensors
 from qerl.quant.linear import DECODER_LINEAR_PATTERN, fused_group_key
 from qerl.runlock import output_lock
 
@@ -36,14 +35,6 @@ log = logging.getLogger(__name__)
 COMPRESSED_TENSORS_VERSION = "0.20.0"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _INDEX = "model.safetensors.index.json"
-_CT_WEIGHTS = {
-    "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
-              "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "actorder": None, "block_structure": None,
-              "observer_kwargs": {}},
-    "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
-              "dynamic": False, "scale_dtype": "torch.uint8", "actorder": None, "block_structure": None,
-              "observer_kwargs": {}},
-}
 
 
 @dataclass
@@ -110,7 +101,7 @@ def quantization_config(scheme: str, ignore: list[str] | None = None) -> dict[st
         "version": COMPRESSED_TENSORS_VERSION,
         "format": fmt,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_CT_WEIGHTS[codec.scheme]),
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(codec.compressed_tensors_weights),
                                       "input_activations": None, "output_activations": None, "format": fmt}},
         "ignore": ignore,
         "kv_cache_scheme": None,
@@ -128,9 +119,8 @@ def scheme_from_config(quant_config: dict[str, Any] | None) -> str | None:
     if quant_config.get("quant_method") == "qerl":
         return get_codec(quant_config.get("scheme", "")).scheme
     if quant_config.get("quant_method") == "compressed-tensors":
-        for scheme in ("nvfp4", "mxfp4"):
-            if quant_config.get("format") == get_codec(scheme).compressed_tensors_format:
-                return scheme
+        if (scheme := scheme_for_compressed_tensors(quant_config.get("format"))) is not None:
+            return scheme
     raise ValueError(f"unsupported quantization_config: quant_method={quant_config.get('quant_method')!r}, "
                      f"format={quant_config.get('format')!r}")
 
@@ -185,8 +175,8 @@ class _SharedScales:
     Members may sit in other shards; each is read once more for its amax (one tensor of extra memory).
     """
 
-    def __init__(self, source: _Source, quantized: set[str], device: torch.device) -> None:
-        self.source, self.device = source, device
+    def __init__(self, source: _Source, quantized: set[str], codec: Codec, device: torch.device) -> None:
+        self.source, self.codec, self.device = source, codec, device
         self.groups: dict[str, list[str]] = {}
         for name in sorted(quantized):
             if (key := fused_group_key(name)) is not None:
@@ -198,8 +188,8 @@ class _SharedScales:
         if key is None or len(self.groups.get(key, ())) < 2:
             return None
         if key not in self.scales:
-            amaxes = [nvfp4.tensor_amax(self.source.get(member).to(self.device)) for member in self.groups[key]]
-            self.scales[key] = nvfp4.global_scale_for(torch.stack(amaxes).amax())
+            amaxes = [self.codec.tensor_amax(self.source.get(member).to(self.device)) for member in self.groups[key]]
+            self.scales[key] = self.codec.global_scale_for(torch.stack(amaxes).amax())
         return self.scales[key]
 
 
@@ -245,7 +235,7 @@ def _quantize_tensor(name: str, w: torch.Tensor, codec: Codec, scales: _SharedSc
         return {name: w.to(torch.bfloat16)}
     w = w.to(device)
     shared = scales.get(name) if scales is not None else None
-    tensors = nvfp4.quantize(w, shared) if shared is not None else codec.quantize(w)
+    tensors = codec.quantize(w, shared) if shared is not None else codec.quantize(w)
     error = _relative_error(w, codec.dequantize(tensors, torch.float32))
     report.layer_errors[name] = error
     log.debug("%s %s: relative error %.4f", name, list(w.shape), error)  # the summary gives mean and max at INFO
@@ -303,7 +293,7 @@ def quantize_checkpoint(
     source = _Source(src)
     report = QuantizeReport(src=src, dst=dst, scheme=codec.scheme)
     quantized = {n for n, shape in source.shapes.items() if is_quantizable_weight(n, shape)}
-    scales = _SharedScales(source, quantized, device) if codec.scheme == "nvfp4" else None
+    scales = _SharedScales(source, quantized, codec, device) if codec.shares_global_scale else None
 
     # One writer per destination: under its lock, temp folders beside `dst` are the remains of killed writes.
     lock = output_lock(dst).acquire()
