@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from qerl import atomic
 from qerl.config import Settings, load_settings
 from qerl.errors import debug_requested, report
 
@@ -32,10 +33,8 @@ def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
     written = {}
     for name, examples in (("train", train), ("test", eval_examples(settings))):
         path = out / f"{name}.jsonl"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({"id": ex.id, "problem": ex.question, "answer": ex.gold,
-                                           "source": ex.source}) + "\n" for ex in examples))
-        tmp.replace(path)
+        atomic.write_text(path, "".join(json.dumps({"id": ex.id, "problem": ex.question, "answer": ex.gold,
+                                                    "source": ex.source}) + "\n" for ex in examples))
         written[name] = path
     return written
 

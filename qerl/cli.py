@@ -27,6 +27,8 @@ def _add_params(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qerl.quant.formats import SCHEMES, SERVABLE_SCHEMES  # the codec registry names the schemes
+
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     _add_debug(parser, default=False)
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="quantize a checkpoint's decoder linears (NVFP4 etc.) into a new folder")
     p.add_argument("--model", required=True, help="Hugging Face folder, .gguf file, or 'embedded'")
     p.add_argument("--out", required=True, help="destination folder")
-    p.add_argument("--scheme", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "bf16"])
+    p.add_argument("--scheme", default="nvfp4", choices=SCHEMES)
     p.add_argument("--eval-text", default=None, help="a text file for perplexity before/after")
     p.add_argument("--strict", action="store_true", help="fail on a layer that cannot be quantized")
 
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="destination folder (must not exist or be empty)")
     p.add_argument("--merge", action="store_true", help="merge the LoRA into the base and quantize it again")
     p.add_argument("--model", default=None, help="the base checkpoint (default: the adapter's base_model_name_or_path)")
-    p.add_argument("--scheme", default=None, choices=["nvfp4", "mxfp4", "bf16"],
+    p.add_argument("--scheme", default=None, choices=SERVABLE_SCHEMES,
                    help="the base's format in training (default: a quantized base's own, else nvfp4)")
 
     p = sub.add_parser("params", help="print the resolved parameters as YAML")
@@ -83,12 +85,14 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_quantize(args) -> int:
+    from qerl.evaluate import add_perplexity
     from qerl.loading import resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint
 
     text = _read_text(Path(args.eval_text)) if args.eval_text else None
-    report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, eval_text=text,
-                                 strict=args.strict)
+    report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, strict=args.strict)
+    if text is not None:
+        add_perplexity(report, text)
     print(f"quantized: {report.dst}")  # the summary is already in the log (quantize_checkpoint logs it once)
     return 0
 
@@ -117,7 +121,7 @@ def _cmd_train(args) -> int:
                          overwrite=args.overwrite) as trainer:
                 adapter = trainer.train(max_steps=args.max_steps)
     except DistributedError as exc:  # a rank died or timed out: say so in a line, never hang
-        if debug_requested(getattr(args, "debug", False)):
+        if debug_requested(args.debug):
             raise
         print(f"qerl: error: {exc}", file=sys.stderr)
         return 1

@@ -53,14 +53,27 @@ class ModelSettings:
     gradient_checkpointing: bool = False
 
 
+def quant_schemes() -> tuple[str, ...]:
+    """The values of quant.scheme: every codec of the registry, and bitsandbytes' NF4 (quantized at load)."""
+    from qerl.quant import bnb, formats  # here, not at import: settings load without torch until validated
+
+    return (*formats.SCHEMES, bnb.SCHEME)
+
+
 @dataclass
 class QuantSettings:
     # Format of the frozen base weights. nf4-bnb: QLoRA as its users run it, bitsandbytes' NF4 storage and kernels
     # (quantized at load; needs the `qlora` extra); nf4: qerl's own NF4 layout, through our dequantize path.
-    scheme: Literal["nvfp4", "mxfp4", "nf4", "nf4-bnb", "bf16"] = "nvfp4"
+    # One of quant_schemes(): the codecs of qerl.quant.formats, plus nf4-bnb.
+    scheme: str = "nvfp4"
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
 
     def validate(self) -> None:
+        schemes = quant_schemes()
+        if self.scheme not in schemes:
+            close = difflib.get_close_matches(self.scheme, schemes, n=1)
+            raise _RuleError("scheme", f"scheme = {self.scheme!r}: expected one of {', '.join(map(repr, schemes))}"
+                             + (f" (did you mean {close[0]!r}?)" if close else ""))
         if self.scheme == "nf4-bnb" and self.quantized_path:
             raise _RuleError("quantized_path", f"quantized_path = {self.quantized_path!r}: scheme nf4-bnb quantizes "
                              "at load (as transformers' load_in_4bit); leave quantized_path unset")

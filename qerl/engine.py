@@ -272,7 +272,7 @@ class RolloutEngine:
 
     @torch.no_grad()
     def prepare(self, batch_size: int, prompt_len: int, max_new_tokens: int, all_buckets: bool = False) -> None:
-        """Allocate and capture ahead of time (benchmarks, or the trainer's first step): a prefill of the
+        """Allocate and capture ahead of time (benchmarks call it; rollouts allocate on demand): a prefill of the
         bucket's rows (compiles prefill kernels) and the decode graphs of every window the run will reach, for
         the batch's bucket (and every smaller bucket with `all_buckets`). Leaves garbage in the cache, which
         every rollout overwrites or masks."""

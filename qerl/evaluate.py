@@ -8,12 +8,17 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
+from qerl import atomic
 from qerl.config import Settings
 from qerl.rollout import RolloutBackend, Sampling, make_backend
+
+if TYPE_CHECKING:
+    from qerl.quant.checkpoint import QuantizeReport
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +32,38 @@ class EvalResult:
         """Writes metrics.json and samples.jsonl (one row per example and sample) atomically."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in self.records))
-        _write_atomic(out / "metrics.json", json.dumps(self.metrics, indent=2) + "\n")
+        atomic.write_text(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in self.records))
+        atomic.write_json(out / "metrics.json", self.metrics)
         return out
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+@torch.no_grad()
+def perplexity(folder: str | Path, text: str, device: torch.device | str | None = None,
+               max_tokens: int = 2048) -> float:
+    """exp(mean next-token NLL) of `text` (first `max_tokens` tokens) under the model in `folder`."""
+    from qerl.loading import load_model
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = load_model(folder, device=device)
+    if tokenizer is None:
+        raise ValueError(f"{folder}: no tokenizer files, cannot compute perplexity")
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(device)
+    if ids.shape[1] < 2:
+        raise ValueError("eval_text must have at least 2 tokens")
+    logits = model(ids)
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    return math.exp(nll.item())
+
+
+def add_perplexity(report: QuantizeReport, text: str, device: torch.device | str | None = None) -> QuantizeReport:
+    """Perplexity of `text` before and after quantization, into `report` (its summary shows it) and the log.
+
+    Here rather than in the checkpoint writer, which then needs no model loader (the loader reads its formats).
+    """
+    report.perplexity_before = perplexity(report.src, text, device)
+    report.perplexity_after = perplexity(report.dst, text, device)
+    log.info("perplexity %.3f -> %.3f", report.perplexity_before, report.perplexity_after)
+    return report
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -18,17 +18,21 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
 
 from qerl import lora
+from qerl.atomic import atomic_dir
 from qerl.loading import convert_gguf, quant_scheme, read_config, resolve_model
 from qerl.model import ModelConfig, Transformer
+from qerl.quant.checkpoint import quantize_checkpoint
+from qerl.quant.formats import SERVABLE_SCHEMES, get_codec
 
 log = logging.getLogger(__name__)
 
-# Schemes both vLLM and transformers read (compressed-tensors or dense); nf4 is qerl's own format.
-SERVABLE_SCHEMES = ("nvfp4", "mxfp4", "bf16")
 # vLLM accepts these values of --max-lora-rank; the command names the smallest that holds the adapter's rank.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -140,8 +144,6 @@ def _dense_folder(source: Path, work: Path) -> Path:
 
 
 def _write_unmerged(source: Path, stored: str | None, adapter: Path, scheme: str, folder: Path, final: Path) -> None:
-    from qerl.quant.checkpoint import quantize_checkpoint
-
     folder.mkdir()
     if stored is not None:  # already the quantized base the adapter trained on: copy it as it is
         shutil.copytree(source, folder / "base")
@@ -163,10 +165,86 @@ def _write_merged(source: Path, adapter: Path, scheme: str, folder: Path) -> Non
         quantize_model(model, scheme)  # the base the policy trained on: LoRA merges into these weights
     lora.load_adapter(model, adapter)
     base_config = read_config(source) if source.is_dir() else None
-    lora.merge_and_export(model, tokenizer, folder, scheme=scheme, base_config=base_config)
+    merge_and_export(model, tokenizer, folder, scheme=scheme, base_config=base_config)
     generation = source / "generation_config.json" if source.is_dir() else None
     if generation is not None and generation.is_file():  # vLLM takes its default sampling settings from it
         shutil.copy2(generation, folder / generation.name)
+
+
+def _write_safetensors(tensors: Iterator[tuple[str, Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or HF-style shards + model.safetensors.index.json when larger than `max_shard_bytes`."""
+    shards: list[dict[str, Tensor]] = [{}]
+    sizes = [0]
+    files: list[Path] = []
+
+    def flush() -> None:
+        path = out_dir / f"shard-{len(files):05d}.tmp"
+        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        files.append(path)
+        shards[-1] = {}
+
+    weight_map: dict[str, int] = {}
+    total = 0
+    for key, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            flush()
+            sizes.append(0)
+        shards[-1][key], sizes[-1] = t, sizes[-1] + nbytes
+        weight_map[key], total = len(files), total + nbytes
+    flush()
+    if len(files) == 1:
+        os.replace(files[0], out_dir / "model.safetensors")
+        return
+    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    for path, name in zip(files, names):
+        os.replace(path, out_dir / name)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _hf_config(model: nn.Module, base_config: dict | None) -> dict[str, Any]:
+    if base_config is None:
+        config = getattr(model, "config", None)
+        if hasattr(config, "to_hf"):
+            base_config = config.to_hf()
+        elif hasattr(config, "to_dict"):
+            base_config = config.to_dict()
+        else:
+            raise ValueError("merge_and_export: the model has no HF-convertible `config`; pass base_config "
+                             "(the base model's config.json as a dict)")
+    config = dict(base_config)
+    config.pop("quantization_config", None)  # the export is dense; re-quantization writes its own
+    config.pop("dtype", None)
+    config["torch_dtype"] = "bfloat16"
+    return config
+
+
+def merge_and_export(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike, scheme: str = "bf16",
+                     base_config: dict | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a Hugging Face folder with LoRA merged in: config.json, safetensors weights, tokenizer files.
+
+    scheme "bf16": dense bf16 (loads in transformers and our loader). Any other scheme (e.g. "nvfp4") re-quantizes
+    the bf16 export through `qerl.quant.checkpoint.quantize_checkpoint`. `base_config` (the base config.json dict)
+    defaults to `model.config`. `tokenizer` may be None (no tokenizer files). Atomic: `out_dir` is replaced only
+    when complete.
+    """
+    scheme = get_codec(scheme).scheme  # unknown scheme: a clear error before any work
+    config = _hf_config(model, base_config)
+    with atomic_dir(out_dir) as tmp:
+        bf16_dir = tmp if scheme == "bf16" else Path(tempfile.mkdtemp(prefix=".bf16-", dir=tmp.parent))
+        try:
+            with torch.no_grad():
+                _write_safetensors(lora.merged_state_dict(model, torch.bfloat16), bf16_dir, max_shard_bytes)
+            (bf16_dir / "config.json").write_text(json.dumps(config, indent=2))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(bf16_dir))
+            if scheme != "bf16":
+                quantize_checkpoint(bf16_dir, tmp, scheme)
+        finally:
+            if bf16_dir != tmp:
+                shutil.rmtree(bf16_dir, ignore_errors=True)
+    return Path(out_dir)
 
 
 def _served_name(out: Path) -> str:
@@ -175,8 +253,8 @@ def _served_name(out: Path) -> str:
 
 def _readme(out: Path, merged: bool, scheme: str, command: str, config: dict, served_name: str) -> str:
     model_dir = out if merged else out / "base"
-    fmt = {"nvfp4": "NVFP4 (compressed-tensors `nvfp4-pack-quantized`)",
-           "mxfp4": "MXFP4 (compressed-tensors `mxfp4-pack-quantized`)", "bf16": "bf16"}[scheme]
+    ct_format = get_codec(scheme).compressed_tensors_format
+    fmt = f"{scheme.upper()} (compressed-tensors `{ct_format}`)" if ct_format else scheme
     load = (f'AutoModelForCausalLM.from_pretrained(\n    "{model_dir}",\n'
             '    quantization_config=CompressedTensorsConfig(dequantize=True),  # 4-bit weights -> bf16 nn.Linear\n)'
             if scheme != "bf16" else f'AutoModelForCausalLM.from_pretrained("{model_dir}", dtype=torch.bfloat16)')

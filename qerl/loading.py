@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qerl.atomic import atomic_dir
 from qerl.model import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
@@ -136,22 +135,13 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     config, tensors = read_gguf(gguf_path)
     tokenizer = _load_tokenizer(gguf_path.parent, gguf_file=gguf_path.name)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        if config.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    with atomic_dir(out_dir, temp_prefix=f".{out_dir.name}.", keep_existing=True) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors",
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps({**config.to_hf(), "torch_dtype": "float32"}, indent=2))
         tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            if not (out_dir / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

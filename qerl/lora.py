@@ -1,4 +1,6 @@
-"""LoRA adapters on a frozen (possibly NVFP4) base: apply, disable, PEFT-format save/load, merge-and-export.
+"""LoRA adapters on a frozen (possibly NVFP4) base: apply, disable, PEFT-format save/load, merged weights.
+
+Writing a merged model folder (`merge_and_export`) lives in qerl.export, next to the checkpoint writer it uses.
 
 Module names follow Hugging Face, so the PEFT key of a LoRA factor is just
 `base_model.model.<module name>.lora_A.weight`; adapters saved here load with `peft.PeftModel.from_pretrained`
@@ -10,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from qerl.quant.checkpoint import quantize_checkpoint
-from qerl.quant.formats import get_codec
+from qerl.atomic import atomic_dir
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -244,26 +243,6 @@ def _peft_config(settings: LoraSettings, base_model_name_or_path: str, modules_t
     }
 
 
-@contextmanager
-def _atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp dir next to `out_dir`; on success it replaces `out_dir` (an old one is removed), else vanishes."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would make the result private to this user
-    try:
-        yield tmp
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / "x")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _check_settings_match(model: nn.Module, settings: LoraSettings) -> None:
     layers = lora_layers(model)
     if not layers:
@@ -288,7 +267,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     _check_settings_match(model, settings)
     norms = sorted({name.rsplit(".", 1)[-1] for name in trained_norms(model)}) or None
     state = {k: v.to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(_peft_config(settings, base_model_name_or_path, norms), indent=2))
     return Path(out_dir)
@@ -367,7 +346,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
     return settings
 
 
-# ---------------------------------------------------------------------------------------------------- export
+# ---------------------------------------------------------------------------------------------------- merge
 
 
 def _replaced_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -408,79 +387,3 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
         seen_storage.add(ptr)
         value = value.detach()
         yield key, (value.to(dtype) if value.is_floating_point() else value).cpu().contiguous()
-
-
-def _write_safetensors(tensors: Iterator[tuple[str, Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
-    """model.safetensors, or HF-style shards + model.safetensors.index.json when larger than `max_shard_bytes`."""
-    shards: list[dict[str, Tensor]] = [{}]
-    sizes = [0]
-    files: list[Path] = []
-
-    def flush() -> None:
-        path = out_dir / f"shard-{len(files):05d}.tmp"
-        save_file(shards[-1], str(path), metadata={"format": "pt"})
-        files.append(path)
-        shards[-1] = {}
-
-    weight_map: dict[str, int] = {}
-    total = 0
-    for key, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
-            flush()
-            sizes.append(0)
-        shards[-1][key], sizes[-1] = t, sizes[-1] + nbytes
-        weight_map[key], total = len(files), total + nbytes
-    flush()
-    if len(files) == 1:
-        os.replace(files[0], out_dir / "model.safetensors")
-        return
-    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    for path, name in zip(files, names):
-        os.replace(path, out_dir / name)
-    index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def _hf_config(model: nn.Module, base_config: dict | None) -> dict[str, Any]:
-    if base_config is None:
-        config = getattr(model, "config", None)
-        if hasattr(config, "to_hf"):
-            base_config = config.to_hf()
-        elif hasattr(config, "to_dict"):
-            base_config = config.to_dict()
-        else:
-            raise ValueError("merge_and_export: the model has no HF-convertible `config`; pass base_config "
-                             "(the base model's config.json as a dict)")
-    config = dict(base_config)
-    config.pop("quantization_config", None)  # the export is dense; re-quantization writes its own
-    config.pop("dtype", None)
-    config["torch_dtype"] = "bfloat16"
-    return config
-
-
-def merge_and_export(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike, scheme: str = "bf16",
-                     base_config: dict | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write a Hugging Face folder with LoRA merged in: config.json, safetensors weights, tokenizer files.
-
-    scheme "bf16": dense bf16 (loads in transformers and our loader). Any other scheme (e.g. "nvfp4") re-quantizes
-    the bf16 export through `qerl.quant.checkpoint.quantize_checkpoint`. `base_config` (the base config.json dict)
-    defaults to `model.config`. `tokenizer` may be None (no tokenizer files). Atomic: `out_dir` is replaced only
-    when complete.
-    """
-    scheme = get_codec(scheme).scheme  # unknown scheme: a clear error before any work
-    config = _hf_config(model, base_config)
-    with _atomic_dir(out_dir) as tmp:
-        bf16_dir = tmp if scheme == "bf16" else Path(tempfile.mkdtemp(prefix=".bf16-", dir=tmp.parent))
-        try:
-            with torch.no_grad():
-                _write_safetensors(merged_state_dict(model, torch.bfloat16), bf16_dir, max_shard_bytes)
-            (bf16_dir / "config.json").write_text(json.dumps(config, indent=2))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(bf16_dir))
-            if scheme != "bf16":
-                quantize_checkpoint(bf16_dir, tmp, scheme)
-        finally:
-            if bf16_dir != tmp:
-                shutil.rmtree(bf16_dir, ignore_errors=True)
-    return Path(out_dir)

@@ -71,7 +71,7 @@ def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
 
 
 def load_policy(settings: Settings, adapter: str | None = None):
-    """Base model plus an adapter: loaded from `adapter` (a PEFT folder) if given, else fresh LoRA from settings."""
+    """The base model, plus the adapter in `adapter` (a PEFT folder) if given; without one, the bare base model."""
     from qerl import lora
 
     if adapter:

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from qerl import atomic
+
 
 class Tracker(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
@@ -48,6 +50,4 @@ class JsonlWriter:
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (a resumed run rewrites the steps after its checkpoint)."""
         kept = [r for r in self.read() if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        atomic.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from qerl import atomic
 from qerl import checkpoints, data, distributed, grpo, lora, rewards, runfolder
 from qerl.aqn import build_schedule
 from qerl.config import Settings
@@ -509,9 +510,7 @@ class Trainer:
         }
         torch.save(state, tmp / STATE_FILE)
         write_manifest(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        atomic.replace_dir(tmp, final)
         for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", final)

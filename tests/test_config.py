@@ -57,6 +57,8 @@ def test_unset_keys_take_defaults():
         ("data.operators=/", "-S data.operators=/: data.operators = '/': use a non-empty subset of '+-*'"),
         ("bogus.key=1", "-S bogus.key=1: unknown key 'bogus'"),
         ("aqn.schedule=cosine", "-S aqn.schedule=cosine: aqn.schedule = 'cosine': expected one of 'geometric', 'entropy'"),
+        ("quant.scheme=nvfp5", "-S quant.scheme=nvfp5: quant.scheme = 'nvfp5': expected one of 'nvfp4', 'mxfp4', "
+                               "'nf4', 'bf16', 'nf4-bnb' (did you mean 'nvfp4'?)"),
         ("aqn.sigma_rate=1", "-S aqn.sigma_rate=1: aqn.sigma_rate = 1.0: must be > 1"),
         ("aqn.target_entropy=-0.5", "-S aqn.target_entropy=-0.5: aqn.target_entropy = -0.5: must be > 0"),
         ("norank", "-S norank: expected section.key=value"),

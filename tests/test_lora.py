@@ -6,8 +6,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qerl.export import merge_and_export
 from qerl.lora import (LoraLinear, LoraSettings, adapters_disabled, apply_lora, load_adapter, lora_layers,
-                       lora_state_dict, merge_and_export, save_adapter)
+                       lora_state_dict, save_adapter)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=128, attn_implementation="eager")

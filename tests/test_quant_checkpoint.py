@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qerl.evaluate import add_perplexity
 from qerl.quant import nvfp4
 from qerl.quant.checkpoint import quantization_config, quantize_checkpoint, scheme_from_config
 from qerl.quant.formats import get_codec
@@ -180,7 +181,7 @@ def test_bad_sources_and_destinations(tmp_path: Path, src: Path, quantized: dict
 def test_single_file_checkpoint_with_perplexity(tmp_path: Path) -> None:
     src = write_tiny_llama(tmp_path / "src", max_shard_size=None)
     text = " ".join(f"w{(i * 7) % 255}" for i in range(300))
-    report = quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False, eval_text=text)
+    report = add_perplexity(quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False), text)
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     # a random 256-token model: perplexity near the vocabulary size, barely moved by 4-bit weights

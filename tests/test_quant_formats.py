@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qerl.quant import mxfp4, nf4, nvfp4
-from qerl.quant.formats import SCHEMES, Codec, get_codec
+from qerl.quant.formats import SCHEMES, SERVABLE_SCHEMES, Codec, get_codec, scheme_for_compressed_tensors
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -36,6 +36,15 @@ def test_registry_errors() -> None:
         get_codec("fp3")
     with pytest.raises(KeyError, match="weight_global_scale"):
         get_codec("nvfp4").dequantize({"weight_packed": torch.zeros(2, 8, dtype=torch.uint8)})
+
+
+def test_registry_names_each_codecs_compressed_tensors_format_and_what_vllm_serves() -> None:
+    for scheme in SCHEMES:
+        fmt = get_codec(scheme).compressed_tensors_format
+        assert scheme_for_compressed_tensors(fmt) == (scheme if fmt is not None else None)
+    assert scheme_for_compressed_tensors("int4-pack-quantized") is None
+    assert scheme_for_compressed_tensors("nvfp4-pack-quantized") == "nvfp4"
+    assert SERVABLE_SCHEMES == ("nvfp4", "mxfp4", "bf16")  # nf4 is qerl's own layout: vLLM cannot read it
 
 
 # ------------------------------------------------------------------------------------------------ MXFP4

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +21,8 @@ from typing import Any
 
 import torch
 
-from qerl.quant import nvfp4
-from qerl.quant.formats import Codec, get_codec
+from qerl.atomic import atomic_dir
+from qerl.quant.formats import Codec, get_codec, scheme_for_compressed_tensors
 from qerl.quant.linear import DECODER_LINEAR_PATTERN, fused_group_key
 from qerl.runlock import output_lock
 
@@ -38,14 +35,6 @@ log = logging.getLogger(__name__)
 COMPRESSED_TENSORS_VERSION = "0.20.0"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _INDEX = "model.safetensors.index.json"
-_CT_WEIGHTS = {
-    "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
-              "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "actorder": None, "block_structure": None,
-              "observer_kwargs": {}},
-    "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
-              "dynamic": False, "scale_dtype": "torch.uint8", "actorder": None, "block_structure": None,
-              "observer_kwargs": {}},
-}
 
 
 @dataclass
@@ -112,7 +101,7 @@ def quantization_config(scheme: str, ignore: list[str] | None = None) -> dict[st
         "version": COMPRESSED_TENSORS_VERSION,
         "format": fmt,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_CT_WEIGHTS[codec.scheme]),
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(codec.compressed_tensors_weights),
                                       "input_activations": None, "output_activations": None, "format": fmt}},
         "ignore": ignore,
         "kv_cache_scheme": None,
@@ -130,9 +119,8 @@ def scheme_from_config(quant_config: dict[str, Any] | None) -> str | None:
     if quant_config.get("quant_method") == "qerl":
         return get_codec(quant_config.get("scheme", "")).scheme
     if quant_config.get("quant_method") == "compressed-tensors":
-        for scheme in ("nvfp4", "mxfp4"):
-            if quant_config.get("format") == get_codec(scheme).compressed_tensors_format:
-                return scheme
+        if (scheme := scheme_for_compressed_tensors(quant_config.get("format"))) is not None:
+            return scheme
     raise ValueError(f"unsupported quantization_config: quant_method={quant_config.get('quant_method')!r}, "
                      f"format={quant_config.get('format')!r}")
 
@@ -187,8 +175,8 @@ class _SharedScales:
     Members may sit in other shards; each is read once more for its amax (one tensor of extra memory).
     """
 
-    def __init__(self, source: _Source, quantized: set[str], device: torch.device) -> None:
-        self.source, self.device = source, device
+    def __init__(self, source: _Source, quantized: set[str], codec: Codec, device: torch.device) -> None:
+        self.source, self.codec, self.device = source, codec, device
         self.groups: dict[str, list[str]] = {}
         for name in sorted(quantized):
             if (key := fused_group_key(name)) is not None:
@@ -200,8 +188,8 @@ class _SharedScales:
         if key is None or len(self.groups.get(key, ())) < 2:
             return None
         if key not in self.scales:
-            amaxes = [nvfp4.tensor_amax(self.source.get(member).to(self.device)) for member in self.groups[key]]
-            self.scales[key] = nvfp4.global_scale_for(torch.stack(amaxes).amax())
+            amaxes = [self.codec.tensor_amax(self.source.get(member).to(self.device)) for member in self.groups[key]]
+            self.scales[key] = self.codec.global_scale_for(torch.stack(amaxes).amax())
         return self.scales[key]
 
 
@@ -247,7 +235,7 @@ def _quantize_tensor(name: str, w: torch.Tensor, codec: Codec, scales: _SharedSc
         return {name: w.to(torch.bfloat16)}
     w = w.to(device)
     shared = scales.get(name) if scales is not None else None
-    tensors = nvfp4.quantize(w, shared) if shared is not None else codec.quantize(w)
+    tensors = codec.quantize(w, shared) if shared is not None else codec.quantize(w)
     error = _relative_error(w, codec.dequantize(tensors, torch.float32))
     report.layer_errors[name] = error
     log.debug("%s %s: relative error %.4f", name, list(w.shape), error)  # the summary gives mean and max at INFO
@@ -276,7 +264,6 @@ def quantize_checkpoint(
     dst: Path | str,
     scheme: str,
     progress: bool = True,
-    eval_text: str | None = None,
     strict: bool = False,
     device: torch.device | str | None = None,
 ) -> QuantizeReport:
@@ -287,7 +274,6 @@ def quantize_checkpoint(
         dst: output folder; must not exist (or be empty).
         scheme: "nvfp4" (compressed-tensors NVFP4A16), "mxfp4", "nf4" or "bf16".
         progress: tqdm bar over tensors.
-        eval_text: if given, perplexity of src and dst on it (via qerl.loading.load_model).
         strict: raise instead of keeping in bf16 a linear whose in_features does not fit the block size.
         device: where to quantize (default: CUDA if available, else CPU; results are bit-identical).
     """
@@ -307,61 +293,38 @@ def quantize_checkpoint(
     source = _Source(src)
     report = QuantizeReport(src=src, dst=dst, scheme=codec.scheme)
     quantized = {n for n, shape in source.shapes.items() if is_quantizable_weight(n, shape)}
-    scales = _SharedScales(source, quantized, device) if codec.scheme == "nvfp4" else None
+    scales = _SharedScales(source, quantized, codec, device) if codec.shares_global_scale else None
 
     # One writer per destination: under its lock, temp folders beside `dst` are the remains of killed writes.
     lock = output_lock(dst).acquire()
-    tmp = None
     try:
         _remove_killed_writes(dst)
         _check_destination(src, dst)  # again, under the lock: a racing writer may have finished meanwhile
-        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dst), dir=dst.parent))
-        weight_map: dict[str, str] = {}
-        bar = tqdm(total=len(source.weight_map), desc=f"quantize {codec.scheme}", unit="tensor", disable=not progress)
-        for shard in source.shards:
-            out: dict[str, torch.Tensor] = {}
-            for name, w in source.tensors(shard):
-                report.bytes_before += w.numel() * w.element_size()
-                out.update(_quantize_tensor(name, w, codec, scales, report, strict, device))
-                del w
-                bar.update()
-            for name, t in out.items():
-                weight_map[name] = shard
-                report.bytes_after += t.numel() * t.element_size()
-            save_file({k: v.contiguous() for k, v in out.items()}, tmp / shard, metadata={"format": "pt"})
-            del out
-        bar.close()
-        if source.sharded:
-            index = {"metadata": {"total_size": report.bytes_after}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        _copy_side_files(src, tmp)
-        _write_config(src, tmp, codec.scheme, [n.removesuffix(".weight") for n in report.kept_dense])
-        os.replace(tmp, dst)  # atomic; also replaces an empty dst folder
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_dir(dst, temp_prefix=_temp_prefix(dst)) as tmp:  # replaces an empty dst folder
+            weight_map: dict[str, str] = {}
+            bar = tqdm(total=len(source.weight_map), desc=f"quantize {codec.scheme}", unit="tensor",
+                       disable=not progress)
+            for shard in source.shards:
+                out: dict[str, torch.Tensor] = {}
+                for name, w in source.tensors(shard):
+                    report.bytes_before += w.numel() * w.element_size()
+                    out.update(_quantize_tensor(name, w, codec, scales, report, strict, device))
+                    del w
+                    bar.update()
+                for name, t in out.items():
+                    weight_map[name] = shard
+                    report.bytes_after += t.numel() * t.element_size()
+                save_file({k: v.contiguous() for k, v in out.items()}, tmp / shard, metadata={"format": "pt"})
+                del out
+            bar.close()
+            if source.sharded:
+                index = {"metadata": {"total_size": report.bytes_after},
+                         "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            _copy_side_files(src, tmp)
+            _write_config(src, tmp, codec.scheme, [n.removesuffix(".weight") for n in report.kept_dense])
     finally:
         lock.release()
     log.info("%s", report.summary())
-    if eval_text is not None:
-        report.perplexity_before = _perplexity(src, eval_text, device)
-        report.perplexity_after = _perplexity(dst, eval_text, device)
-        log.info("perplexity %.3f -> %.3f", report.perplexity_before, report.perplexity_after)
     return report
 
-
-@torch.no_grad()
-def _perplexity(folder: Path, text: str, device: torch.device, max_tokens: int = 2048) -> float:
-    """exp(mean next-token NLL) of `text` (first `max_tokens` tokens) under the model in `folder`."""
-    from qerl.loading import load_model
-
-    model, tokenizer = load_model(folder, device=device)
-    if tokenizer is None:
-        raise ValueError(f"{folder}: no tokenizer files, cannot compute perplexity")
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(device)
-    if ids.shape[1] < 2:
-        raise ValueError("eval_text must have at least 2 tokens")
-    logits = model(ids)
-    nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-    return math.exp(nll.item())

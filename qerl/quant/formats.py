@@ -8,13 +8,13 @@ adapts them to a common protocol so the layer and the checkpoint writer never sp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from qerl.quant import mxfp4, nf4, nvfp4
 
-__all__ = ["Codec", "TensorSpec", "get_codec", "SCHEMES"]
+__all__ = ["Codec", "TensorSpec", "get_codec", "SCHEMES", "SERVABLE_SCHEMES", "scheme_for_compressed_tensors"]
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -27,6 +27,12 @@ class Codec(Protocol):
     block_size: int  # weights along K sharing one scale (1 = no blocks)
     bits_per_weight: float  # nominal bits per weight: code + block scales (per-tensor scalars excluded)
     compressed_tensors_format: str | None  # the compressed-tensors "format" this layout equals, if any
+    compressed_tensors_weights: Mapping[str, Any] | None  # its quantization_config "weights" entry, if any
+    servable: bool  # vLLM and transformers read this layout (compressed-tensors or dense)
+    # Fused projections (q/k/v, gate/up) share one per-tensor global scale, so vLLM can fuse them. A codec that
+    # says so also has tensor_amax(w), global_scale_for(amax) and quantize(w, global_scale).
+    shares_global_scale: bool
+    gpu_kernel: bool  # QuantLinear computes it with our fused CUDA GEMM (kernels/) instead of dequantizing
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Dense [N, K] weight -> named tensors (see tensor_shapes)."""
@@ -50,6 +56,10 @@ class _Codec:
     block_size = 1
     bits_per_weight = 16.0
     compressed_tensors_format: str | None = None
+    compressed_tensors_weights: Mapping[str, Any] | None = None
+    servable = False
+    shares_global_scale = False
+    gpu_kernel = False
 
     def check_shape(self, n: int, k: int, name: str = "weight") -> None:
         if k % self.block_size:
@@ -77,6 +87,13 @@ class NVFP4Codec(_Codec):
     block_size = nvfp4.BLOCK
     bits_per_weight = 4 + 8 / nvfp4.BLOCK
     compressed_tensors_format = "nvfp4-pack-quantized"
+    compressed_tensors_weights = {  # what llm-compressor + compressed-tensors serialize for NVFP4A16
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": nvfp4.BLOCK, "strategy": "tensor_group",
+        "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "actorder": None, "block_structure": None,
+        "observer_kwargs": {}}
+    servable = True
+    shares_global_scale = True
+    gpu_kernel = True
 
     def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
         return {
@@ -88,6 +105,12 @@ class NVFP4Codec(_Codec):
     def quantize(self, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return nvfp4.quantize(w, global_scale)
 
+    def tensor_amax(self, w: torch.Tensor) -> torch.Tensor:
+        return nvfp4.tensor_amax(w)
+
+    def global_scale_for(self, amax: torch.Tensor) -> torch.Tensor:
+        return nvfp4.global_scale_for(amax)
+
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         t = self._take(tensors)
         return nvfp4.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype)
@@ -98,6 +121,11 @@ class MXFP4Codec(_Codec):
     block_size = mxfp4.BLOCK
     bits_per_weight = 4 + 8 / mxfp4.BLOCK
     compressed_tensors_format = "mxfp4-pack-quantized"
+    compressed_tensors_weights = {  # what llm-compressor + compressed-tensors serialize for MXFP4A16
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": mxfp4.BLOCK, "strategy": "group",
+        "dynamic": False, "scale_dtype": "torch.uint8", "actorder": None, "block_structure": None,
+        "observer_kwargs": {}}
+    servable = True
 
     def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
         return {
@@ -132,6 +160,7 @@ class BF16Codec(_Codec):
     """Identity: the weight stays a dense bf16 ``weight`` (the baseline every scheme is compared to)."""
 
     scheme = "bf16"
+    servable = True
 
     def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
         return {"weight": ((n, k), torch.bfloat16)}
@@ -147,6 +176,7 @@ class BF16Codec(_Codec):
 
 _CODECS: dict[str, Codec] = {c.scheme: c for c in (NVFP4Codec(), MXFP4Codec(), NF4Codec(), BF16Codec())}
 SCHEMES = tuple(_CODECS)
+SERVABLE_SCHEMES = tuple(s for s, c in _CODECS.items() if c.servable)
 
 
 def get_codec(scheme: str) -> Codec:
@@ -155,3 +185,8 @@ def get_codec(scheme: str) -> Codec:
     if codec is None:
         raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     return codec
+
+
+def scheme_for_compressed_tensors(fmt: str | None) -> str | None:
+    """The scheme whose layout is the compressed-tensors format `fmt`, or None."""
+    return next((s for s, c in _CODECS.items() if fmt is not None and c.compressed_tensors_format == fmt), None)

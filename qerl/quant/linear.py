@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl.quant import nvfp4
-from qerl.quant.formats import Codec, get_codec
+from qerl.quant.formats import SCHEMES, Codec, get_codec
 
 __all__ = ["QuantLinear", "quantize_model", "replace_with_empty_quant_linears", "DECODER_LINEAR_PATTERN",
            "FUSED_GROUPS", "fused_group_key"]
@@ -125,9 +124,10 @@ class QuantLinear(nn.Module):
         if weight.is_meta:
             raise ValueError(f"{name}: cannot quantize a weight on the meta device (load it first)")
         if global_scale is not None:
-            if layer.scheme != "nvfp4":
-                raise ValueError(f"{name}: global_scale applies to nvfp4 only, not {layer.scheme}")
-            tensors = nvfp4.quantize(weight, global_scale)
+            if not layer.codec.shares_global_scale:
+                sharing = ", ".join(s for s in SCHEMES if get_codec(s).shares_global_scale)
+                raise ValueError(f"{name}: global_scale applies to {sharing} only, not {layer.scheme}")
+            tensors = layer.codec.quantize(weight, global_scale)
         else:
             tensors = layer.codec.quantize(weight)
         for buffer_name, tensor in tensors.items():
@@ -223,7 +223,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects input [..., {self.in_features}], got {tuple(x.shape)}")
-        if self.use_kernel and x.is_cuda and self.scheme == "nvfp4" and (gemm := _gpu_gemm()) is not None \
+        if self.use_kernel and x.is_cuda and self.codec.gpu_kernel and (gemm := _gpu_gemm()) is not None \
                 and x.dtype in (torch.bfloat16, torch.float16):
             return gemm.linear(x, self.cuda_gemm(), self.bias)
         out = _DequantizedLinear.apply(x, self)
@@ -276,13 +276,13 @@ def quantize_model(
     codec = get_codec(scheme)
     targets = [(n, m) for n, m in _matching_linears(model, pattern, skip) if _fits(codec, n, m, strict)]
     shared_scales: dict[str, torch.Tensor] = {}
-    if codec.scheme == "nvfp4":
+    if codec.shares_global_scale:
         group_amax: dict[str, torch.Tensor] = {}
         for name, linear in targets:
             if (key := fused_group_key(name)) is not None:
-                amax = nvfp4.tensor_amax(linear.weight)
+                amax = codec.tensor_amax(linear.weight)
                 group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
-        shared_scales = {key: nvfp4.global_scale_for(amax) for key, amax in group_amax.items()}
+        shared_scales = {key: codec.global_scale_for(amax) for key, amax in group_amax.items()}
     for name, linear in targets:
         scale = shared_scales.get(fused_group_key(name) or "")
         _set_submodule(model, name, QuantLinear.from_linear(linear, scheme, name=name, global_scale=scale))
