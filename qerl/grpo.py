@@ -12,7 +12,7 @@ group-major (``G`` consecutive completions of the same prompt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -162,6 +162,13 @@ class LossConfig:
     max_completion_length: int | None = None
     mask_truncated: bool = False
     tis_cap: float | None = None
+
+    @classmethod
+    def from_settings(cls, settings: object, max_completion_length: int | None) -> "LossConfig":
+        """The loss fields of a settings object (the params file's `grpo` section: same names), plus the one value
+        that lives elsewhere (`rollout.max_new_tokens`). Duck-typed, so this module stays free of the config."""
+        names = [f.name for f in fields(cls) if f.name != "max_completion_length"]
+        return cls(max_completion_length=max_completion_length, **{n: getattr(settings, n) for n in names})
 
     def __post_init__(self) -> None:
         if self.loss_type not in ("grpo", "dapo", "dr_grpo"):

@@ -167,11 +167,8 @@ class Trainer:
             model, tokenizer = load_base_model(s.model, s.quant)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self.lora_settings = lora.LoraSettings(rank=s.lora.rank, alpha=s.lora.alpha, dropout=s.lora.dropout,
-                                               target_modules=tuple(s.lora.target_modules),
-                                               use_rslora=s.lora.use_rslora, train_norms=s.lora.train_norms)
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
-        self.params = lora.apply_lora(model, self.lora_settings, dtype=next(model.parameters()).dtype)
+        self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=s.optim.lr, betas=(s.optim.beta1, s.optim.beta2),
                                            eps=s.optim.eps, weight_decay=s.optim.weight_decay)
@@ -184,11 +181,7 @@ class Trainer:
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend)
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
-        g = s.grpo
-        self.loss_cfg = grpo.LossConfig(loss_type=g.loss_type, epsilon_low=g.epsilon_low,
-                                        epsilon_high=g.epsilon_high, beta=g.beta,
-                                        max_completion_length=s.rollout.max_new_tokens,
-                                        mask_truncated=g.mask_truncated, tis_cap=g.tis_cap)
+        self.loss_cfg = grpo.LossConfig.from_settings(s.grpo, max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl")
@@ -479,7 +472,7 @@ class Trainer:
 
     def export_adapter(self, out_dir: str | Path) -> Path:
         base = str(self.settings.quant.quantized_path or self.settings.model.path)
-        return lora.save_adapter(self.model, out_dir, base, self.lora_settings)
+        return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest finished checkpoint folder (intact or not: `resume_from_newest_intact` checks)."""

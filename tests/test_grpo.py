@@ -236,3 +236,13 @@ def test_config_validation():
         LossConfig(loss_type="ppo")
     with pytest.raises(ValueError):
         LossConfig(tis_cap=0.0)
+
+
+def test_loss_config_takes_every_loss_field_from_the_grpo_settings():
+    from qerl.config import GRPOSettings
+
+    settings = GRPOSettings(loss_type="dr_grpo", epsilon_low=0.1, epsilon_high=0.3, beta=0.05, mask_truncated=True,
+                            tis_cap=2.0)
+    assert LossConfig.from_settings(settings, max_completion_length=24) == LossConfig(
+        loss_type="dr_grpo", epsilon_low=0.1, epsilon_high=0.3, beta=0.05, max_completion_length=24,
+        mask_truncated=True, tis_cap=2.0)
