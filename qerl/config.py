@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -81,18 +82,39 @@ class QuantSettings:
 
 @dataclass
 class LoraSettings:
+    """LoRA hyperparameters (names as in PEFT's LoraConfig where they overlap); `qerl.lora` takes this type whole."""
+
     rank: int = field(default=16, metadata=_check(gt=0))
     alpha: float = field(default=32.0, metadata=_check(gt=0))
     dropout: float = field(default=0.0, metadata=_check(ge=0, lt=1))
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    use_rslora: bool = False
-    train_norms: bool = False  # the reference QeRL code also trains the RMSNorm weights
+    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r: keeps the update size stable at high rank
+    train_norms: bool = False  # also train every RMSNorm weight, as the reference QeRL code does (PEFT modules_to_save)
+
+    def __post_init__(self) -> None:
+        # Built in code (not only from a parameter file, whose bounds are checked before this): check here too.
+        if isinstance(self.target_modules, str):
+            self.target_modules = [self.target_modules]
+        self.target_modules = list(self.target_modules)
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoraSettings.rank must be a positive int, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraSettings.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraSettings.dropout must be in [0, 1), got {self.dropout!r}")
+        if not all(isinstance(t, str) and t for t in self.target_modules):
+            raise ValueError(f"LoraSettings.target_modules must be non-empty module names, got {self.target_modules!r}")
 
     def validate(self) -> None:
         if not self.target_modules:
             raise _RuleError("target_modules", "target_modules = []: name at least one linear layer (e.g. q_proj)")
+
+    @property
+    def scaling(self) -> float:
+        """Multiplier of B @ A."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
 @dataclass

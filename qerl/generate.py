@@ -34,6 +34,20 @@ class Rollout:
     logprobs: list[Tensor]
     stop_reasons: list[StopReason]
 
+    def select(self, rows: Sequence[int]) -> "Rollout":
+        """The rows at indices `rows`, in that order."""
+        return Rollout(prompt_ids=[self.prompt_ids[r] for r in rows],
+                       completion_ids=[self.completion_ids[r] for r in rows], texts=[self.texts[r] for r in rows],
+                       logprobs=[self.logprobs[r] for r in rows], stop_reasons=[self.stop_reasons[r] for r in rows])
+
+    @classmethod
+    def concat(cls, parts: Sequence["Rollout"]) -> "Rollout":
+        """The rows of `parts`, one part after the other."""
+        return cls(prompt_ids=[x for p in parts for x in p.prompt_ids],
+                   completion_ids=[x for p in parts for x in p.completion_ids],
+                   texts=[x for p in parts for x in p.texts], logprobs=[x for p in parts for x in p.logprobs],
+                   stop_reasons=[x for p in parts for x in p.stop_reasons])
+
     @classmethod
     def from_padded(cls, tokenizer: Any, prompt_ids: list[list[int]], tokens: Tensor, logprobs: Tensor,
                     lengths: list[int], reasons: list[StopReason]) -> "Rollout":

@@ -12,7 +12,7 @@ group-major (``G`` consecutive completions of the same prompt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -117,6 +117,83 @@ def selective_log_softmax(logits: Tensor, ids: Tensor) -> Tensor:
     return _SelectiveLogSoftmax.apply(logits, ids)
 
 
+class _HeadLogProbs(torch.autograd.Function):
+    """log_softmax(linear(hidden, weight) / temperature)[ids], computed ``chunk_size`` tokens at a time.
+
+    The [B, T, V] logits never exist: forward keeps only the [N] logsumexps, backward recomputes each chunk's
+    logits from the saved hidden states (the head's GEMM is cheap next to the model) and turns them into the
+    chunk's gradient at once. So the largest vocabulary-sized temporary is one ``[chunk_size, V]`` float32 block.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk_size: int,
+                want_entropy: bool) -> tuple[Tensor, Tensor]:
+        flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
+        logps, lses, entropies = [], [], []
+        for h, i in zip(flat_hidden.split(chunk_size), flat_ids.split(chunk_size)):
+            logits = _tempered_logits(h, weight, temperature)
+            lse = torch.logsumexp(logits, dim=-1)
+            logps.append(logits.gather(-1, i.unsqueeze(-1)).squeeze(-1) - lse)
+            lses.append(lse)
+            if want_entropy:
+                logp_all = logits.sub_(lse.unsqueeze(-1))  # in place: the chunk's logits are not needed again
+                entropies.append(-(logp_all.exp() * logp_all).sum(dim=-1))
+        ctx.save_for_backward(hidden, weight, ids, torch.cat(lses))
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        entropy = torch.cat(entropies).view(ids.shape) if want_entropy else torch.empty(0)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logps).view(ids.shape), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor | None):
+        hidden, weight, ids, lse = ctx.saved_tensors
+        flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
+        grad_out = grad_logp.reshape(-1)
+        grad_hidden = torch.empty_like(flat_hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
+        start = 0
+        for h, i in zip(flat_hidden.split(ctx.chunk_size), flat_ids.split(ctx.chunk_size)):
+            rows = slice(start, start + len(h))
+            g = grad_out[rows].to(lse.dtype).unsqueeze(-1)
+            # d logp_t / d logits_tv = (1[v == id_t] - softmax_tv) / temperature
+            grad_logits = _tempered_logits(h, weight, ctx.temperature).sub_(lse[rows].unsqueeze(-1)).exp_().mul_(-g)
+            grad_logits.scatter_add_(-1, i.unsqueeze(-1), g).div_(ctx.temperature)
+            if grad_hidden is not None:
+                grad_hidden[rows] = (grad_logits @ weight.to(lse.dtype)).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, h.to(lse.dtype))
+            start += len(h)
+        return (None if grad_hidden is None else grad_hidden.view(hidden.shape),
+                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
+
+
+def _tempered_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """A chunk's logits in at least float32, divided by the temperature: the head's GEMM runs in the model dtype,
+    as `nn.Linear` does, so bf16 models get the same rounded logits as a plain forward."""
+    logits = torch.nn.functional.linear(hidden, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+def head_log_probs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float = 1.0,
+                   want_entropy: bool = False, chunk_size: int = 128) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of ``ids`` (and the per-token entropies) under the LM head ``weight`` at ``temperature``.
+
+    Equals ``selective_log_softmax(linear(hidden, weight).float() / temperature, ids)`` (and
+    ``entropy_from_logits`` of the same logits) without materialising the ``[B, T, V]`` logits, in forward or
+    backward: the biggest full-vocabulary temporary is ``[chunk_size, V]`` float32.
+
+    Args:
+        hidden: ``[B, T, H]`` final hidden states at the positions that predict ``ids``.
+        weight: ``[V, H]`` LM head weight (no bias).
+        ids: ``[B, T]`` token ids.
+    Returns:
+        ``([B, T] float32 log-probs, [B, T] float32 entropies or None)``; the entropies carry no gradient.
+    """
+    logp, entropy = _HeadLogProbs.apply(hidden, weight, ids, float(temperature), chunk_size, want_entropy)
+    return logp, entropy if want_entropy else None
+
+
 def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
     """Per-token entropy ``-sum_v p_v log p_v`` of ``softmax(logits)``.
 
@@ -162,6 +239,13 @@ class LossConfig:
     max_completion_length: int | None = None
     mask_truncated: bool = False
     tis_cap: float | None = None
+
+    @classmethod
+    def from_settings(cls, settings: object, max_completion_length: int | None) -> "LossConfig":
+        """The loss fields of a settings object (the params file's `grpo` section: same names), plus the one value
+        that lives elsewhere (`rollout.max_new_tokens`). Duck-typed, so this module stays free of the config."""
+        names = [f.name for f in fields(cls) if f.name != "max_completion_length"]
+        return cls(max_completion_length=max_completion_length, **{n: getattr(settings, n) for n in names})
 
     def __post_init__(self) -> None:
         if self.loss_type not in ("grpo", "dapo", "dr_grpo"):

@@ -13,7 +13,6 @@ import json
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,42 +21,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from qerl.atomic import atomic_dir
+from qerl.config import LoraSettings  # the one LoRA settings type (also the params file's `lora` section)
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Frozen copy of a trained RMSNorm weight: `adapters_disabled` must give the true base model (the KL reference).
 _NORM_BASE = "lora_base_weight"
-
-
-@dataclass
-class LoraSettings:
-    """LoRA hyperparameters (names as in PEFT's LoraConfig where they overlap)."""
-
-    rank: int = 16
-    alpha: float = 32
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r: keeps the update size stable at high rank
-    train_norms: bool = False  # also train every RMSNorm weight (QeRL does; saved as PEFT modules_to_save)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.target_modules, str):
-            self.target_modules = (self.target_modules,)
-        self.target_modules = tuple(self.target_modules)
-        if not isinstance(self.rank, int) or self.rank <= 0:
-            raise ValueError(f"LoraSettings.rank must be a positive int, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoraSettings.alpha must be > 0, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoraSettings.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
-            raise ValueError(f"LoraSettings.target_modules must be non-empty module names, got {self.target_modules!r}")
-
-    @property
-    def scaling(self) -> float:
-        """Multiplier of B @ A."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
 def _is_linear(module: nn.Module) -> bool:

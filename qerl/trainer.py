@@ -7,15 +7,17 @@ RNG states, step and data position.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
+import platform
 import random
 import resource
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from qerl import atomic
 from qerl import checkpoints, data, distributed, grpo, lora, rewards, runfolder
 from qerl.aqn import build_schedule
 from qerl.config import Settings
+from qerl.generate import Rollout
 from qerl.manifest import write_manifest
 from qerl.prompt_length import fit_prompts, model_context
 from qerl.rollout import RolloutBackend, Sampling, make_backend
@@ -42,15 +45,12 @@ STATE_FILE = "trainer_state.pt"
 
 @dataclass
 class RolloutBatch:
-    """One step's samples: `group_size` completions per example, flattened group by group."""
+    """One step's samples: `group_size` completions per example, flattened group by group, and what the trainer
+    adds to the sampler's `Rollout`: the AQN noise they were drawn under, their scores and timings."""
 
     examples: list[data.Example]
     group_size: int
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    texts: list[str]
-    rollout_logprobs: list[Tensor]
-    stop_reasons: list[str]
+    samples: Rollout  # one row per completion: `group_size` rows per example, in order
     sigma: float
     noise_seed: int
     seconds: float
@@ -60,33 +60,51 @@ class RolloutBatch:
     extra: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.texts)
+        return len(self.samples.texts)
 
     def select_groups(self, keep: list[int]) -> "RolloutBatch":
         """The batch restricted to the groups (examples) at indices `keep`."""
-        g = self.group_size
-        rows = [i * g + j for i in keep for j in range(g)]
-
-        def pick(seq):
-            return [seq[r] for r in rows]
-
-        return RolloutBatch(
-            [self.examples[i] for i in keep], g, pick(self.prompt_ids), pick(self.completion_ids), pick(self.texts),
-            pick(self.rollout_logprobs), pick(self.stop_reasons), self.sigma, self.noise_seed, self.seconds,
-            None if self.rewards is None else self.rewards[rows], None if self.accuracy is None else self.accuracy[rows],
-            self.score_seconds, dict(self.extra))
+        rows = [i * self.group_size + j for i in keep for j in range(self.group_size)]
+        return replace(
+            self, examples=[self.examples[i] for i in keep], samples=self.samples.select(rows),
+            rewards=None if self.rewards is None else self.rewards[rows],
+            accuracy=None if self.accuracy is None else self.accuracy[rows], extra=dict(self.extra))
 
     @staticmethod
     def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """The batches one after the other; sigma and noise seed are the first's, times are summed, extras dropped."""
         first = batches[0]
-        cat = lambda name: [x for b in batches for x in getattr(b, name)]  # noqa: E731
         return RolloutBatch(
-            cat("examples"), first.group_size, cat("prompt_ids"), cat("completion_ids"), cat("texts"),
-            cat("rollout_logprobs"), cat("stop_reasons"), first.sigma, first.noise_seed,
-            sum(b.seconds for b in batches),
-            torch.cat([b.rewards for b in batches]) if first.rewards is not None else None,
-            torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
-            sum(b.score_seconds for b in batches))
+            examples=[ex for b in batches for ex in b.examples], group_size=first.group_size,
+            samples=Rollout.concat([b.samples for b in batches]), sigma=first.sigma, noise_seed=first.noise_seed,
+            seconds=sum(b.seconds for b in batches),
+            rewards=torch.cat([b.rewards for b in batches]) if first.rewards is not None else None,
+            accuracy=torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
+            score_seconds=sum(b.score_seconds for b in batches))
+
+
+@dataclass
+class _StepTotals:
+    """What one rank's micro-batches add up to in `Trainer.update`, before the ranks combine them."""
+
+    token_count: float = 1.0  # loss tokens of the whole step (all ranks): the metrics' normalizer
+    loss: float = 0.0  # of the last of the μ iterations
+    grad_norm: float = 0.0
+    entropy_sum: float = 0.0  # over the first iteration's tokens
+    entropy_count: float = 0.0
+    sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens
+    peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
+
+    def add(self, loss: float, metrics: dict[str, float], weight: float, entropy: Tensor | None, mask: Tensor) -> None:
+        self.loss += loss
+        for k, v in metrics.items():
+            if k.endswith("/max"):
+                self.peaks[k] = max(self.peaks.get(k, v), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * weight
+        if entropy is not None:
+            self.entropy_sum += float((entropy * mask).sum())
+            self.entropy_count += float(mask.sum())
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -103,6 +121,20 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def return_large_frees_to_the_os() -> None:
+    """Have glibc serve every allocation of 1 MiB or more from its own mmap, unmapped again when freed.
+
+    By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, so a training step's
+    activations (tens of MiB per layer on the CPU) soon come from the heap, which keeps their pages after the step:
+    the embedded default's 3-step run held 9.5 GB of resident memory, 4.0 GB with this. A fixed threshold also turns
+    the adjustment off. No-op where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20)
 
 
 class Trainer:
@@ -168,11 +200,10 @@ class Trainer:
             model, tokenizer = load_base_model(s.model, s.quant)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self.lora_settings = lora.LoraSettings(rank=s.lora.rank, alpha=s.lora.alpha, dropout=s.lora.dropout,
-                                               target_modules=tuple(s.lora.target_modules),
-                                               use_rslora=s.lora.use_rslora, train_norms=s.lora.train_norms)
+        if self.device.type == "cpu":  # the training step's activations live in host memory
+            return_large_frees_to_the_os()
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
-        self.params = lora.apply_lora(model, self.lora_settings, dtype=next(model.parameters()).dtype)
+        self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=s.optim.lr, betas=(s.optim.beta1, s.optim.beta2),
                                            eps=s.optim.eps, weight_decay=s.optim.weight_decay)
@@ -185,11 +216,7 @@ class Trainer:
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend)
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
-        g = s.grpo
-        self.loss_cfg = grpo.LossConfig(loss_type=g.loss_type, epsilon_low=g.epsilon_low,
-                                        epsilon_high=g.epsilon_high, beta=g.beta,
-                                        max_completion_length=s.rollout.max_new_tokens,
-                                        mask_truncated=g.mask_truncated, tis_cap=g.tis_cap)
+        self.loss_cfg = grpo.LossConfig.from_settings(s.grpo, max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl")
@@ -238,15 +265,16 @@ class Trainer:
         if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
                      self.settings.train.steps, len(prompts), sum(map(len, out.completion_ids)), seconds)
-        return RolloutBatch(list(examples), r.group_size, out.prompt_ids, out.completion_ids, out.texts,
-                            out.logprobs, out.stop_reasons, sigma, noise_seed, seconds)
+        return RolloutBatch(examples=list(examples), group_size=r.group_size, samples=out, sigma=sigma,
+                            noise_seed=noise_seed, seconds=seconds)
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
         start = time.perf_counter()
         golds = [ex.gold for ex in batch.examples for _ in range(batch.group_size)]
-        batch.rewards = torch.tensor([self.reward_fn(t, g) for t, g in zip(batch.texts, golds)], dtype=torch.float32)
-        batch.accuracy = torch.tensor([rewards.score(t, g) for t, g in zip(batch.texts, golds)], dtype=torch.float32)
+        texts = batch.samples.texts
+        batch.rewards = torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
+        batch.accuracy = torch.tensor([rewards.score(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
         batch.score_seconds = time.perf_counter() - start
         return batch
 
@@ -273,13 +301,14 @@ class Trainer:
 
     def _tensors(self, batch: RolloutBatch) -> dict[str, Tensor]:
         """Left-padded prompts + right-padded completions, as TRL lays them out: completions start at one column."""
-        P = max(len(p) for p in batch.prompt_ids)
-        C = max(1, max(len(c) for c in batch.completion_ids))
+        samples = batch.samples
+        P = max(len(p) for p in samples.prompt_ids)
+        C = max(1, max(len(c) for c in samples.completion_ids))
         B = len(batch)
         ids = torch.full((B, P + C), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, P + C), dtype=torch.long)
         rollout_lp = torch.zeros((B, C))
-        for i, (p, c, lp) in enumerate(zip(batch.prompt_ids, batch.completion_ids, batch.rollout_logprobs)):
+        for i, (p, c, lp) in enumerate(zip(samples.prompt_ids, samples.completion_ids, samples.logprobs)):
             ids[i, P - len(p):P] = torch.tensor(p)
             ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
             attn[i, P - len(p):P + len(c)] = 1
@@ -289,18 +318,17 @@ class Trainer:
     def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
         C = ids.shape[1] - P
-        # Only the C positions that predict completion tokens go through the LM head: slicing [B, C + 1, V] logits
-        # afterwards would make autograd build a second vocabulary-sized gradient to scatter the slice back into.
+        # Only the C positions that predict completion tokens go through the LM head, and `head_log_probs` runs it
+        # a chunk of tokens at a time: the [B, C, V] float32 logits (and their gradient) are never built.
         predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
-        logits = self.model(ids, attention_mask=attn, logits_to_keep=predicting).float()
-        if self.settings.rollout.temperature != 1.0:
-            logits = logits.div_(self.settings.rollout.temperature)  # in place: no second [B, C, V] copy
-        logp = grpo.selective_log_softmax(logits, ids[:, P:])
-        entropy = None
-        if want_entropy:
-            with torch.no_grad():
-                entropy = grpo.entropy_from_logits(logits.detach())
-        return logp, entropy
+        hidden = self.model.model(ids, attention_mask=attn)[:, predicting]
+        head, temperature = self.model.lm_head, self.settings.rollout.temperature
+        if type(head) is torch.nn.Linear and head.bias is None:
+            return grpo.head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
+        # A head that is not a plain linear (LoRA named lm_head): its logits, once, in float32.
+        logits = head(hidden).float().div_(temperature)
+        entropy = grpo.entropy_from_logits(logits.detach()) if want_entropy else None
+        return grpo.selective_log_softmax(logits, ids[:, P:]), entropy
 
     @torch.no_grad()
     def measure_entropy(self, examples: list[data.Example]) -> dict[str, float]:
@@ -326,100 +354,110 @@ class Trainer:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """μ optimizer steps of the policy loss over this batch (micro-batched, gradients accumulated)."""
-        s, g = self.settings, self.settings.grpo
         start = time.perf_counter()
-        B = len(batch)
-        # Advantages over all the step's groups (scale_rewards=batch needs them all); this rank's rows are a slice.
-        rewards_t = torch.tensor(self.dist.gather(batch.rewards.tolist()), dtype=torch.float32)
-        adv = grpo.group_advantages(rewards_t, batch.group_size, scale=g.scale_rewards)[self.dist.rank * B:][:B]
-        t = self._tensors(batch)
-        truncated = torch.tensor([r == "length" for r in batch.stop_reasons])
-        mask = grpo.loss_mask(t["mask"], self.loss_cfg, truncated)
-        micro = [slice(i, min(i + g.micro_batch_size, B)) for i in range(0, B, g.micro_batch_size)]
+        step_rewards, advantages = self._advantages(batch)
+        padded = self._tensors(batch)
+        truncated = torch.tensor([r == "length" for r in batch.samples.stop_reasons])
+        mask = grpo.loss_mask(padded["mask"], self.loss_cfg, truncated)
+        on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
+        micro = self._micro_batches(len(batch))
+        old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
+        totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp, ref_logp)
+        self.scheduler.step()
+        self.step += 1
+        return self._step_metrics(batch, step_rewards, truncated, totals, time.perf_counter() - start)
+
+    def _advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """(the whole step's rewards, this rank's advantages). Advantages are taken over all the step's groups
+        (scale_rewards=batch needs them all); this rank's rows are a slice."""
+        step_rewards = torch.tensor(self.dist.gather(batch.rewards.tolist()), dtype=torch.float32)
+        advantages = grpo.group_advantages(step_rewards, batch.group_size, scale=self.settings.grpo.scale_rewards)
+        rows = len(batch)
+        return step_rewards, advantages[self.dist.rank * rows:][:rows]
+
+    def _micro_batches(self, rows: int) -> list[slice]:
+        size = self.settings.grpo.micro_batch_size
+        return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
+
+    @torch.no_grad()
+    def _frozen_logps(self, t: dict[str, Tensor], P: int, micro: list[slice]) -> tuple[Tensor | None, Tensor | None]:
+        """Log-probs that stay fixed through the step's μ iterations: the sampling policy's (only needed when μ > 1;
+        at μ = 1 the loss uses the live ones, detached) and the reference's (adapters off; only when beta > 0)."""
+        def logps() -> Tensor:
+            return torch.cat([self._logp_and_entropy(t["ids"][m], t["attn"][m], P, False)[0] for m in micro])
+
+        g = self.settings.grpo
+        old_logp = logps() if g.num_iterations > 1 else None
+        ref_logp = None
+        if g.beta > 0:
+            with lora.adapters_disabled(self.model):
+                ref_logp = logps()
+        return old_logp, ref_logp
+
+    def _optimize(self, batch: RolloutBatch, t: dict[str, Tensor], P: int, micro: list[slice], advantages: Tensor,
+                  mask: Tensor, truncated: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None) -> "_StepTotals":
+        """The μ optimizer steps, each accumulating the gradients of every micro-batch; returns the step's sums."""
+        s = self.settings
         dev = self.device
-        on_device = {k: v.to(dev) for k, v in t.items() if isinstance(v, Tensor)}
-        need_old = g.num_iterations > 1
-        old_logp = ref_logp = None
-        with torch.no_grad():
-            if need_old:
-                old_logp = torch.cat([self._logp_and_entropy(on_device["ids"][m], on_device["attn"][m], t["P"],
-                                                              False)[0] for m in micro])
-            if g.beta > 0:
-                with lora.adapters_disabled(self.model):
-                    ref_logp = torch.cat([self._logp_and_entropy(on_device["ids"][m], on_device["attn"][m], t["P"],
-                                                                  False)[0] for m in micro])
-        sums: dict[str, float] = {}
-        peaks: dict[str, float] = {}  # "/max" metrics: a max over micro-batches (and ranks), not a token-weighted mean
-        entropy_sum = entropy_count = 0.0
-        grad_norm = loss_total = 0.0
+        totals = _StepTotals()
         self.model.train()
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
         # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
-        token_count, step_rows = self.dist.sum([float(mask.sum()), float(B)])
-        token_count = max(token_count, 1.0)
-        for iteration in range(g.num_iterations):
+        token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
+        totals.token_count = max(token_count, 1.0)
+        for iteration in range(s.grpo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            loss_total = 0.0
+            totals.loss = 0.0
             for m in micro:
                 with self.noise.noisy(sigma_train, batch.noise_seed):
-                    logp, entropy = self._logp_and_entropy(on_device["ids"][m], on_device["attn"][m], t["P"],
-                                                           want_entropy=iteration == 0)
+                    logp, entropy = self._logp_and_entropy(t["ids"][m], t["attn"][m], P, want_entropy=iteration == 0)
                     loss, metrics = grpo.policy_loss(
-                        logp, None if old_logp is None else old_logp[m], adv[m].to(dev), on_device["mask"][m],
+                        logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
                         self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
-                        rollout_logp=on_device["rollout_logp"][m], truncated=truncated[m].to(dev),
-                        token_normalizer=token_count)
+                        rollout_logp=t["rollout_logp"][m], truncated=truncated[m].to(dev),
+                        token_normalizer=totals.token_count)
                     if self.loss_cfg.loss_type != "dapo":  # per-micro-batch means: weight by the micro-batch's share
                         loss = loss * (m.stop - m.start) / step_rows
                     loss.backward()
-                loss_total += loss.item()
-                weight = float(mask[m].sum())
-                for k, v in metrics.items():
-                    if k.endswith("/max"):
-                        peaks[k] = max(peaks.get(k, v), v)
-                    else:
-                        sums[k] = sums.get(k, 0.0) + v * weight
-                if entropy is not None:
-                    entropy_sum += float((entropy * on_device["mask"][m]).sum())
-                    entropy_count += float(on_device["mask"][m].sum())
+                totals.add(loss.item(), metrics, weight=float(mask[m].sum()), entropy=entropy, mask=t["mask"][m])
             self.dist.sum_gradients(self.params)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
+            totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
             self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        # The step's metrics over all ranks: sums of the partial sums, whole-step rows gathered, the slowest rank's times.
-        keys = sorted(sums)
-        loss_total, entropy_sum, entropy_count, *totals = self.dist.sum(
-            [loss_total, entropy_sum, entropy_count] + [sums[k] for k in keys])
-        sums = dict(zip(keys, totals))
-        peaks = dict(zip(sorted(peaks), self.dist.max([peaks[k] for k in sorted(peaks)])))
-        lengths = torch.tensor(self.dist.gather([len(c) for c in batch.completion_ids]), dtype=torch.float32)
+        return totals
+
+    def _step_metrics(self, batch: RolloutBatch, step_rewards: Tensor, truncated: Tensor, totals: "_StepTotals",
+                      seconds_update: float) -> dict[str, float]:
+        """The step's metrics over all ranks: sums of the partial sums, whole-step rows gathered, the slowest rank's
+        times."""
+        keys, peak_keys = sorted(totals.sums), sorted(totals.peaks)
+        loss_total, entropy_sum, entropy_count, *sums = self.dist.sum(
+            [totals.loss, totals.entropy_sum, totals.entropy_count] + [totals.sums[k] for k in keys])
+        peaks = dict(zip(peak_keys, self.dist.max([totals.peaks[k] for k in peak_keys])))
+        lengths = torch.tensor(self.dist.gather([len(c) for c in batch.samples.completion_ids]), dtype=torch.float32)
         truncated = torch.tensor(self.dist.gather(truncated.tolist()))
         accuracy = torch.tensor(self.dist.gather(batch.accuracy.tolist()), dtype=torch.float32)
         seconds_rollout, seconds_scoring, seconds_update, peak_memory = self.dist.max(
-            [batch.seconds, batch.score_seconds, time.perf_counter() - start, peak_memory_gb(self.device)])
-        B = len(rewards_t)
-        tokens = float(lengths.sum())
+            [batch.seconds, batch.score_seconds, seconds_update, peak_memory_gb(self.device)])
         metrics = {
             "step": self.step,
-            "reward_mean": float(rewards_t.mean()),
-            "reward_std": float(rewards_t.std()) if B > 1 else 0.0,
+            "reward_mean": float(step_rewards.mean()),
+            "reward_std": float(step_rewards.std()) if len(step_rewards) > 1 else 0.0,
             "accuracy": float(accuracy.mean()),
             "entropy": entropy_sum / max(entropy_count, 1.0),
             "loss": loss_total,
-            "grad_norm": grad_norm,
+            "grad_norm": totals.grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             "response_length": float(lengths.mean()),
             "truncation_rate": float(truncated.float().mean()),
             "sigma": batch.sigma,
             "noise_seed": batch.noise_seed,
-            "rollout_tokens_per_s": tokens / max(seconds_rollout, 1e-9),
+            "rollout_tokens_per_s": float(lengths.sum()) / max(seconds_rollout, 1e-9),
             "seconds_rollout": seconds_rollout,
             "seconds_scoring": seconds_scoring,
             "seconds_update": seconds_update,
             "peak_memory_gb": peak_memory,
         }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
-        metrics.update({k: v / token_count for k, v in sums.items()})
+        metrics.update({k: v / totals.token_count for k, v in zip(keys, sums)})
         metrics.update(peaks)
         metrics.update(batch.extra)
         return metrics
@@ -480,7 +518,7 @@ class Trainer:
 
     def export_adapter(self, out_dir: str | Path) -> Path:
         base = str(self.settings.quant.quantized_path or self.settings.model.path)
-        return lora.save_adapter(self.model, out_dir, base, self.lora_settings)
+        return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest finished checkpoint folder (intact or not: `resume_from_newest_intact` checks)."""

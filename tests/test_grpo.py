@@ -8,6 +8,7 @@ import torch
 from qerl.grpo import (
     LossConfig,
     entropy_from_logits,
+    head_log_probs,
     group_advantages,
     informative_groups,
     loss_mask,
@@ -219,6 +220,34 @@ def test_selective_log_softmax_matches_log_softmax_gather(dtype):
     torch.testing.assert_close(grad.double(), ref_grad, rtol=grad_tol, atol=grad_tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_log_probs_match_the_full_logits_path(dtype, temperature):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64).to(dtype).requires_grad_(True)
+    weight = torch.randn(50, 8, dtype=torch.float64).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, 50, (2, 5))
+    upstream = torch.randn(2, 5, dtype=torch.float64)
+
+    # chunk_size 3 does not divide the 10 tokens: the last chunk is short
+    logp, entropy = head_log_probs(hidden, weight, ids, temperature, want_entropy=True, chunk_size=3)
+    grads = torch.autograd.grad((logp.double() * upstream).sum(), (hidden, weight))
+
+    logits = torch.nn.functional.linear(hidden, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    ref = selective_log_softmax(logits, ids)
+    ref_grads = torch.autograd.grad((ref.double() * upstream).sum(), (hidden, weight))
+
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(logp, ref, rtol=0, atol=tol)
+    p = logits.detach().double().softmax(-1)
+    torch.testing.assert_close(entropy.double(), -(p * p.log()).sum(-1), rtol=0, atol=max(tol, 1e-5))
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert grad.dtype == dtype
+        torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=tol, atol=tol)
+    assert head_log_probs(hidden, weight, ids)[1] is None
+
+
 def test_entropy_matches_direct_formula_across_chunks():
     torch.manual_seed(0)
     logits = 2 * torch.randn(3, 7, 40)
@@ -236,3 +265,13 @@ def test_config_validation():
         LossConfig(loss_type="ppo")
     with pytest.raises(ValueError):
         LossConfig(tis_cap=0.0)
+
+
+def test_loss_config_takes_every_loss_field_from_the_grpo_settings():
+    from qerl.config import GRPOSettings
+
+    settings = GRPOSettings(loss_type="dr_grpo", epsilon_low=0.1, epsilon_high=0.3, beta=0.05, mask_truncated=True,
+                            tis_cap=2.0)
+    assert LossConfig.from_settings(settings, max_completion_length=24) == LossConfig(
+        loss_type="dr_grpo", epsilon_low=0.1, epsilon_high=0.3, beta=0.05, max_completion_length=24,
+        mask_truncated=True, tis_cap=2.0)

@@ -361,3 +361,12 @@ def test_peft_adapter_training_other_modules_is_rejected(base_dir, tmp_path):
     (tmp_path / "a/adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora=True"):
         load_adapter(load_ours(base_dir)[0], tmp_path / "a")
+
+
+def test_the_params_file_lora_section_is_the_lora_settings():
+    from qerl import config
+
+    assert LoraSettings is config.LoraSettings  # one type: the trainer passes `settings.lora` whole
+    s = config.settings_from_dict({"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}})
+    assert s.lora.scaling == 2.0 and s.lora.target_modules == ["q_proj"]
+    assert LoraSettings(target_modules="q_proj").target_modules == ["q_proj"]

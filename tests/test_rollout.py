@@ -70,5 +70,6 @@ def test_trainer_rolls_out_through_its_backend(tmp_path):
     trainer.step = 2  # a noisy stage
     batch = trainer.rollout()
     assert batch.sigma > 0 and trainer.rollout_backend.engine.stats["steps"] > 0
-    assert len(batch) == 8 and all(len(lp) == len(c) for lp, c in zip(batch.rollout_logprobs, batch.completion_ids))
+    samples = batch.samples
+    assert len(batch) == 8 and all(len(lp) == len(c) for lp, c in zip(samples.logprobs, samples.completion_ids))
     assert isinstance(make_trainer(tiny_settings(tmp_path), tmp_path / "cpu").rollout_backend, ReferenceBackend)
