@@ -37,42 +37,6 @@ LAYERS = {
 MS = [1, 16, 64, 128, 256, 2048]
 
 
-def graph_time_us(fns, target_ms=3.0, replays=10) -> float:
-    """Median µs per call of fns (one per weight copy), captured into one CUDA graph and replayed."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    est_ms = (time.perf_counter() - t0) * 1e3
-    inner = max(1, min(64, math.ceil(target_ms / max(est_ms, 1e-3))))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            for f in fns:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times) * 1e3 / (inner * len(fns))
-
-
 def capture(fns, target_ms=3.0):
     """(graph, calls per replay) for fns (one per weight copy), replayed `inner` times per graph launch."""
     for f in fns:
@@ -149,7 +113,7 @@ def ceilings() -> tuple[float, float]:
     us = event_time_us([lambda: torch.mul(src, 1.0, out=dst)], reps=10)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    us_mm = graph_time_us([lambda: a @ b])
+    us_mm = interleaved_us({"mm": [lambda: a @ b]})["mm"]
     return 2 * src.numel() * 4 / us / 1e6, 2 * 8192**3 / us_mm / 1e6
 
 
@@ -175,9 +139,7 @@ DEQ_VARIANTS = {"prod 4x2 w4": ("table_layout_dequant_kernel", 4, 2, 4),
                 "prod 8x1 w4": ("table_layout_dequant_kernel", 8, 1, 4),
                 "prod 2x4 w4": ("table_layout_dequant_kernel", 2, 4, 4),
                 "prod 4x2 w8": ("table_layout_dequant_kernel", 4, 2, 8),  # what HummingWeight.dequantize runs
-                "prod 1x4 w2": ("table_layout_dequant_kernel", 1, 4, 2),
-                "hoisted 2x4 w4": ("table_layout_dequant_kernel_hoisted", 2, 4, 4),
-                "gather 4x2 w4": ("table_layout_dequant_kernel_gather", 4, 2, 4)}
+                "prod 1x4 w2": ("table_layout_dequant_kernel", 1, 4, 2)}
 
 
 def dequant_row(layer, N, Kd, nv, hum, nf4, bnb, bw) -> dict:
