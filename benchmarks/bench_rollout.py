@@ -52,10 +52,12 @@ def hf_config(name: str) -> dict:
 
 
 @torch.no_grad()
-def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda", seed: int = 0) -> Transformer:
+def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda", seed: int = 0,
+                fuse: bool = True) -> Transformer:
     """Random-weight model of a published shape, bf16, decoder linears in `scheme` (one of SCHEMES), LoRA on
-    all of them. Built layer by layer (each quantized as soon as it exists), so a 32B model never sits in bf16
-    on the GPU: peak = the quantized model + one bf16 layer."""
+    all of them, q/k/v and gate/up fused as `load_base_model` does on CUDA (`fuse`). Built layer by layer (each
+    quantized as soon as it exists), so a 32B model never sits in bf16 on the GPU: peak = the quantized model + one
+    bf16 layer."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if scheme == "nf4-bnb":
@@ -86,6 +88,8 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
         for p in params:
             if p.dim() == 2 and p.shape[1] == lora_rank:  # lora_B: non-zero so the update path does real work
                 p.normal_(0, 1e-3)
+    if fuse:
+        model.fuse_projections()
     return model.eval()
 
 
@@ -185,6 +189,8 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time HF generate (first model, batch 64)")
     ap.add_argument("--hf-new", type=int, default=64)
     ap.add_argument("--plain", action="store_true", help="also the unfused path (graphs of Transformer.forward)")
+    ap.add_argument("--separate", action="store_true",
+                    help="also each scheme with separate q/k/v and gate/up projections (batch 8 and 64)")
     ap.add_argument("--long-batches", default="", help="batches for the largest --new (default: all)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; configs that would not fit are skipped")
     ap.add_argument("--out", default="outputs/bench")
@@ -221,13 +227,20 @@ def main() -> None:
                 build_s = time.perf_counter() - t0
                 gib = torch.cuda.memory_allocated() / 2**30
                 print(f"[{name} {scheme}] built in {build_s:.1f} s, {gib:.1f} GiB", flush=True)
-                variants = [(LABELS[scheme], True)]
+                variants = [(LABELS[scheme], True, order)]
                 if args.plain and scheme == "bf16":
-                    variants.append(("qerl bf16+LoRA, unfused", False))
+                    variants.append(("qerl bf16+LoRA, unfused", False, [(64, news[0])]))
+                if args.separate and scheme != "nf4-bnb":  # bitsandbytes layers are never fused
+                    variants.append((LABELS[scheme] + ", separate projections", True,
+                                     [(b, news[0]) for b in (8, 64) if b in batches]))
                 per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
-                for label, fused in variants:
+                for label, fused, configs_run in variants:
+                    if label.endswith("separate projections"):
+                        from qerl.fusion import unfuse_projections
+
+                        unfuse_projections(model)
                     engine = RolloutEngine(model, fused=fused)
-                    for batch, new in order if fused else [(64, news[0])]:
+                    for batch, new in configs_run:
                         if per_step * new * 1.6 + 5 > left():
                             skipped.append(f"{name} {label} b{batch} x{new} (budget)")
                             continue

@@ -171,10 +171,11 @@ class RolloutEngine:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _signature(self) -> tuple:
-        """What a captured graph bakes in: the addresses of every parameter and buffer, and LoRA on/off."""
+        """What a captured graph bakes in: the addresses of every parameter and buffer, those of fused projections
+        (synced with their members first), and LoRA on/off."""
         m = self.model
         ptrs = tuple(t.data_ptr() for t in (*m.parameters(), *m.buffers()))
-        return ptrs, tuple(x.enabled for x in m.modules() if isinstance(x, LoraLinear))
+        return ptrs, m.sync_projections(), tuple(x.enabled for x in m.modules() if isinstance(x, LoraLinear))
 
     def _install(self, rows: int, slots: int) -> None:
         need_rows = self.bucket(max(rows, self.reserve[0]))

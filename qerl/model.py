@@ -6,8 +6,8 @@ rollout (static KV cache): both compute the same numbers, which the policy-gradi
 
 `Transformer.decode_step` is the one-token step of a rollout engine over caches the engine owns: the same blocks,
 with the Triton kernels of `qerl.fused_ops` where they run (`fused=True`). Each block calls its input projections
-through one method (`Attention.project_qkv`, `MLP.gate_up`), the one place to change when q/k/v or gate/up become
-one GEMM.
+through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA
+where the model is loaded) those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.fusion`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+_GROUP = "projection_group"  # qerl.fusion.GROUP_ATTR: a block's fused q/k/v or gate/up, when made
 
 
 @dataclass
@@ -288,6 +289,9 @@ class Attention(nn.Module):
 
     def project_qkv(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden]."""
+        if (group := self.__dict__.get(_GROUP)) is not None:
+            q, k, v = group(x, fused)
+            return q, k, v
         return project(self.q_proj, x, fused), project(self.k_proj, x, fused), project(self.v_proj, x, fused)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
@@ -353,6 +357,9 @@ class MLP(nn.Module):
 
     def gate_up(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
         """gate and up projections [..., intermediate] of the normed input x [..., hidden]."""
+        if (group := self.__dict__.get(_GROUP)) is not None:
+            gate, up = group(x, fused)
+            return gate, up
         return project(self.gate_proj, x, fused), project(self.up_proj, x, fused)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -532,6 +539,22 @@ class Transformer(nn.Module):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enabled: bool) -> None:
         self.model.gradient_checkpointing = enabled
+
+    def fuse_projections(self) -> int:
+        """Compute each block's q/k/v and gate/up as one GEMM each (weights concatenated once; `qerl.fusion`);
+        returns how many groups were fused. Module names, state dict and adapters are unchanged."""
+        from qerl import fusion
+
+        return fusion.fuse_projections(self)
+
+    def sync_projections(self) -> tuple[int, ...]:
+        """Bring fused projections up to date with their members (call before capturing or replaying graphs of
+        `decode_step`: the graphs read copies of the LoRA factors); returns the addresses those graphs read."""
+        if not any(_GROUP in m.__dict__ for m in self.modules()):
+            return ()
+        from qerl import fusion
+
+        return fusion.sync(self)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Parameter count, tied weights counted once."""

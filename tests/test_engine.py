@@ -251,8 +251,9 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
-def gpu_model(scheme: str, lora_rank=8, seed=0):
-    """A small random Qwen2-shaped model on CUDA in bf16 (or "nvfp4", "nf4-bnb") with live, non-zero LoRA."""
+def gpu_model(scheme: str, lora_rank=8, seed=0, fuse=False):
+    """A small random Qwen2-shaped model on CUDA in bf16 (or "nvfp4", "nf4-bnb") with live, non-zero LoRA;
+    `fuse`: q/k/v and gate/up as one GEMM each, as `load_base_model` makes them on CUDA."""
     from qerl.quant.linear import quantize_model
 
     cfg = ModelConfig.from_hf({"model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1024,
@@ -276,6 +277,8 @@ def gpu_model(scheme: str, lora_rank=8, seed=0):
     with torch.no_grad():
         for p in params:
             p.normal_(0, 0.02)
+    if fuse:
+        assert model.fuse_projections() == 2 * cfg.num_hidden_layers
     return model, params
 
 
@@ -293,9 +296,10 @@ def _replay_and_eager(engine, rows, window):
 
 
 @gpu
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
-def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme):
-    model, params = gpu_model(scheme)
+def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme, fuse):
+    model, params = gpu_model(scheme, fuse=fuse)
     ps = prompts(24, vocab=1024, seed=5, max_len=40)
     graphed = RolloutEngine(model, check_every=4)
     eager = RolloutEngine(model, use_graphs=False, check_every=4)
@@ -315,6 +319,10 @@ def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme):
         with torch.no_grad():
             for p in params:
                 p.add_(0.05 * torch.randn_like(p))
+        captures = graphed.stats["captures"]
+        graphed._uninstall()
+        graphed._install(24, 88)  # as every rollout begins: fused projections re-copy the LoRA factors
+        assert graphed.stats["captures"] == captures
         with NoiseInjector(model).noisy(0.05, seed=1):
             replayed, direct = _replay_and_eager(graphed, 32, 256)
     finally:

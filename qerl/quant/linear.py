@@ -104,6 +104,9 @@ class QuantLinear(nn.Module):
         # repacks them for another backend, that repacked copy is the only one kept (the buffers become None).
         self._gemm = None
         self._dense_cache: tuple | None = None  # (dtype, [(stored tensor, version)], dense weight): compute_weight
+        # (fused layer, first row): this layer is rows of a concatenation of its siblings (`concat`, used by
+        # qerl.fusion) and holds no tensors of its own: one copy of the weight, in the fused layer.
+        self._rows_of: tuple[QuantLinear, int] | None = None
         for buffer_name, (shape, buffer_dtype) in codec.tensor_shapes(out_features, in_features).items():
             self.register_buffer(buffer_name, torch.empty(shape, dtype=buffer_dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
@@ -139,6 +142,70 @@ class QuantLinear(nn.Module):
     def _codec_names(self) -> list[str]:
         return list(self.codec.tensor_shapes(1, self.codec.block_size))
 
+    def _row_names(self) -> list[str]:
+        """The codec tensors with one slice per output row (the others, e.g. NVFP4's global scale, are per tensor)."""
+        k = self.codec.block_size
+        one, three = self.codec.tensor_shapes(1, k), self.codec.tensor_shapes(3, k)
+        return [n for n in one if len(one[n][0]) and three[n][0][0] == 3 * one[n][0][0]]
+
+    # -- fused siblings (q/k/v, gate/up): one layer, the members read their rows of it ---------------------------
+    @classmethod
+    def concat(cls, layers: list["QuantLinear"]) -> "QuantLinear | None":
+        """One layer computing `layers` (same input) side by side: their tensors concatenated along the output
+        rows, after which each member reads its rows of it and drops its own copy. None, and nothing changed,
+        where they cannot share one layer (schemes, dtypes, devices, bias or a per-tensor scale differ)."""
+        first = layers[0]
+        if any(m.scheme != first.scheme or m.in_features != first.in_features or m.dtype != first.dtype
+               or (m.bias is None) != (first.bias is None) for m in layers):
+            return None
+        tensors = [m.quantized_tensors() for m in layers]
+        rows = first._row_names()
+        for name in first._codec_names():
+            ref = tensors[0][name]
+            if any(t[name].device != ref.device for t in tensors):
+                return None
+            if name not in rows and any(not torch.equal(t[name], ref) for t in tensors[1:]):
+                return None  # e.g. NVFP4 global scales not shared: not one weight
+        fused = cls(first.in_features, sum(m.out_features for m in layers), first.bias is not None, first.scheme,
+                    device="meta", dtype=first.dtype, name="fused projection")
+        for name in first._codec_names():
+            fused._buffers[name] = torch.cat([t[name] for t in tensors]) if name in rows else tensors[0][name]
+        if first.bias is not None:
+            fused._buffers["bias"] = torch.cat([m.bias for m in layers])
+        fused.use_kernel = first.use_kernel
+        start = 0
+        for m in layers:
+            m._read_rows_of(fused, start)
+            start += m.out_features
+        return fused
+
+    def _read_rows_of(self, fused: "QuantLinear", start: int) -> None:
+        self._gemm = None  # its tensors are in `fused` now (a repacked GPU copy of them is dropped, not unpacked)
+        self._dense_cache = None
+        for name in self._codec_names():
+            self._buffers[name] = None
+        if self.bias is not None:
+            self._buffers["bias"] = fused.bias[start:start + self.out_features]
+        self._rows_of = (fused, start)
+
+    @property
+    def rows_of(self) -> "QuantLinear | None":
+        """The fused layer whose rows this layer is (see `concat`), or None."""
+        return None if self._rows_of is None else self._rows_of[0]
+
+    def own_rows(self) -> None:
+        """Take back a private copy of this layer's rows (before a move or a load); the fused layer stays for the
+        other members until its group is rebuilt."""
+        if self._rows_of is None:
+            return
+        tensors = {name: t.clone() for name, t in self.quantized_tensors().items()}
+        bias = None if self.bias is None else self.bias.clone()
+        self._rows_of = None
+        for name, tensor in tensors.items():
+            self._buffers[name] = tensor
+        if bias is not None:
+            self._buffers["bias"] = bias
+
     @property
     def _repacked(self) -> bool:
         """Whether the GPU backend holds the only copy of the weight (in its own layout; the buffers are None)."""
@@ -146,6 +213,11 @@ class QuantLinear(nn.Module):
 
     def quantized_tensors(self) -> dict[str, torch.Tensor]:
         """The codec's tensors by checkpoint name (without bias), in the checkpoint's layout."""
+        if self._rows_of is not None:
+            fused, start = self._rows_of
+            rows = self._row_names()
+            return {name: t[start:start + self.out_features] if name in rows else t
+                    for name, t in fused.quantized_tensors().items()}
         if self._repacked:
             return self._gemm.canonical()  # rebuilt from the GPU backend's layout (exports, state dicts)
         return {name: getattr(self, name) for name in self._codec_names()}
@@ -171,11 +243,15 @@ class QuantLinear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._repacked:
+        if self._rows_of is not None:  # copies: a slice would keep the whole fused tensor alive (and shares memory)
+            for name, tensor in self.quantized_tensors().items():
+                destination[prefix + name] = tensor.clone()
+        elif self._repacked:
             for name, tensor in self._gemm.canonical().items():
                 destination[prefix + name] = tensor
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.own_rows()  # the loaded rows are this layer's alone; its fused group rebuilds from them
         self.release_gemm()  # the loaded tensors replace the buffers; a stale GPU copy must not outlive them
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -202,6 +278,14 @@ class QuantLinear(nn.Module):
             self._dense_cache = cache = (dtype, [(t, t._version) for t in stored], self.dequantized_weight(dtype))
         return cache[2]
 
+    def weight_device(self) -> torch.device:
+        """Where the weight lives (without rebuilding repacked or fused tensors)."""
+        if self._rows_of is not None:
+            return self._rows_of[0].weight_device()
+        if self._repacked:
+            return self._gemm.device
+        return self._buffers[self._codec_names()[0]].device
+
     def weight_bits(self) -> int:
         """Bits stored for the weight (all codec tensors; bias excluded)."""
         return sum(t.numel() * t.element_size() * 8 for t in self.quantized_tensors().values())
@@ -209,6 +293,13 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """model.to(dtype) / .half() move the stored format but never recast it (an fp8 or fp32 scale cast
         to bf16 would silently change the weights); the bias and the default compute dtype follow."""
+        if self._rows_of is not None:
+            fused = self._rows_of[0]
+            device = fused._gemm.device if fused._repacked else fused.weight_device()
+            probe = torch.empty(0, dtype=torch.uint8, device=device)  # not floating: fn keeps its dtype
+            if fn(probe) is probe and fn(torch.empty(0, dtype=self.dtype)).dtype == self.dtype:
+                return self  # a no-op move (e.g. .to() the device it is on): stay fused
+            self.own_rows()
         self.release_gemm()  # a device or dtype move starts from the checkpoint layout
         stored = self.quantized_tensors()
         self._dense_cache = None
@@ -223,6 +314,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects input [..., {self.in_features}], got {tuple(x.shape)}")
+        if self._rows_of is not None:  # alone (its group computes all members at once): the fused layer's rows
+            fused, start = self._rows_of
+            return fused(x)[..., start:start + self.out_features]
         if self.use_kernel and x.is_cuda and self.codec.gpu_kernel and (gemm := _gpu_gemm()) is not None \
                 and x.dtype in (torch.bfloat16, torch.float16):
             return gemm.linear(x, self.cuda_gemm(), self.bias)

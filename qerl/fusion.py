@@ -1,0 +1,241 @@
+"""Sibling projections of one input as one GEMM: q/k/v and gate/up, as vLLM's qkv_proj and gate_up_proj.
+
+At decode sizes every kernel launch costs a few microseconds whatever it computes, and a block of separate
+projections with LoRA launches 2 GEMMs per projection besides its base GEMM. `fuse_projections(model)` makes each
+block compute its q/k/v (and its gate/up) as
+
+* one base GEMM on the members' weights concatenated along the output rows, done once: each member then *is* its
+  rows of the concatenation (an nn.Linear's weight becomes a row view; a QuantLinear reads its rows of the fused
+  QuantLinear and drops its own tensors), so the weights are held once, and NVFP4 members share their global
+  scale already (`quantize_model` makes them);
+* with LoRA, one x·Aᵀ GEMM for all members (their A factors stacked) and, in the decode step, one `addmm_` of a
+  block-diagonal Bᵀ into the fused output: 3 launches for q/k/v instead of 9, 3 for gate/up instead of 6.
+
+Nothing a user sees changes: module names, `state_dict` keys, PEFT adapters and `apply_lora` targets stay Hugging
+Face's; a member computed alone (e.g. a hook calls it) gives its rows of the fused output. The decode step's
+stacked LoRA factors are copies of the members' (refreshed by `sync(model)`, which the rollout engine calls before
+every rollout, so captured graphs read current factors); training reads the members' own parameters.
+
+Moving or reloading a member gives it back a private copy (QuantLinear.own_rows; a moved nn.Linear weight is simply
+no longer a view); its group notices and rebuilds the concatenation at its next call.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qerl.lora import LoraLinear
+from qerl.quant.linear import QuantLinear
+
+__all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "sync", "GROUP_ATTR"]
+
+GROUP_ATTR = "projection_group"  # on the block module (Attention, MLP); a plain attribute, not a submodule
+
+
+def _base(member: nn.Module) -> nn.Module:
+    return member.base if isinstance(member, LoraLinear) else member
+
+
+def _concat_dense(bases: list[nn.Linear]) -> nn.Linear | None:
+    """One nn.Linear whose weight rows are the members' weights; each member's weight (and bias) becomes a view."""
+    first = bases[0]
+    if any(b.weight.requires_grad or b.weight.dtype != first.weight.dtype or b.weight.device != first.weight.device
+           or b.in_features != first.in_features or (b.bias is None) != (first.bias is None) for b in bases):
+        return None
+    fused = nn.Linear(first.in_features, sum(b.out_features for b in bases), bias=first.bias is not None,
+                      device="meta")
+    fused.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([b.bias.detach() for b in bases]), requires_grad=False)
+    start = 0
+    for b in bases:
+        rows = slice(start, start + b.out_features)
+        b.weight = nn.Parameter(fused.weight[rows], requires_grad=False)
+        if b.bias is not None:
+            b.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+        start += b.out_features
+    return fused
+
+
+def _concat(bases: list[nn.Module]) -> nn.Module | None:
+    if all(type(b) is nn.Linear for b in bases):
+        return _concat_dense(bases)
+    if all(isinstance(b, QuantLinear) for b in bases):
+        return QuantLinear.concat(bases)
+    return None  # e.g. bitsandbytes' NF4 layers: computed one by one, as QLoRA users run them
+
+
+class ProjectionGroup:
+    """The projections `names` of `owner` (one input x) computed together; called as `group(x, fused)`."""
+
+    def __init__(self, owner: nn.Module, names: Sequence[str]):
+        self.owner, self.names = owner, tuple(names)
+        self.fused: nn.Module | None = None
+        self.sizes: list[int] = []
+        self._lora: tuple[Tensor, Tensor] | None = None  # stacked A [R, K] and block-diagonal B [N, R] (decode)
+        self._lora_key: tuple | None = None
+        self.build()
+
+    def members(self) -> list[nn.Module]:
+        return [getattr(self.owner, n) for n in self.names]
+
+    def _current(self) -> bool:
+        """Whether every member still is its rows of `self.fused` (a move or a load makes a member private)."""
+        if self.fused is None:
+            return False
+        start = 0
+        for b in map(_base, self.members()):
+            if isinstance(self.fused, QuantLinear):
+                if not isinstance(b, QuantLinear) or b._rows_of != (self.fused, start):
+                    return False
+            elif type(b) is not nn.Linear or b.weight.data_ptr() != self.fused.weight[start].data_ptr():
+                return False
+            start += b.out_features
+        return True
+
+    def build(self) -> bool:
+        """(Re)concatenate the members' base weights if needed; False if they cannot be one GEMM."""
+        if self._current():
+            return True
+        bases = [_base(m) for m in self.members()]
+        self.fused = None  # drop the old concatenation (members that still read it keep it alive until rebuilt)
+        self.fused = _concat(bases)
+        self.sizes = [b.out_features for b in bases]
+        self._lora_key = None
+        return self.fused is not None
+
+    # -------------------------------------------------------------------------------------------------- LoRA
+
+    def _active_lora(self, members: list[nn.Module]) -> list[tuple[int, LoraLinear]]:
+        return [(i, m) for i, m in enumerate(members) if isinstance(m, LoraLinear) and m.enabled]
+
+    def stacked_lora(self, force: bool = False) -> tuple[Tensor, Tensor] | None:
+        """(A stacked [R, K], block-diagonal B * scaling [N, R]) of the enabled adapters, copied in place into
+        buffers kept across calls (a captured graph reads their addresses). Refreshed when a factor's address or
+        version changed, or always with `force` (in-place writes through `.data` bump no version)."""
+        loras = self._active_lora(self.members())
+        if not loras:
+            self._lora = self._lora_key = None
+            return None
+        key = tuple((i, m.lora_A.data_ptr(), m.lora_A._version, m.lora_B.data_ptr(), m.lora_B._version, m.scaling)
+                    for i, m in loras)
+        if not force and key == self._lora_key:
+            return self._lora
+        first = loras[0][1].lora_A
+        rank, n = sum(m.rank for _, m in loras), sum(self.sizes)
+        shape_a, shape_b = (rank, first.shape[1]), (n, rank)
+        if self._lora is None or self._lora[0].shape != shape_a or self._lora[0].dtype != first.dtype \
+                or self._lora[0].device != first.device:
+            self._lora = (torch.empty(shape_a, dtype=first.dtype, device=first.device),
+                          torch.zeros(shape_b, dtype=first.dtype, device=first.device))
+        a, b = self._lora
+        with torch.no_grad():
+            b.zero_()
+            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+            r0 = 0
+            for i, m in loras:
+                a[r0:r0 + m.rank].copy_(m.lora_A)
+                b[starts[i]:starts[i] + self.sizes[i], r0:r0 + m.rank].copy_(m.lora_B * m.scaling)
+                r0 += m.rank
+        self._lora_key = key
+        return self._lora
+
+    # -------------------------------------------------------------------------------------------------- forward
+
+    def __call__(self, x: Tensor, fused: bool = False) -> list[Tensor]:
+        """The members' outputs [..., N_i] for input x [..., K], as `[member(x) for member in members]`."""
+        members = self.members()
+        if not self.build():
+            return [m(x) for m in members]
+        if fused and x.dim() == 2 and not torch.is_grad_enabled():
+            return self._decode(x, members)
+        out = self.fused(x)
+        outs = list(out.split(self.sizes, dim=-1))
+        loras = self._active_lora(members)
+        if not loras:
+            return outs
+        if any(m.training and isinstance(m.dropout, nn.Dropout) for _, m in loras):  # one dropout mask per member
+            for i, m in loras:
+                outs[i] = outs[i] + (F.linear(F.linear(m.dropout(x.to(m.lora_A.dtype)), m.lora_A), m.lora_B)
+                                     * m.scaling).to(out.dtype)
+            return outs
+        stacked = torch.cat([m.lora_A for _, m in loras]) if len(loras) > 1 else loras[0][1].lora_A
+        h = F.linear(x.to(stacked.dtype), stacked).split([m.rank for _, m in loras], dim=-1)
+        for (i, m), hi in zip(loras, h):
+            outs[i] = outs[i] + (F.linear(hi, m.lora_B) * m.scaling).to(out.dtype)
+        return outs
+
+    def _decode(self, x: Tensor, members: list[nn.Module]) -> list[Tensor]:
+        """Inference: base GEMM, then LoRA as one x·Aᵀ GEMM and one addmm of the block-diagonal Bᵀ into it."""
+        out = self.fused(x)
+        lora = self.stacked_lora()
+        if lora is not None:
+            a, b = lora
+            if a.dtype != x.dtype or out.dtype != x.dtype:
+                return [m(x) for m in members]  # e.g. fp32 adapters on a bf16 model: the plain path's roundings
+            out.addmm_(F.linear(x, a), b.t())
+        return list(out.split(self.sizes, dim=-1))
+
+    def signature(self) -> tuple[int, ...]:
+        """What a captured graph of this group reads by address: the fused weight (or the GPU GEMM holding its
+        repacked copy) and the stacked LoRA buffers."""
+        tensors = [] if self.fused is None else [*self.fused.parameters(), *self.fused.buffers()]
+        tensors += [] if self._lora is None else list(self._lora)
+        gemm = getattr(self.fused, "_gemm", None)
+        return (*(t.data_ptr() for t in tensors), id(gemm) if gemm is not None else 0)
+
+
+_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Give every block of `model` a ProjectionGroup for q/k/v and for gate/up where the members can be one GEMM;
+    returns how many groups were made. Idempotent; call before or after `apply_lora`."""
+    made = 0
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        names = _GROUPS.get(leaf)
+        if names is None or not all(hasattr(module, n) for n in names):
+            continue
+        group = module.__dict__.get(GROUP_ATTR)
+        if group is None:
+            group = ProjectionGroup(module, names)
+            if group.fused is None:
+                continue
+            module.__dict__[GROUP_ATTR] = group
+        made += 1
+    return made
+
+
+def unfuse_projections(model: nn.Module) -> None:
+    """Back to separate projections, each with a private copy of its weight."""
+    for module in model.modules():
+        group = module.__dict__.pop(GROUP_ATTR, None)
+        if group is None:
+            continue
+        for b in map(_base, group.members()):
+            if isinstance(b, QuantLinear):
+                b.own_rows()
+            elif type(b) is nn.Linear:
+                b.weight = nn.Parameter(b.weight.detach().clone(), requires_grad=False)
+                if b.bias is not None:
+                    b.bias = nn.Parameter(b.bias.detach().clone(), requires_grad=False)
+
+
+def groups(model: nn.Module) -> list[ProjectionGroup]:
+    return [g for m in model.modules() if (g := m.__dict__.get(GROUP_ATTR)) is not None]
+
+
+def sync(model: nn.Module) -> tuple[int, ...]:
+    """Bring every group up to date with its members (rebuild moved weights, re-copy the LoRA factors) and return
+    the addresses graphs of the decode step read through the groups. The rollout engine calls it before each
+    rollout."""
+    found: tuple[int, ...] = ()
+    for group in groups(model):
+        if group.build():
+            group.stacked_lora(force=True)
+        found += group.signature()
+    return found
