@@ -42,9 +42,10 @@ if triton is not None:
         tl.store(Y + row * N + offs, (w * normed).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_cache_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, QW, KW, eps, H, HKV, s_b, s_h, s_s,
+    def _rope_cache_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, QW, KW, eps, H, HKV, s_b, s_h, s_s, s_q, s_k, s_v,
                            D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
-        """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT."""
+        """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT.
+        s_q, s_k, s_v: row strides of q, k, v (column slices of one fused qkv output)."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         offs = tl.arange(0, HALF)
@@ -53,10 +54,10 @@ if triton is not None:
         s1 = tl.load(SIN + row * D + offs)
         s2 = tl.load(SIN + row * D + HALF + offs)
         if head < H:
-            src = Q + row * H * D + head * D
+            src = Q + row * s_q + head * D
             NW = QW
         else:
-            src = K + row * HKV * D + (head - H) * D
+            src = K + row * s_k + (head - H) * D
             NW = KW
         x1 = tl.load(src + offs)
         x2 = tl.load(src + HALF + offs)
@@ -79,19 +80,22 @@ if triton is not None:
             at = row.to(tl.int64) * s_b + kvh * s_h + tl.load(SLOT) * s_s  # int64: big caches pass 2**31 elements
             tl.store(KC + at + offs, o1.to(KC.dtype.element_ty))
             tl.store(KC + at + HALF + offs, o2.to(KC.dtype.element_ty))
-            v_in = V + row * HKV * D + kvh * D
+            v_in = V + row * s_v + kvh * D
             tl.store(VC + at + offs, tl.load(v_in + offs).to(VC.dtype.element_ty))
             tl.store(VC + at + HALF + offs, tl.load(v_in + HALF + offs).to(VC.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    def _silu_mul_kernel(G, U, O, n, s_g, s_u, BLOCK: tl.constexpr):
+        """Program (row, block): O[row] = silu(G[row]) * U[row] over n columns; s_g, s_u: row strides of G and U
+        (the two halves of one fused gate_up output), O contiguous."""
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
-        g = tl.load(G + offs, mask=m, other=0.0)
-        u = tl.load(U + offs, mask=m, other=0.0)
+        g = tl.load(G + row * s_g + offs, mask=m, other=0.0)
+        u = tl.load(U + row * s_u + offs, mask=m, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-        tl.store(O + offs, (act * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
+        tl.store(O + row * n + offs, (act * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
 
 
 def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -107,21 +111,33 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: f
 def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, k_cache: Tensor,
                      v_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                      q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> Tensor:
-    """Rotated q [rows, H*D]; rotated k and v written into rows :rows of the caches at slot `slot` [1]."""
+    """Rotated q [rows, H*D] (contiguous); rotated k and v written into rows :rows of the caches at slot `slot` [1].
+    q, k, v may be column slices of one [rows, (H + 2 Hkv) D] projection (unit stride along a row)."""
     rows = q.shape[0]
-    out = torch.empty_like(q)
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError(f"fused_rope_cache needs unit stride along a row, got strides {t.stride()}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     norm = q_norm is not None
     _rope_cache_kernel[(rows, num_heads + num_kv_heads)](
         q, k, v, cos, sin, out, k_cache, v_cache, slot, q_norm.weight if norm else q, k_norm.weight if norm else q,
         q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=head_dim, HALF=head_dim // 2, QK_NORM=norm, num_warps=1)
+        q.stride(0), k.stride(0), v.stride(0), D=head_dim, HALF=head_dim // 2, QK_NORM=norm, num_warps=1)
     return out
 
 
 def fused_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    out = torch.empty_like(gate)
-    n, block = gate.numel(), 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
+    """silu(gate) * up for [rows, n] inputs with unit stride along a row (e.g. the halves of one gate_up output);
+    the result is contiguous."""
+    for t in (gate, up):
+        if t.dim() != 2 or t.stride(-1) != 1:
+            raise ValueError(f"fused_silu_mul needs [rows, n] with unit stride along a row, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    rows, n = gate.shape
+    out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
+                                                     num_warps=4)
     return out
 
 

@@ -177,8 +177,10 @@ def test_triton_kernels_in_the_interpreter():
         assert torch.equal(h, x + r) and (y - norm(x + r)).abs().max() < 1e-6
         g, u = torch.randn(4, 40), torch.randn(4, 40)
         assert (K.fused_silu_mul(g, u) - F.silu(g) * u).abs().max() < 1e-6
+        g, u = torch.randn(4, 80).split(40, -1)  # the halves of a fused gate_up output: strided rows
+        assert (K.fused_silu_mul(g, u) - F.silu(g) * u).abs().max() < 1e-6
         rows, H, Hkv, D = 3, 4, 2, 16
-        q, k, v = torch.randn(rows, H * D), torch.randn(rows, Hkv * D), torch.randn(rows, Hkv * D)
+        q, k, v = torch.randn(rows, (H + 2 * Hkv) * D).split([H * D, Hkv * D, Hkv * D], -1)  # a fused qkv output
         ang = torch.randn(rows, D // 2)
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
         qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
@@ -194,10 +196,12 @@ def test_triton_kernels_in_the_interpreter():
             assert (kc[:rows, :, 5] - k_ref).abs().max() < 1e-5 and torch.equal(vc[:rows, :, 5], v.view(rows, Hkv, D))
             assert kc[:, :, :5].abs().sum() == 0 and kc[rows:].abs().sum() == 0  # nothing else written
         from qerl.lora import LoraSettings, apply_lora
-        for model_type in ("qwen2", "qwen3"):
+        for model_type, fuse in (("qwen2", False), ("qwen3", False), ("qwen2", True), ("qwen3", True)):
             model, ps = tiny(model_type, layers=1), prompts(3)
             for p in apply_lora(model, LoraSettings(rank=4, alpha=8)):  # LoRA's addmm path runs too
                 p.data.normal_(0, 0.1)
+            if fuse:  # one q/k/v and one gate/up GEMM: the kernels read column slices of their outputs
+                assert model.fuse_projections() == 2
             engine = E.RolloutEngine(model, check_every=2)
             assert engine.kernels
             out = engine.generate(None, ps, 5, temperature=0, eos_token_ids=[])
@@ -243,9 +247,10 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
             lower(K._rope_cache_kernel,
                   {"Q": p, "K": p, "V": p, "COS": "*fp32", "SIN": "*fp32", "QO": p, "KC": p, "VC": p, "SLOT": "*i64",
                    "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32", "s_h": "i32",
-                   "s_s": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr"},
+                   "s_s": "i32", "s_q": "i32", "s_k": "i32", "s_v": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr"},
                   {"D": 128, "HALF": 64, "QK_NORM": qk})
-        lower(K._silu_mul_kernel, {"G": p, "U": p, "O": p, "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024})
+        lower(K._silu_mul_kernel, {"G": p, "U": p, "O": p, "n": "i32", "s_g": "i32", "s_u": "i32",
+                                   "BLOCK": "constexpr"}, {"BLOCK": 1024})
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -333,8 +338,9 @@ def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme, fuse):
 
 
 @gpu
-def test_gpu_fused_step_matches_the_model_forward():
-    model, _ = gpu_model("bf16")
+@pytest.mark.parametrize("scheme, fuse", [("bf16", False), ("bf16", True), ("nvfp4", True)])
+def test_gpu_fused_step_matches_the_model_forward(scheme, fuse):
+    model, _ = gpu_model(scheme, fuse=fuse)
     ps = prompts(16, vocab=1024, seed=2, max_len=30)
     fused = RolloutEngine(model, use_graphs=False).generate(None, ps, 24, temperature=0.8, seed=0, eos_token_ids=[])
     plain = RolloutEngine(model, use_graphs=False, fused=False)
