@@ -21,8 +21,9 @@ from prefect.utilities.annotations import quote
 from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.errors import debug_requested, report
-from tasks import (build_trainer, collect_rollouts, evaluate, export_adapter, generate_rollouts, grpo_update,
-                   quantize_checkpoint, score_rewards)
+from qerl.phases import Phases
+from tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
+                   score_rewards)
 from tasks.quantize import is_complete
 
 QUANTIZED_ROOT = "runs/quantized"  # quantized bases, one folder per (source, scheme, codec version), shared by runs
@@ -81,27 +82,42 @@ def train_and_evaluate(settings: Settings, out_dir: str, tracker, *, quantized_r
         trainer.close()  # the run folder's lock: held through the final evaluation, which writes into the folder
 
 
+class TaskPhases(Phases):
+    """The trainer's phases as Prefect tasks; its periodic evaluations run the `evaluate` task on the in-process
+    model and log to the run's tracker. Batches go in `quote`d: Prefect need not walk their tensors."""
+
+    def __init__(self, settings: Settings, out: Path, tracker):
+        self.settings, self.out, self.tracker = settings, out, tracker
+        self.plots: list[Path] = []  # the training-curve PNGs, once `export` ran
+
+    def rollout(self, trainer, round_: int):
+        return generate_rollouts(trainer, round_)
+
+    def score(self, trainer, batch):
+        return score_rewards(trainer, quote(batch))
+
+    def finish_step(self, trainer, batch) -> dict[str, float]:
+        return grpo_update(trainer, quote(batch))
+
+    def evaluate(self, trainer) -> None:
+        result = evaluate(self.settings, out_dir=str(self.out / "eval" / f"step-{trainer.step:06d}"),
+                          model=trainer.model, tokenizer=trainer.tokenizer)
+        self.tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+
+    def export(self, trainer) -> Path:
+        adapter, self.plots = export_adapter(trainer)
+        return adapter
+
+
 def _train_and_evaluate(trainer, settings: Settings, out_dir: str, tracker, max_steps: int | None,
                         before_training) -> TrainOutcome:
     logger = get_run_logger()
     if before_training is not None:
         before_training(trainer)
-    total = settings.train.steps
-    stop = total if max_steps is None else min(total, trainer.step + max_steps)
-    eval_every = settings.train.eval_every
     out = Path(out_dir)
-    while trainer.step < stop:
-        if settings.grpo.dynamic_sampling:
-            batch = collect_rollouts(trainer)
-        else:
-            batch = score_rewards(trainer, quote(generate_rollouts(trainer)))  # quote: Prefect need not walk tensors
-        grpo_update(trainer, quote(batch))
-        if eval_every and trainer.step % eval_every == 0 and trainer.step < stop:
-            result = evaluate(settings, out_dir=str(out / "eval" / f"step-{trainer.step:06d}"),
-                              model=trainer.model, tokenizer=trainer.tokenizer)
-            tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
-
-    adapter, plots = export_adapter(trainer)
+    phases = TaskPhases(settings, out, tracker)
+    adapter = trainer.train(max_steps, phases)
+    plots = phases.plots
     result = evaluate(settings, out_dir=str(out / "eval" / "final"), model=trainer.model, tokenizer=trainer.tokenizer)
     tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
     tracker.log_table(result.records, artifact_file="eval/samples.json")
