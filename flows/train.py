@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -18,9 +17,9 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tracker, probe, resolve_tracking_uri
+from flows import cli
+from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
-from qerl.errors import debug_requested, report
 from qerl.phases import Phases
 from tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
                    score_rewards)
@@ -165,32 +164,26 @@ def register(tracker: MlflowTracker, settings: Settings, outcome: TrainOutcome) 
     return version
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params/default.yaml")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="run folder (default: <train.out_dir>/<timestamp>)")
     parser.add_argument("--max-steps", type=int, default=None)
     again = parser.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its newest intact checkpoint")
     again.add_argument("--overwrite", action="store_true", help="delete a previous run's outputs in --out first")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = load_settings(args.params, args.overrides)
-        if settings.tracking.backend == "mlflow":
-            probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
-        result = train(args.params, args.overrides, args.out, args.max_steps, args.resume, overwrite=args.overwrite)
-    except (ConfigError, TrackingUnavailable) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
-        return report(parser.prog, exc, debug_requested())
-    print(f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
-          + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
-    return 0
 
+
+def _run(args: argparse.Namespace) -> str:
+    settings = load_settings(args.params, args.overrides)
+    if settings.tracking.backend == "mlflow":
+        probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
+    result = train(args.params, args.overrides, args.out, args.max_steps, args.resume, overwrite=args.overwrite)
+    return (f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
+            + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, module="flows.train", doc=__doc__, arguments=_arguments, run=_run)
 
 if __name__ == "__main__":
     sys.exit(main())
