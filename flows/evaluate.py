@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 
 from flows import cli
 from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
-from flows.train import EVAL_METRIC, QUANTIZED_ROOT, run_tags, with_quantized_base
+from flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
 from qerl.config import load_settings
 from tasks import evaluate as evaluate_task
 
@@ -39,7 +39,7 @@ def evaluate(params: str = "params/default.yaml", overrides: list[str] | None = 
                                  "model_version": version.version if version else None})
     with open_tracker(settings, run_name=name, tags=tags) as tracker:
         result = evaluate_task(settings, adapter=adapter, out_dir=out_dir, limit=limit)
-        tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=0)
+        log_eval(tracker, result.metrics, step=0)
         tracker.log_table(result.records, artifact_file="eval/samples.json")
     logger.info("%s: %s = %.4f (%s)", adapter or "base model", EVAL_METRIC, result.metrics[EVAL_METRIC], out_dir)
     return {"out_dir": out_dir, "adapter": adapter, "metrics": result.metrics,

@@ -15,7 +15,8 @@ from prefect import flow, get_run_logger
 
 from flows import cli
 from flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
-from flows.train import EVAL_METRIC, QUANTIZED_ROOT, default_out_dir, describe, run_tags, train_and_evaluate
+from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, default_out_dir, describe, log_eval, run_tags,
+                         train_and_evaluate)
 from qerl.config import load_settings
 from tasks import evaluate, find_newest_data
 
@@ -63,7 +64,7 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
         result = evaluate(settings, out_dir=str(Path(out_dir) / "eval" / "champion"), model=trainer.model,
                           tokenizer=trainer.tokenizer)
         scores["champion"] = result.metrics[EVAL_METRIC]
-        tracker.log_metrics({f"champion_eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+        log_eval(tracker, result.metrics, trainer.step, prefix="champion_eval")
 
     tags = run_tags(settings, **{"qerl.flow": "retrain", "out_dir": out_dir, "parent_version": champion_version,
                                  "data": newest})

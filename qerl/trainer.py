@@ -36,7 +36,7 @@ from qerl.prompt_length import fit_prompts, model_context
 from qerl.rollout import RolloutBackend, Sampling, make_backend
 from qerl.runlock import run_folder_lock
 from qerl.runtime import load_base_model, load_tokenizer_and_context, seed_everything
-from qerl.tracking import JsonlWriter, NullTracker, Tracker
+from qerl.tracking import JsonlWriter, NullTracker, Tracker, log_step
 
 log = logging.getLogger(__name__)
 
@@ -509,7 +509,7 @@ class Trainer:
         if not self.dist.is_main:  # the metrics are already the whole step's: one rank writes them
             return
         self.metrics_log.write(metrics)
-        self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+        log_step(self.tracker, metrics)
         if self.progress:
             keys = ("reward_mean", "accuracy", "entropy", "clip_ratio/region", "response_length", "sigma",
                     "rollout_tokens_per_s", "seconds_rollout", "seconds_update")

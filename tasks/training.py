@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from qerl.config import Settings
@@ -64,3 +64,13 @@ def export_adapter(trainer) -> tuple[Path, list[Path]]:
     """The final adapter (PEFT format) and the training-curve PNGs, in the run folder."""
     adapter = trainer.export_adapter(trainer.out / "adapter")
     return adapter, trainer.write_plots()
+
+
+# No retries: a failed multi-process run continues from its checkpoint (resume), not from step 0.
+@task(name="torchrun-train", **_IN_PROCESS)
+def torchrun_train(nproc: int, qerl_args: list[str]) -> None:
+    """`qerl <qerl_args>` (a `train` command) over `nproc` processes with torchrun; its output goes to the run's log,
+    and a non-zero exit fails the task with the ranks' last lines."""
+    from qerl.launch import run_qerl
+
+    run_qerl(nproc, qerl_args, get_run_logger().info)

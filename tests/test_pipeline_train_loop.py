@@ -1,9 +1,11 @@
-"""The training flow runs the trainer's own loop: on a tiny random Llama, `flows.train` (Prefect's temporary server,
-each phase a task) writes what `qerl train` writes for the same parameters, DAPO resampling rounds included."""
+"""The training flow on a tiny random Llama (Prefect's temporary server, a real MLflow store): in one process it runs
+the trainer's own loop, writing what `qerl train` writes for the same parameters, DAPO resampling rounds included;
+with nproc=2 it runs `qerl train` under torchrun (gloo on the CPU) and then evaluates and logs as one process does."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -54,18 +56,25 @@ def task_run_counts(flow_run_id) -> dict[str, int]:
     return counts
 
 
-def test_the_flow_writes_what_the_command_line_writes_resampling_rounds_as_tasks(tmp_path, params_file, monkeypatch):
+@pytest.fixture
+def prefect_home(tmp_path, monkeypatch):
+    """Prefect's temporary local server in a temporary home, for the flow runs of one test."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):
+        yield
+
+
+def test_the_flow_writes_what_the_command_line_writes_resampling_rounds_as_tasks(tmp_path, params_file,
+                                                                                   prefect_home):
     from flows.train import train
     from qerl.cli import main as qerl_main
 
     assert qerl_main(["train", "--params", str(params_file), "--out", str(tmp_path / "cli")]) == 0
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):
-        state = train(params=str(params_file), out_dir=str(tmp_path / "flow"), return_state=True)
-        result = state.result()
-        tasks = task_run_counts(state.state_details.flow_run_id)
+    state = train(params=str(params_file), out_dir=str(tmp_path / "flow"), return_state=True)
+    result = state.result()
+    tasks = task_run_counts(state.state_details.flow_run_id)
 
     expected, got = metrics(tmp_path / "cli"), metrics(tmp_path / "flow")
     assert [m["step"] for m in got] == [1, 2, 3]
@@ -84,3 +93,64 @@ def test_the_flow_writes_what_the_command_line_writes_resampling_rounds_as_tasks
     assert tasks["evaluate"] == 3  # after steps 1 and 2 (train.eval_every: 1), and the final one
     assert (tmp_path / "flow" / "eval" / "step-000002" / "metrics.json").is_file()
     assert result["steps"] == 3 and Path(result["adapter"]) == tmp_path / "flow" / "adapter"
+
+
+@pytest.fixture
+def child_imports_this_checkout(monkeypatch):
+    """torchrun's ranks import qerl and the test's reward from this checkout, wherever pytest was started."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.mark.slow  # a 2-process training job (each rank imports torch and loads the model) and an evaluation
+def test_two_processes_train_then_the_flow_evaluates_logs_and_registers(tmp_path, params_file, prefect_home,
+                                                                          child_imports_this_checkout):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from flows.train import train
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    out = tmp_path / "dp2"
+    state = train(params=str(params_file), out_dir=str(out), nproc=2, return_state=True,
+                  overrides=["grpo.dynamic_sampling=false", "tracking.backend=mlflow", f"tracking.tracking_uri={uri}"])
+    result = state.result()
+    tasks = task_run_counts(state.state_details.flow_run_id)
+
+    assert tasks["torchrun-train"] == 1 and tasks["evaluate"] == 1  # the ranks train only: one final evaluation
+    assert "grpo-update" not in tasks
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3] and result["steps"] == 3
+    assert (out / "eval" / "final" / "metrics.json").is_file()
+    client = MlflowClient(uri)
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["grpo.dynamic_sampling"] == "False"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [3]
+    adapter = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= adapter
+    assert {f.path for f in client.list_artifacts(run.info.run_id, "plots")} == {"plots/reward_curve.png",
+                                                                                   "plots/training_curves.png"}
+    assert client.get_model_version_by_alias("qerl-adapter", "champion").run_id == run.info.run_id
+
+
+def test_a_failed_job_fails_the_flow_with_its_last_lines(tmp_path, params_file, prefect_home,
+                                                         child_imports_this_checkout):
+    """Dynamic sampling is refused over several processes: every rank exits with that line, torchrun with 1."""
+    from flows.train import train
+    from qerl.launch import LaunchFailed
+
+    with pytest.raises(LaunchFailed) as failed:
+        train(params=str(params_file), out_dir=str(tmp_path / "dp2"), nproc=2)
+    message = str(failed.value)
+    assert "-m torch.distributed.run --standalone --nproc-per-node 2 " in message
+    assert "-m qerl.cli train --params" in message and "exited with status 1; its last lines:" in message
+    # the ranks' own lines, not torchrun's report that follows them
+    assert "]:qerl: error: grpo.dynamic_sampling does not run over several processes yet" in message
+    assert "ChildFailedError" not in message
+
+
+def test_nproc_below_one_is_refused_in_a_line(params_file):
+    from flows.train import train
+    from qerl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^nproc=0: must be >= 1 \(the number of training processes\)$"):
+        train.fn(params=str(params_file), nproc=0)
