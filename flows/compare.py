@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.tracking import MlflowTracker, TrackingUnavailable, probe, resolve_tracking_uri
+from flows import cli
+from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
 from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.report import RunRecord, write_report
@@ -201,35 +201,30 @@ def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, 
             "runs": [{"arm": r.arm, "seed": r.seed, "eval": r.eval} for r in records]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params/compare.yaml")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), metavar="ARM",
                         help=f"built-in: {', '.join(ARMS)}; or NAME:section.key=value,... (default: all built-in)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm (default 3)")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="an override for every arm")
     parser.add_argument("--out", default=None, help="experiment folder (default: runs/compare/<params stem>)")
     parser.add_argument("--reward-threshold", type=float, default=0.5,
                         help="the report's 'steps to reach' reward (3-step trailing mean; default 0.5)")
     parser.add_argument("--entropy-prompts", type=int, default=32,
                         help="held-out questions the step-0 entropy of each base format is measured on")
     parser.add_argument("--quantized-root", default=QUANTIZED_ROOT)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        for spec in args.arms:  # fail in a line, before Prefect and the model start up
-            parse_arm(spec)
-        probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
-        result = compare(args.params, args.arms, args.seeds, args.overrides, args.out, args.quantized_root,
-                         args.reward_threshold, args.entropy_prompts)
-    except (ConfigError, TrackingUnavailable) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    print(f"report: {Path(result['out_dir']) / 'report' / 'report.md'}  mlflow parent run {result['parent_run_id']}")
-    return 0
 
+
+def _run(args: argparse.Namespace) -> str:
+    for spec in args.arms:  # fail in a line, before Prefect and the model start up
+        parse_arm(spec)
+    probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
+    result = compare(args.params, args.arms, args.seeds, args.overrides, args.out, args.quantized_root,
+                     args.reward_threshold, args.entropy_prompts)
+    return f"report: {Path(result['out_dir']) / 'report' / 'report.md'}  mlflow parent run {result['parent_run_id']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, module="flows.compare", doc=__doc__, arguments=_arguments, run=_run,
+                    params="params/compare.yaml", overrides_help="an override for every arm")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,17 +6,16 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tracker, probe, resolve_tracking_uri
-from flows.train import EVAL_METRIC, QUANTIZED_ROOT, run_tags, with_quantized_base
-from qerl.config import ConfigError, load_settings
-from qerl.errors import debug_requested, report
+from flows import cli
+from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
+from flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
+from qerl.config import load_settings
 from tasks import evaluate as evaluate_task
 
 
@@ -40,38 +39,31 @@ def evaluate(params: str = "params/default.yaml", overrides: list[str] | None = 
                                  "model_version": version.version if version else None})
     with open_tracker(settings, run_name=name, tags=tags) as tracker:
         result = evaluate_task(settings, adapter=adapter, out_dir=out_dir, limit=limit)
-        tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=0)
+        log_eval(tracker, result.metrics, step=0)
         tracker.log_table(result.records, artifact_file="eval/samples.json")
     logger.info("%s: %s = %.4f (%s)", adapter or "base model", EVAL_METRIC, result.metrics[EVAL_METRIC], out_dir)
     return {"out_dir": out_dir, "adapter": adapter, "metrics": result.metrics,
             "run_id": tracker.run_id if isinstance(tracker, MlflowTracker) else None}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params/default.yaml")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--adapter", default=None, help="a PEFT adapter folder")
     which.add_argument("--alias", default=None, help="a registry alias of tracking.registered_model, e.g. champion")
     parser.add_argument("--out", default=None)
     parser.add_argument("--limit", type=int, default=None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = load_settings(args.params, args.overrides)
-        if settings.tracking.backend == "mlflow" or args.alias:
-            probe(resolve_tracking_uri(settings))
-        result = evaluate(args.params, args.overrides, args.adapter, args.alias, args.out, args.limit)
-    except (ConfigError, TrackingUnavailable) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
-        return report(parser.prog, exc, debug_requested())
-    print(f"{EVAL_METRIC}: {result['metrics'][EVAL_METRIC]:.4f}  ({result['out_dir']})")
-    return 0
 
+
+def _run(args: argparse.Namespace) -> str:
+    settings = load_settings(args.params, args.overrides)
+    if settings.tracking.backend == "mlflow" or args.alias:
+        probe(resolve_tracking_uri(settings))
+    result = evaluate(args.params, args.overrides, args.adapter, args.alias, args.out, args.limit)
+    return f"{EVAL_METRIC}: {result['metrics'][EVAL_METRIC]:.4f}  ({result['out_dir']})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, module="flows.evaluate", doc=__doc__, arguments=_arguments, run=_run)
 
 if __name__ == "__main__":
     sys.exit(main())

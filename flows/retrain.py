@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.tracking import CHAMPION, MlflowTracker, Registry, TrackingUnavailable, probe, resolve_tracking_uri
-from flows.train import EVAL_METRIC, QUANTIZED_ROOT, default_out_dir, describe, run_tags, train_and_evaluate
-from qerl.config import ConfigError, load_settings
-from qerl.errors import debug_requested, report
+from flows import cli
+from flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
+from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, default_out_dir, describe, log_eval, run_tags,
+                         train_and_evaluate)
+from qerl.config import load_settings
 from tasks import evaluate, find_newest_data
 
 
@@ -64,7 +64,7 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
         result = evaluate(settings, out_dir=str(Path(out_dir) / "eval" / "champion"), model=trainer.model,
                           tokenizer=trainer.tokenizer)
         scores["champion"] = result.metrics[EVAL_METRIC]
-        tracker.log_metrics({f"champion_eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+        log_eval(tracker, result.metrics, trainer.step, prefix="champion_eval")
 
     tags = run_tags(settings, **{"qerl.flow": "retrain", "out_dir": out_dir, "parent_version": champion_version,
                                  "data": newest})
@@ -91,27 +91,19 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
             "champion": scores["champion"], **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "eval"}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params/default.yaml")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default="data/incoming", help="the newest *.jsonl here is trained on")
     parser.add_argument("--min-improvement", type=float, default=0.0, help="margin the candidate must beat by")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
-        result = retrain(args.params, args.overrides, args.data_dir, args.min_improvement, args.out)
-    except (ConfigError, TrackingUnavailable, NoChampion) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
-        return report(parser.prog, exc, debug_requested())
-    print(result["verdict"])
-    return 0
 
+
+def _run(args: argparse.Namespace) -> str:
+    probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
+    return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, args.out)["verdict"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, module="flows.retrain", doc=__doc__, arguments=_arguments, run=_run, expected=(NoChampion,))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+from flows import cli
 from qerl import atomic
 from qerl.config import Settings, load_settings
-from qerl.errors import debug_requested, report
 
 
 def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
@@ -66,34 +66,30 @@ def curves(metrics_jsonl: str | Path, out_csv: str | Path) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.stages", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="write train.jsonl and test.jsonl from the data/eval parameters")
-    p.add_argument("--params", default=None)
-    p.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    cli.add_params(p, default=None)
     p.add_argument("--out", required=True)
     p = sub.add_parser("fingerprint", help="write the fingerprints of the data/eval datasets as JSON")
-    p.add_argument("--params", default=None)
-    p.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    cli.add_params(p, default=None)
     p.add_argument("--out", required=True)
     p = sub.add_parser("curves", help="metrics.jsonl -> CSV for dvc plots")
     p.add_argument("metrics_jsonl")
     p.add_argument("out_csv")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "prepare":
-            for name, path in prepare(load_settings(args.params, args.overrides), args.out).items():
-                print(f"{name}: {path} ({sum(1 for _ in path.open())} examples)")
-        elif args.command == "fingerprint":
-            print(fingerprint(load_settings(args.params, args.overrides), args.out).read_text(), end="")
-        else:
-            print(curves(args.metrics_jsonl, args.out_csv))
-    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
-        return report(parser.prog, exc, debug_requested())
-    return 0
 
+
+def _run(args: argparse.Namespace) -> str:
+    if args.command == "prepare":
+        written = prepare(load_settings(args.params, args.overrides), args.out)
+        return "\n".join(f"{name}: {path} ({sum(1 for _ in path.open())} examples)" for name, path in written.items())
+    if args.command == "fingerprint":
+        return fingerprint(load_settings(args.params, args.overrides), args.out).read_text().rstrip("\n")
+    return str(curves(args.metrics_jsonl, args.out_csv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, module="flows.stages", doc=__doc__, arguments=_arguments, run=_run, params=None)
 
 if __name__ == "__main__":
     sys.exit(main())

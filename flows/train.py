@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -18,11 +17,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.tracking import MlflowTracker, Registry, TrackingUnavailable, open_tracker, probe, resolve_tracking_uri
+from flows import cli
+from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
-from qerl.errors import debug_requested, report
-from tasks import (build_trainer, collect_rollouts, evaluate, export_adapter, generate_rollouts, grpo_update,
-                   quantize_checkpoint, score_rewards)
+from qerl.phases import Phases
+from qerl.plots import REWARD_CURVE, TRAINING_CURVES
+from qerl.tracking import JsonlWriter, log_step
+from tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
+                   score_rewards, torchrun_train)
 from tasks.quantize import is_complete
 
 QUANTIZED_ROOT = "runs/quantized"  # quantized bases, one folder per (source, scheme, codec version), shared by runs
@@ -81,52 +83,123 @@ def train_and_evaluate(settings: Settings, out_dir: str, tracker, *, quantized_r
         trainer.close()  # the run folder's lock: held through the final evaluation, which writes into the folder
 
 
+class TaskPhases(Phases):
+    """The trainer's phases as Prefect tasks; its periodic evaluations run the `evaluate` task on the in-process
+    model and log to the run's tracker. Batches go in `quote`d: Prefect need not walk their tensors."""
+
+    def __init__(self, settings: Settings, out: Path, tracker):
+        self.settings, self.out, self.tracker = settings, out, tracker
+        self.plots: list[Path] = []  # the training-curve PNGs, once `export` ran
+
+    def rollout(self, trainer, round_: int):
+        return generate_rollouts(trainer, round_)
+
+    def score(self, trainer, batch):
+        return score_rewards(trainer, quote(batch))
+
+    def finish_step(self, trainer, batch) -> dict[str, float]:
+        return grpo_update(trainer, quote(batch))
+
+    def evaluate(self, trainer) -> None:
+        result = evaluate(self.settings, out_dir=str(self.out / "eval" / f"step-{trainer.step:06d}"),
+                          model=trainer.model, tokenizer=trainer.tokenizer)
+        log_eval(self.tracker, result.metrics, trainer.step)
+
+    def export(self, trainer) -> Path:
+        adapter, self.plots = export_adapter(trainer)
+        return adapter
+
+
 def _train_and_evaluate(trainer, settings: Settings, out_dir: str, tracker, max_steps: int | None,
                         before_training) -> TrainOutcome:
-    logger = get_run_logger()
     if before_training is not None:
         before_training(trainer)
-    total = settings.train.steps
-    stop = total if max_steps is None else min(total, trainer.step + max_steps)
-    eval_every = settings.train.eval_every
-    out = Path(out_dir)
-    while trainer.step < stop:
-        if settings.grpo.dynamic_sampling:
-            batch = collect_rollouts(trainer)
-        else:
-            batch = score_rewards(trainer, quote(generate_rollouts(trainer)))  # quote: Prefect need not walk tensors
-        grpo_update(trainer, quote(batch))
-        if eval_every and trainer.step % eval_every == 0 and trainer.step < stop:
-            result = evaluate(settings, out_dir=str(out / "eval" / f"step-{trainer.step:06d}"),
-                              model=trainer.model, tokenizer=trainer.tokenizer)
-            tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+    phases = TaskPhases(settings, Path(out_dir), tracker)
+    adapter = trainer.train(max_steps, phases)
+    return evaluate_and_log(settings, Path(out_dir), tracker, adapter, phases.plots, trainer.step,
+                            policy=dict(model=trainer.model, tokenizer=trainer.tokenizer))
 
-    adapter, plots = export_adapter(trainer)
-    result = evaluate(settings, out_dir=str(out / "eval" / "final"), model=trainer.model, tokenizer=trainer.tokenizer)
-    tracker.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()}, step=trainer.step)
+
+def train_over_processes(settings: Settings, params: str, overrides: list[str], out_dir: str, tracker, nproc: int, *,
+                         quantized_root: str = QUANTIZED_ROOT, max_steps: int | None = None, resume: bool = False,
+                         overwrite: bool = False) -> TrainOutcome:
+    """`qerl train` over `nproc` processes (torchrun: the data-parallel trainer), then what a one-process run does
+    after its loop, from the run folder the job wrote: its parameters and per-step metrics into the tracker (the job
+    itself tracks nothing), the final evaluation of the base + adapter, the artifacts. No evaluations between steps:
+    the job's ranks train only."""
+    settings = with_quantized_base(settings, quantized_root)
+    if settings.train.eval_every:
+        get_run_logger().warning("train.eval_every=%d: no evaluations between steps over %d processes, only the "
+                                 "final one", settings.train.eval_every, nproc)
+    torchrun_train(nproc, qerl_train_args(settings, params, overrides, out_dir, max_steps, resume, overwrite))
+    out = Path(out_dir)
+    records = JsonlWriter(out / "metrics.jsonl").read()
+    tracker.log_params(settings.to_flat_dict())
+    for record in records:
+        log_step(tracker, record)
+    plots = [path for path in (out / REWARD_CURVE, out / TRAINING_CURVES) if path.is_file()]
+    adapter = out / "adapter"
+    return evaluate_and_log(settings, out, tracker, adapter, plots, records[-1]["step"] if records else 0,
+                            policy=dict(adapter=str(adapter)))
+
+
+def qerl_train_args(settings: Settings, params: str, overrides: list[str], out_dir: str, max_steps: int | None,
+                    resume: bool, overwrite: bool) -> list[str]:
+    """The `qerl train` arguments of this flow's run: its params and overrides, and the quantized base it made."""
+    args = ["train", "--params", params, "--out", out_dir]
+    quantized = [f"quant.quantized_path={settings.quant.quantized_path}"] if settings.quant.quantized_path else []
+    for override in [*overrides, *quantized]:
+        args += ["-S", override]
+    if max_steps is not None:
+        args += ["--max-steps", str(max_steps)]
+    return args + (["--resume"] if resume else []) + (["--overwrite"] if overwrite else [])
+
+
+def evaluate_and_log(settings: Settings, out: Path, tracker, adapter: Path, plots: list[Path], step: int,
+                     policy: dict[str, Any]) -> TrainOutcome:
+    """What follows training however it ran: the final evaluation of the policy (`policy`: the `evaluate` task's
+    model and tokenizer in process, or the adapter folder to load on the base), its metrics and per-sample table,
+    the plots, metrics.jsonl and the adapter, all logged."""
+    result = evaluate(settings, out_dir=str(out / "eval" / "final"), **policy)
+    log_eval(tracker, result.metrics, step)
     tracker.log_table(result.records, artifact_file="eval/samples.json")
     for png in plots:
         tracker.log_artifact(png, "plots")
     tracker.log_artifact(out / "metrics.jsonl")
     tracker.log_artifact(adapter, "adapter")
-    logger.info("step %d: eval %s = %.4f, adapter %s", trainer.step, EVAL_METRIC, result.metrics[EVAL_METRIC], adapter)
-    return TrainOutcome(str(out), str(adapter), trainer.step, result.metrics, tracker.run_id)
+    get_run_logger().info("step %d: eval %s = %.4f, adapter %s", step, EVAL_METRIC, result.metrics[EVAL_METRIC],
+                          adapter)
+    return TrainOutcome(str(out), str(adapter), step, result.metrics, tracker.run_id)
+
+
+def log_eval(tracker, metrics: dict[str, float], step: int, prefix: str = "eval") -> None:
+    tracker.log_metrics({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
 
 
 @flow(name="qerl-train", log_prints=True)
 def train(params: str = "params/default.yaml", overrides: list[str] | None = None, out_dir: str | None = None,
           max_steps: int | None = None, resume: bool = False, quantized_root: str = QUANTIZED_ROOT,
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, nproc: int = 1) -> dict:
     """Train a LoRA adapter on the quantized base (params file + `section.key=value` overrides), evaluate it, and
-    register it as a new version of `tracking.registered_model` (the first one becomes the champion)."""
+    register it as a new version of `tracking.registered_model` (the first one becomes the champion).
+
+    `nproc` > 1: the training runs as `qerl train` over that many processes (torchrun, one GPU each; gloo on the
+    CPU), then the same evaluation, logging and registration follow."""
+    if nproc < 1:
+        raise ConfigError(f"nproc={nproc}: must be >= 1 (the number of training processes)")
     settings = load_settings(params, overrides or [])
     if resume and out_dir is None:
         raise ConfigError("resume=True needs out_dir: the run folder whose checkpoints to continue from")
     out_dir = out_dir or default_out_dir(settings)
     with open_tracker(settings, run_name=settings.tracking.run_name or describe(settings),
                       tags=run_tags(settings, **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
-        outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root, max_steps=max_steps,
-                                     resume=resume, overwrite=overwrite)
+        if nproc == 1:
+            outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
+                                         max_steps=max_steps, resume=resume, overwrite=overwrite)
+        else:
+            outcome = train_over_processes(settings, params, overrides or [], out_dir, tracker, nproc,
+                                           quantized_root=quantized_root, max_steps=max_steps, resume=resume,
+                                           overwrite=overwrite)
         if isinstance(tracker, MlflowTracker):
             outcome.model_version = register(tracker, settings, outcome)
     return dataclasses.asdict(outcome)
@@ -149,32 +222,29 @@ def register(tracker: MlflowTracker, settings: Settings, outcome: TrainOutcome) 
     return version
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params/default.yaml")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="run folder (default: <train.out_dir>/<timestamp>)")
     parser.add_argument("--max-steps", type=int, default=None)
     again = parser.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its newest intact checkpoint")
     again.add_argument("--overwrite", action="store_true", help="delete a previous run's outputs in --out first")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = load_settings(args.params, args.overrides)
-        if settings.tracking.backend == "mlflow":
-            probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
-        result = train(args.params, args.overrides, args.out, args.max_steps, args.resume, overwrite=args.overwrite)
-    except (ConfigError, TrackingUnavailable) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    except (Exception, KeyboardInterrupt) as exc:  # one line; QERL_DEBUG=1 shows the traceback
-        return report(parser.prog, exc, debug_requested())
-    print(f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
-          + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
-    return 0
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="training processes (torchrun, one GPU each; default 1: in the flow's process)")
 
+
+def _run(args: argparse.Namespace) -> str:
+    settings = load_settings(args.params, args.overrides)
+    if settings.tracking.backend == "mlflow":
+        probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
+    result = train(args.params, args.overrides, args.out, args.max_steps, args.resume, overwrite=args.overwrite,
+                   nproc=args.nproc)
+    return (f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
+            + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, module="flows.train", doc=__doc__, arguments=_arguments, run=_run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,7 @@ from typing import Sequence
 
 CURVES = (("reward_mean", "mean reward"), ("accuracy", "accuracy"), ("entropy", "policy entropy (nats/token)"),
           ("sigma", "AQN σ"), ("response_length", "response length (tokens)"), ("kl", "KL to reference"))
+REWARD_CURVE, TRAINING_CURVES = "reward_curve.png", "training_curves.png"  # in the run folder
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
@@ -18,7 +19,8 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | None = None) -> list[Path]:
-    """Writes `training_curves.png` (a grid of the main metrics) and `reward_curve.png`; returns the paths."""
+    """Writes `training_curves.png` (a grid of the main metrics) and `reward_curve.png`; returns the paths (none
+    when no step has a reward: every step was skipped)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,7 +42,7 @@ def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    paths.append(out_dir / "reward_curve.png")
+    paths.append(out_dir / REWARD_CURVE)
     fig.savefig(paths[-1])
     plt.close(fig)
 
@@ -61,7 +63,7 @@ def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | 
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
     fig.tight_layout()
-    paths.append(out_dir / "training_curves.png")
+    paths.append(out_dir / TRAINING_CURVES)
     fig.savefig(paths[-1])
     plt.close(fig)
     return paths

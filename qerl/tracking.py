@@ -18,6 +18,11 @@ class Tracker(Protocol):
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
 
 
+def log_step(tracker: Tracker, metrics: dict[str, Any]) -> None:
+    """One metrics.jsonl record as a tracker takes it: its `step` is the x axis, not a metric."""
+    tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+
+
 class NullTracker:
     """Logs nothing (the trainer still writes metrics.jsonl itself)."""
 

@@ -31,11 +31,12 @@ from qerl.aqn import build_schedule
 from qerl.config import Settings
 from qerl.generate import Rollout
 from qerl.manifest import write_manifest
+from qerl.phases import Phases
 from qerl.prompt_length import fit_prompts, model_context
 from qerl.rollout import RolloutBackend, Sampling, make_backend
 from qerl.runlock import run_folder_lock
 from qerl.runtime import load_base_model, load_tokenizer_and_context, seed_everything
-from qerl.tracking import JsonlWriter, NullTracker, Tracker
+from qerl.tracking import JsonlWriter, NullTracker, Tracker, log_step
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,9 @@ def return_large_frees_to_the_os() -> None:
 class Trainer:
     """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise.
 
-    `train()` runs the whole loop; `rollout()`, `score()`, `update()` are its phases, for callers that orchestrate
-    them (Prefect tasks). State lives in `out_dir`: params.yaml, metrics.jsonl, checkpoints/, adapter/.
+    `train()` runs the whole loop; `rollout()`, `score()`, `finish_step()` are its phases, and a `Phases` passed to
+    `train()` decides how each is called (the Prefect flow runs each as a task).
+    State lives in `out_dir`: params.yaml, metrics.jsonl, checkpoints/, adapter/.
     The trainer holds an exclusive lock on `out_dir` from construction until `close()` (or the end of a `with`
     block, or the process): a second trainer on the same folder fails at once.
     """
@@ -278,15 +280,16 @@ class Trainer:
         batch.score_seconds = time.perf_counter() - start
         return batch
 
-    def collect(self) -> RolloutBatch:
+    def collect(self, phases: Phases | None = None) -> RolloutBatch:
         """Rollout + score; with dynamic sampling, keep only groups whose rewards differ, drawing more prompts."""
+        phases = phases or Phases()
         g = self.settings.grpo
-        batch = self.score(self.rollout())
+        batch = phases.score(self, phases.rollout(self, 0))
         if not g.dynamic_sampling:
             return batch
         want, kept, drawn = len(batch.examples), [], []
         for round_ in range(g.max_resample_rounds + 1):
-            b = batch if round_ == 0 else self.score(self.rollout(round_=round_))
+            b = batch if round_ == 0 else phases.score(self, phases.rollout(self, round_))
             drawn.append(b)
             informative = grpo.informative_groups(b.rewards, b.group_size).tolist()
             kept.append(b.select_groups([i for i, ok in enumerate(informative) if ok]))
@@ -464,9 +467,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ loop
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self, phases: Phases | None = None) -> dict[str, float]:
         """One full step: collect (rollout + score), then `finish_step`."""
-        return self.finish_step(self.collect())
+        phases = phases or Phases()
+        return phases.finish_step(self, self.collect(phases))
 
     def finish_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Update on a scored batch, log the step's metrics, checkpoint when due; returns the metrics."""
@@ -484,17 +488,20 @@ class Trainer:
             self.save_checkpoint()
         return metrics
 
-    def train(self, max_steps: int | None = None) -> Path:
-        """Run until `train.steps` (or `max_steps` more steps); export and return the final adapter folder."""
-        total = self.settings.train.steps
+    def train(self, max_steps: int | None = None, phases: Phases | None = None) -> Path:
+        """Run until `train.steps` (or `max_steps` more steps); export and return the final adapter folder.
+        `phases` decides how each phase is called (default: directly)."""
+        phases = phases or Phases()
+        total, eval_every = self.settings.train.steps, self.settings.train.eval_every
         stop = total if max_steps is None else min(total, self.step + max_steps)
         log.info("training %s -> step %d of %d in %s", self.settings.model.path, stop, total, self.out)
         while self.step < stop:
-            self.train_step()
+            self.train_step(phases)
+            if eval_every and self.step % eval_every == 0 and self.step < stop:
+                phases.evaluate(self)
         adapter = self.out / "adapter"
         if self.dist.is_main:
-            adapter = self.export_adapter(adapter)
-            self.write_plots()
+            adapter = phases.export(self)
         self.dist.barrier()  # every rank returns once the run's outputs exist
         return adapter
 
@@ -502,7 +509,7 @@ class Trainer:
         if not self.dist.is_main:  # the metrics are already the whole step's: one rank writes them
             return
         self.metrics_log.write(metrics)
-        self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+        log_step(self.tracker, metrics)
         if self.progress:
             keys = ("reward_mean", "accuracy", "entropy", "clip_ratio/region", "response_length", "sigma",
                     "rollout_tokens_per_s", "seconds_rollout", "seconds_update")

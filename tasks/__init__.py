@@ -3,8 +3,8 @@
 from tasks.data import find_newest_data
 from tasks.evaluation import evaluate
 from tasks.quantize import quantize_checkpoint
-from tasks.training import (build_trainer, collect_rollouts, export_adapter, generate_rollouts, grpo_update,
-                            score_rewards)
+from tasks.training import (build_trainer, export_adapter, generate_rollouts, grpo_update, score_rewards,
+                            torchrun_train)
 
-__all__ = ["quantize_checkpoint", "build_trainer", "generate_rollouts", "score_rewards", "collect_rollouts",
-           "grpo_update", "export_adapter", "evaluate", "find_newest_data"]
+__all__ = ["quantize_checkpoint", "build_trainer", "generate_rollouts", "score_rewards", "grpo_update",
+           "export_adapter", "torchrun_train", "evaluate", "find_newest_data"]

@@ -1,4 +1,6 @@
-"""The RL step as Prefect tasks over one in-process `Trainer`: rollout -> score -> GRPO update (AQN inside).
+"""The RL step as Prefect tasks over one in-process `Trainer`: rollout -> score -> GRPO update (AQN inside). The
+training flow hands them to `Trainer.train` as its phases, so the loop (DAPO resampling rounds included) is the
+trainer's own.
 
 The Trainer, its model and the rollout batches stay in this process: none of these tasks caches or persists its result
 (gigabytes of weights and tensors do not belong in Prefect's result store, and they are not reusable across runs).
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from qerl.config import Settings
@@ -38,22 +40,16 @@ def build_trainer(settings: Settings, out_dir: str, tracker: Tracker | None = No
 
 
 @task(name="generate-rollouts", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
-def generate_rollouts(trainer):
-    """`group_size` completions per prompt from the policy, AQN noise in the norm weights (σ of this step)."""
-    return trainer.rollout()
+def generate_rollouts(trainer, round_: int = 0):
+    """`group_size` completions per prompt from the policy, AQN noise in the norm weights (σ of this step); `round_`
+    > 0 is a DAPO resampling round of the same step."""
+    return trainer.rollout(round_=round_)
 
 
 @task(name="score-rewards", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
 def score_rewards(trainer, batch):
     """Rewards (the `train.rewards` mix) and accuracy of every completion."""
     return trainer.score(batch)
-
-
-@task(name="collect-rollouts", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
-def collect_rollouts(trainer):
-    """Rollout + score with DAPO dynamic sampling (draws more prompts until groups with differing rewards fill the
-    batch): one task, because the resampling loop lives in `Trainer.collect`."""
-    return trainer.collect()
 
 
 # No retries: a failure after the optimizer step would apply it twice. Resume from the last checkpoint instead.
@@ -68,3 +64,13 @@ def export_adapter(trainer) -> tuple[Path, list[Path]]:
     """The final adapter (PEFT format) and the training-curve PNGs, in the run folder."""
     adapter = trainer.export_adapter(trainer.out / "adapter")
     return adapter, trainer.write_plots()
+
+
+# No retries: a failed multi-process run continues from its checkpoint (resume), not from step 0.
+@task(name="torchrun-train", **_IN_PROCESS)
+def torchrun_train(nproc: int, qerl_args: list[str]) -> None:
+    """`qerl <qerl_args>` (a `train` command) over `nproc` processes with torchrun; its output goes to the run's log,
+    and a non-zero exit fails the task with the ranks' last lines."""
+    from qerl.launch import run_qerl
+
+    run_qerl(nproc, qerl_args, get_run_logger().info)

@@ -1,0 +1,53 @@
+"""The one command-line shape of `python -m flows.<name>`: each module declares its own arguments and what to run;
+this builds the parser (with --params and -S overrides), sets up logging and ends every error in one line.
+
+Exit codes are `qerl.errors`': 2 for bad input, 1 for anything else (an unreachable tracking server included), 130
+for Ctrl-C; QERL_DEBUG=1 shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable
+
+from flows.tracking import TrackingUnavailable
+from qerl.errors import FAILURE_EXIT, debug_requested, report
+
+DEFAULT_PARAMS = "params/default.yaml"
+
+
+def add_params(parser: argparse.ArgumentParser, default: str | None = DEFAULT_PARAMS, help: str | None = None) -> None:
+    """--params FILE and repeatable -S SECTION.KEY=VALUE overrides (into `args.params`, `args.overrides`)."""
+    parser.add_argument("--params", default=default)
+    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help=help)
+
+
+def main(argv: list[str] | None, *, module: str, doc: str | None,
+         arguments: Callable[[argparse.ArgumentParser], None], run: Callable[[argparse.Namespace], str],
+         params: str | None = DEFAULT_PARAMS, overrides_help: str | None = None,
+         expected: tuple[type[BaseException], ...] = ()) -> int:
+    """Parse `argv`, call `run(args)` and print the line it returns; returns the exit code.
+
+    `params`: the default of --params (None: the module adds its own, e.g. per subcommand). `expected`: failures
+    whose message is the whole story (no "unexpected" hint), reported in one line with exit 1 as an unreachable
+    tracking server is.
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if params is not None:
+        add_params(parser, params, overrides_help)
+    arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        summary = run(args)
+    except (TrackingUnavailable, *expected) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return FAILURE_EXIT
+    except (Exception, KeyboardInterrupt) as exc:  # one line (exit 2 for bad input); QERL_DEBUG=1: the traceback
+        return report(parser.prog, exc, debug_requested())
+    print(summary)
+    return 0
