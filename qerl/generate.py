@@ -7,6 +7,8 @@ recomputes for importance ratios.
 """
 from __future__ import annotations
 
+import os
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +73,10 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
     if temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, F.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+    if top_k == 0 and top_p >= 1.0 and not isinstance(generator, Sequence) and _sampling_kernel_runs(logits):
+        from qerl import fused_ops
+
+        return fused_ops.fused_sample(logits, temperature, generator)
     scaled = logits / temperature
     logprobs = F.log_softmax(scaled, -1)
     if top_k > 0 and top_k < scaled.shape[-1]:
@@ -90,6 +96,16 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     tokens = (probs / noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def _sampling_kernel_runs(logits: Tensor) -> bool:
+    """Whether plain tempered sampling takes the one-pass kernel: CUDA (or Triton's CPU interpreter, in tests).
+    CPU runs keep the PyTorch sampler and its random numbers (bit-exact resumes, the README's measured runs)."""
+    if not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    from qerl import fused_ops
+
+    return fused_ops.kernels_run_on(logits.device)
 
 
 def default_eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -339,6 +339,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
             k_cache[:rows].index_copy_(2, slot, k[:, :, None].to(k_cache.dtype))
             v_cache[:rows].index_copy_(2, slot, v[:, :, None].to(v_cache.dtype))
+        if fused:  # split-KV decode attention: SDPA's kernels leave most of the GPU idle at one query per row
+            out = fused_ops.decode_attention(q, k_cache, v_cache, mask[:, 0, 0], heads, kv_heads, dim)
+            return project(self.o_proj, out, fused)
         # Query heads of one kv head side by side (as forward folds GQA): no repeat of the cache.
         out = F.scaled_dot_product_attention(q.view(rows, kv_heads, heads // kv_heads, dim),
                                              k_cache[:rows, :, :window], v_cache[:rows, :, :window], attn_mask=mask)

@@ -195,6 +195,17 @@ def test_triton_kernels_in_the_interpreter():
             assert (qo.view(rows, H, D) - q_ref).abs().max() < 1e-5
             assert (kc[:rows, :, 5] - k_ref).abs().max() < 1e-5 and torch.equal(vc[:rows, :, 5], v.view(rows, Hkv, D))
             assert kc[:, :, :5].abs().sum() == 0 and kc[rows:].abs().sum() == 0  # nothing else written
+        for rows, Hkv, G, window in ((3, 2, 2, 40), (2, 1, 3, 100)):  # several splits; a group padded to 16
+            D = 16
+            q = torch.randn(rows, Hkv * G * D)
+            kc, vc = torch.randn(rows + 1, Hkv, window + 7, D), torch.randn(rows + 1, Hkv, window + 7, D)
+            mask = torch.zeros(rows, window)
+            mask[0, :5] = float("-inf")  # left padding
+            mask[1, window - 3:] = float("-inf")
+            got = K.decode_attention(q, kc, vc, mask, Hkv * G, Hkv, D, target_programs=16)
+            ref = F.scaled_dot_product_attention(q.view(rows, Hkv, G, D), kc[:rows, :, :window], vc[:rows, :, :window],
+                                                 attn_mask=mask[:, None, None, :]).reshape(rows, -1)
+            assert (got - ref).abs().max() < 1e-4, (got - ref).abs().max()
         from qerl.lora import LoraSettings, apply_lora
         for model_type, fuse in (("qwen2", False), ("qwen3", False), ("qwen2", True), ("qwen3", True)):
             model, ps = tiny(model_type, layers=1), prompts(3)
@@ -206,6 +217,36 @@ def test_triton_kernels_in_the_interpreter():
             assert engine.kernels
             out = engine.generate(None, ps, 5, temperature=0, eos_token_ids=[])
             assert out.completion_ids == generate(model, None, ps, 5, temperature=0, eos_token_ids=[]).completion_ids
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
+    """The one-pass sampling kernel: log-probs are log_softmax(logits / T) of the drawn token, the draws follow that
+    distribution (frequencies over many rows), a seeded generator repeats them, and every token can come out."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from qerl import fused_ops as K
+        from qerl.generate import sample_tokens
+        torch.manual_seed(0)
+        t = 0.7
+        base = torch.randn(37) * 1.5  # 37 entries, 16 per block: the online log-sum-exp crosses blocks
+        logits = base.expand(40, 37).contiguous()
+        tok, logp = K.fused_sample(logits, t, torch.Generator().manual_seed(1), block=16)
+        assert tok.dtype == torch.long and logp.dtype == torch.float32
+        assert (logp - torch.log_softmax(base / t, -1)[tok]).abs().max() < 1e-5
+        probs = torch.tensor([0.5, 0.25, 0.15, 0.1])  # tempered: p^(1/t) renormalized
+        logits = (probs.log() * t).expand(600, 4).contiguous()
+        tok, _ = sample_tokens(logits, t, generator=torch.Generator().manual_seed(1))
+        freq = torch.bincount(tok, minlength=4).float() / 600
+        assert (freq - probs).abs().max() < 0.07, freq  # 3.4 standard errors at p = 0.5
+        again, _ = sample_tokens(logits, t, generator=torch.Generator().manual_seed(1))
+        other, _ = sample_tokens(logits, t, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(tok, again) and not torch.equal(tok, other)
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
@@ -249,6 +290,16 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
                    "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32", "s_h": "i32",
                    "s_s": "i32", "s_q": "i32", "s_k": "i32", "s_v": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr"},
                   {"D": 128, "HALF": 64, "QK_NORM": qk})
+        lower(K._sample_kernel, {"LOGITS": "*fp32", "SEED": "*i64", "TOK": "*i64", "LOGP": "*fp32", "V": "i32",
+                                 "stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}, {"BLOCK": 4096})
+        lower(K._decode_attention_partial_kernel,
+              {"Q": p, "KC": p, "VC": p, "MASK": p, "PO": "*fp32", "PML": "*fp32", "s_q": "i32", "s_kb": "i32",
+               "s_kh": "i32", "s_ks": "i32", "s_m": "i32", "window": "i32", "chunk": "i32", "scale": "fp32",
+               "G": "constexpr", "GP": "constexpr", "D": "constexpr", "BLOCK_N": "constexpr"},
+              {"G": 7, "GP": 16, "D": 128, "BLOCK_N": 64})
+        lower(K._decode_attention_combine_kernel, {"PO": "*fp32", "PML": "*fp32", "O": p, "splits": "i32",
+                                                   "G": "constexpr", "GP": "constexpr", "D": "constexpr",
+                                                   "SPLITS": "constexpr"}, {"G": 7, "GP": 16, "D": 128, "SPLITS": 8})
         lower(K._silu_mul_kernel, {"G": p, "U": p, "O": p, "n": "i32", "s_g": "i32", "s_u": "i32",
                                    "BLOCK": "constexpr"}, {"BLOCK": 1024})
 
