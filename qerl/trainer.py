@@ -184,8 +184,6 @@ class Trainer:
             runfolder.check_start(self.out, resume, overwrite, has_checkpoint=bool(checkpoints.finished(
                 self.out / CHECKPOINTS)))
         seed_everything(s.train.seed)
-        if self.dist.active and s.grpo.dynamic_sampling:
-            raise ValueError("grpo.dynamic_sampling does not run over several processes yet: set it to false")
         self.dist.shard(range(s.rollout.prompts_per_step))  # fail now, not at step 1, if the prompts do not split
 
         d = s.data  # data first: a bad dataset fails in a second, not after a model load
@@ -287,20 +285,36 @@ class Trainer:
         batch = phases.score(self, phases.rollout(self, 0))
         if not g.dynamic_sampling:
             return batch
-        want, kept, drawn = len(batch.examples), [], []
+        want, kept, drawn, found = self.settings.rollout.prompts_per_step, [], [], 0
         for round_ in range(g.max_resample_rounds + 1):
             b = batch if round_ == 0 else phases.score(self, phases.rollout(self, round_))
             drawn.append(b)
             informative = grpo.informative_groups(b.rewards, b.group_size).tolist()
             kept.append(b.select_groups([i for i, ok in enumerate(informative) if ok]))
-            if sum(len(k.examples) for k in kept) >= want:
+            found += sum(self.dist.gather(informative))  # every rank counts the whole step's groups: one decision
+            if found >= want:
                 break
-        out = RolloutBatch.concat(kept)
-        out = out.select_groups(list(range(min(want, len(out.examples)))))
+        out = self._kept_groups(kept, want)
         out.seconds = sum(b.seconds for b in drawn)
         out.score_seconds = sum(b.score_seconds for b in drawn)
-        out.extra.update({"dynamic_sampling/rounds": len(drawn), "dynamic_sampling/kept_groups": len(out.examples)})
+        kept_groups = int(self.dist.sum([len(out.examples)])[0])
+        out.extra.update({"dynamic_sampling/rounds": len(drawn), "dynamic_sampling/kept_groups": kept_groups})
         return out
+
+    def _kept_groups(self, kept: list[RolloutBatch], want: int) -> RolloutBatch:
+        """The step's first `want` kept groups in one-process order (round by round, prompt by prompt), and this
+        rank's contiguous share of them. Over several processes the ranks exchange their kept groups (token ids and
+        scores: small) so each trains an equal share; when the rounds ran out short of `want`, the groups are cut to
+        a multiple of the process count (one process keeps them all; fewer groups than processes: a skipped step)."""
+        if not self.dist.active:
+            out = RolloutBatch.concat(kept)
+            return out.select_groups(list(range(min(want, len(out.examples)))))
+        ranks = self.dist.gather([kept])  # [rank][round]
+        out = RolloutBatch.concat([ranks[r][i] for i in range(len(kept)) for r in range(self.dist.world_size)])
+        total = min(want, len(out.examples))
+        total -= total % self.dist.world_size
+        first, mine = self.dist.shard(range(total))
+        return out.select_groups(list(mine))
 
     def _tensors(self, batch: RolloutBatch) -> dict[str, Tensor]:
         """Left-padded prompts + right-padded completions, as TRL lays them out: completions start at one column."""

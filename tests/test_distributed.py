@@ -19,8 +19,8 @@ TIMINGS = {"seconds_rollout", "seconds_scoring", "seconds_update", "rollout_toke
 
 def settings_2xP(tmp_path, **sections):
     """P = 2 prompts per rank, 4 samples each, micro-batches that straddle groups, AQN noisy from step 2."""
-    return tiny_settings(tmp_path, rollout={"prompts_per_step": 4, "group_size": 4},
-                         train={"steps": 4, "save_every": 2}, **sections)
+    train = {"steps": 4, "save_every": 2, **sections.pop("train", {})}
+    return tiny_settings(tmp_path, rollout={"prompts_per_step": 4, "group_size": 4}, train=train, **sections)
 
 
 def free_port() -> int:
@@ -86,6 +86,31 @@ def test_two_ranks_train_and_resume_to_the_one_process_run(tmp_path):
         torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5)
     # rank 0 alone wrote the run: no second writer's files
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+
+
+def test_dynamic_sampling_over_two_ranks_equals_one_process(tmp_path):
+    """DAPO's resampling rounds decided on the whole step and the kept groups re-sharded: the one-process run's
+    metrics (rounds, kept groups, rewards, loss) and adapter."""
+    sections = {"grpo": {"dynamic_sampling": True, "max_resample_rounds": 3},
+                "train": {"steps": 2, "save_every": 2, "rewards": {"tests.test_distributed:coin_reward": 1.0}}}
+    one = make_trainer(settings_2xP(tmp_path, **sections), tmp_path / "one")
+    one.train()
+    assert run_ranks(tmp_path, tmp_path / "two", **sections) == [0, 0]
+    expected, got = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["step"] for m in got] == [1, 2]
+    assert max(m["dynamic_sampling/rounds"] for m in expected) > 1  # groups were dropped and more drawn
+    for e, g in zip(expected, got):
+        assert e.keys() == g.keys()
+        for k in e.keys() - TIMINGS:
+            assert g[k] == pytest.approx(e[k], rel=1e-4, abs=1e-5), (e["step"], k)
+    ta, tb = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "two")
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5)
+
+
+def coin_reward(completion: str, gold: str) -> float:
+    """1 for completions of odd length: some groups all-equal (dropped), others mixed (kept)."""
+    return float(len(completion) % 2)
 
 
 def test_a_dead_rank_fails_rank_0_with_a_clear_error_not_a_hang(tmp_path):

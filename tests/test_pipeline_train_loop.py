@@ -134,17 +134,18 @@ def test_two_processes_train_then_the_flow_evaluates_logs_and_registers(tmp_path
 
 def test_a_failed_job_fails_the_flow_with_its_last_lines(tmp_path, params_file, prefect_home,
                                                          child_imports_this_checkout):
-    """Dynamic sampling is refused over several processes: every rank exits with that line, torchrun with 1."""
+    """3 prompts per step do not split over 2 processes: every rank exits with that line, torchrun with 1."""
     from flows.train import train
     from qerl.launch import LaunchFailed
 
     with pytest.raises(LaunchFailed) as failed:
-        train(params=str(params_file), out_dir=str(tmp_path / "dp2"), nproc=2)
+        train(params=str(params_file), overrides=["rollout.prompts_per_step=3"], out_dir=str(tmp_path / "dp2"),
+              nproc=2)
     message = str(failed.value)
     assert "-m torch.distributed.run --standalone --nproc-per-node 2 " in message
     assert "-m qerl.cli train --params" in message and "exited with status 1; its last lines:" in message
     # the ranks' own lines, not torchrun's report that follows them
-    assert "]:qerl: error: grpo.dynamic_sampling does not run over several processes yet" in message
+    assert "]:qerl: error: 3 prompts per step do not split over 2 processes" in message
     assert "ChildFailedError" not in message
 
 
