@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl.lora import LoraLinear
+from qerl.model import GROUP_ATTR  # on the block module (Attention, MLP); a plain attribute, not a submodule
 from qerl.quant.linear import QuantLinear
 
 __all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "sync", "GROUP_ATTR"]
 
-GROUP_ATTR = "projection_group"  # on the block module (Attention, MLP); a plain attribute, not a submodule
 
 
 def _base(member: nn.Module) -> nn.Module:

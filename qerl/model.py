@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-_GROUP = "projection_group"  # qerl.fusion.GROUP_ATTR: a block's fused q/k/v or gate/up, when made
+GROUP_ATTR = "projection_group"  # a block's fused q/k/v or gate/up (qerl.fusion.ProjectionGroup), when made
 
 
 @dataclass
@@ -289,7 +289,7 @@ class Attention(nn.Module):
 
     def project_qkv(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden]."""
-        if (group := self.__dict__.get(_GROUP)) is not None:
+        if (group := self.__dict__.get(GROUP_ATTR)) is not None:
             q, k, v = group(x, fused)
             return q, k, v
         return project(self.q_proj, x, fused), project(self.k_proj, x, fused), project(self.v_proj, x, fused)
@@ -360,7 +360,7 @@ class MLP(nn.Module):
 
     def gate_up(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
         """gate and up projections [..., intermediate] of the normed input x [..., hidden]."""
-        if (group := self.__dict__.get(_GROUP)) is not None:
+        if (group := self.__dict__.get(GROUP_ATTR)) is not None:
             gate, up = group(x, fused)
             return gate, up
         return project(self.gate_proj, x, fused), project(self.up_proj, x, fused)
@@ -553,7 +553,7 @@ class Transformer(nn.Module):
     def sync_projections(self) -> tuple[int, ...]:
         """Bring fused projections up to date with their members (call before capturing or replaying graphs of
         `decode_step`: the graphs read copies of the LoRA factors); returns the addresses those graphs read."""
-        if not any(_GROUP in m.__dict__ for m in self.modules()):
+        if not any(GROUP_ATTR in m.__dict__ for m in self.modules()):
             return ()
         from qerl import fusion
 
