@@ -97,15 +97,20 @@ def test_decode_path_follows_optimizer_steps_and_adapter_switches(scheme):
     def check():
         with torch.no_grad():
             for got, want in zip(attn_b.project_qkv(x, fused=True), attn_a.project_qkv(x, fused=True)):
-                assert torch.allclose(got, want, atol=1e-5)
+                assert torch.allclose(got, want, atol=1e-4)
+            return attn_b.project_qkv(x, fused=True)[1]
 
-    check()
+    before = check()
     ids = torch.randint(0, 97, (1, 4))
-    for model in (a, b):  # an optimizer step writes the factors in place
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        model(ids).sum().backward()
-        opt.step()
-    check()
+    a(ids).sum().backward()
+    grads = {n: p.grad for n, p in a.named_parameters() if p.requires_grad}
+    for model in (a, b):  # an optimizer step writes the factors in place; both take the same step (Adam divides by
+        # the gradient's size, so gradients that differ in the last bit could move the twins apart by lr)
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        for n, p in params.items():
+            p.grad = grads[n].clone()
+        torch.optim.AdamW(params.values(), lr=0.1).step()
+    assert not torch.allclose(check(), before, atol=1e-2)  # the step moved the output the check compares
     with adapters_disabled(a), adapters_disabled(b):
         check()
     with torch.no_grad():  # a write that bumps no version counter: the engine's sync re-copies it
