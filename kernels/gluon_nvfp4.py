@@ -1,0 +1,346 @@
+"""A warp-specialized NVFP4 decode GEMM for Hopper (sm_90a), written in Gluon: y[M, N] = x[M, K] @ W^T, M <= 64.
+
+Why a second kernel. At decode the GEMM is a stream of weight bytes; our Triton kernel (kernels/_triton_nvfp4.py)
+reaches about half the copy bandwidth because Triton's `tl` keeps each tile's load -> decode -> MMA chain serial
+within a program. Here the chain is split across warps:
+
+- one producer warp (24 registers) streams the packed codes, the block scales and the activation tile of each
+  128-wide K step into a ring of shared-memory stages with TMA, signalling an mbarrier per stage;
+- `W` consumer warpgroups (the default partition) each own 64 weight rows: they read their codes and scales from
+  shared memory with 128-bit (codes) and 64-bit (scales) loads, decode E2M1 x E4M3 straight into the registers of
+  wgmma's A operand (swap-AB: weight rows are the MMA's M = 64 side, tokens the N = 8..64 side), and keep one wgmma
+  in flight while decoding the next stage.
+
+The weight layout ("shuffled"): for each 64-row x 128-column block, the 1024 int32 words of codes are ordered so
+that the word a thread needs for each 16-wide K step of its wgmma fragment sits in a 16-byte run with the next three
+K steps (`shuffle_weight`). Each word's 8 nibbles are the thread's 8 fragment elements in register order, so
+decoding needs no data movement between threads (the kernel asserts this at compile time: `assert_trivial`).
+The scales are shuffled the same way, one int16 per (row pair g, g + 8; K step), shared by the 4 lanes that hold
+the same rows (a shared-memory broadcast, not a copy). The shuffle is a one-time permutation of the
+compressed-tensors tensors; `unshuffle_weight` inverts it exactly (checkpoints keep the canonical layout).
+
+Split-K (grid axis 1) for layers with few 64-row blocks: each program writes an fp32 partial, the last one of a
+row block (a counter, reset by that program) sums them in fixed order, so one launch does it all and the partials
+stay in L2.
+
+This module imports Gluon lazily-safe: `available()` says whether it can run here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except Exception as e:  # no triton, or a Triton without Gluon
+    IMPORT_ERROR: Exception | None = e
+else:
+    IMPORT_ERROR = None
+
+ROWS = 64  # weight rows per consumer warpgroup (wgmma's M)
+# The decoded [W, half, t6, t5, g, q, r, b0, b1, b2] tensor -> rows (W, t6, t5, b1, g), cols (half, r, b2, q, b0):
+# the order `_decode` permutes it into before the [64 W, 128] reshape (tests emulate the kernel with it).
+A_PERMUTE = (0, 2, 3, 8, 4, 1, 6, 9, 5, 7)
+BK = 128  # K per pipeline stage (8 wgmma K steps of 16)
+MAX_M = 64
+
+
+def available() -> bool:
+    return IMPORT_ERROR is None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def fits(n: int, k: int) -> bool:
+    return n % ROWS == 0 and k % BK == 0
+
+
+# -- the weight layout (plain PyTorch: runs anywhere) ---------------------------------------------------------------
+# Within one (64-row, 128-column) block, weight element (row, col) is held by consumer thread t of warpgroup-local
+# warp wq = t // 32, lane = t % 32 = 4 g + q, as element i = b0 + 2 b1 + 4 b2 of its fragment for K step
+# j = 4 half + r, where  row = 16 wq + 8 b1 + g,  col = 64 half + 16 r + 8 b2 + 2 q + b0  (wgmma's A fragment).
+# Word index in the block: e = ((((half * 2 + t6) * 2 + t5) * 8 + g) * 4 + q) * 4 + r, with wq = 2 t6 + t5: the
+# kernel reads it as a [2, 2, 2, 8, 4, 4] tensor, r (4 words = 16 bytes) innermost.
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    p = packed.view(torch.uint8)
+    return torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)  # [N, K]: byte b holds cols 2b (low), 2b + 1
+
+
+def shuffle_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int32 [N/64, K/128, 1024], scales int16 [N/64, K/128, 256]) from compressed-tensors
+    weight_packed uint8 [N, K/2] and weight_scale e4m3 [N, K/16]."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if not fits(n, k):
+        raise ValueError(f"the Gluon NVFP4 layout needs N % {ROWS} == 0 and K % {BK} == 0, got {n}x{k}")
+    nib = _unpack_nibbles(packed)
+    # rows -> (rb, t6, t5, b1, g); cols -> (kb, half, r, b2, q, b0)
+    nib = nib.reshape(n // ROWS, 2, 2, 2, 8, k // BK, 2, 4, 2, 4, 2)
+    #                 rb       t6 t5 b1 g  kb     half r b2 q  b0
+    nib = nib.permute(0, 5, 6, 1, 2, 4, 9, 7, 8, 3, 10)  # rb kb half t6 t5 g q r | b2 b1 b0 (nibble i)
+    nib = nib.reshape(-1, 4, 2).to(torch.int32)
+    byte = nib[..., 0] | (nib[..., 1] << 4)  # nibble 2j low, 2j + 1 high
+    words = byte[..., 0] | (byte[..., 1] << 8) | (byte[..., 2] << 16) | (byte[..., 3] << 24)
+    codes = words.reshape(n // ROWS, k // BK, 1024).contiguous()
+    s = scale.view(torch.uint8).reshape(n // ROWS, 2, 2, 2, 8, k // BK, 2, 4)
+    #                                   rb       t6 t5 b1 g  kb      half r
+    s = s.permute(0, 5, 6, 1, 2, 4, 7, 3).contiguous()  # rb kb half t6 t5 g r | b1 (byte 0: row g, 1: g + 8)
+    scales = s.view(torch.int16).reshape(n // ROWS, k // BK, 256)
+    return codes, scales
+
+
+def unshuffle_weight(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of shuffle_weight: (weight_packed uint8 [N, K/2], weight_scale e4m3 [N, K/16])."""
+    nrb, nkb = codes.shape[0], codes.shape[1]
+    n, k = nrb * ROWS, nkb * BK
+    w = codes.reshape(-1).view(torch.uint8).reshape(-1, 4)  # little-endian bytes of each word
+    nib = torch.stack((w & 15, w >> 4), dim=-1).reshape(nrb, nkb, 2, 2, 2, 8, 4, 4, 2, 2, 2)
+    #                                                    rb   kb   half t6 t5 g q r b2 b1 b0
+    nib = nib.permute(0, 3, 4, 9, 5, 1, 2, 7, 8, 6, 10).reshape(n, k)  # rb t6 t5 b1 g | kb half r b2 q b0
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    s = scales.contiguous().view(torch.uint8).reshape(nrb, nkb, 2, 2, 2, 8, 4, 2)
+    #                                                 rb   kb   half t6 t5 g r b1
+    s = s.permute(0, 3, 4, 7, 5, 1, 2, 6).reshape(n, k // 16)
+    return packed, s.contiguous().view(torch.float8_e4m3fn)
+
+
+# -- the kernel --------------------------------------------------------------------------------------------------
+# One word (8 E2M1 codes) and one int16 of two E4M3 scales (rows g, g + 8) -> the 8 bf16 fragment elements,
+# each = e2m1 * scale * 2^-7 (exact; the epilogue multiplies by 2^7 / global_scale). The same bit tricks as
+# kernels/_triton_nvfp4.py: the hardware e4m3x2 -> f16x2 convert re-biased to bf16 * 2^119 (zeros masked back),
+# a code's magnitude shifted into bf16 bits 6-8 (= e2m1 * 2^-126, subnormal 0.5 included) by PRMT + IMAD + LOP3,
+# one packed FMA per pair.
+_DECODE_ASM = """{
+.reg .b32 a, m, sg, sh, l, h, v, p, z;
+cvt.rn.f16x2.e4m3x2 a, $9;
+add.u32 m, a, 0x7FFF7FFF; prmt.b32 m, m, 0, 0xBB99;
+shr.b32 a, a, 3; and.b32 a, a, 0x0FFF0FFF; add.u32 a, a, 0x73807380; and.b32 a, a, m;
+prmt.b32 sg, a, 0, 0x1010; prmt.b32 sh, a, 0, 0x3232;
+mov.b32 z, 0x80008000;
+and.b32 l, $8, 0x0F0F0F0F; shr.b32 h, $8, 4; and.b32 h, h, 0x0F0F0F0F;
+prmt.b32 v, l, h, 0x8480; mul.lo.u32 v, v, 0x1040; and.b32 v, v, 0x81C081C0; fma.rn.bf16x2 p, v, sg, z; mov.b32 {$0, $1}, p;
+prmt.b32 v, l, h, 0x9591; mul.lo.u32 v, v, 0x1040; and.b32 v, v, 0x81C081C0; fma.rn.bf16x2 p, v, sh, z; mov.b32 {$2, $3}, p;
+prmt.b32 v, l, h, 0xA6A2; mul.lo.u32 v, v, 0x1040; and.b32 v, v, 0x81C081C0; fma.rn.bf16x2 p, v, sg, z; mov.b32 {$4, $5}, p;
+prmt.b32 v, l, h, 0xB7B3; mul.lo.u32 v, v, 0x1040; and.b32 v, v, 0x81C081C0; fma.rn.bf16x2 p, v, sh, z; mov.b32 {$6, $7}, p;
+}"""
+
+if IMPORT_ERROR is None:
+    DECODE_ASM = gl.constexpr(_DECODE_ASM)  # jit code may only read constexpr globals
+    # Triton 3.6 (the GPU machines) names the TMA load async_copy_global_to_shared; later ones async_load
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6
+    _ROWS = gl.constexpr(ROWS)
+    _A_PERMUTE = gl.constexpr(A_PERMUTE)
+    _BK = gl.constexpr(BK)
+
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton >= 3.7 (ours on the CPU)
+        @gluon.jit
+        def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return smem.reinterpret(dtype, shape, layout)
+    else:  # Triton 3.6 (the GPU machines)
+        @gluon.jit
+        def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return smem._reinterpret(dtype, shape, layout)
+
+    @gluon.jit
+    def _decode(words, pairs, a_layout: gl.constexpr, W: gl.constexpr):
+        """[W, 2, 2, 2, 8, 4, 4] int32 words + int16 scale pairs -> the wgmma A operand [64 W, 128] bf16."""
+        e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+            DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, pairs], dtype=(gl.bfloat16,) * 8, is_pure=True,
+            pack=1)
+        # nibble i = b0 + 2 b1 + 4 b2; joins append b0, then b1, then b2
+        t = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
+        # [W, half, t6, t5, g, q, r, b0, b1, b2] -> rows (W, t6, t5, b1, g), cols (half, r, b2, q, b0)
+        t = gl.permute(t, _A_PERMUTE.value)
+        t = gl.reshape(t, [_ROWS * W, _BK])
+        return gl.convert_layout(t, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _consumer(x_smem, w_smem, s_smem, ready, empty, n_iters, W: gl.constexpr, MP: gl.constexpr,
+                  STAGES: gl.constexpr):
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * W, 1],
+                                                             instr_shape=[16, MP, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        # the [W, half, t6, t5, g, q, r] word tensor: r (4 words) and half per thread, (g, q) the lane, (t5, t6,
+        # warpgroup) the warp: exactly the words each thread's wgmma fragments need
+        frag: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 1, 1, 1, 4],
+                                              threads_per_warp=[1, 1, 1, 1, 8, 4, 1],
+                                              warps_per_cta=[W, 1, 2, 2, 1, 1, 1], order=[6, 5, 4, 3, 2, 1, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[6, 5, 4, 3, 2, 1, 0])
+        acc = gl.zeros([_ROWS * W, MP], gl.float32, mma_layout)
+        for i in range(n_iters):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            words = _view(w_smem.index(s), gl.int32, [W, 2, 2, 2, 8, 4, 4], flat).load(frag)
+            pairs = _view(s_smem.index(s), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(frag)
+            a = _decode(words, gl.broadcast(pairs, words)[0], a_layout, W)
+            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+            # one wgmma stays in flight; the one before it is done, so its stage goes back to the producer
+            acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
+            fence_async_shared()  # order our shared-memory reads before the TMA that refills the stage
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )  # a tuple: warp_specialize flattens it
+
+    @gluon.jit
+    def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, rb0, kb0, n_iters,
+                  STAGES: gl.constexpr):
+        for i in range(n_iters):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
+            bar = ready.index(s)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+            kb = kb0 + i
+            _tma_load(x_desc, [0, kb * _BK], bar, x_smem.index(s))
+            _tma_load(w_desc, [rb0, kb * 4, 0], bar, w_smem.index(s))
+            _tma_load(s_desc, [rb0, kb, 0], bar, s_smem.index(s))
+
+    @gluon.jit
+    def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
+                                 iters_per_split, split_k, W: gl.constexpr, MP: gl.constexpr,
+                                 STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        kb0 = pid_k * iters_per_split
+        n_iters = gl.minimum(iters_per_split, k_iters - kb0)
+
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, MP, _BK], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, W, 4, 256], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, W, 1, 256], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+
+        acc, = gl.warp_specialize([
+            (_consumer, (x_smem, w_smem, s_smem, ready, empty, n_iters, W, MP, STAGES)),
+            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid_n * W, kb0, n_iters,
+                         STAGES)),
+        ], [1], [24])
+
+        # epilogue: acc[row, token] -> y[token, n0 + row]
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2 * W, 2], [0, 1])
+        acc = gl.convert_layout(acc, out_layout) * (128.0 / gl.load(gs_ptr))
+        rows = pid_n * (_ROWS * W) + gl.arange(0, _ROWS * W, layout=gl.SliceLayout(1, out_layout))
+        toks = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
+        off = toks[None, :].to(gl.int64) * N + rows[:, None]
+        mask = (toks[None, :] < M) & (rows[:, None] < N)
+        if SPLIT:
+            MN = N.to(gl.int64) * M
+            gl.store(ws_ptr + pid_k.to(gl.int64) * MN + off, acc, mask=mask)
+            _cta_barrier()  # every thread's partial is issued before the counter's release
+            done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == split_k - 1:
+                tot = gl.zeros([_ROWS * W, MP], gl.float32, out_layout)
+                for s in range(split_k):  # fixed order: bitwise reproducible
+                    tot += gl.load(ws_ptr + s * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptr + off, tot.to(y_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (CUDA-graph replays)
+        else:
+            gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# -- the host side -------------------------------------------------------------------------------------------------
+class Config:
+    """Launch shape: W consumer warpgroups (64 W rows per program), STAGES ring depth, split-K factor, and
+    `maxnreg` (registers per thread at launch; None = Triton's default, which gives one program per SM)."""
+
+    def __init__(self, w: int = 2, stages: int = 4, split_k: int = 1, maxnreg: int | None = None):
+        self.w, self.stages, self.split_k, self.maxnreg = w, stages, split_k, maxnreg
+
+    def __repr__(self) -> str:
+        return f"Config(w={self.w}, stages={self.stages}, split_k={self.split_k}, maxnreg={self.maxnreg})"
+
+    def launch_options(self) -> dict:
+        opts = {"num_warps": 4 * self.w}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
+
+
+def padded_m(m: int) -> int:
+    """Tokens side of the MMA: 8, 16, 32 or 64."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"the Gluon decode GEMM takes 1..{MAX_M} rows, got {m}")
+    return max(8, 1 << (m - 1).bit_length())
+
+
+def descriptors(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w: int, mp: int):
+    """TMA descriptors for one call (x's changes with M; the weight's could be cached per layer)."""
+    x_layout = gl.NVMMASharedLayout.get_default_for([mp, BK], gl.bfloat16)
+    x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [mp, BK], x_layout)
+    codes = codes.view(codes.shape[0], codes.shape[1] * 4, 256)  # TMA boxes are at most 256 wide
+    w_desc = TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [w, 4, 256],
+                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    s_desc = TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [w, 1, 256],
+                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3))
+    return x_desc, w_desc, s_desc
+
+
+def default_config(n: int, k: int, m: int, sms: int = 132) -> Config:
+    """Two warpgroups per program; split K until the grid fills the GPU twice (each program is a 5-warp CTA,
+    two or more fit on an SM), never below 8 K steps per split."""
+    w = 2 if n % (2 * ROWS) == 0 else 1
+    programs = n // (ROWS * w)
+    k_iters = k // BK
+    split = 1
+    while programs * split * 2 < 2 * sms and k_iters // (split * 2) >= 8:
+        split *= 2
+    return Config(w=w, stages=4 if m <= 16 else 3, split_k=split)
+
+
+def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
+                   config: Config | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] (bf16) = x2[M, K] @ W^T for the shuffled weight (codes, scales) and its global scale."""
+    if x2.dtype != torch.bfloat16 or x2.dim() != 2 or x2.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D bf16 tensor with unit stride along K, got {x2.dtype} "
+                         f"{tuple(x2.shape)} {x2.stride()}")
+    m, k = x2.shape
+    n = codes.shape[0] * ROWS
+    if codes.shape[1] * BK != k:
+        raise ValueError(f"x has K = {k}, the weight {codes.shape[1] * BK}")
+    mp = padded_m(m)
+    cfg = config or default_config(n, k, m)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
+    k_iters = k // BK
+    per = triton.cdiv(k_iters, cfg.split_k)
+    split = triton.cdiv(k_iters, per)
+    programs = n // (ROWS * cfg.w)
+    if split > 1:
+        ws = torch.empty(split * m * n, dtype=torch.float32, device=x2.device)
+        if counters is None:
+            from .nvfp4 import _counters
+            counters = _counters(x2.device, programs)
+    else:
+        ws = counters = y
+    x_desc, w_desc, s_desc = descriptors(x2, codes, scales, cfg.w, mp)
+    nvfp4_decode_gemm_kernel[(programs, split)](
+        x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, per, split,
+        W=cfg.w, MP=mp, STAGES=cfg.stages, SPLIT=split > 1, **cfg.launch_options())
+    return y
+
+
+def compile_sm90(m: int, n: int, k: int, config: Config | None = None):
+    """Compile the kernel for an H100/H200 (sm_90a) on any machine, GPU or not: Gluon -> TTGIR -> PTX -> cubin
+    with the ptxas that ships with Triton. Returns Triton's compiled kernel (`.asm["ttgir" | "ptx" | "cubin"]`,
+    `.metadata.shared`). A layout mistake (e.g. a decode that would need data movement) fails here."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    cfg = config or default_config(n, k, m)
+    mp = padded_m(m)
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    codes = torch.empty(n // ROWS, k // BK, 1024, dtype=torch.int32)
+    scales = torch.empty(n // ROWS, k // BK, 256, dtype=torch.int16)
+    x_desc, w_desc, s_desc = descriptors(x, codes, scales, cfg.w, mp)
+    signature = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
+                 "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
+                 "N": "i32", "k_iters": "i32", "iters_per_split": "i32", "split_k": "i32"}
+    constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SPLIT": cfg.split_k > 1, "num_warps": 4 * cfg.w}
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())
