@@ -1,7 +1,7 @@
 """Which NVFP4 GEMM backend runs each (kind, layer shape, M bucket): measured on the GPU it runs on, cached on disk.
 
-Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM) and
-"dequant_cublas" (our one-pass dequantize into a reused scratch buffer, then cuBLAS). Which of them a layer can
+Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM),
+"gluon" (our warp-specialized decode GEMM, M <= 64) and "dequant_cublas" (our one-pass dequantize into a reused scratch buffer, then cuBLAS). Which of them a layer can
 use depends on the layout its one weight copy is in. Before any measurement a shape-generic default picks one
 (`default_backend`); the first time a key is seen outside CUDA-graph capture, every candidate is timed by graph
 replay and the winner is kept in memory and in `cache_path()`, keyed by GPU name and library versions, so
@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "humming", "dequant_cublas")
+BACKENDS = ("triton", "humming", "gluon", "dequant_cublas")
 CACHE_VERSION = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -43,6 +43,8 @@ def default_backend(kind: str, layout: str, m: int) -> str:
         return "triton" if layout == "qerl" and m <= 64 else "dequant_cublas"
     if layout == "humming":
         return "humming" if m <= 128 else "dequant_cublas"
+    if layout == "gluon":
+        return "gluon" if m <= 64 else "dequant_cublas"
     return "triton" if m <= 64 else "dequant_cublas"
 
 

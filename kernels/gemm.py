@@ -2,7 +2,8 @@
 
 `NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them: repacked for
 humming-kernels when it is installed and the shape fits ("humming" layout), else as given ("qerl" layout, read
-by our Triton kernels). Forward and backward dx then pick a backend per (shape, M bucket) through
+by our Triton kernels); on request (`prefer="gluon"` or QERL_NVFP4_LAYOUT=gluon) shuffled for the Gluon decode GEMM
+("gluon" layout, kernels/gluon_nvfp4.py; opt-in until it is measured to win). Forward and backward dx then pick a backend per (shape, M bucket) through
 `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
 cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
@@ -13,11 +14,12 @@ time (each use is consumed by cuBLAS on the same stream before the next layer's 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import torch
 
-from . import dispatch, humming_nvfp4
+from . import dispatch, gluon_nvfp4, humming_nvfp4
 from . import nvfp4 as triton_nvfp4
 
 log = logging.getLogger(__name__)
@@ -53,11 +55,22 @@ class NVFP4Gemm:
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                  dtype: torch.dtype = torch.bfloat16, prefer: str | None = None):
-        """`prefer`: "humming" or "qerl" to force a layout (tests, benchmarks); None picks humming if usable."""
+        """`prefer`: "humming", "qerl" or "gluon" to force a layout (tests, benchmarks); None reads
+        QERL_NVFP4_LAYOUT, else picks humming if usable."""
+        prefer = prefer or os.environ.get("QERL_NVFP4_LAYOUT") or None
+        if prefer not in (None, "humming", "qerl", "gluon"):
+            raise ValueError(f"unknown NVFP4 layout {prefer!r}: expected humming, qerl or gluon")
         self.n, self.k = packed.shape[0], packed.shape[1] * 2
         self.device = packed.device
         self.humming: humming_nvfp4.HummingWeight | None = None
         self.tensors: dict[str, torch.Tensor] | None = None
+        self.gluon: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if prefer == "gluon":
+            if not (gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k)):
+                raise RuntimeError(f"the Gluon layout needs Gluon on an sm_90 GPU and N % 64 == K % 128 == 0 "
+                                   f"(got {self.n}x{self.k}; {gluon_nvfp4.IMPORT_ERROR})")
+            self.gluon = (*gluon_nvfp4.shuffle_weight(packed, scale), global_scale.reshape(1).float())
+            return
         if prefer != "qerl" and self._humming_usable(prefer == "humming"):
             try:
                 self.humming = humming_nvfp4.HummingWeight(packed, scale, global_scale, dtype)
@@ -85,16 +98,21 @@ class NVFP4Gemm:
 
     @property
     def layout(self) -> str:
-        return "humming" if self.humming is not None else "qerl"
+        return "humming" if self.humming is not None else "gluon" if self.gluon is not None else "qerl"
 
     @property
     def nbytes(self) -> int:
         if self.humming is not None:
             return self.humming.nbytes
+        if self.gluon is not None:
+            return sum(t.numel() * t.element_size() for t in self.gluon)
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def canonical(self) -> dict[str, torch.Tensor]:
         """The compressed-tensors tensors (weight_packed, weight_scale, weight_global_scale), exactly as loaded."""
+        if self.gluon is not None:
+            packed, scale = gluon_nvfp4.unshuffle_weight(*self.gluon[:2])
+            return {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": self.gluon[2].clone()}
         return self.humming.canonical() if self.humming is not None else dict(self.tensors)
 
     # -- the backends -------------------------------------------------------------------------------------------
@@ -105,6 +123,8 @@ class NVFP4Gemm:
         if self.humming is not None:
             return self.humming.dequantize(flat.view(self.k, self.n) if transposed else flat.view(self.n, self.k),
                                            transposed)
+        if self.gluon is not None:
+            return gluon_nvfp4.dequantize(*self.gluon, dtype, transposed, out=flat)
         w = triton_nvfp4.dequantize(*self._ours(), dtype, out=flat.view(self.n, self.k))
         return w.t() if transposed else w  # cuBLAS takes the transposed view as is
 
@@ -116,6 +136,8 @@ class NVFP4Gemm:
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
         if backend == "humming":
             return self.humming.forward(x2)
+        if backend == "gluon":
+            return gluon_nvfp4.linear_forward(x2, *self.gluon)
         if backend == "triton":
             return triton_nvfp4.linear_forward(x2, *self._ours())
         return x2 @ self.dequantize(x2.dtype, transposed=True)
@@ -127,12 +149,16 @@ class NVFP4Gemm:
 
     def _backends(self, kind: str) -> tuple[str, ...]:
         if kind == "bwd":
-            return ("dequant_cublas",) if self.humming is not None else ("triton", "dequant_cublas")
-        return ("humming", "dequant_cublas") if self.humming is not None else ("triton", "dequant_cublas")
+            return ("triton", "dequant_cublas") if self.layout == "qerl" else ("dequant_cublas",)
+        return {"humming": ("humming", "dequant_cublas"), "qerl": ("triton", "dequant_cublas"),
+                "gluon": ("gluon", "dequant_cublas")}[self.layout]
 
     def backend_for(self, kind: str, x2: torch.Tensor) -> str:
         run = self._forward if kind == "fwd" else self._grad_input
-        cands = {b: (lambda b=b: run(b, x2)) for b in self._backends(kind)}
+        backends = self._backends(kind)
+        if "gluon" in backends and not (x2.shape[0] <= gluon_nvfp4.MAX_M and x2.dtype == torch.bfloat16):
+            backends = tuple(b for b in backends if b != "gluon")
+        cands = {b: (lambda b=b: run(b, x2)) for b in backends}
         return dispatch.choose(kind, self.layout, self.n, self.k, x2.shape[0], cands)
 
     def forward(self, x2: torch.Tensor, backend: str | None = None) -> torch.Tensor:

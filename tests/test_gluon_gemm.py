@@ -2,9 +2,10 @@
 
 CPU: the shuffled weight layout is an exact permutation of the compressed-tensors tensors; a PyTorch emulation of
 the kernel's own dataflow (its word and scale tiles, its nibble order and joins, its A_PERMUTE) reproduces x @ W^T;
-the kernel compiles for sm_90a with the ptxas Triton ships (the compile asserts the decode needs no data movement
+the layout's dequantize (Triton, run by the interpreter) is bit-identical to the codec's; the kernel compiles for sm_90a with the ptxas Triton ships (the compile asserts the decode needs no data movement
 between threads), and its SASS has no spills, reads codes with 128-bit shared loads and multiplies with wgmma.
-GPU: the kernel against the PyTorch reference at every M bucket, with and without split-K.
+GPU: the kernel against the PyTorch reference at every M bucket, with and without split-K; a layer held in the
+"gluon" layout (kernels.gemm) runs forward and backward through the dispatch and keeps its canonical tensors.
 """
 
 from __future__ import annotations
@@ -84,6 +85,46 @@ def test_kernel_dataflow_reproduces_the_gemm(w):
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+DEQUANT_SCRIPT = textwrap.dedent("""
+    import torch
+    from kernels import gluon_nvfp4 as G
+    from qerl.quant import nvfp4 as codec
+    w = torch.randn(192, 256, generator=torch.Generator().manual_seed(0))
+    w[0, :16] = 0
+    w[1, :3] = -0.0  # E2M1's -0 must stay -0
+    d = codec.quantize(w)
+    codes, scales = G.shuffle_weight(d["weight_packed"], d["weight_scale"])
+    # bf16: the interpreter's fp32 -> bf16 cast is not the GPU's (environment notes); checked on the GPU instead
+    for dt, bits in ((torch.float32, torch.int32), (torch.float16, torch.int16)):
+        ref = codec.dequantize(d["weight_packed"], d["weight_scale"], d["weight_global_scale"], dtype=dt)
+        got = G.dequantize(codes, scales, d["weight_global_scale"], dt)
+        assert torch.equal(got.view(bits), ref.view(bits)), (dt, (got.float() - ref.float()).abs().max())
+        out = torch.empty(256 * 192, dtype=dt)
+        got_t = G.dequantize(codes, scales, d["weight_global_scale"], dt, transposed=True, out=out)
+        assert got_t.data_ptr() == out.data_ptr() and torch.equal(got_t.view(bits), ref.t().view(bits))
+    print("ok")
+""")
+
+
+def test_layout_dequantize_is_bit_identical_to_the_codec():
+    """Under Triton's CPU interpreter (in a subprocess: the interpreter is chosen when triton is imported)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", DEQUANT_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_layout_choice_is_validated():
+    from kernels.gemm import NVFP4Gemm
+    packed, scale, gs = random_weight(128, 256)
+    with pytest.raises(ValueError, match="unknown NVFP4 layout 'marlin'"):
+        NVFP4Gemm(packed, scale, gs, prefer="marlin")
+    if not G.available():
+        with pytest.raises(RuntimeError, match="the Gluon layout needs Gluon on an sm_90 GPU"):
+            NVFP4Gemm(packed, scale, gs, prefer="gluon")
+
+
 def test_padded_m_and_default_config():
     assert [G.padded_m(m) for m in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 32, 64]
     with pytest.raises(ValueError, match="1..64 rows, got 65"):
@@ -110,6 +151,15 @@ COMPILE_SCRIPT = textwrap.dedent("""
         os.unlink(f.name)
         out[f"{m},{w},{split}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
                                    "local": "LOCAL:0" in res, "shared": ck.metadata.shared}
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    for transposed in (False, True):  # the layout's dequantize, through the whole compiler too
+        triton.compile(ASTSource(G.shuffled_dequant_kernel,
+                                 {"codes_ptr": "*i32", "scales_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16",
+                                  "N": "i32", "K": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                                  "TRANSPOSED": "constexpr"},
+                                 constexprs={"BLOCK_N": 64, "BLOCK_K": 64, "TRANSPOSED": transposed}),
+                       target=GPUTarget("cuda", 90, 32))
     print(json.dumps(out))
 """)
 
@@ -151,3 +201,26 @@ def test_gpu_kernel_matches_reference(m, n, k, split):
     assert err <= 2e-2 * want.abs().max().item(), err
     y2 = G.linear_forward(x, codes, scales, gs, cfg)  # counters were reset: a second launch agrees bit for bit
     assert torch.equal(y, y2)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_gpu_gluon_layout_layer_forward_backward_and_canonical(m):
+    from kernels.gemm import NVFP4Gemm, linear
+    packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=7))
+    gemm = NVFP4Gemm(packed, scale, gs, prefer="gluon")
+    assert gemm.layout == "gluon" and gemm.nbytes == packed.numel() + scale.numel() + 4
+    ref_bf16 = codec.dequantize(packed, scale, gs, dtype=torch.bfloat16)
+    assert torch.equal(gemm.dequantize(torch.bfloat16).view(torch.int16), ref_bf16.view(torch.int16))
+    canon = gemm.canonical()
+    assert torch.equal(canon["weight_packed"], packed) and torch.equal(canon["weight_scale"].view(torch.uint8),
+                                                                       scale.view(torch.uint8))
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = codec.dequantize(packed, scale, gs, dtype=torch.float32)
+    y = linear(x, gemm)
+    assert gemm.backend_for("fwd", x.detach()) in (("gluon", "dequant_cublas") if m <= 64 else ("dequant_cublas",))
+    want = x.detach().double() @ w.double().t()
+    assert (y.double() - want).abs().max() <= 2e-2 * want.abs().max()
+    y.float().square().sum().backward()
+    dx_want = (2 * y.detach().float()) @ w
+    assert (x.grad.float() - dx_want).abs().max() <= 2e-2 * dx_want.abs().max()
