@@ -31,14 +31,14 @@ from qerl.quant import nvfp4 as codec  # noqa: E402
 def configs(n: int, k: int, m: int, mode: str) -> dict[str, G.Config]:
     out = {"default": G.default_config(n, k, m)}
     if mode == "sweep":
-        d = out["default"]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
         for w in (1, 2):
             if n % (G.ROWS * w):
                 continue
             for stages in (3, 4, 6):
-                for split in sorted({1, d.split_k, 2 * d.split_k}):
-                    for maxnreg in (None, 128):
-                        out[f"w{w} s{stages} k{split} r{maxnreg or '-'}"] = G.Config(w, stages, split, maxnreg)
+                for programs in (sms, 2 * sms):
+                    for maxnreg in (None, 128) if programs == 2 * sms else (None,):
+                        out[f"w{w} s{stages} p{programs} r{maxnreg or '-'}"] = G.Config(w, stages, programs, maxnreg)
     return out
 
 

@@ -214,8 +214,44 @@ if IMPORT_ERROR is None:
         return gl.convert_layout(t, a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _consumer(x_smem, w_smem, s_smem, ready, empty, n_iters, W: gl.constexpr, MP: gl.constexpr,
-                  STAGES: gl.constexpr):
+    def _program_of(unit, n_programs, total_units):
+        """The program whose unit range [u0, u1) holds `unit` (u0(p) = p * U // P). Mirrored by program_of()."""
+        return ((unit + 1) * n_programs + total_units - 1) // total_units - 1
+
+    @gluon.jit
+    def _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
+                        cnt_ptr, M, N, W: gl.constexpr, MP: gl.constexpr, num_warps: gl.constexpr):
+        """acc holds this program's share of `tile` (64 W weight rows). If the program did the whole K range, store
+        y; else write the share to its contributor slot, and the last contributor to arrive (a counter it resets)
+        sums the slots in fixed order (bitwise reproducible) and stores y."""
+        # 8 consecutive rows (16-byte stores along N) per thread, few tokens per thread: the loop-invariant part
+        # of the offsets (token * N) stays a handful of registers (one per token held)
+        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8 * W, 32 // (8 * W)], [1, num_warps], [0, 1])
+        acc = gl.convert_layout(acc, out_layout) * (128.0 / gl.load(gs_ptr))
+        rows = tile * (_ROWS * W) + gl.arange(0, _ROWS * W, layout=gl.SliceLayout(1, out_layout))
+        toks = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
+        off = toks[None, :] * N + rows[:, None]  # int32: M <= 64 rows of N < 2^25 (int64 offsets would spill)
+        mask = (toks[None, :] < M) & (rows[:, None] >= 0)  # tiles cover N exactly: only the token side is ragged
+        p_first = _program_of(tile * k_iters, n_programs, total_units)
+        n_contrib = _program_of(tile * k_iters + k_iters - 1, n_programs, total_units) - p_first + 1
+        if n_contrib == 1:
+            gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            MN = N.to(gl.int64) * M
+            gl.store(ws_ptr + (p - p_first).to(gl.int64) * MN + off, acc, mask=mask)
+            _cta_barrier()  # every thread's share is issued before the counter's release
+            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == n_contrib - 1:
+                acc = gl.zeros_like(acc)  # our own share is re-read from its slot: the sum is in slot order
+                for c in range(n_contrib):
+                    acc += gl.load(ws_ptr + c.to(gl.int64) * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (CUDA-graph replays)
+
+    @gluon.jit
+    def _consumer(x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr, y_ptr,
+                  ws_ptr, cnt_ptr, M, N, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * W, 1],
                                                              instr_shape=[16, MP, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -226,40 +262,54 @@ if IMPORT_ERROR is None:
                                               warps_per_cta=[W, 1, 2, 2, 1, 1, 1], order=[6, 5, 4, 3, 2, 1, 0])
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[6, 5, 4, 3, 2, 1, 0])
         acc = gl.zeros([_ROWS * W, MP], gl.float32, mma_layout)
-        for i in range(n_iters):
+        first = u0
+        for u in range(u0, u1):
+            i = u - u0
             s = i % STAGES
+            tile = u // k_iters
+            kb = u - tile * k_iters
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             words = _view(w_smem.index(s), gl.int32, [W, 2, 2, 2, 8, 4, 4], flat).load(frag)
             pairs = _view(s_smem.index(s), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(frag)
             a = _decode(words, gl.broadcast(pairs, words)[0], a_layout, W)
-            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+            # a segment's first unit starts a fresh accumulator
+            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=u != first, is_async=True)
             # one wgmma stays in flight; the one before it is done, so its stage goes back to the producer
             acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
             fence_async_shared()  # order our shared-memory reads before the TMA that refills the stage
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-        return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )  # a tuple: warp_specialize flattens it
+            if (kb == k_iters - 1) | (u == u1 - 1):  # the segment of this tile ends here
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
+                                cnt_ptr, M, N, W, MP, num_warps)
+                first = u + 1
 
     @gluon.jit
-    def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, rb0, kb0, n_iters,
+    def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W: gl.constexpr,
                   STAGES: gl.constexpr):
-        for i in range(n_iters):
+        for u in range(u0, u1):
+            i = u - u0
             s = i % STAGES
+            tile = u // k_iters
+            kb = u - tile * k_iters
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
             bar = ready.index(s)
             mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-            kb = kb0 + i
             _tma_load(x_desc, [0, kb * _BK], bar, x_smem.index(s))
-            _tma_load(w_desc, [rb0, kb * 4, 0], bar, w_smem.index(s))
-            _tma_load(s_desc, [rb0, kb, 0], bar, s_smem.index(s))
+            _tma_load(w_desc, [tile * W, kb * 4, 0], bar, w_smem.index(s))
+            _tma_load(s_desc, [tile * W, kb, 0], bar, s_smem.index(s))
 
     @gluon.jit
     def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
-                                 iters_per_split, split_k, W: gl.constexpr, MP: gl.constexpr,
-                                 STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        kb0 = pid_k * iters_per_split
-        n_iters = gl.minimum(iters_per_split, k_iters - kb0)
+                                 total_units, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
+                                 num_warps: gl.constexpr):
+        """Persistent, stream-K: the (tile, K step) units in tile-major order are cut into one equal range per
+        program, so every program streams the same number of weight bytes whatever the shape (no tail wave);
+        a tile shared by several programs is summed by the last of them."""
+        p = gl.program_id(0)
+        n_programs = gl.num_programs(0)
+        u0 = (p * total_units) // n_programs
+        u1 = ((p + 1) * total_units) // n_programs
 
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, MP, _BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, W, 4, 256], w_desc.layout)
@@ -270,44 +320,24 @@ if IMPORT_ERROR is None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
 
-        acc, = gl.warp_specialize([
-            (_consumer, (x_smem, w_smem, s_smem, ready, empty, n_iters, W, MP, STAGES)),
-            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid_n * W, kb0, n_iters,
-                         STAGES)),
+        gl.warp_specialize([
+            (_consumer, (x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr,
+                         y_ptr, ws_ptr, cnt_ptr, M, N, W, MP, STAGES, num_warps)),
+            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W, STAGES)),
         ], [1], [24])
-
-        # epilogue: acc[row, token] -> y[token, n0 + row]
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2 * W, 2], [0, 1])
-        acc = gl.convert_layout(acc, out_layout) * (128.0 / gl.load(gs_ptr))
-        rows = pid_n * (_ROWS * W) + gl.arange(0, _ROWS * W, layout=gl.SliceLayout(1, out_layout))
-        toks = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
-        off = toks[None, :].to(gl.int64) * N + rows[:, None]
-        mask = (toks[None, :] < M) & (rows[:, None] < N)
-        if SPLIT:
-            MN = N.to(gl.int64) * M
-            gl.store(ws_ptr + pid_k.to(gl.int64) * MN + off, acc, mask=mask)
-            _cta_barrier()  # every thread's partial is issued before the counter's release
-            done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if done == split_k - 1:
-                tot = gl.zeros([_ROWS * W, MP], gl.float32, out_layout)
-                for s in range(split_k):  # fixed order: bitwise reproducible
-                    tot += gl.load(ws_ptr + s * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
-                gl.store(y_ptr + off, tot.to(y_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (CUDA-graph replays)
-        else:
-            gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # -- the host side -------------------------------------------------------------------------------------------------
 class Config:
-    """Launch shape: W consumer warpgroups (64 W rows per program), STAGES ring depth, split-K factor, and
-    `maxnreg` (registers per thread at launch; None = Triton's default, which gives one program per SM)."""
+    """Launch shape: W consumer warpgroups (64 W weight rows per tile), STAGES ring depth, `programs` (persistent
+    programs; None = one per SM, at most one per 4 units), `maxnreg` (registers per thread at launch; None =
+    Triton's default, which with W = 2 leaves room for one program per SM)."""
 
-    def __init__(self, w: int = 2, stages: int = 4, split_k: int = 1, maxnreg: int | None = None):
-        self.w, self.stages, self.split_k, self.maxnreg = w, stages, split_k, maxnreg
+    def __init__(self, w: int = 2, stages: int = 4, programs: int | None = None, maxnreg: int | None = None):
+        self.w, self.stages, self.programs, self.maxnreg = w, stages, programs, maxnreg
 
     def __repr__(self) -> str:
-        return f"Config(w={self.w}, stages={self.stages}, split_k={self.split_k}, maxnreg={self.maxnreg})"
+        return f"Config(w={self.w}, stages={self.stages}, programs={self.programs}, maxnreg={self.maxnreg})"
 
     def launch_options(self) -> dict:
         opts = {"num_warps": 4 * self.w}
@@ -335,16 +365,40 @@ def descriptors(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w: 
     return x_desc, w_desc, s_desc
 
 
-def default_config(n: int, k: int, m: int, sms: int = 132) -> Config:
-    """Two warpgroups per program; split K until the grid fills the GPU twice (each program is a 5-warp CTA,
-    two or more fit on an SM), never below 8 K steps per split."""
-    w = 2 if n % (2 * ROWS) == 0 else 1
-    programs = n // (ROWS * w)
-    k_iters = k // BK
-    split = 1
-    while programs * split * 2 < 2 * sms and k_iters // (split * 2) >= 8:
-        split *= 2
-    return Config(w=w, stages=4 if m <= 16 else 3, split_k=split)
+def default_config(n: int, k: int, m: int) -> Config:
+    """Two warpgroups per program where the rows allow; a deeper ring at small M (stages are smaller)."""
+    return Config(w=2 if n % (2 * ROWS) == 0 else 1, stages=4 if m <= 16 else 3)
+
+
+# -- the stream-K schedule, mirrored from the kernel (tests check it covers every unit once) -------------------------
+def program_of(unit: int, n_programs: int, total_units: int) -> int:
+    return ((unit + 1) * n_programs + total_units - 1) // total_units - 1
+
+
+def schedule(tiles: int, k_iters: int, n_programs: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """Per program, its segments (tile, first K step, end K step, contributor slot, contributors of the tile),
+    computed exactly as the kernel does."""
+    total = tiles * k_iters
+    out = []
+    for p in range(n_programs):
+        u0, u1 = p * total // n_programs, (p + 1) * total // n_programs
+        segs, first = [], u0
+        for u in range(u0, u1):
+            tile, kb = divmod(u, k_iters)
+            if kb == k_iters - 1 or u == u1 - 1:
+                p_first = program_of(tile * k_iters, n_programs, total)
+                n_contrib = program_of(tile * k_iters + k_iters - 1, n_programs, total) - p_first + 1
+                segs.append((tile, first - tile * k_iters, kb + 1, p - p_first, n_contrib))
+                first = u + 1
+        out.append(segs)
+    return out
+
+
+def n_programs(cfg: Config, tiles: int, k_iters: int, device: torch.device | None = None) -> int:
+    if cfg.programs is not None:
+        return max(1, min(cfg.programs, tiles * k_iters))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device is not None else 132
+    return max(1, min(sms, tiles * k_iters // 4))
 
 
 def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
@@ -359,23 +413,26 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         raise ValueError(f"x has K = {k}, the weight {codes.shape[1] * BK}")
     mp = padded_m(m)
     cfg = config or default_config(n, k, m)
+    tiles, k_iters = n // (ROWS * cfg.w), k // BK
+    programs = n_programs(cfg, tiles, k_iters, x2.device)
+    most = max_contributors(tiles, k_iters, programs)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
-    k_iters = k // BK
-    per = triton.cdiv(k_iters, cfg.split_k)
-    split = triton.cdiv(k_iters, per)
-    programs = n // (ROWS * cfg.w)
-    if split > 1:
-        ws = torch.empty(split * m * n, dtype=torch.float32, device=x2.device)
-        if counters is None:
-            from .nvfp4 import _counters
-            counters = _counters(x2.device, programs)
-    else:
-        ws = counters = y
+    ws = torch.empty(most * m * n if most > 1 else 1, dtype=torch.float32, device=x2.device)
+    if counters is None:
+        from .nvfp4 import _counters
+        counters = _counters(x2.device, tiles)
     x_desc, w_desc, s_desc = descriptors(x2, codes, scales, cfg.w, mp)
-    nvfp4_decode_gemm_kernel[(programs, split)](
-        x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, per, split,
-        W=cfg.w, MP=mp, STAGES=cfg.stages, SPLIT=split > 1, **cfg.launch_options())
+    nvfp4_decode_gemm_kernel[(programs,)](
+        x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,
+        W=cfg.w, MP=mp, STAGES=cfg.stages, **cfg.launch_options())
     return y
+
+
+def max_contributors(tiles: int, k_iters: int, n_programs: int) -> int:
+    """The most programs any tile is shared by (the workspace holds that many slots): k_iters consecutive units
+    meet at most ceil((k_iters - 1) / L) + 1 ranges of L >= floor(U / P) units."""
+    per = max(1, tiles * k_iters // n_programs)
+    return min(n_programs, -(-(k_iters - 1) // per) + 1)
 
 
 def compile_sm90(m: int, n: int, k: int, config: Config | None = None):
@@ -394,8 +451,8 @@ def compile_sm90(m: int, n: int, k: int, config: Config | None = None):
     x_desc, w_desc, s_desc = descriptors(x, codes, scales, cfg.w, mp)
     signature = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
                  "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
-                 "N": "i32", "k_iters": "i32", "iters_per_split": "i32", "split_k": "i32"}
-    constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SPLIT": cfg.split_k > 1, "num_warps": 4 * cfg.w}
+                 "N": "i32", "k_iters": "i32", "total_units": "i32"}
+    constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "num_warps": 4 * cfg.w}
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())

@@ -1,10 +1,11 @@
 """The Gluon NVFP4 decode GEMM (kernels/gluon_nvfp4.py).
 
-CPU: the shuffled weight layout is an exact permutation of the compressed-tensors tensors; a PyTorch emulation of
-the kernel's own dataflow (its word and scale tiles, its nibble order and joins, its A_PERMUTE) reproduces x @ W^T;
+CPU: the shuffled weight layout is an exact permutation of the compressed-tensors tensors; the stream-K schedule
+gives each program an equal share and every unit to one program; a PyTorch emulation of the kernel's own dataflow
+(its word and scale tiles, nibble order, joins, A_PERMUTE, segments and contributor slots) reproduces x @ W^T;
 the layout's dequantize (Triton, run by the interpreter) is bit-identical to the codec's; the kernel compiles for sm_90a with the ptxas Triton ships (the compile asserts the decode needs no data movement
 between threads), and its SASS has no spills, reads codes with 128-bit shared loads and multiplies with wgmma.
-GPU: the kernel against the PyTorch reference at every M bucket, with and without split-K; a layer held in the
+GPU: the kernel against the PyTorch reference at every M bucket, tiles whole and shared among programs; a layer held in the
 "gluon" layout (kernels.gemm) runs forward and backward through the dispatch and keeps its canonical tensors.
 """
 
@@ -50,37 +51,68 @@ def test_shapes_the_layout_cannot_hold_are_refused():
         G.shuffle_weight(packed, scale)
 
 
-def emulate_kernel(x, codes, scales, gs, w: int):
-    """y = x @ W^T computed the way the kernel computes it: per program (w row blocks) and K step, the word tile
+def decode_tile(codes, scales, tile: int, kb: int, w: int):
+    """The A operand [64 w, 128] of one (tile, K step), computed the way the kernel computes it: the word tile
     [w, 2, 2, 2, 8, 4, 4] and the scale-pair tile [w, 2, 2, 2, 8, 1, 4] (broadcast over q), 8 nibbles per word
-    (nibble i scaled by byte (i >> 1) & 1 of its pair), joined b0, b1, b2, permuted by A_PERMUTE, reshaped to
-    the [64 w, 128] A operand; fp32 accumulation, times 1 / global scale at the end."""
+    (nibble i scaled by byte (i >> 1) & 1 of its pair), joined b0, b1, b2, permuted by A_PERMUTE, reshaped."""
     e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    nrb, nkb = codes.shape[:2]
-    y = torch.zeros(x.shape[0], nrb * G.ROWS)
-    for rb in range(0, nrb, w):
-        acc = torch.zeros(G.ROWS * w, x.shape[0])
-        for kb in range(nkb):
-            words = codes[rb:rb + w, kb].reshape(w, 2, 2, 2, 8, 4, 4).long() & 0xFFFFFFFF
-            pairs = scales[rb:rb + w, kb].reshape(w, 2, 2, 2, 8, 1, 4).contiguous().view(torch.uint8)
-            pairs = pairs.reshape(w, 2, 2, 2, 8, 1, 4, 2).expand(w, 2, 2, 2, 8, 4, 4, 2)
-            pair_scale = pairs.view(torch.float8_e4m3fn).float()
-            elems = [e2m1[(words >> (4 * i)) & 15] * pair_scale[..., (i >> 1) & 1] for i in range(8)]
-            joined = torch.stack([torch.stack([torch.stack([elems[b0 + 2 * b1 + 4 * b2] for b0 in (0, 1)], -1)
-                                               for b1 in (0, 1)], -1) for b2 in (0, 1)], -1)
-            a = joined.permute(G.A_PERMUTE).reshape(G.ROWS * w, G.BK)
-            acc += a @ x[:, kb * G.BK:(kb + 1) * G.BK].float().t()
-        y[:, rb * G.ROWS:(rb + w) * G.ROWS] = acc.t()
+    rb = tile * w
+    words = codes[rb:rb + w, kb].reshape(w, 2, 2, 2, 8, 4, 4).long() & 0xFFFFFFFF
+    pairs = scales[rb:rb + w, kb].reshape(w, 2, 2, 2, 8, 1, 4).contiguous().view(torch.uint8)
+    pairs = pairs.reshape(w, 2, 2, 2, 8, 1, 4, 2).expand(w, 2, 2, 2, 8, 4, 4, 2)
+    pair_scale = pairs.view(torch.float8_e4m3fn).float()
+    elems = [e2m1[(words >> (4 * i)) & 15] * pair_scale[..., (i >> 1) & 1] for i in range(8)]
+    joined = torch.stack([torch.stack([torch.stack([elems[b0 + 2 * b1 + 4 * b2] for b0 in (0, 1)], -1)
+                                       for b1 in (0, 1)], -1) for b2 in (0, 1)], -1)
+    return joined.permute(G.A_PERMUTE).reshape(G.ROWS * w, G.BK)
+
+
+def emulate_kernel(x, codes, scales, gs, w: int, programs: int):
+    """y = x @ W^T the way the kernel's programs compute it: each program's stream-K segments accumulate in fp32;
+    a whole tile is stored, a shared one goes to its contributor slot and the slots are summed in slot order."""
+    tiles, k_iters = codes.shape[0] // w, codes.shape[1]
+    m, n = x.shape[0], codes.shape[0] * G.ROWS
+    slots = torch.full((G.max_contributors(tiles, k_iters, programs), m, n), float("nan"))
+    y = torch.full((m, n), float("nan"))
+    for segs in G.schedule(tiles, k_iters, programs):
+        for tile, kb0, kb1, slot, n_contrib in segs:
+            acc = torch.zeros(G.ROWS * w, m)
+            for kb in range(kb0, kb1):
+                acc += decode_tile(codes, scales, tile, kb, w) @ x[:, kb * G.BK:(kb + 1) * G.BK].float().t()
+            cols = slice(tile * w * G.ROWS, (tile + 1) * w * G.ROWS)
+            if n_contrib == 1:
+                y[:, cols] = acc.t()
+            else:
+                slots[slot, :, cols] = acc.t()
+                y[:, cols] = slots[:n_contrib, :, cols].sum(0)  # the last contributor's sum (all slots written)
     return y / gs.float()
 
 
-@pytest.mark.parametrize("w", [1, 2])
-def test_kernel_dataflow_reproduces_the_gemm(w):
+def test_schedule_covers_every_unit_once_and_slots_fit():
+    for tiles, k_iters, programs in [(296, 28, 132), (36, 28, 132), (28, 148, 132), (3, 5, 7), (1, 1, 1), (5, 3, 15)]:
+        seen = torch.zeros(tiles, k_iters, dtype=torch.long)
+        contrib = {}
+        sched = G.schedule(tiles, k_iters, programs)
+        per = [sum(kb1 - kb0 for _, kb0, kb1, _, _ in segs) for segs in sched]
+        assert max(per) - min(per) <= 1  # equal work per program: no tail wave
+        for segs in sched:
+            for tile, kb0, kb1, slot, n in segs:
+                seen[tile, kb0:kb1] += 1
+                contrib.setdefault(tile, set()).add((slot, n))
+        assert bool((seen == 1).all())
+        bound = G.max_contributors(tiles, k_iters, programs)
+        for tile, s in contrib.items():
+            n = {c for _, c in s}
+            assert len(n) == 1 and sorted(sl for sl, _ in s) == list(range(n.pop())) and len(s) <= bound
+
+
+@pytest.mark.parametrize("w,programs", [(1, 1), (2, 2), (1, 5), (2, 7)])
+def test_kernel_dataflow_reproduces_the_gemm(w, programs):
     n, k = 256, 384
     packed, scale, gs = random_weight(n, k, seed=w)
     x = torch.randn(5, k).to(torch.bfloat16)
     codes, scales = G.shuffle_weight(packed, scale)
-    got = emulate_kernel(x, codes, scales, gs, w)
+    got = emulate_kernel(x, codes, scales, gs, w, programs)
     want = x.double() @ codec.dequantize(packed, scale, gs, dtype=torch.float32).double().t()
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
 
@@ -129,10 +161,10 @@ def test_padded_m_and_default_config():
     assert [G.padded_m(m) for m in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 32, 64]
     with pytest.raises(ValueError, match="1..64 rows, got 65"):
         G.padded_m(65)
-    big = G.default_config(37888, 3584, 1)  # 7B gate_up: 296 programs fill the GPU without splitting K
-    assert (big.w, big.split_k) == (2, 1)
-    small = G.default_config(4608, 3584, 1)  # 7B qkv: 36 programs; split K
-    assert small.split_k > 1 and 3584 // 128 // small.split_k >= 8 // 2
+    assert G.default_config(37888, 3584, 1).w == 2 and G.default_config(4032, 3584, 1).w == 1
+    assert G.n_programs(G.Config(), tiles=296, k_iters=28) == 132  # one per SM (132 without a GPU to ask)
+    assert G.n_programs(G.Config(), tiles=2, k_iters=8) == 4  # at least 4 K steps per program
+    assert G.n_programs(G.Config(programs=1000), tiles=2, k_iters=8) == 16
 
 
 COMPILE_SCRIPT = textwrap.dedent("""
@@ -142,14 +174,14 @@ COMPILE_SCRIPT = textwrap.dedent("""
     out = {}
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for m, n, k, w, stages, split in json.loads(sys.argv[1]):
-        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, split_k=split))
+    for m, n, k, w, stages in json.loads(sys.argv[1]):
+        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages))
         f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
         f.write(ck.asm["cubin"]); f.close()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
-        out[f"{m},{w},{split}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
+        out[f"{m},{w}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
                                    "local": "LOCAL:0" in res, "shared": ck.metadata.shared}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -166,7 +198,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not HAS_GLUON, reason=f"Triton without Gluon: {G.IMPORT_ERROR}")
 def test_kernel_compiles_for_sm90_without_spills():
-    cases = [(1, 4096, 4096, 2, 4, 1), (64, 4096, 4096, 2, 3, 1), (16, 1024, 4096, 1, 4, 4)]
+    cases = [(1, 4096, 4096, 2, 4), (64, 4096, 4096, 2, 3), (16, 1024, 4096, 1, 6)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler, not the interpreter
     env["PYTHONPATH"] = os.getcwd()
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -176,7 +208,6 @@ def test_kernel_compiles_for_sm90_without_spills():
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     for key, r in out.items():
-        m, w, split = map(int, key.split(","))
         assert r["local"] and r["sass"]["LDL"] == 0 and r["sass"]["STL"] == 0, (key, r)  # no register spills
         assert r["sass"]["HGMMA"] >= 8, (key, r)  # 8 wgmma K steps per stage
         assert r["sass"]["LDS.128"] >= 2, (key, r)  # a thread's 8 code words: two 128-bit shared loads
@@ -188,13 +219,13 @@ gpu = pytest.mark.skipif(not (HAS_GLUON and G.available()), reason="needs Gluon 
 
 @gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 33, 64])
-@pytest.mark.parametrize("n,k,split", [(4096, 4096, 1), (1024, 4096, 4), (4608, 3584, None)])
-def test_gpu_kernel_matches_reference(m, n, k, split):
+@pytest.mark.parametrize("n,k,programs", [(4096, 4096, None), (1024, 4096, 3), (4608, 3584, 1000), (192, 256, 1)])
+def test_gpu_kernel_matches_reference(m, n, k, programs):
     packed, scale, gs = random_weight(n, k, seed=m)
     packed, scale, gs = packed.cuda(), scale.cuda(), gs.cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     codes, scales = G.shuffle_weight(packed, scale)
-    cfg = None if split is None else G.Config(w=2 if n % 128 == 0 else 1, split_k=split)
+    cfg = None if programs is None else G.Config(w=2 if n % 128 == 0 else 1, programs=programs)
     y = G.linear_forward(x, codes, scales, gs, cfg)
     want = x.double() @ codec.dequantize(packed, scale, gs, dtype=torch.float32).double().t()
     err = (y.double() - want).abs().max().item()
