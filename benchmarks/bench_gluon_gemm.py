@@ -35,10 +35,11 @@ def configs(n: int, k: int, m: int, mode: str) -> dict[str, G.Config]:
         for w in (1, 2):
             if n % (G.ROWS * w):
                 continue
-            for stages in (3, 4, 6):
-                for programs in (sms, 2 * sms):
-                    for maxnreg in (None, 128) if programs == 2 * sms else (None,):
-                        out[f"w{w} s{stages} p{programs} r{maxnreg or '-'}"] = G.Config(w, stages, programs, maxnreg)
+            for stages in (4, 6):
+                for lanes in (False, True):
+                    out[f"w{w} s{stages}{' lanes' if lanes else ''}"] = G.Config(w, stages, scale_lanes=lanes)
+            # two programs per SM: registers capped so they fit
+            out[f"w{w} s4 2/SM r128"] = G.Config(w, 4, programs=2 * sms, maxnreg=128, scale_lanes=True)
     return out
 
 

@@ -182,8 +182,23 @@ prmt.b32 v, l, h, 0xA6A2; mul.lo.u32 v, v, 0x1040; and.b32 v, v, 0x81C081C0; fma
 prmt.b32 v, l, h, 0xB7B3; mul.lo.u32 v, v, 0x1040; and.b32 v, v, 0x81C081C0; fma.rn.bf16x2 p, v, sh, z; mov.b32 {$6, $7}, p;
 }"""
 
+# The same decode with the scales already converted (SCALE_LANES): $9 / $10 hold bf16x2 (s_g, s_g) / (s_g8, s_g8).
+_DECODE_SCALED_ASM = _DECODE_ASM.split("mov.b32 z, 0x80008000;")[1].replace(", sg, z", ", $9, z").replace(", sh, z",
+                                                                                                    ", $10, z")
+_DECODE_SCALED_ASM = "{\n.reg .b32 l, h, v, p, z;\nmov.b32 z, 0x80008000;" + _DECODE_SCALED_ASM
+# One int16 of two E4M3 scales -> the two replicated bf16x2 scale registers (x 2^119, zeros kept zero).
+_SCALE_ASM = """{
+.reg .b32 a, m;
+cvt.rn.f16x2.e4m3x2 a, $2;
+add.u32 m, a, 0x7FFF7FFF; prmt.b32 m, m, 0, 0xBB99;
+shr.b32 a, a, 3; and.b32 a, a, 0x0FFF0FFF; add.u32 a, a, 0x73807380; and.b32 a, a, m;
+prmt.b32 $0, a, 0, 0x1010; prmt.b32 $1, a, 0, 0x3232;
+}"""
+
 if IMPORT_ERROR is None:
-    DECODE_ASM = gl.constexpr(_DECODE_ASM)  # jit code may only read constexpr globals
+    DECODE_ASM = gl.constexpr(_DECODE_ASM)
+    DECODE_SCALED_ASM = gl.constexpr(_DECODE_SCALED_ASM)
+    SCALE_ASM = gl.constexpr(_SCALE_ASM)  # jit code may only read constexpr globals
     # Triton 3.6 (the GPU machines) names the TMA load async_copy_global_to_shared; later ones async_load
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6
@@ -201,11 +216,7 @@ if IMPORT_ERROR is None:
             return smem._reinterpret(dtype, shape, layout)
 
     @gluon.jit
-    def _decode(words, pairs, a_layout: gl.constexpr, W: gl.constexpr):
-        """[W, 2, 2, 2, 8, 4, 4] int32 words + int16 scale pairs -> the wgmma A operand [64 W, 128] bf16."""
-        e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-            DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, pairs], dtype=(gl.bfloat16,) * 8, is_pure=True,
-            pack=1)
+    def _joined_a(e0, e1, e2, e3, e4, e5, e6, e7, a_layout: gl.constexpr, W: gl.constexpr):
         # nibble i = b0 + 2 b1 + 4 b2; joins append b0, then b1, then b2
         t = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
         # [W, half, t6, t5, g, q, r, b0, b1, b2] -> rows (W, t6, t5, b1, g), cols (half, r, b2, q, b0)
@@ -214,9 +225,32 @@ if IMPORT_ERROR is None:
         return gl.convert_layout(t, a_layout, assert_trivial=True)
 
     @gluon.jit
+    def _decode(words, pairs, a_layout: gl.constexpr, W: gl.constexpr):
+        """[W, 2, 2, 2, 8, 4, 4] int32 words + int16 scale pairs -> the wgmma A operand [64 W, 128] bf16."""
+        e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+            DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, pairs], dtype=(gl.bfloat16,) * 8, is_pure=True,
+            pack=1)
+        return _joined_a(e0, e1, e2, e3, e4, e5, e6, e7, a_layout, W)
+
+    @gluon.jit
+    def _decode_scaled(words, s_lo, s_hi, a_layout: gl.constexpr, W: gl.constexpr):
+        """The same with the scales converted already (bf16x2 registers for rows g and g + 8)."""
+        e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+            DECODE_SCALED_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, s_lo, s_hi], dtype=(gl.bfloat16,) * 8,
+            is_pure=True, pack=1)
+        return _joined_a(e0, e1, e2, e3, e4, e5, e6, e7, a_layout, W)
+
+    @gluon.jit
     def _program_of(unit, n_programs, total_units):
         """The program whose unit range [u0, u1) holds `unit` (u0(p) = p * U // P). Mirrored by program_of()."""
         return ((unit + 1) * n_programs + total_units - 1) // total_units - 1
+
+    @gluon.jit
+    def _advance(tile, kb, s, phase, k_iters, STAGES: gl.constexpr):
+        """The next unit's (tile, K step) and ring (stage, phase)."""
+        wrap = (kb == k_iters - 1).to(gl.int32)
+        turn = (s == STAGES - 1).to(gl.int32)
+        return tile + wrap, (kb + 1) * (1 - wrap), (s + 1) * (1 - turn), phase ^ turn
 
     @gluon.jit
     def _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
@@ -251,7 +285,7 @@ if IMPORT_ERROR is None:
     @gluon.jit
     def _consumer(x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr, y_ptr,
                   ws_ptr, cnt_ptr, M, N, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * W, 1],
                                                              instr_shape=[16, MP, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -260,49 +294,66 @@ if IMPORT_ERROR is None:
         frag: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 1, 1, 1, 4],
                                               threads_per_warp=[1, 1, 1, 1, 8, 4, 1],
                                               warps_per_cta=[W, 1, 2, 2, 1, 1, 1], order=[6, 5, 4, 3, 2, 1, 0])
+        # the scale pairs spread over the row pair's 4 lanes (r on the lanes q), for SCALE_LANES
+        spread: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 1, 1, 1, 1],
+                                                threads_per_warp=[1, 1, 1, 1, 8, 1, 4],
+                                                warps_per_cta=[W, 1, 2, 2, 1, 1, 1], order=[6, 5, 4, 3, 2, 1, 0])
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[6, 5, 4, 3, 2, 1, 0])
         acc = gl.zeros([_ROWS * W, MP], gl.float32, mma_layout)
         first = u0
+        # (tile, K step) and (stage, phase) advance by counting: no integer division in the loop
+        tile = u0 // k_iters
+        kb = u0 - tile * k_iters
+        s = 0
+        phase = 0
+        prev = STAGES - 1
         for u in range(u0, u1):
-            i = u - u0
-            s = i % STAGES
-            tile = u // k_iters
-            kb = u - tile * k_iters
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            mbarrier.wait(ready.index(s), phase)
             words = _view(w_smem.index(s), gl.int32, [W, 2, 2, 2, 8, 4, 4], flat).load(frag)
-            pairs = _view(s_smem.index(s), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(frag)
-            a = _decode(words, gl.broadcast(pairs, words)[0], a_layout, W)
+            if SCALE_LANES:  # each of the 4 lanes sharing a row pair converts 2 of its 8 scale pairs, then shuffles
+                pairs = _view(s_smem.index(s), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(spread)
+                s_lo, s_hi = gl.inline_asm_elementwise(SCALE_ASM, "=r,=r,h", [pairs], dtype=(gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
+                s_lo = gl.broadcast(gl.convert_layout(s_lo, frag), words)[0]
+                s_hi = gl.broadcast(gl.convert_layout(s_hi, frag), words)[0]
+                a = _decode_scaled(words, s_lo, s_hi, a_layout, W)
+            else:  # each lane converts its own 8 (the 4 lanes of a row pair repeat the work)
+                pairs = _view(s_smem.index(s), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(frag)
+                a = _decode(words, gl.broadcast(pairs, words)[0], a_layout, W)
             # a segment's first unit starts a fresh accumulator
             acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=u != first, is_async=True)
             # one wgmma stays in flight; the one before it is done, so its stage goes back to the producer
             acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
             fence_async_shared()  # order our shared-memory reads before the TMA that refills the stage
-            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+            mbarrier.arrive(empty.index(prev), count=1, pred=u > u0)
             if (kb == k_iters - 1) | (u == u1 - 1):  # the segment of this tile ends here
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
                                 cnt_ptr, M, N, W, MP, num_warps)
                 first = u + 1
+            prev = s
+            tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
 
     @gluon.jit
     def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W: gl.constexpr,
                   STAGES: gl.constexpr):
+        tile = u0 // k_iters
+        kb = u0 - tile * k_iters
+        s = 0
+        phase = 0
         for u in range(u0, u1):
-            i = u - u0
-            s = i % STAGES
-            tile = u // k_iters
-            kb = u - tile * k_iters
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
+            mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier counts as released
             bar = ready.index(s)
             mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
             _tma_load(x_desc, [0, kb * _BK], bar, x_smem.index(s))
             _tma_load(w_desc, [tile * W, kb * 4, 0], bar, w_smem.index(s))
             _tma_load(s_desc, [tile * W, kb, 0], bar, s_smem.index(s))
+            tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
 
     @gluon.jit
     def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
                                  total_units, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
         """Persistent, stream-K: the (tile, K step) units in tile-major order are cut into one equal range per
         program, so every program streams the same number of weight bytes whatever the shape (no tail wave);
         a tile shared by several programs is summed by the last of them."""
@@ -322,7 +373,7 @@ if IMPORT_ERROR is None:
 
         gl.warp_specialize([
             (_consumer, (x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr,
-                         y_ptr, ws_ptr, cnt_ptr, M, N, W, MP, STAGES, num_warps)),
+                         y_ptr, ws_ptr, cnt_ptr, M, N, W, MP, STAGES, SCALE_LANES, num_warps)),
             (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W, STAGES)),
         ], [1], [24])
 
@@ -333,11 +384,14 @@ class Config:
     programs; None = one per SM, at most one per 4 units), `maxnreg` (registers per thread at launch; None =
     Triton's default, which with W = 2 leaves room for one program per SM)."""
 
-    def __init__(self, w: int = 2, stages: int = 4, programs: int | None = None, maxnreg: int | None = None):
+    def __init__(self, w: int = 2, stages: int = 4, programs: int | None = None, maxnreg: int | None = None,
+                 scale_lanes: bool = False):
         self.w, self.stages, self.programs, self.maxnreg = w, stages, programs, maxnreg
+        self.scale_lanes = scale_lanes  # convert each scale once per row pair, not once per lane (SCALE_LANES)
 
     def __repr__(self) -> str:
-        return f"Config(w={self.w}, stages={self.stages}, programs={self.programs}, maxnreg={self.maxnreg})"
+        return (f"Config(w={self.w}, stages={self.stages}, programs={self.programs}, maxnreg={self.maxnreg}, "
+                f"scale_lanes={self.scale_lanes})")
 
     def launch_options(self) -> dict:
         opts = {"num_warps": 4 * self.w}
@@ -424,7 +478,7 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     x_desc, w_desc, s_desc = descriptors(x2, codes, scales, cfg.w, mp)
     nvfp4_decode_gemm_kernel[(programs,)](
         x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,
-        W=cfg.w, MP=mp, STAGES=cfg.stages, **cfg.launch_options())
+        W=cfg.w, MP=mp, STAGES=cfg.stages, SCALE_LANES=cfg.scale_lanes, **cfg.launch_options())
     return y
 
 
@@ -452,7 +506,7 @@ def compile_sm90(m: int, n: int, k: int, config: Config | None = None):
     signature = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
                  "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
                  "N": "i32", "k_iters": "i32", "total_units": "i32"}
-    constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "num_warps": 4 * cfg.w}
+    constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SCALE_LANES": cfg.scale_lanes, "num_warps": 4 * cfg.w}
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())

@@ -174,14 +174,14 @@ COMPILE_SCRIPT = textwrap.dedent("""
     out = {}
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for m, n, k, w, stages in json.loads(sys.argv[1]):
-        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages))
+    for m, n, k, w, stages, lanes in json.loads(sys.argv[1]):
+        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, scale_lanes=lanes))
         f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
         f.write(ck.asm["cubin"]); f.close()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
-        out[f"{m},{w}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
+        out[f"{m},{w},{lanes}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
                                    "local": "LOCAL:0" in res, "shared": ck.metadata.shared}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -198,7 +198,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not HAS_GLUON, reason=f"Triton without Gluon: {G.IMPORT_ERROR}")
 def test_kernel_compiles_for_sm90_without_spills():
-    cases = [(1, 4096, 4096, 2, 4), (64, 4096, 4096, 2, 3), (16, 1024, 4096, 1, 6)]
+    cases = [(1, 4096, 4096, 2, 4, False), (64, 4096, 4096, 2, 3, True), (16, 1024, 4096, 1, 6, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler, not the interpreter
     env["PYTHONPATH"] = os.getcwd()
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -225,7 +225,8 @@ def test_gpu_kernel_matches_reference(m, n, k, programs):
     packed, scale, gs = packed.cuda(), scale.cuda(), gs.cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     codes, scales = G.shuffle_weight(packed, scale)
-    cfg = None if programs is None else G.Config(w=2 if n % 128 == 0 else 1, programs=programs)
+    cfg = None if programs is None else G.Config(w=2 if n % 128 == 0 else 1, programs=programs,
+                                                 scale_lanes=programs % 2 == 1)
     y = G.linear_forward(x, codes, scales, gs, cfg)
     want = x.double() @ codec.dequantize(packed, scale, gs, dtype=torch.float32).double().t()
     err = (y.double() - want).abs().max().item()
