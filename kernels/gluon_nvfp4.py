@@ -470,6 +470,8 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     n = codes.shape[0] * ROWS
     if codes.shape[1] * BK != k:
         raise ValueError(f"x has K = {k}, the weight {codes.shape[1] * BK}")
+    if x2.data_ptr() % 16 or (x2.stride(0) * 2) % 16:  # TMA reads 16-byte-aligned rows
+        x2 = x2.clone()
     mp = padded_m(m)
     cfg = config or default_config(n, k, m)
     tiles, k_iters = n // (ROWS * cfg.w), k // BK
