@@ -167,6 +167,32 @@ def check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, t
 
 
 @torch.no_grad()
+def prefill_once_per_prompt(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Last-position logits [B, 1, V] of a prefill of the left-padded `input_ids` [B, T] into the model's KV cache,
+    computing each distinct row once: GRPO samples every prompt group_size times, and the prompt's keys and values
+    are the same for all its samples, so its cache rows are copied instead of recomputed (1/group_size of the
+    prefill; what vLLM's prefix cache does for a group). The cache and logits equal a prefill of every row, up to
+    the float rounding of a smaller batch."""
+    rows = input_ids.tolist()
+    first: dict[tuple, int] = {}
+    for i, row in enumerate(rows):
+        first.setdefault(tuple(row), i)
+    prompt_len = input_ids.shape[1]
+    position = torch.arange(prompt_len, device=input_ids.device)
+    if len(first) == len(rows):
+        return model(input_ids, attention_mask=attention_mask, cache_position=position, logits_to_keep=1)
+    unique = torch.tensor(list(first.values()), device=input_ids.device)
+    slot = {key: j for j, key in enumerate(first)}
+    inverse = torch.tensor([slot[tuple(row)] for row in rows], device=input_ids.device)
+    logits = model(input_ids[unique], attention_mask=attention_mask[unique], cache_position=position,
+                   logits_to_keep=1)
+    for layer in model.model.layers:  # unique rows were written to cache rows 0..U-1: spread them to all B
+        cache = layer.self_attn.kv_cache
+        for t in (cache.k_cache, cache.v_cache):
+            t[:len(rows), :, :prompt_len] = t[:len(first), :, :prompt_len][inverse]
+    return logits[inverse]
+
+
 def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
              eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
@@ -216,8 +242,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], m
     if max_new_tokens > 0:
         model.setup_kv_cache(batch, total)
         try:
-            logits = model(input_ids, attention_mask=attention_mask[:, :prompt_len],
-                           cache_position=torch.arange(prompt_len, device=device), logits_to_keep=1)
+            logits = prefill_once_per_prompt(model, input_ids, attention_mask[:, :prompt_len])
             for step in tqdm(range(max_new_tokens), desc="generate", unit="tok", disable=not progress):
                 token, logprob = sample_tokens(logits[:, -1].float(), temperature, top_p, top_k, generator)
                 token = token.masked_fill(done, filler)

@@ -146,3 +146,31 @@ def test_smollm2_answers_and_stops_at_eos(smollm2_dir):
     assert "Paris" in out.texts[0] and out.stop_reasons == ["eos", "eos"]
     assert out.completion_ids[0][-1] == tokenizer.eos_token_id and out.completion_ids[0] == out.completion_ids[1]
     assert "<|im_end|>" not in out.texts[0]
+
+
+def test_each_distinct_prompt_is_prefilled_once(tiny, monkeypatch):
+    """GRPO's groups repeat every prompt: the prefill runs on the distinct prompts only and its KV rows are copied,
+    giving the same samples and log-probs as a prefill of every row."""
+    from qerl import generate as gen
+
+    model, tokenizer = tiny
+    group = [p for p in PROMPTS for _ in range(4)]
+    kw = dict(max_new_tokens=8, temperature=1.0, eos_token_ids=[], row_seeds=list(range(len(group))))
+    prefill_rows = []
+    real_forward = type(model).forward
+
+    def counting_forward(self, input_ids, *args, **kwargs):
+        if input_ids.shape[1] > 1:
+            prefill_rows.append(input_ids.shape[0])
+        return real_forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting_forward)
+    shared = generate(model, tokenizer, group, **kw)
+    assert prefill_rows == [len(PROMPTS)]
+    monkeypatch.setattr(gen, "prefill_once_per_prompt", lambda m, ids, mask: m(
+        ids, attention_mask=mask, cache_position=torch.arange(ids.shape[1]), logits_to_keep=1))
+    every = generate(model, tokenizer, group, **kw)
+    assert prefill_rows == [len(PROMPTS), len(group)]
+    assert shared.completion_ids == every.completion_ids
+    for a, b in zip(shared.logprobs, every.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
