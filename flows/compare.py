@@ -8,6 +8,11 @@ defines another. Every run is `flows.train.train_and_evaluate` in `<out>/runs/<a
 train.seed and aqn.seed; the data and the held-out split stay the same), logged as an MLflow run nested under the
 experiment's parent run and tagged `arm` and `seed`. A rerun skips finished runs (their `result.json`), resumes a
 crashed one from its last checkpoint into the same MLflow run, then rebuilds the report from the run folders.
+
+`--jobs N` trains N runs at once, each in its own worker process: on a GPU machine worker i sees GPU i (N <= the GPU
+count), on the CPU each worker gets cores / N threads (small models decode faster on one thread each than on several
+shared: BENCHMARKS.md). Workers take the next run nobody holds (a lock file per run folder), so they stay busy until
+the plan is done, and an interrupted experiment resumes the same way with any N.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +33,7 @@ from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
 from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.report import RunRecord, write_report
+from qerl.runlock import FolderLock, FolderLocked
 from qerl.tracking import JsonlWriter
 
 # The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's
@@ -40,6 +48,7 @@ ARMS: dict[str, list[str]] = {
 DONE = "result.json"  # written last: a run folder without it is unfinished (never started, or crashed)
 MLFLOW_RUN = "mlflow_run.json"  # the run's MLflow id, written first: a resumed run continues that MLflow run
 PARENT = "experiment.json"  # the parent run's id: a rerun files its runs under the same parent
+CLAIM = ".compare-claim.lock"  # held by the worker training a run (the trainer's own lock is .qerl.lock)
 
 
 def parse_arm(spec: str) -> tuple[str, list[str]]:
@@ -155,11 +164,80 @@ def base_entropy(settings: Settings, out: Path, num_prompts: int, quantized_root
     return measured
 
 
+def worker_environments(jobs: int) -> list[dict[str, str]]:
+    """The environment of each of `jobs` workers: one GPU each where there are enough, else an equal share of the
+    CPU cores as torch threads."""
+    import torch
+
+    envs = []
+    for i in range(jobs):
+        env = dict(os.environ)
+        if torch.cuda.is_available():
+            if torch.cuda.device_count() < jobs:
+                raise ConfigError(f"--jobs {jobs}: this machine has {torch.cuda.device_count()} GPU(s); one run "
+                                  "per GPU at most")
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        else:
+            threads = str(max(1, len(os.sched_getaffinity(0)) // jobs))
+            env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        envs.append(env)
+    return envs
+
+
+def work(params: str, common: list[str], arms: dict[str, list[str]], seeds: int, out: Path,
+         quantized_root: str) -> list[str]:
+    """A worker: train, in plan order, every unfinished run that no other worker holds; returns what it trained."""
+    parent_run_id = json.loads((out / PARENT).read_text())["parent_run_id"]
+    trained = []
+    for run in plan_runs(params, common, arms, seeds, out):
+        if (run.run_dir / DONE).is_file():
+            continue
+        claim = FolderLock(run.run_dir / CLAIM, what=f"{run.arm} seed {run.seed}")
+        try:
+            claim.acquire()
+        except FolderLocked:  # another worker is on it
+            continue
+        try:
+            if not (run.run_dir / DONE).is_file():  # finished between our check and our claim
+                train_arm_seed(params, run.overrides, run.arm, run.seed, str(run.run_dir), parent_run_id,
+                               quantized_root)
+                trained.append(f"{run.arm}/seed-{run.seed}")
+        finally:
+            claim.release()
+    return trained
+
+
+def run_workers(params: str, common: list[str], arm_specs: list[str], seeds: int, out: Path, quantized_root: str,
+                jobs: int) -> None:
+    """Start `jobs` worker processes (`python -m flows.compare --worker ...`) and wait for all of them; their logs
+    interleave on this process's output. A worker that fails is named once every worker has ended."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    command = [sys.executable, "-m", "flows.compare", "--worker", "--params", params, "--seeds", str(seeds),
+               "--out", str(out), "--quantized-root", quantized_root, "--arms", *arm_specs]
+    for override in common:
+        command += ["-S", override]
+    procs = []
+    for i, env in enumerate(worker_environments(jobs)):
+        if PREFECT_API_URL.value():  # a Prefect server: the workers' flow runs show up there beside ours
+            env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
+        else:  # each worker starts its own temporary server; one database each
+            env["PREFECT_HOME"] = str(Path(PREFECT_HOME.value()) / f"compare-worker-{i}")
+        procs.append(subprocess.Popen(command, env=env))
+    codes = [p.wait() for p in procs]
+    failed = [f"worker {i} (exit code {c})" for i, c in enumerate(codes) if c != 0]
+    if failed:
+        raise RuntimeError(f"{', '.join(failed)} failed; their runs resume on the next invocation")
+
+
 @flow(name="qerl-compare", log_prints=True)
 def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, seeds: int = 3,
             overrides: list[str] | None = None, out_dir: str | None = None, quantized_root: str = QUANTIZED_ROOT,
-            reward_threshold: float = 0.5, entropy_prompts: int = 32) -> dict:
-    """Train every arm with seeds 0..seeds-1, then write the report to `<out_dir>/report` and the parent run."""
+            reward_threshold: float = 0.5, entropy_prompts: int = 32, jobs: int = 1) -> dict:
+    """Train every arm with seeds 0..seeds-1 (`jobs` at once), then write the report to `<out_dir>/report` and the
+    parent run."""
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: must be >= 1")
     logger = get_run_logger()
     common = list(overrides or [])
     chosen = dict(parse_arm(spec) for spec in (arms or list(ARMS)))
@@ -187,8 +265,10 @@ def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, 
         for e in entropies:
             logger.info("step-0 policy entropy of the %s base: %.4f nats/token", e["scheme"], e["entropy"])
 
+        if jobs > 1:
+            run_workers(params, common, list(arms or list(ARMS)), seeds, out, quantized_root, jobs)
         records = []
-        for run in planned:
+        for run in planned:  # with workers, every run is finished now and only read back
             result = train_arm_seed(params, run.overrides, run.arm, run.seed, str(run.run_dir), parent.run_id,
                                     quantized_root)
             records.append(_record(run.run_dir, result))
@@ -211,14 +291,23 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entropy-prompts", type=int, default=32,
                         help="held-out questions the step-0 entropy of each base format is measured on")
     parser.add_argument("--quantized-root", default=QUANTIZED_ROOT)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at once, each in its own process: one GPU each, or an equal share of the "
+                             "CPU cores (default 1)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # what --jobs starts
 
 
 def _run(args: argparse.Namespace) -> str:
     for spec in args.arms:  # fail in a line, before Prefect and the model start up
         parse_arm(spec)
     probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
+    if args.worker:
+        out = Path(args.out) if args.out else default_out_dir(args.params)
+        trained = work(args.params, list(args.overrides), dict(parse_arm(s) for s in args.arms), args.seeds, out,
+                       args.quantized_root)
+        return f"worker {os.getpid()} trained: {', '.join(trained) or 'nothing left'}"
     result = compare(args.params, args.arms, args.seeds, args.overrides, args.out, args.quantized_root,
-                     args.reward_threshold, args.entropy_prompts)
+                     args.reward_threshold, args.entropy_prompts, args.jobs)
     return f"report: {Path(result['out_dir']) / 'report' / 'report.md'}  mlflow parent run {result['parent_run_id']}"
 
 

@@ -98,3 +98,42 @@ def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
         "python -m flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
         "nvfp4-aqn, nvfp4-aqn-entropy; or define one as NAME:section.key=value,...)"]
     assert not (tmp_path / "exp").exists()
+
+
+def test_jobs_train_the_runs_in_worker_processes(tmp_path, monkeypatch):
+    """--jobs 2: two worker processes share the plan through per-run claim locks; the flow only reads their results
+    back (it cannot train here: its own training is disabled), reports both arms and nests both MLflow runs."""
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    import flows.compare as compare_flow
+
+    def no_training_here(*args, **kwargs):
+        raise AssertionError("the flow process trained a run itself")
+
+    monkeypatch.setattr(compare_flow, "train_and_evaluate", no_training_here)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    quick = ["train.steps=1", "eval.n=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
+             f"tracking.tracking_uri={uri}", "tracking.experiment=compare-jobs-test"]
+    out = tmp_path / "exp"
+    arms = ["bf16-lora", "nvfp4"]
+    with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):
+        result = compare_flow.compare(params=TINY, arms=arms, seeds=1, overrides=quick, out_dir=str(out),
+                                      quantized_root=str(tmp_path / "quantized"), reward_threshold=0.5,
+                                      entropy_prompts=2, jobs=2)
+    assert sorted(r["arm"] for r in result["runs"]) == arms
+    assert all((out / "runs" / arm / "seed-0" / "result.json").is_file() for arm in arms)
+    assert not list(out.glob("runs/*/seed-0/" + compare_flow.CLAIM))  # claims released
+    assert [r["arm"] for r in csv.DictReader((out / "report" / "summary.csv").open())] == arms
+    client = MlflowClient(uri)
+    parent = client.get_run(result["parent_run_id"])
+    children = nested_runs(client, parent.info.experiment_id, parent.info.run_id)
+    assert sorted(r.data.tags["arm"] for r in children) == arms and all(r.info.status == "FINISHED" for r in children)
+
+
+def test_jobs_must_be_positive(tmp_path):
+    from flows.compare import main
+
+    assert main(["--params", TINY, "--jobs", "0", "--out", str(tmp_path / "x")]) == 2
