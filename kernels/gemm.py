@@ -2,8 +2,9 @@
 
 `NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them: repacked for
 humming-kernels when it is installed and the shape fits ("humming" layout), else as given ("qerl" layout, read
-by our Triton kernels); on request (`prefer="gluon"` or QERL_NVFP4_LAYOUT=gluon) shuffled for the Gluon decode GEMM
-("gluon" layout, kernels/gluon_nvfp4.py; opt-in until it is measured to win). Forward and backward dx then pick a backend per (shape, M bucket) through
+by our Triton kernels); on request (`prefer="gluon"` or QERL_NVFP4_LAYOUT=gluon) shuffled for the Gluon decode
+GEMM ("gluon" layout, kernels/gluon_nvfp4.py; opt-in until it is measured to win). Forward and backward dx then pick
+a backend per (shape, M bucket) through
 `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
 cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
@@ -55,8 +56,10 @@ class NVFP4Gemm:
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                  dtype: torch.dtype = torch.bfloat16, prefer: str | None = None):
-        """`prefer`: "humming", "qerl" or "gluon" to force a layout (tests, benchmarks); None reads
-        QERL_NVFP4_LAYOUT, else picks humming if usable."""
+        """`prefer`: "humming", "qerl" or "gluon" to force a layout (tests, benchmarks; an unusable one raises);
+        None reads QERL_NVFP4_LAYOUT (a layer it cannot serve keeps the default, said once), else picks humming if
+        usable."""
+        from_env = prefer is None and bool(os.environ.get("QERL_NVFP4_LAYOUT"))
         prefer = prefer or os.environ.get("QERL_NVFP4_LAYOUT") or None
         if prefer not in (None, "humming", "qerl", "gluon"):
             raise ValueError(f"unknown NVFP4 layout {prefer!r}: expected humming, qerl or gluon")
@@ -66,11 +69,15 @@ class NVFP4Gemm:
         self.tensors: dict[str, torch.Tensor] | None = None
         self.gluon: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if prefer == "gluon":
-            if not (gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k)):
-                raise RuntimeError(f"the Gluon layout needs Gluon on an sm_90 GPU and N % 64 == K % 128 == 0 "
-                                   f"(got {self.n}x{self.k}; {gluon_nvfp4.IMPORT_ERROR})")
-            self.gluon = (*gluon_nvfp4.shuffle_weight(packed, scale), global_scale.reshape(1).float())
-            return
+            if gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k):
+                self.gluon = (*gluon_nvfp4.shuffle_weight(packed, scale), global_scale.reshape(1).float())
+                return
+            why = (f"the Gluon layout needs Gluon on an sm_90 GPU and N % 64 == K % 128 == 0 (got {self.n}x{self.k}; "
+                   f"{gluon_nvfp4.IMPORT_ERROR})")
+            if not from_env:
+                raise RuntimeError(why)
+            _warn_once(f"QERL_NVFP4_LAYOUT=gluon: {why}; such layers keep the default layout")
+            prefer = None
         if prefer != "qerl" and self._humming_usable(prefer == "humming"):
             try:
                 self.humming = humming_nvfp4.HummingWeight(packed, scale, global_scale, dtype)

@@ -177,6 +177,13 @@ def test_layout_choice_is_validated():
     if not G.available():
         with pytest.raises(RuntimeError, match="the Gluon layout needs Gluon on an sm_90 GPU"):
             NVFP4Gemm(packed, scale, gs, prefer="gluon")
+    odd_packed, odd_scale, odd_gs = random_weight(96, 256)  # no 64-row tiles: the environment's choice falls back
+    os.environ["QERL_NVFP4_LAYOUT"] = "gluon"
+    try:
+        with pytest.warns(UserWarning, match="such layers keep the default layout"):
+            assert NVFP4Gemm(odd_packed, odd_scale, odd_gs).layout in ("qerl", "humming")
+    finally:
+        del os.environ["QERL_NVFP4_LAYOUT"]
 
 
 def test_padded_m_and_default_config():
