@@ -10,9 +10,10 @@ experiment's parent run and tagged `arm` and `seed`. A rerun skips finished runs
 crashed one from its last checkpoint into the same MLflow run, then rebuilds the report from the run folders.
 
 `--jobs N` trains N runs at once, each in its own worker process: on a GPU machine worker i sees GPU i (N <= the GPU
-count), on the CPU each worker gets cores / N threads (small models decode faster on one thread each than on several
-shared: BENCHMARKS.md). Workers take the next run nobody holds (a lock file per run folder), so they stay busy until
-the plan is done, and an interrupted experiment resumes the same way with any N.
+count), on the CPU each worker gets cores / N threads (a small model's decode steps use several threads poorly, so
+N workers of fewer threads get more done; README, "Does AQN help?"). Workers take the next run nobody holds (a lock
+file per run folder), so they stay busy until the plan is done, and an interrupted experiment resumes the same way
+with any N.
 """
 
 from __future__ import annotations
