@@ -1,12 +1,13 @@
 """Which NVFP4 GEMM backend runs each (kind, layer shape, M bucket): measured on the GPU it runs on, cached on disk.
 
 Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM),
-"gluon" (our warp-specialized decode GEMM, M <= 64) and "dequant_cublas" (our one-pass dequantize into a reused scratch buffer, then cuBLAS). Which of them a layer can
-use depends on the layout its one weight copy is in. Before any measurement a shape-generic default picks one
-(`default_backend`); the first time a key is seen outside CUDA-graph capture, every candidate is timed by graph
-replay and the winner is kept in memory and in `cache_path()`, keyed by GPU name and library versions, so
-a process pays for each measurement once per machine. A corrupt or stale cache file is ignored with one warning.
-QERL_GEMM_TUNE=0 turns measuring off (defaults only); QERL_GEMM_CACHE moves the file.
+"gluon" (our warp-specialized decode GEMM, M <= 64) and "dequant_cublas" (our one-pass dequantize into a reused
+scratch buffer, then cuBLAS). Which of them a layer can use depends on the layout its one weight copy is in.
+Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
+CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in `cache_path()`,
+keyed by GPU name and library versions, so a process pays for each measurement once per machine. A corrupt or
+stale cache file is ignored with one warning. QERL_GEMM_TUNE=0 turns measuring off (defaults only);
+QERL_GEMM_CACHE moves the file.
 """
 
 from __future__ import annotations

@@ -461,7 +461,7 @@ def n_programs(cfg: Config, tiles: int, k_iters: int, device: torch.device | Non
 
 
 def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
-                   config: Config | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                   config: Config | None = None) -> torch.Tensor:
     """y[M, N] (bf16) = x2[M, K] @ W^T for the shuffled weight (codes, scales) and its global scale."""
     if x2.dtype != torch.bfloat16 or x2.dim() != 2 or x2.stride(1) != 1:
         raise ValueError(f"x must be a 2-D bf16 tensor with unit stride along K, got {x2.dtype} "
@@ -479,9 +479,9 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     most = max_contributors(tiles, k_iters, programs)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
     ws = torch.empty(most * m * n if most > 1 else 1, dtype=torch.float32, device=x2.device)
-    if counters is None:
-        from .nvfp4 import _counters
-        counters = _counters(x2.device, tiles)
+    from .nvfp4 import _counters  # the split-K counters our Triton kernel resets the same way: one buffer per GPU
+
+    counters = _counters(x2.device, tiles)
     x_desc, w_desc, s_desc = descriptors(x2, codes, scales, cfg.w, mp)
     nvfp4_decode_gemm_kernel[(programs,)](
         x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,

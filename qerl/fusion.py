@@ -34,7 +34,6 @@ from qerl.quant.linear import QuantLinear
 __all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "sync", "GROUP_ATTR"]
 
 
-
 def _base(member: nn.Module) -> nn.Module:
     return member.base if isinstance(member, LoraLinear) else member
 

@@ -166,33 +166,35 @@ def check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, t
     return stop_strings
 
 
-@torch.no_grad()
 def prefill_once_per_prompt(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Last-position logits [B, 1, V] of a prefill of the left-padded `input_ids` [B, T] into the model's KV cache,
     computing each distinct row once: GRPO samples every prompt group_size times, and the prompt's keys and values
     are the same for all its samples, so its cache rows are copied instead of recomputed (1/group_size of the
     prefill; what vLLM's prefix cache does for a group). The cache and logits equal a prefill of every row, up to
     the float rounding of a smaller batch."""
-    rows = input_ids.tolist()
-    first: dict[tuple, int] = {}
-    for i, row in enumerate(rows):
-        first.setdefault(tuple(row), i)
-    prompt_len = input_ids.shape[1]
+    slot: dict[tuple, int] = {}  # distinct row -> its index among the distinct rows
+    unique, inverse = [], []
+    for i, row in enumerate(input_ids.tolist()):
+        j = slot.setdefault(tuple(row), len(unique))
+        if j == len(unique):
+            unique.append(i)
+        inverse.append(j)
+    batch, prompt_len = input_ids.shape
     position = torch.arange(prompt_len, device=input_ids.device)
-    if len(first) == len(rows):
+    if len(unique) == batch:
         return model(input_ids, attention_mask=attention_mask, cache_position=position, logits_to_keep=1)
-    unique = torch.tensor(list(first.values()), device=input_ids.device)
-    slot = {key: j for j, key in enumerate(first)}
-    inverse = torch.tensor([slot[tuple(row)] for row in rows], device=input_ids.device)
-    logits = model(input_ids[unique], attention_mask=attention_mask[unique], cache_position=position,
+    unique_t = torch.tensor(unique, device=input_ids.device)
+    inverse_t = torch.tensor(inverse, device=input_ids.device)
+    logits = model(input_ids[unique_t], attention_mask=attention_mask[unique_t], cache_position=position,
                    logits_to_keep=1)
     for layer in model.model.layers:  # unique rows were written to cache rows 0..U-1: spread them to all B
         cache = layer.self_attn.kv_cache
         for t in (cache.k_cache, cache.v_cache):
-            t[:len(rows), :, :prompt_len] = t[:len(first), :, :prompt_len][inverse]
-    return logits[inverse]
+            t[:batch, :, :prompt_len] = t[:len(unique), :, :prompt_len][inverse_t]
+    return logits[inverse_t]
 
 
+@torch.no_grad()
 def generate(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
              eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
