@@ -1,7 +1,7 @@
 """The Gluon decode GEMM (kernels/gluon_nvfp4.py) vs cuBLAS bf16, our Triton kernel and humming-kernels, M <= 64.
 
     PYTHONPATH=. python3 benchmarks/bench_gluon_gemm.py [--models 7b,32b,llama8b,qwen3-14b] [--m 1,8,16,32,64]
-                                                        [--configs default,sweep] [--out DIR]
+                                                        [--configs default|sweep|w1s4k2p3r80L,...] [--out DIR]
 
 Every cell in one run, graph-replay timing with weight copies rotated past L2 (bench_kernels' timers). Each Gluon
 configuration is checked against the PyTorch reference before it is timed; a wrong or failing one is reported and
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -28,19 +29,30 @@ from kernels import nvfp4 as K  # noqa: E402
 from qerl.quant import nvfp4 as codec  # noqa: E402
 
 
+SPEC = re.compile(r"w(\d)s(\d+)(?:k(\d))?(?:p(\d))?(?:r(\d+))?(L?)$")
+
+
+def parse_spec(spec: str) -> G.Config:
+    """'w2s8k2p2r112L': W = 2 warpgroups, 8 stages of 2 K steps, 2 programs per SM, maxnreg 112, scale_lanes."""
+    mt = SPEC.match(spec)
+    if not mt:
+        raise SystemExit(f"--configs: bad spec {spec!r} (want e.g. w1s8k2p2r128L)")
+    w, stages, sub, per_sm, nreg, lanes = mt.groups()
+    return G.Config(int(w), int(stages), per_sm=int(per_sm or 1), maxnreg=int(nreg) if nreg else None,
+                    scale_lanes=bool(lanes), sub=int(sub or 1))
+
+
+# the configurations that won somewhere on an H200 (BENCHMARKS.md, "The Gluon decode GEMM")
+SWEEP = "w1s4k2p3r80L,w1s3k2p4r64L,w1s6k1p3r80L,w1s4k2p2r128L,w1s8p2r128L,w2s3k2L,w1s4k2L,w2s4L"
+
+
 def configs(n: int, k: int, m: int, mode: str) -> dict[str, G.Config]:
     out = {"default": G.default_config(n, k, m)}
-    if mode == "sweep":
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for w in (1, 2):
-            if n % (G.ROWS * w):
-                continue
-            for stages in (4, 6):
-                for lanes in (False, True):
-                    out[f"w{w} s{stages}{' lanes' if lanes else ''}"] = G.Config(w, stages, scale_lanes=lanes)
-            # two programs per SM: registers capped so they fit
-            out[f"w{w} s4 2/SM r128"] = G.Config(w, 4, programs=2 * sms, maxnreg=128, scale_lanes=True)
-    return out
+    if mode != "default":
+        out.update({spec: parse_spec(spec) for spec in (SWEEP if mode == "sweep" else mode).split(",")})
+    mp = G.padded_m(m)
+    return {c: cfg for c, cfg in out.items() if n % (G.ROWS * cfg.w) == 0 and k % (G.BK * cfg.sub) == 0
+            and G.shared_bytes(cfg, mp) <= G.SHARED_PER_SM}
 
 
 def main() -> None:
@@ -48,7 +60,8 @@ def main() -> None:
     ap.add_argument("--models", default="7b,32b,llama8b,qwen3-14b")
     ap.add_argument("--layers", default="gate_up,down,qkv,o")
     ap.add_argument("--m", default="1,8,16,32,64")
-    ap.add_argument("--configs", default="sweep", choices=("default", "sweep"))
+    ap.add_argument("--configs", default="sweep", help="default, sweep, or a comma list of specs like w1s4k2p3r80L (W, stages, K steps per stage, "
+                    "programs per SM, maxnreg, L = scale_lanes)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     assert G.available(), f"needs Gluon on an sm_90 GPU ({G.IMPORT_ERROR})"
@@ -100,10 +113,11 @@ def main() -> None:
                 best = min(gl_cols, key=gl_cols.get) if gl_cols else None
                 row = dict(layer=layer, M=m, cublas=t["cublas"], triton=t["triton"], humming=t.get("humming"),
                            gluon_default=t.get("gluon default", float("nan")), best=best,
-                           gluon_best=gl_cols.get(best, float("nan")), errs=errs)
+                           gluon_best=gl_cols.get(best, float("nan")), errs=errs, all_us=t)
                 row["x_cublas"] = row["cublas"] / row["gluon_best"]
                 row["bw_share"] = (nv_bytes / (row["gluon_best"] * 1e-6)) / (bw * 1e12)
                 rows.append(row)
+                print("    " + "  ".join(f"{c[6:]} {v:.1f}" for c, v in sorted(gl_cols.items(), key=lambda cv: cv[1])))
                 print(f"{layer:26s} M={m:3d} cuBLAS {row['cublas']:7.1f} triton {row['triton']:7.1f} humming "
                       f"{row['humming'] or float('nan'):7.1f} gluon {row['gluon_default']:7.1f} best "
                       f"{row['gluon_best']:7.1f} ({best}) x{row['x_cublas']:.2f} cuBLAS, {row['bw_share']:.0%} of copy",

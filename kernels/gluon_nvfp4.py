@@ -290,7 +290,7 @@ if IMPORT_ERROR is None:
     @gluon.jit
     def _consumer(x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr, y_ptr,
                   ws_ptr, cnt_ptr, M, N, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
-                  SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
+                  SUB: gl.constexpr, SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * W, 1],
                                                              instr_shape=[16, MP, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -314,21 +314,26 @@ if IMPORT_ERROR is None:
         prev = STAGES - 1
         for u in range(u0, u1):
             mbarrier.wait(ready.index(s), phase)
-            words = _view(w_smem.index(s), gl.int32, [W, 2, 2, 2, 8, 4, 4], flat).load(frag)
-            if SCALE_LANES:  # each of the 4 lanes sharing a row pair converts 2 of its 8 scale pairs, then shuffles
-                pairs = _view(s_smem.index(s), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(spread)
-                s_lo, s_hi = gl.inline_asm_elementwise(SCALE_ASM, "=r,=r,h", [pairs], dtype=(gl.int32, gl.int32),
-                                                       is_pure=True, pack=1)
-                s_lo = gl.broadcast(gl.convert_layout(s_lo, frag), words)[0]
-                s_hi = gl.broadcast(gl.convert_layout(s_hi, frag), words)[0]
-                a = _decode_scaled(words, s_lo, s_hi, a_layout, W)
-            else:  # each lane converts its own 8 (the 4 lanes of a row pair repeat the work)
-                pairs = _view(s_smem.index(s), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(frag)
-                a = _decode(words, gl.broadcast(pairs, words)[0], a_layout, W)
-            # a segment's first unit starts a fresh accumulator
-            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=u != first, is_async=True)
-            # one wgmma stays in flight; the one before it is done, so its stage goes back to the producer
-            acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
+            for j in gl.static_range(SUB):  # SUB 128-wide K steps per stage: one barrier round-trip for all
+                b = s * SUB + j
+                words = _view(w_smem.index(b), gl.int32, [W, 2, 2, 2, 8, 4, 4], flat).load(frag)
+                if SCALE_LANES:  # each of the 4 lanes sharing a row pair converts 2 of its 8 scale pairs, then
+                    # shuffles
+                    pairs = _view(s_smem.index(b), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(spread)
+                    s_lo, s_hi = gl.inline_asm_elementwise(SCALE_ASM, "=r,=r,h", [pairs],
+                                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+                    s_lo = gl.broadcast(gl.convert_layout(s_lo, frag), words)[0]
+                    s_hi = gl.broadcast(gl.convert_layout(s_hi, frag), words)[0]
+                    a = _decode_scaled(words, s_lo, s_hi, a_layout, W)
+                else:  # each lane converts its own 8 (the 4 lanes of a row pair repeat the work)
+                    pairs = _view(s_smem.index(b), gl.int16, [W, 2, 2, 2, 8, 1, 4], flat).load(frag)
+                    a = _decode(words, gl.broadcast(pairs, words)[0], a_layout, W)
+                # a segment's first unit starts a fresh accumulator
+                acc = warpgroup_mma(a, x_smem.index(b).permute((1, 0)), acc, use_acc=(u != first) | (j > 0),
+                                    is_async=True)
+                # one wgmma stays in flight; the ones before it are done (after the first K step, all of the
+                # previous stage's)
+                acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
             fence_async_shared()  # order our shared-memory reads before the TMA that refills the stage
             mbarrier.arrive(empty.index(prev), count=1, pred=u > u0)
             if (kb == k_iters - 1) | (u == u1 - 1):  # the segment of this tile ends here
@@ -341,7 +346,7 @@ if IMPORT_ERROR is None:
 
     @gluon.jit
     def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, SUB: gl.constexpr):
         tile = u0 // k_iters
         kb = u0 - tile * k_iters
         s = 0
@@ -349,16 +354,19 @@ if IMPORT_ERROR is None:
         for u in range(u0, u1):
             mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier counts as released
             bar = ready.index(s)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-            _tma_load(x_desc, [0, kb * _BK], bar, x_smem.index(s))
-            _tma_load(w_desc, [tile * W, kb * 4, 0], bar, w_smem.index(s))
-            _tma_load(s_desc, [tile * W, kb, 0], bar, s_smem.index(s))
+            mbarrier.expect(bar, SUB * (x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                        + s_desc.block_type.nbytes))
+            for j in gl.static_range(SUB):
+                k128 = kb * SUB + j
+                _tma_load(x_desc, [0, k128 * _BK], bar, x_smem.index(s * SUB + j))
+                _tma_load(w_desc, [tile * W, k128 * 4, 0], bar, w_smem.index(s * SUB + j))
+                _tma_load(s_desc, [tile * W, k128, 0], bar, s_smem.index(s * SUB + j))
             tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
 
     @gluon.jit
     def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
                                  total_units, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
-                                 SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
+                                 SUB: gl.constexpr, SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
         """Persistent, stream-K: the (tile, K step) units in tile-major order are cut into one equal range per
         program, so every program streams the same number of weight bytes whatever the shape (no tail wave);
         a tile shared by several programs is summed by the last of them."""
@@ -367,9 +375,9 @@ if IMPORT_ERROR is None:
         u0 = (p * total_units) // n_programs
         u1 = ((p + 1) * total_units) // n_programs
 
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, MP, _BK], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, W, 4, 256], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, W, 1, 256], s_desc.layout)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * SUB, MP, _BK], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, W, 4, 256], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES * SUB, W, 1, 256], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -378,25 +386,31 @@ if IMPORT_ERROR is None:
 
         gl.warp_specialize([
             (_consumer, (x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr,
-                         y_ptr, ws_ptr, cnt_ptr, M, N, W, MP, STAGES, SCALE_LANES, num_warps)),
-            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W, STAGES)),
+                         y_ptr, ws_ptr, cnt_ptr, M, N, W, MP, STAGES, SUB, SCALE_LANES, num_warps)),
+            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W, STAGES,
+                         SUB)),
         ], [1], [24])
 
 
 # -- the host side -------------------------------------------------------------------------------------------------
 class Config:
-    """Launch shape: W consumer warpgroups (64 W weight rows per tile), STAGES ring depth, `programs` (persistent
-    programs; None = one per SM, at most one per 4 units), `maxnreg` (registers per thread at launch; None =
-    Triton's default, which with W = 2 leaves room for one program per SM)."""
+    """Launch shape: W consumer warpgroups (64 W weight rows per tile), STAGES ring depth, SUB 128-wide K steps
+    per stage (one mbarrier round-trip, and the partition barriers Gluon puts around it, per SUB steps; the K
+    of the layer must divide by 128 SUB), `per_sm` persistent programs per SM (several programs per SM hide each
+    other's partition barriers and segment ends; they need `maxnreg` low enough and a ring small enough to fit
+    together), or `programs` in all; at most one program per 4 units. `maxnreg`: registers per thread at launch
+    (None = Triton's default, room for one program per SM); the producer warpgroup gives all but 24 of its share
+    to the consumers (maxnreg 80: consumers run with 136, 128: 232)."""
 
     def __init__(self, w: int = 2, stages: int = 4, programs: int | None = None, maxnreg: int | None = None,
-                 scale_lanes: bool = False):
-        self.w, self.stages, self.programs, self.maxnreg = w, stages, programs, maxnreg
+                 scale_lanes: bool = False, sub: int = 1, per_sm: int = 1):
+        self.w, self.stages, self.programs, self.maxnreg, self.sub = w, stages, programs, maxnreg, sub
+        self.per_sm = per_sm
         self.scale_lanes = scale_lanes  # convert each scale once per row pair, not once per lane (SCALE_LANES)
 
     def __repr__(self) -> str:
-        return (f"Config(w={self.w}, stages={self.stages}, programs={self.programs}, maxnreg={self.maxnreg}, "
-                f"scale_lanes={self.scale_lanes})")
+        return (f"Config(w={self.w}, stages={self.stages}, sub={self.sub}, per_sm={self.per_sm}, "
+                f"programs={self.programs}, maxnreg={self.maxnreg}, scale_lanes={self.scale_lanes})")
 
     def launch_options(self) -> dict:
         opts = {"num_warps": 4 * self.w}
@@ -424,9 +438,29 @@ def descriptors(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w: 
     return x_desc, w_desc, s_desc
 
 
+def shared_bytes(cfg: Config, mp: int) -> int:
+    """Shared memory the kernel allocates (the ring, the epilogue's layout-conversion scratch, the barriers): what
+    Triton reports, computed before compiling so a configuration that cannot fit is refused up front."""
+    ring = cfg.stages * cfg.sub * (mp * BK * 2 + cfg.w * (4096 + 512))
+    return ring + ROWS * cfg.w * mp * 4 + 16 * cfg.stages + 64
+
+
+SHARED_PER_SM = 227 * 1024  # what an H100/H200 SM gives the programs on it (each also pays ~1 KB to the driver)
+
+
 def default_config(n: int, k: int, m: int) -> Config:
-    """Two warpgroups per program where the rows allow; a deeper ring at small M (stages are smaller)."""
-    return Config(w=2 if n % (2 * ROWS) == 0 else 1, stages=4 if m <= 16 else 3)
+    """The fastest configuration measured on an H200 for 7B/32B gate_up and down (BENCHMARKS.md, "The Gluon decode
+    GEMM"), by the token count: at M <= 16 three 1-warpgroup programs per SM, 2 K steps per stage; at M = 32 two;
+    at M = 64 one program of 2 warpgroups (the activation tile, 16 KB per K step, is shared by 128 weight rows)."""
+    mp = padded_m(m)
+    sub = 2 if k % (2 * BK) == 0 else 1
+    if mp <= 16:
+        return Config(w=1, stages=8 // sub, sub=sub, per_sm=3, maxnreg=80, scale_lanes=True)
+    if mp == 32:
+        return Config(w=1, stages=8 // sub, sub=sub, per_sm=2, maxnreg=128, scale_lanes=True)
+    if n % (2 * ROWS) == 0:
+        return Config(w=2, stages=3 if sub == 2 else 4, sub=sub, scale_lanes=True)
+    return Config(w=1, stages=4, sub=sub, scale_lanes=True)
 
 
 # -- the stream-K schedule, mirrored from the kernel (tests check it covers every unit once) -------------------------
@@ -457,7 +491,7 @@ def n_programs(cfg: Config, tiles: int, k_iters: int, device: torch.device | Non
     if cfg.programs is not None:
         return max(1, min(cfg.programs, tiles * k_iters))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device is not None else 132
-    return max(1, min(sms, tiles * k_iters // 4))
+    return max(1, min(sms * cfg.per_sm, tiles * k_iters // 4))
 
 
 def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
@@ -474,7 +508,12 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         x2 = x2.clone()
     mp = padded_m(m)
     cfg = config or default_config(n, k, m)
-    tiles, k_iters = n // (ROWS * cfg.w), k // BK
+    if k % (BK * cfg.sub):
+        raise ValueError(f"{cfg}: K = {k} is not a multiple of {BK} x sub")
+    if shared_bytes(cfg, mp) > SHARED_PER_SM:
+        raise ValueError(f"{cfg} at M = {m} needs {shared_bytes(cfg, mp)} bytes of shared memory, more than an SM "
+                         f"has ({SHARED_PER_SM}): fewer stages or a smaller sub")
+    tiles, k_iters = n // (ROWS * cfg.w), k // (BK * cfg.sub)
     programs = n_programs(cfg, tiles, k_iters, x2.device)
     most = max_contributors(tiles, k_iters, programs)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
@@ -485,7 +524,7 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     x_desc, w_desc, s_desc = descriptors(x2, codes, scales, cfg.w, mp)
     nvfp4_decode_gemm_kernel[(programs,)](
         x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,
-        W=cfg.w, MP=mp, STAGES=cfg.stages, SCALE_LANES=cfg.scale_lanes, **cfg.launch_options())
+        W=cfg.w, MP=mp, STAGES=cfg.stages, SUB=cfg.sub, SCALE_LANES=cfg.scale_lanes, **cfg.launch_options())
     return y
 
 
@@ -513,7 +552,8 @@ def compile_sm90(m: int, n: int, k: int, config: Config | None = None):
     signature = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
                  "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
                  "N": "i32", "k_iters": "i32", "total_units": "i32"}
-    constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SCALE_LANES": cfg.scale_lanes, "num_warps": 4 * cfg.w}
+    constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SUB": cfg.sub, "SCALE_LANES": cfg.scale_lanes,
+                  "num_warps": 4 * cfg.w}
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())

@@ -190,8 +190,14 @@ def test_padded_m_and_default_config():
     assert [G.padded_m(m) for m in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 32, 64]
     with pytest.raises(ValueError, match="1..64 rows, got 65"):
         G.padded_m(65)
-    assert G.default_config(37888, 3584, 1).w == 2 and G.default_config(4032, 3584, 1).w == 1
+    assert G.default_config(37888, 3584, 64).w == 2 and G.default_config(4032, 3584, 64).w == 1
+    assert G.default_config(37888, 3584, 1).sub == 2 and G.default_config(4096, 4224, 1).sub == 1  # 4224 = 33 x 128
+    for n, k in ((37888, 3584), (4032, 4224)):  # every default fits in one SM's shared memory, per_sm times over
+        for m in (1, 16, 32, 64):
+            cfg = G.default_config(n, k, m)
+            assert cfg.per_sm * (G.shared_bytes(cfg, G.padded_m(m)) + 1024) <= 228 * 1024, (n, k, m, cfg)
     assert G.n_programs(G.Config(), tiles=296, k_iters=28) == 132  # one per SM (132 without a GPU to ask)
+    assert G.n_programs(G.Config(per_sm=3), tiles=296, k_iters=28) == 396
     assert G.n_programs(G.Config(), tiles=2, k_iters=8) == 4  # at least 4 K steps per program
     assert G.n_programs(G.Config(programs=1000), tiles=2, k_iters=8) == 16
 
@@ -203,14 +209,14 @@ COMPILE_SCRIPT = textwrap.dedent("""
     out = {}
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for m, n, k, w, stages, lanes in json.loads(sys.argv[1]):
-        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, scale_lanes=lanes))
+    for m, n, k, w, stages, lanes, sub in json.loads(sys.argv[1]):
+        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, scale_lanes=lanes, sub=sub))
         f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
         f.write(ck.asm["cubin"]); f.close()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
-        out[f"{m},{w},{lanes}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
+        out[f"{m},{w},{lanes},{sub}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
                                    "local": "LOCAL:0" in res, "shared": ck.metadata.shared}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -227,7 +233,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not HAS_GLUON, reason=f"Triton without Gluon: {G.IMPORT_ERROR}")
 def test_kernel_compiles_for_sm90_without_spills():
-    cases = [(1, 4096, 4096, 2, 4, False), (64, 4096, 4096, 2, 3, True), (16, 1024, 4096, 1, 6, True)]
+    cases = [(1, 4096, 4096, 2, 4, False, 1), (64, 4096, 4096, 2, 3, True, 1), (16, 1024, 4096, 1, 6, True, 1),
+             (8, 1024, 4096, 1, 4, True, 2)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler, not the interpreter
     env["PYTHONPATH"] = os.getcwd()
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -238,7 +245,7 @@ def test_kernel_compiles_for_sm90_without_spills():
     out = json.loads(res.stdout.strip().splitlines()[-1])
     for key, r in out.items():
         assert r["local"] and r["sass"]["LDL"] == 0 and r["sass"]["STL"] == 0, (key, r)  # no register spills
-        assert r["sass"]["HGMMA"] >= 8, (key, r)  # 8 wgmma K steps per stage
+        assert r["sass"]["HGMMA"] >= 8 * int(key.split(",")[-1]), (key, r)  # 8 wgmma K steps per 128 of K
         assert r["sass"]["LDS.128"] >= 2, (key, r)  # a thread's 8 code words: two 128-bit shared loads
         assert r["shared"] < 227 * 1024, (key, r)
 
@@ -254,8 +261,9 @@ def test_gpu_kernel_matches_reference(m, n, k, programs):
     packed, scale, gs = packed.cuda(), scale.cuda(), gs.cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     codes, scales = G.shuffle_weight(packed, scale)
-    cfg = None if programs is None else G.Config(w=2 if n % 128 == 0 else 1, programs=programs,
-                                                 scale_lanes=programs % 2 == 1)
+    sub = {None: 1, 3: 2, 1000: 4, 1: 2}[programs]
+    cfg = None if programs is None else G.Config(w=2 if n % 128 == 0 and sub < 4 else 1, stages=2 if sub == 4 else 3,
+                                                 programs=programs, scale_lanes=programs % 2 == 1, sub=sub)
     y = G.linear_forward(x, codes, scales, gs, cfg)
     want = x.double() @ codec.dequantize(packed, scale, gs, dtype=torch.float32).double().t()
     err = (y.double() - want).abs().max().item()
