@@ -363,7 +363,9 @@ if IMPORT_ERROR is None:
                 _tma_load(s_desc, [tile * W, k128, 0], bar, s_smem.index(s * SUB + j))
             tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
 
-    @gluon.jit
+    # k_iters or total_units equal to 1 (K = 128 SUB, one tile) would be specialized to a constant, and Triton 3.6
+    # then fails an assertion lowering the loop (ConvertTritonGPUToLLVM, SmallVector idx < size())
+    @gluon.jit(do_not_specialize=["k_iters", "total_units"])
     def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
                                  total_units, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
                                  SUB: gl.constexpr, SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
