@@ -57,12 +57,13 @@ class NVFP4Gemm:
     """y = x @ W^T and dx = dy @ W for one frozen NVFP4 weight W [N, K] held once on a CUDA device."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                 dtype: torch.dtype = torch.bfloat16, prefer: str | None = None):
-        """`prefer`: "humming", "qerl" or "gluon" to force a layout (tests, benchmarks; an unusable one raises);
-        None reads QERL_NVFP4_LAYOUT (a layer it cannot serve keeps the default, said once), else picks humming if
-        usable."""
-        from_env = prefer is None and bool(os.environ.get("QERL_NVFP4_LAYOUT"))
-        prefer = prefer or os.environ.get("QERL_NVFP4_LAYOUT") or None
+                 dtype: torch.dtype = torch.bfloat16, prefer: str | None = None, layout: str | None = None):
+        """`prefer`: "humming", "qerl" or "gluon" to force a layout (tests, benchmarks; an unusable one raises).
+        `layout`: the run's wish (quant.gpu_layout; None or "auto" = QERL_NVFP4_LAYOUT if set): a layer it cannot
+        serve keeps the default, said once. The default: humming if usable, else qerl."""
+        wish = layout if layout not in (None, "auto") else os.environ.get("QERL_NVFP4_LAYOUT") or None
+        from_env = prefer is None and wish is not None  # a wish, not an order: unusable -> default, warned
+        prefer = prefer or wish
         if prefer not in (None, "humming", "qerl", "gluon"):
             raise ValueError(f"unknown NVFP4 layout {prefer!r}: expected humming, qerl or gluon")
         self.n, self.k = packed.shape[0], packed.shape[1] * 2
@@ -78,13 +79,14 @@ class NVFP4Gemm:
                    f"{gluon_nvfp4.IMPORT_ERROR})")
             if not from_env:
                 raise RuntimeError(why)
-            _warn_once(f"QERL_NVFP4_LAYOUT=gluon: {why}; such layers keep the default layout")
+            _warn_once(f"NVFP4 layout gluon (quant.gpu_layout / QERL_NVFP4_LAYOUT): {why}; such layers keep the "
+                       "default layout")
             prefer = None
-        if prefer != "qerl" and self._humming_usable(prefer == "humming"):
+        if prefer != "qerl" and self._humming_usable(prefer == "humming" and not from_env):
             try:
                 self.humming = humming_nvfp4.HummingWeight(packed, scale, global_scale, dtype)
             except Exception as e:  # compile failure, unexpected layout: keep our layout, say so once
-                if prefer == "humming":
+                if prefer == "humming" and not from_env:
                     raise
                 _warn_once(f"humming-kernels unusable ({type(e).__name__}: {e}); using qerl's NVFP4 kernels")
         if self.humming is None:

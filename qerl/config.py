@@ -61,6 +61,9 @@ def quant_schemes() -> tuple[str, ...]:
     return (*formats.SCHEMES, bnb.SCHEME)
 
 
+GPU_LAYOUTS = ("auto", "humming", "qerl", "gluon")
+
+
 @dataclass
 class QuantSettings:
     # Format of the frozen base weights. nf4-bnb: QLoRA as its users run it, bitsandbytes' NF4 storage and kernels
@@ -68,12 +71,22 @@ class QuantSettings:
     # One of quant_schemes(): the codecs of qerl.quant.formats, plus nf4-bnb.
     scheme: str = "nvfp4"
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
+    # The layout of the NVFP4 base on a CUDA GPU, i.e. which decode GEMM runs: auto (QERL_NVFP4_LAYOUT if set, else
+    # humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon (our Hopper decode GEMM:
+    # fastest at batch <= 32, ~3% behind humming in a GRPO step at batch 64; BENCHMARKS.md). A layer the chosen
+    # layout cannot hold keeps the default, with a warning. Numerics differ between layouts only in GEMM rounding.
+    gpu_layout: str = "auto"
 
     def validate(self) -> None:
         schemes = quant_schemes()
         if self.scheme not in schemes:
             close = difflib.get_close_matches(self.scheme, schemes, n=1)
             raise _RuleError("scheme", f"scheme = {self.scheme!r}: expected one of {', '.join(map(repr, schemes))}"
+                             + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if self.gpu_layout not in GPU_LAYOUTS:
+            close = difflib.get_close_matches(self.gpu_layout, GPU_LAYOUTS, n=1)
+            raise _RuleError("gpu_layout", f"gpu_layout = {self.gpu_layout!r}: expected one of "
+                             f"{', '.join(map(repr, GPU_LAYOUTS))}"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         if self.scheme == "nf4-bnb" and self.quantized_path:
             raise _RuleError("quantized_path", f"quantized_path = {self.quantized_path!r}: scheme nf4-bnb quantizes "

@@ -54,6 +54,9 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
     elif quant.scheme != "bf16" and not already_quantized:
         quantize_model(net, quant.scheme)
     net.requires_grad_(False)
+    for m in net.modules():
+        if isinstance(m, QuantLinear):
+            m.gpu_layout = quant.gpu_layout  # fused projections (next) inherit it
     if device.type == "cuda":  # q/k/v and gate/up as one GEMM each (CPU runs keep their exact, measured numbers)
         net.fuse_projections()
     net.gradient_checkpointing = model.gradient_checkpointing

@@ -164,3 +164,17 @@ def test_gpu_fused_training_step_matches_separate(scheme):
     lb.logsumexp(-1).mean().backward()
     for p, q in zip(pa, pb):
         assert (p.grad.float() - q.grad.float()).norm() <= 0.05 * p.grad.float().norm()
+
+
+def test_gpu_layout_setting_reaches_every_nvfp4_layer(smollm2_dir):
+    """quant.gpu_layout picks the layout each layer's GPU GEMM is built in (kernels.gemm.NVFP4Gemm's `layout`): the
+    loader hands it to every quantized layer, and a fused projection inherits it from its members."""
+    from qerl.config import ModelSettings, QuantSettings
+    from qerl.runtime import load_base_model
+
+    net, _ = load_base_model(ModelSettings(path=str(smollm2_dir), device="cpu", dtype="float32"),
+                             QuantSettings(scheme="nvfp4", gpu_layout="gluon"))
+    layers = [m for m in net.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 7 * len(net.model.layers) and {m.gpu_layout for m in layers} == {"gluon"}
+    net.fuse_projections()
+    assert net.model.layers[0].self_attn.q_proj.rows_of.gpu_layout == "gluon"

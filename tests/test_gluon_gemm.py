@@ -184,6 +184,10 @@ def test_layout_choice_is_validated():
             assert NVFP4Gemm(odd_packed, odd_scale, odd_gs).layout in ("qerl", "humming")
     finally:
         del os.environ["QERL_NVFP4_LAYOUT"]
+    odd_packed, odd_scale, odd_gs = random_weight(160, 256)
+    with pytest.warns(UserWarning, match="such layers keep the default layout"):  # quant.gpu_layout: the same
+        assert NVFP4Gemm(odd_packed, odd_scale, odd_gs, layout="gluon").layout in ("qerl", "humming")
+    assert NVFP4Gemm(packed, scale, gs, layout="qerl").layout == "qerl"
 
 
 def test_padded_m_and_default_config():

@@ -98,6 +98,8 @@ class QuantLinear(nn.Module):
         codec.check_shape(out_features, in_features, name)
         self.in_features, self.out_features = in_features, out_features
         self.codec: Codec = codec
+        # which layout holds the weight on a CUDA GPU (quant.gpu_layout; kernels.gemm.NVFP4Gemm's `layout`)
+        self.gpu_layout = "auto"
         self.dtype = dtype
         self.use_kernel = True  # False forces the PyTorch reference path (parity tests, debugging)
         # On CUDA, NVFP4 layers hand their tensors to a kernels.gemm.NVFP4Gemm at the first forward; if it
@@ -172,7 +174,7 @@ class QuantLinear(nn.Module):
             fused._buffers[name] = torch.cat([t[name] for t in tensors]) if name in rows else tensors[0][name]
         if first.bias is not None:
             fused._buffers["bias"] = torch.cat([m.bias for m in layers])
-        fused.use_kernel = first.use_kernel
+        fused.use_kernel, fused.gpu_layout = first.use_kernel, first.gpu_layout
         start = 0
         for m in layers:
             m._read_rows_of(fused, start)
@@ -228,7 +230,8 @@ class QuantLinear(nn.Module):
         if self._gemm is None:
             tensors = self.quantized_tensors()
             self._gemm = _gpu_gemm().NVFP4Gemm(tensors["weight_packed"], tensors["weight_scale"],
-                                               tensors["weight_global_scale"], dtype=self.dtype)
+                                               tensors["weight_global_scale"], dtype=self.dtype,
+                                               layout=self.gpu_layout)
             if self._gemm.layout != "qerl":  # one copy of the 4-bit weight: drop ours
                 for name in self._codec_names():
                     self._buffers[name] = None
