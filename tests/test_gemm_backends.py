@@ -271,6 +271,21 @@ def test_quant_linear_keeps_one_copy_and_exports_the_checkpoint_layout():
     assert torch.equal(q(x), y)
 
 
+def test_interpreter_tests_in_a_subprocess():
+    """The interpreter tests above and below, in a fresh process when this one imported triton before
+    TRITON_INTERPRET could be set (full-suite runs), as test_kernels does: otherwise they would only ever skip."""
+    if CUDA or K.interpreting():
+        pytest.skip("the interpreter tests run in-process (or the GPU tests cover the kernels)")
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "table_layout_dequantize_is_bit_identical or under_the_interpreter"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert "3 passed" in last and "skipped" not in last, r.stdout[-2000:]
+
+
 @pytest.mark.skipif(CUDA, reason="the GPU tests above cover this on CUDA")
 def test_our_layout_backends_under_the_interpreter(cache):
     """kernels.gemm's own logic (scratch reuse, transposed views, autograd) on the CPU: Triton's interpreter runs the
