@@ -271,6 +271,31 @@ class RolloutEngine:
             for cache in self.caches:
                 cache.row0 = 0
 
+    def _prefill_once_per_prompt(self, ids: Tensor, valid: Tensor, rows: int, prompt_len: int) -> None:
+        """Prefill each distinct row of `ids` once and copy its cache rows and logits to the rows that repeat it:
+        GRPO samples every prompt group_size times (1/group_size of the prefill; what vLLM's prefix cache does for a
+        group; as qerl.generate.prefill_once_per_prompt, which the reference sampler runs). Padding rows (filler)
+        are one more distinct row. self.valid[:rows] is `valid` afterwards."""
+        slot: dict[tuple, int] = {}
+        unique, inverse = [], []
+        for i, row in enumerate(ids.tolist()):
+            j = slot.setdefault(tuple(row), len(unique))
+            if j == len(unique):
+                unique.append(i)
+            inverse.append(j)
+        if len(unique) == rows:
+            self._prefill(ids.to(self.device), rows, prompt_len)
+            return
+        unique_t = torch.tensor(unique)
+        self.valid[:len(unique)].copy_(valid[unique_t])
+        self._prefill(ids[unique_t].to(self.device), len(unique), prompt_len)
+        inverse_t = torch.tensor(inverse, device=self.device)
+        for cache in self.caches:  # distinct rows are in cache rows 0..U-1: spread them to all rows
+            for t in (cache.k, cache.v):
+                t[:rows, :, :prompt_len] = t[:len(unique), :, :prompt_len][inverse_t]
+        self.logits_buf[:rows] = self.logits_buf[:len(unique)][inverse_t]
+        self.valid[:rows].copy_(valid)
+
     @torch.no_grad()
     def prepare(self, batch_size: int, prompt_len: int, max_new_tokens: int, all_buckets: bool = False) -> None:
         """Allocate and capture ahead of time (benchmarks call it; rollouts allocate on demand): a prefill of the
@@ -366,7 +391,7 @@ class RolloutEngine:
         self.done[:rows].copy_(torch.arange(rows) >= batch)
         row_host = list(range(batch)) + [batch] * (rows - batch)
         self.row_map[:rows].copy_(torch.tensor(row_host))
-        self._prefill(ids.to(dev), rows, prompt_len)
+        self._prefill_once_per_prompt(ids, valid, rows, prompt_len)
 
         stop_window = max((len(s) for s in stop_strings), default=0) + 8
         host_tokens: list[list[int]] = [[] for _ in range(batch)]

@@ -108,6 +108,32 @@ def test_sampled_logprobs_are_the_policy_logprobs_and_seeded():
     assert engine.generate(None, ps, 10, temperature=0.7, seed=4, eos_token_ids=[]).completion_ids != out.completion_ids
 
 
+def test_each_distinct_prompt_is_prefilled_once_in_the_engine(monkeypatch):
+    """GRPO groups repeat every prompt: the engine prefills the distinct prompts only (padding rows are one more) and
+    copies their cache rows, giving the same tokens, and log-probs up to float rounding, as a prefill of every row."""
+    model, ps = tiny("qwen2"), prompts(n=3)
+    group = [p for p in ps for _ in range(4)]  # 12 rows -> bucket 16: 4 padding rows
+    engine = RolloutEngine(model, check_every=4)
+    prefill_rows = []
+    real = RolloutEngine._prefill
+
+    def counting(self, ids, rows, prompt_len):
+        prefill_rows.append(rows)
+        return real(self, ids, rows, prompt_len)
+
+    monkeypatch.setattr(RolloutEngine, "_prefill", counting)
+    kw = dict(temperature=1.0, seed=5, eos_token_ids=[])
+    shared = engine.generate(None, group, 12, **kw)
+    assert prefill_rows == [len(ps) + 1]
+    monkeypatch.setattr(RolloutEngine, "_prefill_once_per_prompt",
+                        lambda self, ids, valid, rows, prompt_len: self._prefill(ids.to(self.device), rows, prompt_len))
+    every = engine.generate(None, group, 12, **kw)
+    assert prefill_rows == [len(ps) + 1, 16]
+    assert shared.completion_ids == every.completion_ids
+    for a, b in zip(shared.logprobs, every.logprobs):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_lora_updates_and_aqn_noise_are_read_live():
     """The trainer's pattern: one engine, adapters stepped in place by the optimizer, noise written into norms."""
     model, ps = tiny("qwen2"), prompts()
