@@ -186,6 +186,8 @@ def test_rejects_bad_arguments(kwargs, match):
         RolloutEngine(tiny()).generate(None, prompts(2), **kwargs)
 
 
+@pytest.mark.skipif(CUDA, reason="CUDA present: the GPU tests cover the kernels (and Triton 3.6's "
+                    "interpreter mis-reads scalar arguments on the GPU image)")
 def test_triton_kernels_in_the_interpreter():
     """The fused kernels against the ops they replace (fp32), and a whole fused rollout, in Triton's interpreter."""
     pytest.importorskip("triton")
@@ -250,6 +252,8 @@ def test_triton_kernels_in_the_interpreter():
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
+@pytest.mark.skipif(CUDA, reason="CUDA present: the GPU tests cover the kernels (and Triton 3.6's "
+                    "interpreter mis-reads scalar arguments on the GPU image)")
 def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     """The one-pass sampling kernel: log-probs are log_softmax(logits / T) of the drawn token, the draws follow that
     distribution (frequencies over many rows), a seeded generator repeats them, and every token can come out."""
