@@ -5,8 +5,9 @@ reaches about half the copy bandwidth because Triton's `tl` keeps each tile's lo
 within a program. Here the chain is split across warps:
 
 - one producer warp (24 registers) streams the packed codes, the block scales and the activation tile of each
-  128-wide K step into a ring of shared-memory stages with TMA, signalling an mbarrier per stage (and waiting on
-  one per stage that the consumers release once the wgmma reading it has completed);
+  128-wide K step (`Config.sub` of them per stage) into a ring of shared-memory stages with TMA, signalling an
+  mbarrier per stage (and waiting on one per stage that the consumers release once the wgmma reading it has
+  completed);
 - `W` consumer warpgroups (the default partition) each own 64 weight rows: they read their codes and scales from
   shared memory with 128-bit (codes) and 64-bit (scales) loads, decode E2M1 x E4M3 straight into the registers of
   wgmma's A operand (swap-AB: weight rows are the MMA's M = 64 side, tokens the N = 8..64 side), and keep one wgmma
@@ -20,9 +21,10 @@ The scales are shuffled the same way, one int16 per (row pair g, g + 8; K step),
 the same rows (a shared-memory broadcast, not a copy). The shuffle is a one-time permutation of the
 compressed-tensors tensors; `unshuffle_weight` inverts it exactly (checkpoints keep the canonical layout).
 
-Persistent and stream-K: one program per SM takes an equal share of the (tile, K step) units in tile-major order,
-so every SM streams the same number of weight bytes whatever the layer's shape (no tail wave, no split factor to
-tune). A tile shared by several programs is summed by the last of them to finish (a counter it resets; slots summed
+Persistent and stream-K: a fixed number of programs (`Config.per_sm` per SM: at decode sizes three programs of one
+consumer warpgroup per SM beat one of two, since they hide each other's partition barriers) take equal shares of
+the (tile, K step) units in tile-major order, so every SM streams the same number of weight bytes whatever the
+layer's shape (no tail wave, no split factor to tune). A tile shared by several programs is summed by the last of them to finish (a counter it resets; slots summed
 in fixed order: bitwise reproducible), in the same launch, the fp32 shares staying in L2. `schedule()` mirrors the
 kernel's arithmetic for the tests.
 
