@@ -26,8 +26,7 @@ consumer warpgroup per SM beat one of two, since they hide each other's partitio
 the (tile, K step) units in tile-major order, so every SM streams the same number of weight bytes whatever the
 layer's shape (no tail wave, no split factor to tune). A tile shared by several programs is summed by the last of
 them to finish (a counter it resets; slots summed in fixed order: bitwise reproducible), in the same launch, the
-fp32 shares staying in L2. `schedule()` mirrors the
-kernel's arithmetic for the tests.
+fp32 shares staying in L2. `schedule()` mirrors the kernel's arithmetic for the tests.
 
 Importing never fails: `IMPORT_ERROR` holds why Gluon is missing, `available()` says whether the kernel can run.
 The layout functions and `shuffled_dequant_kernel` (plain Triton, the dequantize + cuBLAS backend for M > 64) work
