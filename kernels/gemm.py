@@ -3,9 +3,9 @@
 `NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them: repacked for
 humming-kernels when it is installed and the shape fits ("humming" layout), else as given ("qerl" layout, read
 by our Triton kernels); on request (`prefer="gluon"` or QERL_NVFP4_LAYOUT=gluon) shuffled for the Gluon decode
-GEMM ("gluon" layout, kernels/gluon_nvfp4.py: the fastest at M <= 32, level with humming at M = 64 and ~2.5% slower
-in training, whose dequantize gathers from the shuffled layout; hence opt-in, for decode-heavy work: BENCHMARKS.md,
-"The Gluon decode GEMM"). Forward and backward dx then pick
+GEMM ("gluon" layout, kernels/gluon_nvfp4.py: the fastest at M <= 32, a little behind humming at M = 64 on the
+small layers, a tie over a GRPO step at batch 64; hence opt-in, for decode-heavy work: BENCHMARKS.md, "The Gluon
+decode GEMM"). Forward and backward dx then pick
 a backend per (shape, M bucket) through
 `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
 cuBLAS where tensor-core time does (training), whatever measured fastest in between.

@@ -156,16 +156,55 @@ if triton is not None:
             tl.store(out_ptr + nn.to(tl.int64)[None, :] * K + kk[:, None], w, mask=mask)
 
 
+if triton is not None:
+    @triton.jit
+    def shuffled_block_dequant_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, N, K, TRANSPOSED: tl.constexpr):
+        """The same result as shuffled_dequant_kernel, one (64-row, 128-column) block per program: its 1024 code
+        words and 512 scale bytes read once, contiguously, and the layout's permutation done in registers (Triton
+        moves the data through shared memory) instead of per-element gathers."""
+        dtype = out_ptr.dtype.element_ty
+        rb, kb = tl.program_id(1), tl.program_id(0)
+        block = rb.to(tl.int64) * (K // 128) + kb
+        # words as [half, t6, t5, g, q, r], 8 nibbles each: i = 4 b2 + 2 b1 + b0
+        e = tl.reshape(tl.arange(0, 1024), [2, 2, 2, 8, 4, 4])
+        word = tl.load(codes_ptr + block * 1024 + e)
+        shift = tl.reshape(tl.arange(0, 8) * 4, [1, 1, 1, 1, 1, 1, 8])
+        c = (word[:, :, :, :, :, :, None] >> shift) & 15  # [half, t6, t5, g, q, r, i]
+        idx = c & 7
+        big = ((((idx >> 1) + 126) << 23) | ((idx & 1) << 22)).to(tl.float32, bitcast=True)
+        mag = tl.where(idx < 2, idx.to(tl.float32) * 0.5, big)
+        val = (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)  # E2M1 -0 kept
+        val = tl.reshape(val, [2, 2, 2, 8, 4, 4, 2, 2, 2])  # ..., b2, b1, b0
+        # scales as [half, t6, t5, g, r, b1] bytes -> broadcast over q, b2, b0
+        sb = tl.load(scales_ptr + block * 512 + tl.reshape(tl.arange(0, 512), [2, 2, 2, 8, 4, 2]))
+        eff = tl.math.div_rn(_e4m3_decode(sb), tl.full(sb.shape, 1.0, tl.float32) * tl.load(gs_ptr))
+        eff = tl.reshape(eff, [2, 2, 2, 8, 1, 4, 1, 2, 1])
+        w = (val * eff).to(dtype)
+        # rows (t6, t5, b1, g), cols (half, r, b2, q, b0)
+        w = tl.reshape(tl.permute(w, (1, 2, 7, 3, 0, 5, 6, 4, 8)), [64, 128])
+        rows = rb * 64 + tl.arange(0, 64)
+        cols = kb * 128 + tl.arange(0, 128)
+        if TRANSPOSED:
+            tl.store(out_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(w))
+        else:
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], w)
+
+
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype,
-               transposed: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+               transposed: bool = False, out: torch.Tensor | None = None, kernel: str = "block") -> torch.Tensor:
     """W [N, K] (W^T [K, N] if transposed) from the shuffled layout, in dtype, into `out` (N * K elements) if
-    given: the dequantize + cuBLAS backend's first half for layers held in this layout."""
+    given: the dequantize + cuBLAS backend's first half for layers held in this layout. `kernel`: "block"
+    (shuffled_block_dequant_kernel) or "gather" (shuffled_dequant_kernel); bit-identical results."""
     n, k = codes.shape[0] * ROWS, codes.shape[1] * BK
     shape = (k, n) if transposed else (n, k)
     out = torch.empty(shape, dtype=dtype, device=codes.device) if out is None else out.view(shape)
-    grid = (triton.cdiv(k, 64), triton.cdiv(n, 64))
-    shuffled_dequant_kernel[grid](codes, scales.view(torch.uint8), gs.reshape(1).float(), out, n, k,
-                                  BLOCK_N=64, BLOCK_K=64, TRANSPOSED=transposed)
+    if kernel == "block":
+        shuffled_block_dequant_kernel[(k // BK, n // ROWS)](codes, scales.view(torch.uint8), gs.reshape(1).float(),
+                                                            out, n, k, TRANSPOSED=transposed)
+    else:
+        grid = (triton.cdiv(k, 64), triton.cdiv(n, 64))
+        shuffled_dequant_kernel[grid](codes, scales.view(torch.uint8), gs.reshape(1).float(), out, n, k,
+                                      BLOCK_N=64, BLOCK_K=64, TRANSPOSED=transposed)
     return out
 
 

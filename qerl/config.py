@@ -73,7 +73,7 @@ class QuantSettings:
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
     # The layout of the NVFP4 base on a CUDA GPU, i.e. which decode GEMM runs: auto (QERL_NVFP4_LAYOUT if set, else
     # humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon (our Hopper decode GEMM:
-    # fastest at batch <= 32, ~3% behind humming in a GRPO step at batch 64; BENCHMARKS.md). A layer the chosen
+    # fastest at batch <= 32, level with humming over a GRPO step at batch 64; BENCHMARKS.md). A layer the chosen
     # layout cannot hold keeps the default, with a warning. Numerics differ between layouts only in GEMM rounding.
     gpu_layout: str = "auto"
 
