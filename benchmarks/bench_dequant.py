@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python3 benchmarks/bench_dequant.py [--models 7b,32b] [--out DIR]
 
-Per layer shape, bf16, W [N, K] and W^T [K, N]: the Gluon layout's two dequantize kernels ("block": one 64 x 128
-block per program, "gather": per-element index math), humming's layout, and ours ("qerl": W^T is a view, no
-kernel). Each result is first checked bit for bit against the codec. CUDA-graph timing with weights rotated past L2
-(bench_kernels' timers), all columns in one run; µs per call and GB/s of bf16 written.
+Per layer shape, bf16, W [N, K] and W^T [K, N]: the Gluon layout's dequantize (one 64 x 128 block per program),
+humming's layout's, and ours ("qerl": W^T is a view, no kernel). Each result is first checked bit for bit against
+the codec. CUDA-graph timing with weights rotated past L2 (bench_kernels' timers), all columns in one run; µs per
+call and GB/s of bf16 written.
 """
 
 from __future__ import annotations
@@ -50,11 +50,9 @@ def main() -> None:
             for transposed in (False, True):
                 want = ref.t() if transposed else ref
                 cols = {}
-                for kernel in ("block", "gather"):
-                    got = G.dequantize(*shuf[0], torch.bfloat16, transposed, out=out, kernel=kernel)
-                    assert torch.equal(got.view(torch.int16), want.contiguous().view(torch.int16)), kernel
-                    cols[f"gluon {kernel}"] = [lambda s=s, kn=kernel: G.dequantize(*s, torch.bfloat16, transposed,
-                                                                                     out=out, kernel=kn) for s in shuf]
+                got = G.dequantize(*shuf[0], torch.bfloat16, transposed, out=out)
+                assert torch.equal(got.view(torch.int16), want.contiguous().view(torch.int16))
+                cols["gluon"] = [lambda s=s: G.dequantize(*s, torch.bfloat16, transposed, out=out) for s in shuf]
                 for label, gs_ in (("humming", hum), ("qerl", ours)):
                     if gs_:
                         got = gs_[0].dequantize(torch.bfloat16, transposed, out=out)

@@ -29,7 +29,7 @@ them to finish (a counter it resets; slots summed in fixed order: bitwise reprod
 fp32 shares staying in L2. `schedule()` mirrors the kernel's arithmetic for the tests.
 
 Importing never fails: `IMPORT_ERROR` holds why Gluon is missing, `available()` says whether the kernel can run.
-The layout functions and `shuffled_dequant_kernel` (plain Triton, the dequantize + cuBLAS backend for M > 64) work
+The layout functions and `shuffled_block_dequant_kernel` (plain Triton, the dequantize + cuBLAS backend for M > 64) work
 without Gluon. Status and measurements: BENCHMARKS.md, "The Gluon decode GEMM".
 """
 
@@ -123,45 +123,12 @@ def unshuffle_weight(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.T
 
 if triton is not None:
     @triton.jit
-    def shuffled_dequant_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, N, K,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSED: tl.constexpr):
-        """W (or W^T) in out's dtype from the shuffled layout: each output element gathers its nibble and its
-        scale byte by the layout's index map (the loads hit L1/L2; the stores are coalesced). Values are
-        e2m1 * (scale / global_scale) in fp32, then one rounding: bit-identical to qerl.quant.nvfp4.dequantize.
-        out is [K, N] if TRANSPOSED else [N, K]."""
-        dtype = out_ptr.dtype.element_ty
-        nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = (nn[None, :] < N) & (kk[:, None] < K)
-        rl, kl = nn % 64, kk % 128
-        block = ((nn // 64).to(tl.int64) * (K // 128))[None, :] + (kk // 128)[:, None]
-        # rows (t6, t5, b1, g), cols (half, r, b2, q, b0) -> word e and nibble i (see the layout comment)
-        t65g = ((rl // 16) * 8 + rl % 8)[None, :]
-        half, r = (kl // 64)[:, None], ((kl // 16) % 4)[:, None]
-        e = (((half * 4 * 8 + t65g) * 4 + ((kl // 2) % 4)[:, None]) * 4 + r)
-        nib = ((kl % 2) + 4 * ((kl // 8) % 2))[:, None] + (2 * ((rl // 8) % 2))[None, :]
-        word = tl.load(codes_ptr + block * 1024 + e, mask=mask, other=0)
-        c = (word >> (nib * 4)) & 15
-        idx = c & 7
-        big = ((((idx >> 1) + 126) << 23) | ((idx & 1) << 22)).to(tl.float32, bitcast=True)
-        mag = tl.where(idx < 2, idx.to(tl.float32) * 0.5, big)
-        val = (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)  # E2M1 -0 kept
-        si = (half * 4 * 8 + t65g) * 4 + r
-        sb = tl.load(scales_ptr + block * 512 + si * 2 + ((rl // 8) % 2)[None, :], mask=mask, other=0)
-        eff = tl.math.div_rn(_e4m3_decode(sb), tl.full(sb.shape, 1.0, tl.float32) * tl.load(gs_ptr))
-        w = (val * eff).to(dtype)
-        if TRANSPOSED:
-            tl.store(out_ptr + kk.to(tl.int64)[:, None] * N + nn[None, :], w, mask=mask)
-        else:
-            tl.store(out_ptr + nn.to(tl.int64)[None, :] * K + kk[:, None], w, mask=mask)
-
-
-if triton is not None:
-    @triton.jit
     def shuffled_block_dequant_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, N, K, TRANSPOSED: tl.constexpr):
-        """The same result as shuffled_dequant_kernel, one (64-row, 128-column) block per program: its 1024 code
-        words and 512 scale bytes read once, contiguously, and the layout's permutation done in registers (Triton
-        moves the data through shared memory) instead of per-element gathers."""
+        """W (or W^T) in out's dtype from the shuffled layout, one (64-row, 128-column) block per program: its 1024
+        code words and 512 scale bytes read once, contiguously, and the layout's permutation done on the decoded
+        tile (Triton moves it through shared memory; a per-element gather re-read each word 8 times and was 1.1-1.7x
+        slower). Values are e2m1 * (scale / global_scale) in fp32, then one rounding: bit-identical to
+        qerl.quant.nvfp4.dequantize. out is [K, N] if TRANSPOSED else [N, K]."""
         dtype = out_ptr.dtype.element_ty
         rb, kb = tl.program_id(1), tl.program_id(0)
         block = rb.to(tl.int64) * (K // 128) + kb
@@ -191,20 +158,14 @@ if triton is not None:
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype,
-               transposed: bool = False, out: torch.Tensor | None = None, kernel: str = "block") -> torch.Tensor:
+               transposed: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] (W^T [K, N] if transposed) from the shuffled layout, in dtype, into `out` (N * K elements) if
-    given: the dequantize + cuBLAS backend's first half for layers held in this layout. `kernel`: "block"
-    (shuffled_block_dequant_kernel) or "gather" (shuffled_dequant_kernel); bit-identical results."""
+    given: the dequantize + cuBLAS backend's first half for layers held in this layout."""
     n, k = codes.shape[0] * ROWS, codes.shape[1] * BK
     shape = (k, n) if transposed else (n, k)
     out = torch.empty(shape, dtype=dtype, device=codes.device) if out is None else out.view(shape)
-    if kernel == "block":
-        shuffled_block_dequant_kernel[(k // BK, n // ROWS)](codes, scales.view(torch.uint8), gs.reshape(1).float(),
-                                                            out, n, k, TRANSPOSED=transposed)
-    else:
-        grid = (triton.cdiv(k, 64), triton.cdiv(n, 64))
-        shuffled_dequant_kernel[grid](codes, scales.view(torch.uint8), gs.reshape(1).float(), out, n, k,
-                                      BLOCK_N=64, BLOCK_K=64, TRANSPOSED=transposed)
+    shuffled_block_dequant_kernel[(k // BK, n // ROWS)](codes, scales.view(torch.uint8), gs.reshape(1).float(), out,
+                                                        n, k, TRANSPOSED=transposed)
     return out
 
 
