@@ -60,8 +60,9 @@ def main() -> None:
     ap.add_argument("--models", default="7b,32b,llama8b,qwen3-14b")
     ap.add_argument("--layers", default="gate_up,down,qkv,o")
     ap.add_argument("--m", default="1,8,16,32,64")
-    ap.add_argument("--configs", default="sweep", help="default, sweep, or a comma list of specs like w1s4k2p3r80L (W, stages, K steps per stage, "
-                    "programs per SM, maxnreg, L = scale_lanes)")
+    ap.add_argument("--configs", default="sweep",
+                    help="default, sweep, or a comma list of specs like w1s4k2p3r80L (W, stages, K steps per stage, "
+                         "programs per SM, maxnreg, L = scale_lanes)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     assert G.available(), f"needs Gluon on an sm_90 GPU ({G.IMPORT_ERROR})"

@@ -2,11 +2,10 @@
 
 `NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them: repacked for
 humming-kernels when it is installed and the shape fits ("humming" layout), else as given ("qerl" layout, read
-by our Triton kernels); on request (`prefer="gluon"` or QERL_NVFP4_LAYOUT=gluon) shuffled for the Gluon decode
-GEMM ("gluon" layout, kernels/gluon_nvfp4.py: the fastest at M <= 32, a little behind humming at M = 64 on the
-small layers, a tie over a GRPO step at batch 64; hence opt-in, for decode-heavy work: BENCHMARKS.md, "The Gluon
-decode GEMM"). Forward and backward dx then pick
-a backend per (shape, M bucket) through
+by our Triton kernels); on request (`prefer="gluon"`, quant.gpu_layout or QERL_NVFP4_LAYOUT = gluon) shuffled for
+the Gluon decode GEMM ("gluon" layout, kernels/gluon_nvfp4.py: the fastest at M <= 32, a little behind humming at
+M = 64 on the small layers, a tie over a GRPO step at batch 64; hence opt-in, for decode-heavy work: BENCHMARKS.md,
+"The Gluon decode GEMM"). Forward and backward dx then pick a backend per (shape, M bucket) through
 `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
 cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
@@ -62,7 +61,7 @@ class NVFP4Gemm:
         `layout`: the run's wish (quant.gpu_layout; None or "auto" = QERL_NVFP4_LAYOUT if set): a layer it cannot
         serve keeps the default, said once. The default: humming if usable, else qerl."""
         wish = layout if layout not in (None, "auto") else os.environ.get("QERL_NVFP4_LAYOUT") or None
-        from_env = prefer is None and wish is not None  # a wish, not an order: unusable -> default, warned
+        wished = prefer is None and wish is not None  # a wish, not an order: unusable -> default, warned
         prefer = prefer or wish
         if prefer not in (None, "humming", "qerl", "gluon"):
             raise ValueError(f"unknown NVFP4 layout {prefer!r}: expected humming, qerl or gluon")
@@ -77,16 +76,16 @@ class NVFP4Gemm:
                 return
             why = (f"the Gluon layout needs Gluon on an sm_90 GPU and N % 64 == K % 128 == 0 (got {self.n}x{self.k}; "
                    f"{gluon_nvfp4.IMPORT_ERROR})")
-            if not from_env:
+            if not wished:
                 raise RuntimeError(why)
             _warn_once(f"NVFP4 layout gluon (quant.gpu_layout / QERL_NVFP4_LAYOUT): {why}; such layers keep the "
                        "default layout")
             prefer = None
-        if prefer != "qerl" and self._humming_usable(prefer == "humming" and not from_env):
+        if prefer != "qerl" and self._humming_usable(prefer == "humming" and not wished):
             try:
                 self.humming = humming_nvfp4.HummingWeight(packed, scale, global_scale, dtype)
             except Exception as e:  # compile failure, unexpected layout: keep our layout, say so once
-                if prefer == "humming" and not from_env:
+                if prefer == "humming" and not wished:
                     raise
                 _warn_once(f"humming-kernels unusable ({type(e).__name__}: {e}); using qerl's NVFP4 kernels")
         if self.humming is None:

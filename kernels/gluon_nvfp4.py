@@ -29,8 +29,8 @@ them to finish (a counter it resets; slots summed in fixed order: bitwise reprod
 fp32 shares staying in L2. `schedule()` mirrors the kernel's arithmetic for the tests.
 
 Importing never fails: `IMPORT_ERROR` holds why Gluon is missing, `available()` says whether the kernel can run.
-The layout functions and `shuffled_block_dequant_kernel` (plain Triton, the dequantize + cuBLAS backend for M > 64) work
-without Gluon. Status and measurements: BENCHMARKS.md, "The Gluon decode GEMM".
+The layout functions and `shuffled_block_dequant_kernel` (plain Triton, the dequantize + cuBLAS backend for
+M > 64) work without Gluon. Status and measurements: BENCHMARKS.md, "The Gluon decode GEMM".
 """
 
 from __future__ import annotations

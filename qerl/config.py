@@ -61,9 +61,6 @@ def quant_schemes() -> tuple[str, ...]:
     return (*formats.SCHEMES, bnb.SCHEME)
 
 
-GPU_LAYOUTS = ("auto", "humming", "qerl", "gluon")
-
-
 @dataclass
 class QuantSettings:
     # Format of the frozen base weights. nf4-bnb: QLoRA as its users run it, bitsandbytes' NF4 storage and kernels
@@ -75,18 +72,13 @@ class QuantSettings:
     # humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon (our Hopper decode GEMM:
     # fastest at batch <= 32, level with humming over a GRPO step at batch 64; BENCHMARKS.md). A layer the chosen
     # layout cannot hold keeps the default, with a warning. Numerics differ between layouts only in GEMM rounding.
-    gpu_layout: str = "auto"
+    gpu_layout: Literal["auto", "humming", "qerl", "gluon"] = "auto"
 
     def validate(self) -> None:
         schemes = quant_schemes()
         if self.scheme not in schemes:
             close = difflib.get_close_matches(self.scheme, schemes, n=1)
             raise _RuleError("scheme", f"scheme = {self.scheme!r}: expected one of {', '.join(map(repr, schemes))}"
-                             + (f" (did you mean {close[0]!r}?)" if close else ""))
-        if self.gpu_layout not in GPU_LAYOUTS:
-            close = difflib.get_close_matches(self.gpu_layout, GPU_LAYOUTS, n=1)
-            raise _RuleError("gpu_layout", f"gpu_layout = {self.gpu_layout!r}: expected one of "
-                             f"{', '.join(map(repr, GPU_LAYOUTS))}"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         if self.scheme == "nf4-bnb" and self.quantized_path:
             raise _RuleError("quantized_path", f"quantized_path = {self.quantized_path!r}: scheme nf4-bnb quantizes "

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from qerl.generate import Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids, sample_tokens
+from qerl.generate import (Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids,
+                           distinct_rows, sample_tokens)
 from qerl.lora import LoraLinear
 from qerl.model import Transformer
 
@@ -276,13 +277,7 @@ class RolloutEngine:
         GRPO samples every prompt group_size times (1/group_size of the prefill; what vLLM's prefix cache does for a
         group; as qerl.generate.prefill_once_per_prompt, which the reference sampler runs). Padding rows (filler)
         are one more distinct row. self.valid[:rows] is `valid` afterwards."""
-        slot: dict[tuple, int] = {}
-        unique, inverse = [], []
-        for i, row in enumerate(ids.tolist()):
-            j = slot.setdefault(tuple(row), len(unique))
-            if j == len(unique):
-                unique.append(i)
-            inverse.append(j)
+        unique, inverse = distinct_rows(ids)
         if len(unique) == rows:
             self._prefill(ids.to(self.device), rows, prompt_len)
             return

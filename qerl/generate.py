@@ -166,19 +166,26 @@ def check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, t
     return stop_strings
 
 
+def distinct_rows(ids: Tensor) -> tuple[list[int], list[int]]:
+    """(unique, inverse) of the rows of a 2-D tensor: the index of each distinct row's first occurrence, and for
+    every row the position of its distinct row in `unique` (ids[unique][inverse] == ids)."""
+    slot: dict[tuple, int] = {}
+    unique, inverse = [], []
+    for i, row in enumerate(ids.tolist()):
+        j = slot.setdefault(tuple(row), len(unique))
+        if j == len(unique):
+            unique.append(i)
+        inverse.append(j)
+    return unique, inverse
+
+
 def prefill_once_per_prompt(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Last-position logits [B, 1, V] of a prefill of the left-padded `input_ids` [B, T] into the model's KV cache,
     computing each distinct row once: GRPO samples every prompt group_size times, and the prompt's keys and values
     are the same for all its samples, so its cache rows are copied instead of recomputed (1/group_size of the
     prefill; what vLLM's prefix cache does for a group). The cache and logits equal a prefill of every row, up to
     the float rounding of a smaller batch."""
-    slot: dict[tuple, int] = {}  # distinct row -> its index among the distinct rows
-    unique, inverse = [], []
-    for i, row in enumerate(input_ids.tolist()):
-        j = slot.setdefault(tuple(row), len(unique))
-        if j == len(unique):
-            unique.append(i)
-        inverse.append(j)
+    unique, inverse = distinct_rows(input_ids)
     batch, prompt_len = input_ids.shape
     position = torch.arange(prompt_len, device=input_ids.device)
     if len(unique) == batch:
