@@ -47,6 +47,8 @@ def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> Tensor:
 
 
 def _module_device(module: nn.Module) -> torch.device:
+    if hasattr(module, "weight_device"):  # a QuantLinear whose weight is a fused layer's rows or a GPU backend's
+        return module.weight_device()     # repacked copy holds no tensor of its own
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return torch.device("cpu")
