@@ -171,12 +171,15 @@ class RolloutEngine:
         tensors += [self.tok_in, self.pos_in, self.valid, self.done, self.row_map, self.logits_buf]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _signature(self) -> tuple:
+    def _signature(self, sync: bool = True) -> tuple:
         """What a captured graph bakes in: the addresses of every parameter and buffer, those of fused projections
-        (synced with their members first), and LoRA on/off."""
+        (synced with their members first, unless `sync` is False), and LoRA on/off."""
+        from qerl import fusion
+
         m = self.model
         ptrs = tuple(t.data_ptr() for t in (*m.parameters(), *m.buffers()))
-        return ptrs, m.sync_projections(), tuple(x.enabled for x in m.modules() if isinstance(x, LoraLinear))
+        projections = m.sync_projections() if sync else tuple(a for g in fusion.groups(m) for a in g.signature())
+        return ptrs, projections, tuple(x.enabled for x in m.modules() if isinstance(x, LoraLinear))
 
     def _install(self, rows: int, slots: int) -> None:
         need_rows = self.bucket(max(rows, self.reserve[0]))
@@ -353,6 +356,10 @@ class RolloutEngine:
         finally:
             self._uninstall()
             model.train(was_training)
+        # The run itself may have changed what the signature sees, consistently with the graphs it captured: a
+        # quantized layer's first GPU call repacks its weight for the GEMM backend (its own buffers go) and a fused
+        # group's GEMM comes to exist. Taken again now (caches uninstalled), the next rollout does not recapture.
+        self._signature_seen = self._signature(sync=False)
 
         for i in range(batch):
             e, s = int(first_eos[i]), stop_at.get(i)

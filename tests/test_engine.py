@@ -167,6 +167,7 @@ def test_generate_fast_keeps_one_engine_and_leaves_the_model_clean():
     engine = engine_for(model)
     assert engine.caches is not None and engine.memory_bytes() > 0
     assert all(layer.self_attn.kv_cache is None for layer in model.model.layers)  # training forward unaffected
+    assert engine._signature_seen == engine._signature()  # the next rollout finds no change: it keeps its graphs
     assert "_qerl_rollout_engine" not in dict(model.named_modules()) and engine_for(model) is engine
     generate_fast(model, None, ps[:2], 4, temperature=0)
     assert engine_for(model) is engine and engine.cap_rows == 4  # smaller calls reuse the allocation
@@ -416,6 +417,22 @@ def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme, fuse):
     err, moved = (replayed - direct).abs().max().item(), (replayed - before).abs().max().item()
     print(f"{scheme}: replay vs eager after the update {err:.3g}; change from the update {moved:.3g}")
     assert moved > 0.1 and err <= (1e-3 if scheme == "bf16" else 3e-2) * moved
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
+def test_gpu_a_second_rollout_replays_the_first_ones_graphs(scheme):
+    """During the first rollout a quantized layer's first GPU call repacks its weight for the GEMM backend (its own
+    buffers go) and each fused group's GEMM comes to exist: neither may look like a model change to the next
+    rollout, which would recapture every graph (it did, once per run, ~0.6 s of a 7B step)."""
+    model, _ = gpu_model(scheme, fuse=True)
+    ps = prompts(8, vocab=1024, seed=3, max_len=30)
+    engine = RolloutEngine(model)
+    engine.generate(None, ps, 24, temperature=0, eos_token_ids=[])
+    captures = engine.stats["captures"]
+    assert captures >= 1
+    engine.generate(None, ps, 24, temperature=0, eos_token_ids=[])
+    assert engine.stats["captures"] == captures
 
 
 @gpu
