@@ -1,136 +1,114 @@
-"""One full GRPO step on random-weight Qwen2.5 shapes: peak GPU memory and seconds per phase.
+"""The GRPO step a user runs, `qerl.trainer.Trainer.train`, on random-weight Qwen2.5 shapes: seconds per phase and
+peak GPU memory, per base format.
 
     PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b,14b --schemes nvfp4,bf16,nf4-bnb --out DIR
 
-The step, phase by phase as `qerl.trainer.Trainer` runs it (driven directly: no dataset or tokenizer needed):
-rollout of 8 prompts x 8 samples (256-token prompts, exactly 1024 new tokens, temperature 1, AQN noise in the
-norms) through the trainer's rollout seam (`qerl.rollout.EngineBackend`: sync, then generate); dummy rewards -> group advantages; then one DAPO update of the LoRA adapters
-(r=16, all linears) with gradient checkpointing, micro-batched, `qerl.grpo.policy_loss` on
-`selective_log_softmax` of the training forward, AdamW step. The engine's KV cache stays allocated through the
-update (as in the trainer, so its graphs survive to the next step): the peak includes it. Graph capture is a
-one-off per run and reported apart. Results: DIR/grpo_step.jsonl and a markdown table. The nf4-bnb arm is QLoRA
-as its users run it (bitsandbytes NF4 + LoRA; needs `pip install -e ".[qlora]"`, else it is skipped).
+Nothing here re-implements a phase: the model is built in the published shape with no adapters (q/k/v and gate/up
+fused, as `load_base_model` leaves it on CUDA), and the trainer does the rest as in `qerl train`: it applies LoRA
+(r=16 on all linears), samples 8 prompts x 8 completions through its rollout backend (the engine; AQN noise in the
+norms, sigma 1e-2), scores them, and runs one DAPO update (micro-batches of 4, gradient checkpointing, AdamW).
+What a real model needs and random weights lack is stood in for: a word-level tokenizer over the whole vocabulary
+(every sampled id decodes; a word is a token), a system prompt of random words before the generated arithmetic
+questions (prompts of about 256 tokens, no dataset to read), and a reward that hashes the completion's text (the
+rewards vary, so the advantages are not all zero). A random policy almost never samples its end-of-sequence token,
+so the completions run to `--new` tokens. Step 1 also pays the one-offs (graph capture, each training shape's GEMM
+dispatch measurement, humming-kernels' JIT); the last step is reported, step 1 next to it. Results:
+DIR/grpo_step.jsonl and a markdown table. The nf4-bnb arm is QLoRA as its users run it (bitsandbytes NF4 + LoRA;
+needs `pip install -e ".[qlora]"`, else it is skipped).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import random
 import sys
-import time
+import tempfile
+import traceback
+import zlib
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_rollout import SCHEMES, bnb_version, build_model, free_cuda, random_prompts  # noqa: E402
-from qerl import grpo  # noqa: E402
-from qerl.rollout import EngineBackend, Sampling  # noqa: E402
+from bench_rollout import SCHEMES, bnb_version, build_model, free_cuda  # noqa: E402
+from qerl.config import load_settings  # noqa: E402
+from qerl.trainer import Trainer  # noqa: E402
 
 GIB = 2**30
+END = "<|end|>"
 
 
-def sync_time() -> float:
-    torch.cuda.synchronize()
-    return time.perf_counter()
+def hash_reward(completion: str, gold: str) -> float:
+    """A stand-in reward in [0, 1): a hash of the completion, so a random policy's rewards differ within a group."""
+    return zlib.crc32(completion.encode()) % 1000 / 1000
+
+
+def numbered_tokenizer(vocab: int):
+    """A word-level tokenizer over the model's whole vocabulary ("t0" ... , the last id the end token) whose chat
+    template is the bare message contents: N words of a prompt are N tokens, and every id the policy samples decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab - 1)} | {END: vocab - 1}
+    core = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=END, pad_token=END)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
 
 
 def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_len: int = 256, new: int = 1024,
-              micro: int = 4, sigma: float = 1e-2, temperature: float = 1.0, steps: int = 2) -> dict:
+              micro: int = 4, sigma: float = 1e-2, steps: int = 2, lora_rank: int = 16) -> dict:
     r: dict = {"model": name, "scheme": scheme, "rows": prompts * group, "prompt": prompt_len, "new": new,
                "micro_batch": micro}
     torch.cuda.reset_peak_memory_stats()
-    t0 = sync_time()
-    model = build_model(name, scheme)
-    r["build_s"] = sync_time() - t0
-    r["weights_gib"] = torch.cuda.memory_allocated() / GIB
-    params = [p for p in model.parameters() if p.requires_grad]
-    r["lora_params_m"] = sum(p.numel() for p in params) / 1e6
-    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    model = build_model(name, scheme, lora_rank=0)  # the trainer applies LoRA, after the fusion, as in `qerl train`
     model.gradient_checkpointing = True
-    rows = prompts * group
-    backend = EngineBackend(model, None)
-    engine = backend.engine
-
-    t0 = sync_time()
-    engine.prepare(rows, prompt_len, new)  # once per run: KV cache + decode graphs
-    r["capture_s"] = sync_time() - t0
-    r["kv_gib"] = engine.memory_bytes() / GIB
-
-    def one_step() -> dict:
-        r: dict = {}
-        # Rollout (AQN noise written into the norm weights in place, removed afterwards).
-        ps = [p for p in random_prompts(prompts, prompt_len, model.config.vocab_size, seed=1) for _ in range(group)]
-        torch.cuda.reset_peak_memory_stats()
-        t0 = sync_time()
-        with backend.sync(sigma, noise_seed=1):
-            out = backend.generate(ps, Sampling(max_new_tokens=new, temperature=temperature, eos_token_ids=(), seed=0))
-        r["rollout_s"] = sync_time() - t0
-        r["rollout_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-        r["rollout_tok_s"] = rows * new / r["rollout_s"]
-
-        # Scoring stand-in: random rewards, group-normalized advantages.
-        rewards = torch.rand(rows, generator=torch.Generator().manual_seed(0))
-        dev = engine.device
-        adv = grpo.group_advantages(rewards, group).to(dev)
-
-        # Update: micro-batched DAPO loss over the completion tokens, one optimizer step.
-        torch.cuda.reset_peak_memory_stats()
-        t0 = sync_time()
-        ids = torch.tensor([p + c for p, c in zip(out.prompt_ids, out.completion_ids)], device=dev)
-        attn = torch.ones_like(ids)
-        mask = torch.ones(rows, new, device=dev)
-        rollout_logp = torch.stack(out.logprobs).to(dev)
-        cfg = grpo.LossConfig(loss_type="dapo")
-        count = float(mask.sum())
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        gaps = []
-        for i in range(0, rows, micro):
-            m = slice(i, i + micro)
-            logits = model(ids[m], attention_mask=attn[m], logits_to_keep=new + 1)[:, :-1].float() / temperature
-            logp = grpo.selective_log_softmax(logits, ids[m, prompt_len:])
-            loss, metrics = grpo.policy_loss(logp, None, adv[m], mask[m], cfg, rollout_logp=rollout_logp[m],
-                                             token_normalizer=count)
-            loss.backward()
-            gaps.append(metrics["rollout_logp_gap/mean"])
-            del logits, logp, loss
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        model.eval()
-        r["update_s"] = sync_time() - t0
-        r["update_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-        r["reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-        r["update_tok_s"] = rows * (prompt_len + new) / r["update_s"]
-        r["step_s"] = r["rollout_s"] + r["update_s"]
-        r["peak_gib"] = max(r["rollout_peak_gib"], r["update_peak_gib"])
-        r["gaps"] = gaps
-        return r
-
-    # Step 1 pays one-offs (each training shape's GEMM dispatch measurement, humming-kernels' JIT for new M
-    # tiles, allocator growth); the steps after it are what a run of hundreds of steps sees. The last is reported.
-    first = {}
-    for _ in range(steps):
-        last = one_step()
-        first = first or last
-    r.update(last)
-    r["steps"] = steps
-    r["first_step_s"] = first["step_s"]
-    r["first_update_s"] = first["update_s"]
-    gaps = last["gaps"]
-    # |rollout log-prob - training log-prob|: engine vs training forward, plus the AQN noise the rollout saw.
-    r["rollout_logp_gap"] = sum(gaps) / len(gaps)
-    r.pop("gaps")
+    r["weights_gib"] = torch.cuda.memory_allocated() / GIB
+    vocab = model.config.vocab_size
+    tokenizer = numbered_tokenizer(vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = random.Random(0)
+        # The generated arithmetic questions (a few words each) after a system prompt of random words: prompts of
+        # about `prompt_len` tokens, each distinct (the engine prefills each distinct prompt once).
+        system = " ".join(f"t{rng.randrange(vocab - 1)}" for _ in range(prompt_len - 8))
+        s = load_settings(overrides=[
+            f"model.path=random-{name}", f"quant.scheme={scheme}", f"lora.rank={lora_rank}",
+            f"lora.alpha={2 * lora_rank}", f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
+            f"rollout.max_new_tokens={new}", "rollout.temperature=1.0", "grpo.loss_type=dapo",
+            f"grpo.micro_batch_size={micro}", "grpo.dynamic_sampling=false", "grpo.mask_truncated=false",
+            "aqn.enabled=true", f"aqn.sigma_start={sigma}", f"aqn.sigma_end={sigma / 2}", "aqn.num_stages=2",
+            f"train.steps={steps}", "train.eval_every=0", f"train.save_every={steps}", "data.name=arithmetic",
+            "tracking.backend=none"])
+        s.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        s.data.system_prompt = system
+        s.train.rewards = {"bench_grpo_step:hash_reward": 1.0}  # this file's folder is on sys.path
+        with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer) as trainer:
+            trainer.train()
+            r["kv_gib"] = trainer.rollout_backend.engine.memory_bytes() / GIB
+            rows = trainer.metrics_log.read()
+            trainer.rollout_backend.free()
+            del trainer
+    first, last = rows[0], rows[-1]
+    r.update(steps=steps, rollout_s=last["seconds_rollout"], update_s=last["seconds_update"],
+             scoring_s=last["seconds_scoring"], response_length=last["response_length"],
+             rollout_tok_s=last["rollout_tokens_per_s"], peak_gib=last["peak_memory_gb"],
+             reserved_gib=torch.cuda.max_memory_reserved() / GIB, rollout_logp_gap=last["rollout_logp_gap/mean"],
+             first_rollout_s=first["seconds_rollout"], first_update_s=first["seconds_update"])
+    r["step_s"] = r["rollout_s"] + r["scoring_s"] + r["update_s"]
+    r["first_step_s"] = first["seconds_rollout"] + first["seconds_scoring"] + first["seconds_update"]
     r["sigma"] = sigma
-    backend.free()
-    del model, engine, backend, optimizer, params
+    del model
     free_cuda()
     return r
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | base | weights GiB | KV GiB | capture s | rollout s (tok/s) | update s | step s (step 1) | "
-             "peak GiB (rollout / update) | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
+    lines = ["| model | base | weights GiB | KV GiB | rollout s (tok/s) | scoring s | update s | step s (step 1) | "
+             "peak GiB | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     step = {(r["model"], r["scheme"]): r["step_s"] for r in rows}
 
@@ -140,10 +118,9 @@ def table(rows: list[dict]) -> str:
 
     for r in rows:
         lines.append(f"| {r['model']} | {r['scheme']} | {r['weights_gib']:.1f} | {r['kv_gib']:.1f} | "
-                     f"{r['capture_s']:.1f} | {r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['update_s']:.1f} | "
-                     f"{r['step_s']:.1f} ({r['first_step_s']:.1f}) | {r['rollout_peak_gib']:.1f} / {r['update_peak_gib']:.1f} | "
-                     f"{r['reserved_gib']:.1f} | {r['rollout_logp_gap']:.3f} | "
-                     f"{speedup(r, 'bf16')} / {speedup(r, 'nf4-bnb')} |")
+                     f"{r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['scoring_s']:.2f} | {r['update_s']:.1f} | "
+                     f"{r['step_s']:.1f} ({r['first_step_s']:.1f}) | {r['peak_gib']:.1f} | {r['reserved_gib']:.1f} | "
+                     f"{r['rollout_logp_gap']:.3f} | {speedup(r, 'bf16')} / {speedup(r, 'nf4-bnb')} |")
     return "\n".join(lines)
 
 
@@ -157,6 +134,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per arm; the last is reported (step 1 pays one-offs)")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.makedirs(args.out, exist_ok=True)
     import kernels
 
@@ -179,6 +157,7 @@ def main() -> None:
                     continue
                 except Exception as e:
                     print(f"[{name} {scheme}] FAILED {type(e).__name__}: {e}", flush=True)
+                    traceback.print_exc()
                     free_cuda()
                     continue
                 rows.append(r)

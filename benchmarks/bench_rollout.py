@@ -83,6 +83,7 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
     finally:
         torch.set_default_dtype(previous)
     model.model.rotary_emb.to_empty(device=device)  # recomputes inv_freq on the device
+    model.requires_grad_(False)  # a frozen base, as load_base_model leaves it (bf16 weights fuse only when frozen)
     if lora_rank:
         params = apply_lora(model, LoraSettings(rank=lora_rank, alpha=2 * lora_rank), dtype=torch.bfloat16)
         for p in params:
