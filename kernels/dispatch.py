@@ -149,7 +149,8 @@ def choose(kind: str, layout: str, n: int, k: int, m: int, candidates: dict[str,
         try:
             times[name] = timer(fn)
         except Exception as e:  # a backend that fails here is not picked (e.g. out of shared memory)
-            log.warning("GEMM backend %s failed on %s: %s: %s", name, key, type(e).__name__, e)
+            log.warning("GEMM backend %s cannot run %s (%s%s); the other backends are measured", name, key,
+                        type(e).__name__, f": {e}" if str(e) else "")  # e.g. humming's shape asserts say nothing
     if not times:
         return default
     pick = min(times, key=times.get)
