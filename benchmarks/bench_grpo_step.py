@@ -91,15 +91,14 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
             r["kv_gib"] = trainer.rollout_backend.engine.memory_bytes() / GIB
             rows = trainer.metrics_log.read()
             trainer.rollout_backend.free()
-            del trainer
     first, last = rows[0], rows[-1]
     r.update(steps=steps, rollout_s=last["seconds_rollout"], update_s=last["seconds_update"],
              scoring_s=last["seconds_scoring"], response_length=last["response_length"],
              rollout_tok_s=last["rollout_tokens_per_s"], peak_gib=last["peak_memory_gb"],
              reserved_gib=torch.cuda.max_memory_reserved() / GIB, rollout_logp_gap=last["rollout_logp_gap/mean"],
              first_rollout_s=first["seconds_rollout"], first_update_s=first["seconds_update"])
-    r["step_s"] = r["rollout_s"] + r["scoring_s"] + r["update_s"]
-    r["first_step_s"] = first["seconds_rollout"] + first["seconds_scoring"] + first["seconds_update"]
+    r["step_s"], r["first_step_s"] = (m["seconds_rollout"] + m["seconds_scoring"] + m["seconds_update"]
+                                      for m in (last, first))
     r["sigma"] = sigma
     del model
     free_cuda()

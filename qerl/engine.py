@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from qerl.generate import (Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids,
                            distinct_rows, sample_tokens)
+from qerl import fusion
 from qerl.lora import LoraLinear
 from qerl.model import Transformer
 
@@ -174,11 +175,9 @@ class RolloutEngine:
     def _signature(self, sync: bool = True) -> tuple:
         """What a captured graph bakes in: the addresses of every parameter and buffer, those of fused projections
         (synced with their members first, unless `sync` is False), and LoRA on/off."""
-        from qerl import fusion
-
         m = self.model
         ptrs = tuple(t.data_ptr() for t in (*m.parameters(), *m.buffers()))
-        projections = m.sync_projections() if sync else tuple(a for g in fusion.groups(m) for a in g.signature())
+        projections = m.sync_projections() if sync else fusion.signature(m)
         return ptrs, projections, tuple(x.enabled for x in m.modules() if isinstance(x, LoraLinear))
 
     def _install(self, rows: int, slots: int) -> None:

@@ -31,7 +31,7 @@ from qerl.lora import LoraLinear
 from qerl.model import GROUP_ATTR  # on the block module (Attention, MLP); a plain attribute, not a submodule
 from qerl.quant.linear import QuantLinear
 
-__all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "sync", "GROUP_ATTR"]
+__all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "signature", "sync", "GROUP_ATTR"]
 
 
 def _base(member: nn.Module) -> nn.Module:
@@ -228,13 +228,15 @@ def groups(model: nn.Module) -> list[ProjectionGroup]:
     return [g for m in model.modules() if (g := m.__dict__.get(GROUP_ATTR)) is not None]
 
 
+def signature(model: nn.Module) -> tuple[int, ...]:
+    """The addresses graphs of the decode step read through the groups, as they are (see `sync`)."""
+    return tuple(a for group in groups(model) for a in group.signature())
+
+
 def sync(model: nn.Module) -> tuple[int, ...]:
     """Bring every group up to date with its members (rebuild moved weights, re-copy the LoRA factors) and return
-    the addresses graphs of the decode step read through the groups. The rollout engine calls it before each
-    rollout."""
-    found: tuple[int, ...] = ()
+    their `signature`. The rollout engine calls it before each rollout."""
     for group in groups(model):
         if group.build():
             group.stacked_lora(force=True)
-        found += group.signature()
-    return found
+    return signature(model)
