@@ -23,9 +23,9 @@ import json
 import logging
 import os
 import random
+import subprocess
 import sys
 import tempfile
-import traceback
 import zlib
 from pathlib import Path
 
@@ -61,12 +61,12 @@ def numbered_tokenizer(vocab: int):
 
 
 def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_len: int = 256, new: int = 1024,
-              micro: int = 4, sigma: float = 1e-2, steps: int = 2, lora_rank: int = 16) -> dict:
-    r: dict = {"model": name, "scheme": scheme, "rows": prompts * group, "prompt": prompt_len, "new": new,
-               "micro_batch": micro}
+              micro: int = 4, sigma: float = 1e-2, steps: int = 2, lora_rank: int = 16,
+              overrides: tuple[str, ...] = (), variant: str = "default") -> dict:
+    r: dict = {"model": name, "scheme": scheme, "variant": variant, "settings": list(overrides),
+               "rows": prompts * group, "prompt": prompt_len, "new": new, "micro_batch": micro}
     torch.cuda.reset_peak_memory_stats()
     model = build_model(name, scheme, lora_rank=0)  # the trainer applies LoRA, after the fusion, as in `qerl train`
-    model.gradient_checkpointing = True
     r["weights_gib"] = torch.cuda.memory_allocated() / GIB
     vocab = model.config.vocab_size
     tokenizer = numbered_tokenizer(vocab)
@@ -82,7 +82,7 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
             f"grpo.micro_batch_size={micro}", "grpo.dynamic_sampling=false", "grpo.mask_truncated=false",
             "aqn.enabled=true", f"aqn.sigma_start={sigma}", f"aqn.sigma_end={sigma / 2}", "aqn.num_stages=2",
             f"train.steps={steps}", "train.eval_every=0", f"train.save_every={steps}", "data.name=arithmetic",
-            "tracking.backend=none"])
+            "tracking.backend=none", *overrides])
         s.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         s.data.system_prompt = system
         s.train.rewards = {"bench_grpo_step:hash_reward": 1.0}  # this file's folder is on sys.path
@@ -96,7 +96,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
              scoring_s=last["seconds_scoring"], response_length=last["response_length"],
              rollout_tok_s=last["rollout_tokens_per_s"], peak_gib=last["peak_memory_gb"],
              reserved_gib=torch.cuda.max_memory_reserved() / GIB, rollout_logp_gap=last["rollout_logp_gap/mean"],
-             first_rollout_s=first["seconds_rollout"], first_update_s=first["seconds_update"])
+             first_rollout_s=first["seconds_rollout"], first_update_s=first["seconds_update"],
+             recomputed_blocks=last["recomputed_blocks"])
     r["step_s"], r["first_step_s"] = (m["seconds_rollout"] + m["seconds_scoring"] + m["seconds_update"]
                                       for m in (last, first))
     r["sigma"] = sigma
@@ -106,21 +107,64 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | base | weights GiB | KV GiB | rollout s (tok/s) | scoring s | update s | step s (step 1) | "
-             "peak GiB | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    step = {(r["model"], r["scheme"]): r["step_s"] for r in rows}
+    lines = ["| model | base | variant | recomputed blocks | weights GiB | KV GiB | rollout s (tok/s) | scoring s | "
+             "update s | step s (step 1) | peak GiB | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    step = {(r["model"], r["scheme"], r["variant"]): r["step_s"] for r in rows}
 
     def speedup(r: dict, scheme: str) -> str:
-        other = step.get((r["model"], scheme))
+        other = step.get((r["model"], scheme, r["variant"]))
         return f"{other / r['step_s']:.2f}x" if other else "-"
 
     for r in rows:
-        lines.append(f"| {r['model']} | {r['scheme']} | {r['weights_gib']:.1f} | {r['kv_gib']:.1f} | "
+        lines.append(f"| {r['model']} | {r['scheme']} | {r['variant']} | {r['recomputed_blocks']} | "
+                     f"{r['weights_gib']:.1f} | {r['kv_gib']:.1f} | "
                      f"{r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['scoring_s']:.2f} | {r['update_s']:.1f} | "
                      f"{r['step_s']:.1f} ({r['first_step_s']:.1f}) | {r['peak_gib']:.1f} | {r['reserved_gib']:.1f} | "
                      f"{r['rollout_logp_gap']:.3f} | {speedup(r, 'bf16')} / {speedup(r, 'nf4-bnb')} |")
     return "\n".join(lines)
+
+
+def parse_variants(spec: str) -> list[tuple[str, tuple[str, ...]]]:
+    """'label:key=value,key=value;label2:...' -> [(label, overrides)]; '' -> the product defaults."""
+    if not spec:
+        return [("default", ())]
+    out = []
+    for part in filter(None, spec.split(";")):
+        label, _, sets = part.partition(":")
+        out.append((label, tuple(filter(None, sets.split(",")))))
+    return out
+
+
+def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], args) -> dict | None:
+    """One arm in its own process: its peak memory and its one-offs are its own, not the earlier arms' leftovers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "row.json"
+        cmd = [sys.executable, os.path.abspath(__file__), "--arm", name, scheme, variant, "--row", str(result),
+               "--new", str(args.new), "--micro", str(args.micro), "--sigma", str(args.sigma),
+               "--steps", str(args.steps), *(x for o in overrides for x in ("--set", o))]
+        rc = subprocess.run(cmd).returncode
+        if rc != 0 or not result.exists():
+            print(f"[{name} {scheme} {variant}] arm process failed (exit {rc})", flush=True)
+            return None
+        return json.loads(result.read_text())
+
+
+def one_arm(args) -> int:
+    name, scheme, variant = args.arm
+    try:
+        r = grpo_step(name, scheme, new=args.new, micro=args.micro, sigma=args.sigma, steps=args.steps,
+                      overrides=tuple(args.set), variant=variant)
+    except ImportError as e:  # the QLoRA arm without bitsandbytes
+        print(f"[{name} {scheme}] skipped: {e}", flush=True)
+        return 3
+    except torch.OutOfMemoryError as e:
+        print(f"[{name} {scheme}] out of memory: {str(e).splitlines()[0]}", flush=True)
+        return 4
+    Path(args.row).write_text(json.dumps(r))
+    print(f"[{name} {scheme} {variant}] " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                                   for k, v in r.items()), flush=True)
+    return 0
 
 
 def main() -> None:
@@ -132,8 +176,15 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=2, help="steps per arm; the last is reported (step 1 pays one-offs)")
     ap.add_argument("--out", default="outputs/bench")
+    ap.add_argument("--variants", default="", help="arms of settings, e.g. 'ckpt:model.gradient_checkpointing=true;"
+                    "auto:' (label:key=value,...; each arm runs every scheme); default: the product's defaults")
+    ap.add_argument("--arm", nargs=3, help=argparse.SUPPRESS)  # internal: run one arm in this process
+    ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.arm:
+        sys.exit(one_arm(args))
     os.makedirs(args.out, exist_ok=True)
     import kernels
 
@@ -144,26 +195,14 @@ def main() -> None:
     rows = []
     with open(os.path.join(args.out, "grpo_step.jsonl"), "a") as log:
         for name in args.models.split(","):
-            for scheme in args.schemes.split(","):
-                try:
-                    r = grpo_step(name, scheme, new=args.new, micro=args.micro, sigma=args.sigma, steps=args.steps)
-                except ImportError as e:  # the QLoRA arm without bitsandbytes
-                    print(f"[{name} {scheme}] skipped: {e}", flush=True)
-                    continue
-                except torch.OutOfMemoryError as e:
-                    print(f"[{name} {scheme}] out of memory: {str(e).splitlines()[0]}", flush=True)
-                    free_cuda()
-                    continue
-                except Exception as e:
-                    print(f"[{name} {scheme}] FAILED {type(e).__name__}: {e}", flush=True)
-                    traceback.print_exc()
-                    free_cuda()
-                    continue
-                rows.append(r)
-                log.write(json.dumps(r) + "\n")
-                log.flush()
-                print(f"[{name} {scheme}] " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                                          for k, v in r.items()), flush=True)
+            for variant, overrides in parse_variants(args.variants):
+                for scheme in args.schemes.split(","):
+                    r = run_arm(name, scheme, variant, overrides, args)
+                    if r is None:
+                        continue
+                    rows.append(r)
+                    log.write(json.dumps(r) + "\n")
+                    log.flush()
     print("\n" + table(rows))
 
 

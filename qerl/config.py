@@ -51,7 +51,13 @@ class ModelSettings:
     path: str = "embedded"  # a Hugging Face folder, a .gguf file, our quantized folder, or "embedded" (SmolLM2-135M)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    gradient_checkpointing: bool = False
+    # Recompute blocks in backward to save activation memory: auto (as many as the free GPU memory needs, measured
+    # per update, often none; never on the CPU), true (all), false (none). The number is logged per step.
+    gradient_checkpointing: Literal["auto", True, False] = "auto"
+    # The blocks' RMSNorm / RoPE / SiLU·up on CUDA: auto (the measured fastest), eager (plain PyTorch), liger
+    # (Liger-kernel's fused kernels; pip install liger-kernel), compile (torch.compile of the eager ops). The CPU
+    # always runs eager. qerl/training_ops.py.
+    training_kernels: Literal["auto", "eager", "liger", "compile"] = "auto"
 
 
 def quant_schemes() -> tuple[str, ...]:

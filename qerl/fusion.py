@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.lora import LoraLinear
+from qerl.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
 from qerl.model import GROUP_ATTR  # on the block module (Attention, MLP); a plain attribute, not a submodule
 from qerl.quant.linear import QuantLinear
 
@@ -162,9 +162,17 @@ class ProjectionGroup:
                                      * m.scaling).to(out.dtype)
             return outs
         stacked = torch.cat([m.lora_A for _, m in loras]) if len(loras) > 1 else loras[0][1].lora_A
-        h = F.linear(x.to(stacked.dtype), stacked).split([m.rank for _, m in loras], dim=-1)
-        for (i, m), hi in zip(loras, h):
-            outs[i] = outs[i] + (F.linear(hi, m.lora_B) * m.scaling).to(out.dtype)
+        h = F.linear(x.to(stacked.dtype), stacked)
+        if out.device.type in ONE_GEMM_DEVICES and h.dtype == out.dtype:
+            # All members' updates in one GEMM into the fused output: Bᵀ block-diagonal over the members (a member
+            # without an adapter is a block of no columns). The extra zero blocks cost nothing next to the
+            # elementwise passes they replace.
+            active = dict(loras)
+            blocks = [active[i].lora_B * active[i].scaling if i in active else out.new_zeros(size, 0)
+                      for i, size in enumerate(self.sizes)]
+            return list(add_low_rank(out, h, torch.block_diag(*blocks), 1.0).split(self.sizes, dim=-1))
+        for (i, m), hi in zip(loras, h.split([m.rank for _, m in loras], dim=-1)):
+            outs[i] = add_low_rank(outs[i], hi, m.lora_B, m.scaling)
         return outs
 
     def _decode(self, x: Tensor, members: list[nn.Module]) -> list[Tensor]:

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from qerl import training_ops
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -208,9 +210,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate [B, H, T, D] by [B, 1, T, D] fp32 tables (HF's rotate-half convention), computed in fp32."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+    return training_ops.rope(x, cos, sin)
 
 
 # ---------------------------------------------------------------------------------------------------- blocks
@@ -225,9 +225,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return training_ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: Tensor, residual: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor]:
         """(x + residual, norm(x + residual)) for [rows, dim]; fused: one kernel that adds into x in place."""
@@ -367,7 +365,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(training_ops.silu_mul(gate, up))
 
     def decode_step(self, h: Tensor, fused: bool = False) -> Tensor:
         """forward for [rows, hidden]; fused: SiLU(gate) * up in one kernel."""
@@ -473,9 +471,13 @@ class Decoder(nn.Module):
         cos, sin = self.rotary_emb(position_ids)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         x = self.embed_tokens(input_ids)
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
-            if recompute:
+        # gradient_checkpointing: True (every layer), False, or how many layers (the first ones) recompute their
+        # forward in backward instead of keeping their activations: the trainer's memory plan picks that number.
+        plan = self.gradient_checkpointing
+        recompute = (len(self.layers) if plan is True else int(plan)) if self.training and torch.is_grad_enabled() \
+            else 0
+        for i, layer in enumerate(self.layers):
+            if i < recompute:
                 x = checkpoint(layer, x, cos, sin, mask, cache_position, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, cache_position)
@@ -535,12 +537,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def gradient_checkpointing(self) -> bool:
-        """Recompute each block in backward (torch.utils.checkpoint, non-reentrant) to save activation memory."""
+    def gradient_checkpointing(self) -> bool | int:
+        """Recompute blocks in backward (torch.utils.checkpoint, non-reentrant) to save activation memory: True
+        (all), False (none), or a number of blocks (the first ones)."""
         return self.model.gradient_checkpointing
 
     @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
+    def gradient_checkpointing(self, enabled: bool | int) -> None:
         self.model.gradient_checkpointing = enabled
 
     def fuse_projections(self) -> int:

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from qerl import training_ops
 from qerl.config import ModelSettings, QuantSettings, Settings
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,10 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
             m.gpu_layout = quant.gpu_layout  # fused projections (next) inherit it
     if device.type == "cuda":  # q/k/v and gate/up as one GEMM each (CPU runs keep their exact, measured numbers)
         net.fuse_projections()
-    net.gradient_checkpointing = model.gradient_checkpointing
+    # auto is planned per update by the trainer (qerl.recompute); until then nothing recomputes.
+    net.gradient_checkpointing = model.gradient_checkpointing if isinstance(model.gradient_checkpointing, bool) \
+        else False
+    training_ops.set_backend(model.training_kernels if device.type == "cuda" else "eager")
     log.info("loaded %s (%s, %s, %s) in %.1fs", source, quant.scheme, dtype, device, time.perf_counter() - start)
     return net, tokenizer
 

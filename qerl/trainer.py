@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from qerl import atomic
-from qerl import checkpoints, data, distributed, grpo, lora, rewards, runfolder
+from qerl import checkpoints, data, distributed, grpo, lora, recompute, rewards, runfolder, training_ops
 from qerl.aqn import build_schedule
 from qerl.config import Settings
 from qerl.generate import Rollout
@@ -95,6 +95,7 @@ class _StepTotals:
     entropy_count: float = 0.0
     sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens
     peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
+    recomputed_blocks: int = 0  # blocks that recomputed their forward in backward (model.gradient_checkpointing)
 
     def add(self, loss: float, metrics: dict[str, float], weight: float, entropy: Tensor | None, mask: Tensor) -> None:
         self.loss += loss
@@ -200,6 +201,7 @@ class Trainer:
             model, tokenizer = load_base_model(s.model, s.quant)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
+        training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
@@ -418,6 +420,10 @@ class Trainer:
         dev = self.device
         totals = _StepTotals()
         self.model.train()
+        # Recompute only the blocks the free memory cannot keep (measured on this step's micro-batch shape).
+        first = micro[0]
+        self.model.gradient_checkpointing = totals.recomputed_blocks = recompute.plan(
+            self.model.model, t["ids"][first], t["attn"][first], s.model.gradient_checkpointing)
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
         # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
         token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
@@ -473,6 +479,7 @@ class Trainer:
             "seconds_scoring": seconds_scoring,
             "seconds_update": seconds_update,
             "peak_memory_gb": peak_memory,
+            "recomputed_blocks": totals.recomputed_blocks,
         }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
         metrics.update({k: v / totals.token_count for k, v in zip(keys, sums)})
         metrics.update(peaks)

@@ -1,0 +1,57 @@
+"""How many decoder blocks recompute their forward in backward: only as many as memory needs.
+
+Activation checkpointing trades a third more GEMM work for memory. A 7B NVFP4 update with every block checkpointed
+peaks at ~14 GiB on a 141 GiB H200, so it pays the recomputation for nothing; a 32B update on an 80 GB card needs
+most blocks checkpointed. `model.gradient_checkpointing: auto` plans per update: it measures what one block keeps
+for backward on this update's micro-batch (the allocator's growth over one block's forward: its saved tensors and
+output, whatever kernels and adapters run) and keeps as many blocks' activations as the free memory holds beside
+a margin for the backward's transients and the LM head; the first blocks recompute, the rest keep theirs.
+`true` / `false` force all / none. Off CUDA, `auto` recomputes nothing (host memory is not the limit there).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+GIB = 2**30
+
+
+def block_activation_bytes(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> int:
+    """Bytes one block keeps alive for backward (saved tensors + its output) on this micro-batch, measured."""
+    from qerl.model import _positions_and_mask  # here: qerl.model imports nothing of this module
+
+    batch, seq = input_ids.shape
+    was_training = decoder.training
+    decoder.train()
+    try:
+        with torch.enable_grad():
+            position_ids, mask = _positions_and_mask(batch, seq, attention_mask, None, None, None, input_ids.device)
+            cos, sin = decoder.rotary_emb(position_ids)
+            x = decoder.embed_tokens(input_ids)
+            before = torch.cuda.memory_allocated(input_ids.device)
+            out = decoder.layers[0](x, cos[:, None], sin[:, None], mask, None)
+            kept = torch.cuda.memory_allocated(input_ids.device) - before
+            del out
+    finally:
+        decoder.train(was_training)
+    return kept
+
+
+def plan(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, setting: bool | str,
+         margin_bytes: int | None = None) -> int:
+    """The number of blocks (the first ones) to recompute in this update, for `model.gradient_checkpointing`."""
+    layers = len(decoder.layers)
+    if setting is True or setting is False:
+        return layers if setting else 0
+    if input_ids.device.type != "cuda":
+        return 0
+    per_block = block_activation_bytes(decoder, input_ids, attention_mask)
+    free, total = torch.cuda.mem_get_info(input_ids.device)
+    free += torch.cuda.memory_reserved(input_ids.device) - torch.cuda.memory_allocated(input_ids.device)
+    # Beside the kept activations, backward holds a block's recomputed activations and its gradients, and the LM
+    # head's chunked log-probs: a few blocks' worth, plus a slice of the card against fragmentation.
+    margin = margin_bytes if margin_bytes is not None else 3 * per_block + int(0.08 * total) + GIB
+    keep = max(0, math.floor((free - margin) / max(per_block, 1)))
+    return max(0, layers - keep)

@@ -1,0 +1,124 @@
+"""The decoder block's elementwise ops (RMSNorm, RoPE, SiLU·up) as one kernel each on the GPU.
+
+In eager PyTorch each of these is 5–8 kernels over [tokens, width] tensors, most in fp32 (RMSNorm and RoPE round
+like Hugging Face's reference code, which our rollouts must match), and autograd saves their fp32 intermediates.
+Over a GRPO update of a 7B model that is ~2 s of pure memory traffic (the profile in BENCHMARKS.md, "aten::mul").
+
+Backends (`model.training_kernels`):
+* `eager`   the plain PyTorch ops of `qerl.model` (what the CPU always runs: its numbers stay exactly as they were);
+* `liger`   Liger-kernel's fused Triton forward/backward kernels (`pip install liger-kernel`), the field's choice;
+* `compile` `torch.compile` of the eager functions themselves (inductor fuses each into one kernel per direction);
+* `auto`    on CUDA, liger where installed, else compile; eager off CUDA. Measured on the 7B update (H200,
+            BENCHMARKS.md "The update"): eager 7.2 s, compile 6.3 s, liger 6.4 s (RoPE compiled); liger's first
+            step costs seconds, compile's ~20 s of inductor compilation per process (cached on disk after).
+
+Each fused backend computes the same function with the same roundings (fp32 statistics, a round to the activation
+dtype before RMSNorm's weight, RoPE in fp32); only fp32 summation order may differ, i.e. well under one bf16 ulp.
+They apply to CUDA tensors outside CUDA-graph capture (the rollout engine's decode graphs keep their own kernels,
+`qerl.fused_ops`), so prefill and the update run the same kernels and the CPU runs the reference ops.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "eager", "liger", "compile")
+_backend = "eager"
+
+
+def rms_norm_eager(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's LlamaRMSNorm: statistics in fp32, normalized x rounded to x's dtype, then times the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_eager(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate [B, H, T, D] by [B, 1, T, D] fp32 tables (HF's rotate-half convention), computed in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+
+
+def silu_mul_eager(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def set_backend(name: str) -> str:
+    """Select the backend for this process (from `model.training_kernels`); returns the one in effect. `liger`
+    without the package falls back to `compile`, with a warning naming the fix."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"model.training_kernels = {name!r}: expected one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = ("liger" if _liger() is not None else "compile") if torch.cuda.is_available() else "eager"
+    if name == "liger" and _liger() is None:
+        log.warning("model.training_kernels = liger but liger-kernel is not installed (pip install liger-kernel): "
+                    "using torch.compile instead")
+        name = "compile"
+    _backend = name
+    return name
+
+
+def backend() -> str:
+    return _backend
+
+
+def _fast(x: Tensor) -> bool:
+    return _backend != "eager" and x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if not _fast(x):
+        return rms_norm_eager(x, weight, eps)
+    if _backend == "liger":
+        # casting_mode "llama": rstd in fp32, x * rstd rounded to x's dtype, then the weight (as rms_norm_eager)
+        return _liger().LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+    return _compiled("rms_norm")(x, weight, eps)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # Liger's RoPE rotates q and k together from [B, T, D] tables; ours rotates one tensor with broadcast tables
+    # (GQA shapes differ between q and k). torch.compile fuses it to one kernel either way.
+    if not _fast(x):
+        return rope_eager(x, cos, sin)
+    return _compiled("rope")(x, cos, sin)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    if not _fast(gate):
+        return silu_mul_eager(gate, up)
+    if _backend == "liger":
+        return _liger().LigerSiLUMulFunction.apply(gate, up)
+    return _compiled("silu_mul")(gate, up)
+
+
+_EAGER = {"rms_norm": rms_norm_eager, "rope": rope_eager, "silu_mul": silu_mul_eager}
+
+
+@functools.cache
+def _compiled(name: str):
+    # dynamic: every GRPO step has its own padded length; one graph with a symbolic token count serves them all.
+    return torch.compile(_EAGER[name], dynamic=True, fullgraph=True)
+
+
+@functools.cache
+def _liger():
+    """Liger-kernel's autograd functions, or None where it is not installed."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except Exception:  # not installed, or an install that does not import with this torch/triton
+        return None
+
+    class Ops:
+        pass
+
+    Ops.LigerRMSNormFunction, Ops.LigerSiLUMulFunction = LigerRMSNormFunction, LigerSiLUMulFunction
+    return Ops

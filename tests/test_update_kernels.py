@@ -1,0 +1,149 @@
+"""The update's speed paths compute what the plain ops compute: LoRA's update in the GEMM epilogue (`add_low_rank`),
+the fused elementwise ops (`qerl.training_ops`), and recomputing only some blocks (`qerl.recompute`).
+
+The one-GEMM LoRA path runs on CUDA only in the product; here it is switched on for the CPU (fp32) to check its
+forward and gradients against the separate ops. The fused kernels are checked on the GPU (Liger's and inductor's
+kernels, bf16)."""
+import pytest
+import torch
+
+from qerl import lora, recompute, training_ops
+from qerl.config import load_settings
+from tests.test_fusion import lora_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("scheme", [None, "nvfp4"])
+def test_lora_update_in_the_gemm_epilogue_gives_the_same_output_and_gradients(monkeypatch, fuse, scheme):
+    model = lora_model("qwen2", scheme, seed=1)
+    if fuse:
+        model.fuse_projections()
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+    ref_out, ref_grads = _loss_and_grads(model, ids)
+    monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr("qerl.fusion.ONE_GEMM_DEVICES", {"cuda", "cpu"})
+    out, grads = _loss_and_grads(model, ids)
+    assert torch.allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 7 * 2 * 2
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_one_gemm_path_is_taken_where_enabled(monkeypatch):
+    """The epilogue path must really run (else the test above compares the plain ops with themselves)."""
+    calls = []
+    real = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = lora_model("qwen2", None, seed=1)
+    ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(5))
+    model(ids)
+    assert not calls  # the CPU keeps its separate ops
+    monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cpu"})
+    model(ids)
+    assert len(calls) == 7 * len(model.model.layers)
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 2])
+def test_recomputing_some_blocks_gives_the_same_gradients(blocks):
+    model = lora_model("llama", None, seed=2).train()
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(6))
+    model.gradient_checkpointing = False
+    _, ref = _loss_and_grads(model, ids)
+    model.gradient_checkpointing = blocks
+    _, grads = _loss_and_grads(model, ids)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref[name], atol=1e-6), name
+
+
+def test_recompute_plan_follows_the_setting_and_recomputes_nothing_on_the_cpu():
+    model = lora_model("llama", None, seed=2)
+    ids, attn = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+    layers = len(model.model.layers)
+    assert recompute.plan(model.model, ids, attn, True) == layers
+    assert recompute.plan(model.model, ids, attn, False) == 0
+    assert recompute.plan(model.model, ids, attn, "auto") == 0
+
+
+def test_settings_take_auto_true_false_and_name_the_choices():
+    assert load_settings(overrides=[]).model.gradient_checkpointing == "auto"
+    assert load_settings(overrides=["model.gradient_checkpointing=true"]).model.gradient_checkpointing is True
+    assert load_settings(overrides=["model.training_kernels=liger"]).model.training_kernels == "liger"
+    with pytest.raises(Exception, match="model.training_kernels = 'triton'.*'compile'"):
+        load_settings(overrides=["model.training_kernels=triton"])
+
+
+def test_the_cpu_always_runs_the_eager_ops():
+    try:
+        training_ops.set_backend("compile")
+        x = torch.randn(3, 8)
+        assert not training_ops._fast(x)
+    finally:
+        training_ops.set_backend("eager")
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["compile", "liger"])
+def test_gpu_fused_elementwise_ops_match_eager(backend):
+    if backend == "liger" and training_ops._liger() is None:
+        pytest.skip("liger-kernel is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 37, 512, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(512, device="cuda", generator=g)).bfloat16().requires_grad_()
+    gate, up = (torch.randn(3, 37, 1024, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+                for _ in range(2))
+    q = torch.randn(3, 37, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
+    pos = torch.arange(37, device="cuda").expand(3, 37)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    emb = torch.cat([pos[..., None].float() * inv] * 2, dim=-1)[:, None]
+    cos, sin = emb.cos(), emb.sin()
+
+    def run():
+        outs = [training_ops.rms_norm(x, w, 1e-6), training_ops.silu_mul(gate, up), training_ops.rope(q, cos, sin)]
+        sum((o.float() * torch.linspace(-1, 1, o.shape[-1], device="cuda")).sum() for o in outs).backward()
+        grads = [t.grad.clone() for t in (x, w, gate, up, q)]
+        for t in (x, w, gate, up, q):
+            t.grad = None
+        return outs, grads
+
+    try:
+        training_ops.set_backend("eager")
+        ref_outs, ref_grads = run()
+        assert training_ops.set_backend(backend) == backend
+        outs, grads = run()
+    finally:
+        training_ops.set_backend("eager")
+    for o, r in zip(outs + grads, ref_outs + ref_grads):
+        rel = (o.float() - r.float()).norm() / r.float().norm()
+        assert rel < 1e-2, rel  # bf16 operands: a few ulp of difference at most
+
+
+@needs_cuda
+def test_gpu_recompute_plan_keeps_what_fits_and_recomputes_the_rest():
+    from tests.test_engine import gpu_model
+
+    model, _ = gpu_model("bf16")
+    model.train()
+    ids = torch.randint(0, 1024, (4, 256), device="cuda")
+    attn = torch.ones_like(ids)
+    recompute.block_activation_bytes(model.model, ids, attn)  # one-offs (cuBLAS workspace) out of the measurement
+    per_block = recompute.block_activation_bytes(model.model, ids, attn)
+    assert per_block > 4 * 256 * 512 * 2, per_block  # at least the block's output, bf16
+    layers = len(model.model.layers)
+    planned = recompute.plan(model.model, ids, attn, "auto")
+    assert planned == 0, planned  # a small model on a large card keeps everything
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    # A margin leaving room for about 1.5 blocks: all but one block recomputes (the measurement may vary by a bit)
+    planned = recompute.plan(model.model, ids, attn, "auto", margin_bytes=free - int(1.5 * per_block))
+    assert planned in (layers - 1, layers - 2), (planned, per_block, free)
