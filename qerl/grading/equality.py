@@ -1,0 +1,200 @@
+"""qerl's own answer equality, in process and bounded: exact string, then structure (tuples, intervals, sets, matrices,
+`a \\pm b`), then numbers (exact fractions), then symbolic equality through qerl's bounded parser (qerl.grading.symbolic).
+
+It is the grader's fast path: most answers are decided here in microseconds; what it cannot prove equal goes to
+math-verify in a worker process (qerl.grading.mathverify).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+from qerl.grading.limits import MAX_ANSWER_CHARS
+from qerl.grading.normalize import is_words, normalize_answer, text_key
+from qerl.grading.symbolic import MAX_NUMBER_DIGITS, Budget, symbolic_equal, to_sympy
+
+MAX_ITEMS = 50  # elements of a tuple / set / matrix
+
+
+_MATRIX_RE = re.compile(r"\\begin\{([pbvB]?matrix)\}(.*)\\end\{\1\}", re.DOTALL)
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def _split_top(s: str, sep: str) -> list[str] | None:
+    """Split on `sep` outside brackets (`\\{ \\}` count as brackets); None when brackets don't balance."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        if s.startswith(sep, i) and depth == 0:
+            parts.append(s[start:i])
+            i += len(sep)
+            start = i
+            continue
+        ch = s[i]
+        if ch == "\\" and i + 1 < len(s) and s[i + 1] in "{}":
+            ch = s[i + 1]
+            i += 1
+        if ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            depth -= 1
+            if depth < 0:
+                return None
+        i += 1
+    if depth != 0:
+        return None
+    parts.append(s[start:])
+    return parts
+
+
+def _expand_pm(item: str) -> list[str]:
+    if item.count("\\pm") + item.count("\\mp") == 1:
+        sign = item.replace("\\mp", "\\pm")
+        return [sign.replace("\\pm", "+"), sign.replace("\\pm", "-")]
+    return [item]
+
+
+def _structure(s: str) -> tuple[str, str, list[str]] | None:
+    """(kind, shape, items) for compound answers, None for a scalar.
+
+    kinds: "seq" (ordered; shape = its brackets, so `[2,5)` != `[2,5]`), "set" (unordered: `\\{..\\}`,
+    bare lists "3, 5, 7", `a \\pm b`), "union" (unordered intervals), "matrix" (shape = rows x cols).
+    """
+    matrix = _MATRIX_RE.fullmatch(s)
+    if matrix:
+        rows = [row.split("&") for row in re.split(r"\\\\", matrix.group(2)) if row.strip()]
+        if len({len(row) for row in rows}) != 1:
+            return None
+        return "matrix", f"{len(rows)}x{len(rows[0])}", [item for row in rows for item in row]
+    unions = _split_top(s, "\\cup")
+    if unions and len(unions) > 1:
+        return "union", "", unions
+    # The inner text splitting cleanly means the outer brackets pair up: "(1)(2)" is no tuple.
+    if len(s) >= 4 and s.startswith("\\{") and s.endswith("\\}") and (items := _split_top(s[2:-2], ",")):
+        return "set", "", [x for item in items for x in _expand_pm(item)]
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and (items := _split_top(s[1:-1], ",")):
+        if len(items) > 1:
+            return "seq", s[0] + s[-1], items
+    items = _split_top(s, ",")
+    if items and len(items) > 1:
+        return "set", "", [x for item in items for x in _expand_pm(item)]
+    if len(_expand_pm(s)) == 2:
+        return "set", "", _expand_pm(s)
+    return None
+
+
+def _structures_equal(
+    a: tuple[str, str, list[str]], b: tuple[str, str, list[str]], depth: int, budget: Budget
+) -> bool:
+    (kind_a, shape_a, items_a), (kind_b, shape_b, items_b) = a, b
+    if kind_a != kind_b or shape_a != shape_b or len(items_a) != len(items_b) or len(items_a) > MAX_ITEMS:
+        return False
+    items_a = [normalize_answer(x) for x in items_a]
+    items_b = [normalize_answer(x) for x in items_b]
+    if kind_a in ("seq", "matrix"):
+        return all(_equal(x, y, depth + 1, budget) for x, y in zip(items_a, items_b))
+    unmatched = list(items_b)  # equality is an equivalence, so greedy matching is exact
+    for x in items_a:
+        hit = next((k for k, y in enumerate(unmatched) if _equal(x, y, depth + 1, budget)), None)
+        if hit is None:
+            return False
+        unmatched.pop(hit)
+    return True
+
+
+
+_PLAIN_NUMBER_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
+
+
+def _as_fraction(s: str) -> Fraction | None:
+    if len(s) > MAX_NUMBER_DIGITS or not _PLAIN_NUMBER_RE.fullmatch(s):
+        return None
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _equal(p: str, g: str, depth: int, budget: Budget) -> bool:
+    if not p or not g:
+        return False
+    if p == g:
+        return True
+    if depth > 4:
+        return False
+    sp, sg = _structure(p), _structure(g)
+    if sp or sg:
+        return sp is not None and sg is not None and _structures_equal(sp, sg, depth, budget)
+    if is_words(p) and is_words(g):
+        return text_key(p) == text_key(g)
+    fp, fg = _as_fraction(p), _as_fraction(g)
+    if fp is not None and fg is not None:
+        return fp == fg
+    return symbolic_equal(p, g, budget)
+
+
+def answers_equal(pred: str, gold: str) -> bool:
+    """Whether two extracted answers denote the same value; bounded work, never raises."""
+    try:
+        if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+            return False
+        return _equal(normalize_answer(pred), normalize_answer(gold), 0, Budget())
+    except Exception:
+        return False
+
+
+# math-verify compares numbers rounded to 6 decimals: numbers further apart than this differ for both graders.
+_NUMBERS_SURELY_DIFFER = Fraction(1, 10**5)
+
+
+def _real_value(s: str) -> float | None:
+    """The value of an answer that is one real number ("1.5", "\\frac{14}{3}", "2\\sqrt{3}"), else None."""
+    fraction = _as_fraction(s)
+    if fraction is not None:
+        return float(fraction)
+    expr = to_sympy(s)
+    if expr is None or not expr.is_number or not expr.is_real:
+        return None
+    try:
+        value = float(expr.evalf(20))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _surely_different(p: str, g: str) -> bool:
+    """Answers so simple that qerl's "not equal" is final: two real numbers far apart (whatever their notation), or
+    two plain words."""
+    if is_words(p) and is_words(g):
+        return len(p) > 1 and len(g) > 1
+    vp = _real_value(p)
+    vg = None if vp is None else _real_value(g)
+    return vg is not None and abs(vp - vg) > float(_NUMBERS_SURELY_DIFFER) * max(1.0, abs(vp), abs(vg))
+
+
+_DECIMAL_COMMA_RE = re.compile(r"-?\d+,\d+")
+_DECIMAL_POINT_RE = re.compile(r"-?\d+\.\d+")
+
+
+def _decimal_comma_twins(p: str, g: str) -> bool:
+    """"1000,99" and "1000.99": a decimal comma (as in most of Europe) against the same number with a point. Only
+    then: "3,5" alone may be a list of two answers, but not when the other side reads "3.5"."""
+    for a, b in ((p, g), (g, p)):
+        if _DECIMAL_COMMA_RE.fullmatch(a) and _DECIMAL_POINT_RE.fullmatch(b) and a.replace(",", ".") == b:
+            return True
+    return False
+
+
+def own_verdict(pred: str, gold: str) -> bool | None:
+    """qerl's own verdict: True (equal), False (surely not: two plain numbers or words that differ, or an answer
+    too long to be one), None (not proven either way: math-verify decides). Bounded work, never raises."""
+    try:
+        if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+            return False
+        p, g = normalize_answer(pred), normalize_answer(gold)
+        if _equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g):
+            return True
+        return False if _surely_different(p, g) else None
+    except Exception:
+        return None
