@@ -156,3 +156,53 @@ def test_grader_info_names_the_versions() -> None:
     info = grading.grader_info()
     assert info["grader"] == "qerl.grading" and "rule-" in info["grader_version"]
     assert info["math_verify"] == "0.9.0"  # the pin in pyproject.toml
+
+
+class _ScriptedBackend:
+    """A rollout backend that answers each prompt with a fixed reply: evaluation without a model."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = replies
+
+    def generate(self, prompts, sampling, progress=False):
+        from types import SimpleNamespace
+
+        texts = self.replies[: len(prompts)]
+        self.replies = self.replies[len(prompts):]
+        return SimpleNamespace(texts=texts, completion_ids=[[0]] * len(texts), stop_reasons=["eos"] * len(texts))
+
+
+def test_evaluation_records_the_grader_and_each_extracted_answer(tmp_path) -> None:
+    from qerl.data import Example
+    from qerl.evaluate import evaluate
+
+    examples = [Example("a", "What is x if -x > -1?", "x<1", "math"), Example("b", "What is 6 * 7?", "42", "math")]
+    replies = ["Flip the sign: $\\boxed{-x > -1}$.", "6 * 7 = 48, so the answer is 48."]
+    result = evaluate(None, None, examples, max_new_tokens=8, progress=False, backend=_ScriptedBackend(replies))
+    assert result.metrics["accuracy"] == 0.5 and result.metrics["grader_timeouts"] == 0
+    first, second = result.records
+    assert (first["extracted"], first["gold_answer"], first["score"], first["graded_by"]) == (
+        "-x > -1", "x<1", 1.0, "math-verify")
+    assert (second["extracted"], second["gold_answer"], second["score"]) == ("48", "42", 0.0)
+    metrics = json.loads((result.save(tmp_path) / "metrics.json").read_text())
+    assert metrics["accuracy"] == 0.5 and metrics["grader"] == "qerl.grading" and metrics["math_verify"] == "0.9.0"
+
+
+def test_trainer_counts_grader_timeouts_in_the_step(hanging_worker) -> None:
+    """Trainer.score puts the step's timed-out gradings beside its scoring time (metrics key grader_timeouts)."""
+    from types import SimpleNamespace
+
+    from qerl.data import Example
+    from qerl.rewards import combined_reward
+    from qerl.trainer import RolloutBatch, Trainer
+
+    hanging_worker.start()
+    texts = ["$\\boxed{-x > -1}$", "\\boxed{x < 1}", "$\\boxed{-x > -2}$", "The answer is 1."]
+    batch = RolloutBatch(examples=[Example("a", "q", "x<1", "math"), Example("b", "q", "1", "math")], group_size=2,
+                         samples=SimpleNamespace(texts=texts), sigma=0.0, noise_seed=0, seconds=1.0)
+    trainer = SimpleNamespace(reward_fn=combined_reward({"accuracy": 1.0}))
+    start = time.perf_counter()
+    Trainer.score(trainer, batch)
+    assert time.perf_counter() - start < 2 * 1.0 + mv.STARTUP_TIMEOUT_S  # two hung answers, each within its deadline
+    assert batch.grader_timeouts == 2  # graded twice each (reward mix, accuracy): the cache counts each once
+    assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and batch.accuracy.tolist() == [0.0, 1.0, 0.0, 1.0]

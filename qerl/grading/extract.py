@@ -51,6 +51,7 @@ _NUMBER_RE = re.compile(
     re.ASCII,
 )
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # an English word, not a \command
+_TEXT_RUN_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")  # "So", "cm": a reply with one is not all math
 
 
 def _matching_brace(text: str, open_at: int) -> int | None:
@@ -218,7 +219,7 @@ def _last_math_span(text: str) -> tuple[int, str | None]:
 
 def _unmarked_answer(text: str) -> str | None:
     tail = text[-TAIL_CHARS:].strip()
-    if len(tail) <= MAX_ANSWER_CHARS and tail == text.strip() and not _WORD_RE.search(
+    if len(tail) <= MAX_ANSWER_CHARS and tail == text.strip() and not _TEXT_RUN_RE.search(
             re.sub(r"\\text\{[^{}]*\}", "", tail)) and "$" not in tail:
         return tail or None  # the whole reply is math: "17 + 25 = 42", "\frac{10}{9}", "1 000"
     span_end, span = _last_math_span(text)

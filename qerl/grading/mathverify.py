@@ -120,10 +120,9 @@ class MathVerify:
         self._active: _Worker | None = None
         self._standby: _Worker | None = None
         self.unavailable: str | None = None if installed_version() else "math-verify is not installed"
-        self._cache: OrderedDict[tuple[str, str], bool | None] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[bool | None, float]] = OrderedDict()  # -> (verdict, budget)
         self.timeouts = 0
         self._ever_ready = False
-        self.requests = 0
         atexit.register(self.close)
 
     def start(self, wait: bool = False) -> None:
@@ -145,16 +144,18 @@ class MathVerify:
     def equal(self, gold: str, pred: str, deadline: float) -> bool | None:
         """Whether math-verify finds `pred` equal to `gold` (both as its `parse` takes them); None when it did not
         answer by `deadline` (a time.monotonic() value) or is unavailable. A pair asked again gets the first
-        verdict from a cache (a timeout too: it is counted once)."""
-        key = (gold, pred)
+        verdict from a cache; a timeout too (counted once), unless the new request has clearly more time than it had."""
+        key, budget = (gold, pred), deadline - time.monotonic()
         with self._lock:
             if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+                verdict, had = self._cache[key]
+                if verdict is not None or budget <= 1.5 * had:  # the same deadline give or take: no second try
+                    self._cache.move_to_end(key)
+                    return verdict
         verdict = self._ask(gold, pred, deadline)
         with self._lock:
             if self.unavailable is None:
-                self._cache[key] = verdict
+                self._cache[key] = (verdict, budget)
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
         return verdict
@@ -164,19 +165,20 @@ class MathVerify:
             self._ensure_started()
             if self.unavailable is not None:
                 return None
-            self.requests += 1
             # The process's first worker may take its time to load (once; a trainer starts it before its first
             # step). A replacement after a kill gets only the request's deadline: a run of hostile answers must not
             # make every later answer wait for a restart.
             first = not self._ever_ready
             waiting_since = time.monotonic()
             ready = self._active.wait_ready(waiting_since + STARTUP_TIMEOUT_S if first else deadline)
-            if ready is None and first:
-                self._active.unavailable = f"the worker did not load within {STARTUP_TIMEOUT_S:.0f} s"
-            if ready is None and not first:
+            if not ready and not first:  # a replacement still loading (or dead): this answer waits no longer
                 self.timeouts += 1
+                if ready is False:
+                    self._retire_active()
                 return None
-            if not ready:
+            if ready is None:
+                self._active.unavailable = f"the worker did not load within {STARTUP_TIMEOUT_S:.0f} s"
+            if not ready:  # the process's first worker could not load math-verify: grade without it
                 self.unavailable = self._active.unavailable
                 log.warning("math-verify unavailable (%s): grading with qerl's own equality only", self.unavailable)
                 self.close_locked()
@@ -185,13 +187,16 @@ class MathVerify:
                 self._ever_ready = True
                 deadline += time.monotonic() - waiting_since  # the one-time start is no fault of this answer
             verdict = self._active.ask(gold, pred, deadline)
-            if verdict is None:
+            if verdict is None:  # missed its deadline, or died (e.g. out of memory): the standby takes over
                 self.timeouts += 1
-                dead, self._active, self._standby = self._active, self._standby, None
-                # Killing, reaping and starting a new standby take milliseconds to tens of them on a loaded machine:
-                # off this request's clock.
-                threading.Thread(target=self._replace, args=(dead,), daemon=True).start()
+                self._retire_active()
             return verdict
+
+    def _retire_active(self) -> None:
+        """Promote the standby; kill the old worker and start a new standby off the request's clock (on a loaded
+        machine that takes tens of milliseconds)."""
+        dead, self._active, self._standby = self._active, self._standby, None
+        threading.Thread(target=self._replace, args=(dead,), daemon=True).start()
 
     def _replace(self, dead: _Worker) -> None:
         dead.kill()
