@@ -5,12 +5,12 @@ The rule, in order (the first that applies decides):
      its sentence), a `#### N` line. So "\boxed{200} ... Final Answer: the final answer is $10,455$." is 10,455.
      - Boxes (`\boxed{}` / `\fbox{}`): boxes joined by a connective (`,` `;` `&` "and" "or") or by no words at
        all, with no sentence end, colon or blank line between them (and at most MAX_JOINER_CHARS apart) form one
-       answer, read as a list: `\boxed{2} and \boxed{3}` is `2, 3`; a repeated box counts once. A box followed by a sentence end, a colon or a blank line before a later box is a draft:
-       "\boxed{12}. Wait... \boxed{15}" is 15. An unclosed last box, or more than MAX_BOXES in a group, means no
-       answer (no fallback to numbers).
+       answer, read as a list: `\boxed{2} and \boxed{3}` is `2, 3`; a repeated box counts once. A box followed by
+       a sentence end, a colon or a blank line before a later box is a draft: "\boxed{12}. Wait... \boxed{15}" is
+       15. An unclosed last box, or more than MAX_BOXES in a group, means no answer (no fallback to numbers).
      - A phrase: "The answer is not 5" is a marker without an answer. A sentence after the marker gives what
-       follows its last " is " ("Answer: The largest $n$ is 34" is 34), else its last math span or number
-       ("Final Answer: Jane started 3 hours ago" is 3).
+       follows its last " is " ("Answer: The largest $n$ is 34" is 34); one that opens with words gives its first
+       math span or number ("Final Answer: Jane started 3 hours ago" is 3).
   2. No marker: the last math span (`$..$`, `$$..$$`, `\(..\)`, `\[..\]`), unless a number follows it in plain
      text; a reply that is all math ("17 + 25 = 42", "\frac{10}{9}") is its own answer; else the last number
      that is not part of a word ("1 000", "1,024", "2,74" kept whole).

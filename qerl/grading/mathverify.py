@@ -123,6 +123,7 @@ class MathVerify:
         self._cache: OrderedDict[tuple[str, str], tuple[bool | None, float]] = OrderedDict()  # -> (verdict, budget)
         self.timeouts = 0
         self._ever_ready = False
+        self._pid = os.getpid()
         atexit.register(self.close)
 
     def start(self, wait: bool = False) -> None:
@@ -135,6 +136,8 @@ class MathVerify:
                 self._ever_ready = True
 
     def _ensure_started(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the workers' pipes are its parent's, never to be shared
+            self._pid, self._active, self._standby, self._ever_ready = os.getpid(), None, None, False
         if self.unavailable is None:
             if self._active is None:
                 self._active, self._standby = self._standby or _Worker(), None
@@ -205,6 +208,8 @@ class MathVerify:
                 self._standby = _Worker()
 
     def close_locked(self) -> None:
+        if self._pid != os.getpid():
+            return  # a forked child's copies of its parent's workers: the parent closes them
         for worker in (self._active, self._standby):
             if worker is not None:
                 worker.kill()
