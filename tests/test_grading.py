@@ -52,6 +52,7 @@ def test_case_tables_keep_their_sources() -> None:
     ("\\boxed{1} no no no \\boxed{2}", "2"),  # words without a connective separate
     ("\\boxed{200} then ... Final Answer: The final answer is $10,455$.", "$10,455$"),  # the latest marker wins
     ("Final Answer: The largest $n$ is 34.", "34"),
+    ("so $x \\equiv \\boxed{44}$. Check: 17 * 44 = 748, so our answer is correct.", "44"),  # commentary after a box
     ("The probability is $\\frac{10}{9}$", "\\frac{10}{9}"),  # the last math span, not the last digit
     ("We get $x = 3$, then 3 + 4 = 7.", "7"),  # a number after the last span
     ("So the population is 1 000 people.", "1 000"),

@@ -2,7 +2,8 @@ r"""Extraction: the final answer of a completion (or of a gold solution), as raw
 
 The rule, in order (the first that applies decides):
   1. Markers. The latest of: the last group of boxes, an "answer is ..." / "Answer: ..." phrase (to the end of
-     its sentence), a `#### N` line. So "\boxed{200} ... Final Answer: the final answer is $10,455$." is 10,455.
+     its sentence), a `#### N` line. So "\boxed{200} ... Final Answer: the final answer is $10,455$." is 10,455;
+     but a phrase after a box with neither math nor a choice letter ("so our answer is correct") is commentary.
      - Boxes (`\boxed{}` / `\fbox{}`): boxes joined by a connective (`,` `;` `&` "and" "or") or by no words at
        all, with no sentence end, colon or blank line between them (and at most MAX_JOINER_CHARS apart) form one
        answer, read as a list: `\boxed{2} and \boxed{3}` is `2, 3`; a repeated box counts once. A box followed by
@@ -50,6 +51,7 @@ _NUMBER_RE = re.compile(
     r"(?:\.\d+)?(?:/\d+)?|(?<![A-Za-z\d.])\.\d+",
     re.ASCII,
 )
+_MATHLIKE_RE = re.compile(r"[\d$\\]")
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # an English word, not a \command
 _TEXT_RUN_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")  # "So", "cm": a reply with one is not all math
 
@@ -231,7 +233,8 @@ def _marked_answer(text: str) -> tuple[bool, list[str] | None]:
     """(found, answer) from the latest final-answer marker (see the module's rule 1)."""
     box_at, boxes = _final_boxes(text)
     phrase_at, phrase = _phrase_answer(text)
-    if phrase_at > box_at:
+    # After a box, "so our answer is correct" is commentary: a later phrase overrides a box only with math in it.
+    if phrase_at > box_at and (box_at < 0 or phrase is None or _MATHLIKE_RE.search(phrase) or len(phrase) <= 3):
         return True, None if phrase is None else [phrase]
     return box_at >= 0, boxes
 
