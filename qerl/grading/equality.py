@@ -148,29 +148,51 @@ def answers_equal(pred: str, gold: str) -> bool:
 _NUMBERS_SURELY_DIFFER = Fraction(1, 10**5)
 
 
-def _real_value(s: str) -> float | None:
-    """The value of an answer that is one real number ("1.5", "\\frac{14}{3}", "2\\sqrt{3}"), else None."""
+def _number_value(s: str) -> complex | None:
+    """The value of an answer that is one number ("1.5", "\\frac{14}{3}", "2\\sqrt{3}", "6+9i"), else None."""
     fraction = _as_fraction(s)
     if fraction is not None:
-        return float(fraction)
+        return complex(float(fraction))
     expr = to_sympy(s)
-    if expr is None or not expr.is_number or not expr.is_real:
+    if expr is None or not expr.is_number:
         return None
     try:
-        value = float(expr.evalf(20))
+        value = complex(expr.evalf(20))
     except (TypeError, ValueError, OverflowError):
         return None
-    return value if math.isfinite(value) else None
+    return value if math.isfinite(value.real) and math.isfinite(value.imag) else None
 
 
-def _surely_different(p: str, g: str) -> bool:
-    """Answers so simple that qerl's "not equal" is final: two real numbers far apart (whatever their notation), or
-    two plain words."""
+def _shape(s: str) -> tuple[str, complex | None]:
+    """("many", None) for a tuple/set/interval/matrix/union/`a \\pm b` of 2+ items, ("word", None) for a word of
+    3+ letters, ("number", value) for one number, ("other", None) for the rest (expressions, equations, ...)."""
+    structure = _structure(s)
+    if structure is not None and len(structure[2]) >= 2:
+        return "many", None
+    if is_words(s):
+        return ("word", None) if len(s) > 2 else ("other", None)  # "e", "pi" may be numbers to math-verify
+    value = _number_value(s)
+    return ("number", value) if value is not None else ("other", None)
+
+
+# Labels, equations, ratios and prose (`x_1 = a, x_2 = b`, `7:32`, `1 and 2`): normalization may have cut these
+# down (an equation chain to its last value), so only math-verify may call them different.
+_LOSSY_RE = re.compile(r"[=:;<>]|\\text|\\q?quad|\b(?:and|or)\b|\\[lg]e")
+
+
+def _surely_different(p: str, g: str, raw_p: str, raw_g: str) -> bool:
+    """Answers whose difference needs no math-verify, so qerl's "not equal" is final: two numbers more than 1e-5
+    apart (relative; whatever their notation), two different words, or a number or word against several items (a
+    tuple, set, interval, matrix). `p`, `g` normalized; `raw_p`, `raw_g` as extracted."""
     if is_words(p) and is_words(g):
         return len(p) > 1 and len(g) > 1
-    vp = _real_value(p)
-    vg = None if vp is None else _real_value(g)
-    return vg is not None and abs(vp - vg) > float(_NUMBERS_SURELY_DIFFER) * max(1.0, abs(vp), abs(vg))
+    (kind_p, value_p), (kind_g, value_g) = _shape(p), _shape(g)
+    if kind_p == kind_g == "number":
+        scale = max(1.0, abs(value_p), abs(value_g))
+        return abs(value_p - value_g) > float(_NUMBERS_SURELY_DIFFER) * scale
+    if _LOSSY_RE.search(raw_p) or _LOSSY_RE.search(raw_g):
+        return False
+    return {kind_p, kind_g} in ({"many", "number"}, {"many", "word"}, {"word", "number"})
 
 
 _DECIMAL_COMMA_RE = re.compile(r"-?\d+,\d+")
@@ -195,6 +217,6 @@ def own_verdict(pred: str, gold: str) -> bool | None:
         p, g = normalize_answer(pred), normalize_answer(gold)
         if _equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g):
             return True
-        return False if _surely_different(p, g) else None
+        return False if _surely_different(p, g, pred, gold) else None
     except Exception:
         return None

@@ -27,6 +27,7 @@ _CHOICE_RE = re.compile(r"\(([a-zA-Z])\)|\(([A-E])\)[\d\\-].*")
 def normalize_answer(answer: str) -> str:
     """Canonical string for an extracted answer; equal strings mean equal answers."""
     s = answer.strip()
+    spaced_list = bool(re.search(r",\s", s))  # "32, 349" is a list of two numbers; "32,349", "32,\!349" one number
     for char, latex in _UNICODE.items():
         s = s.replace(char, latex)
     s = s.strip("* ")  # markdown bold
@@ -55,7 +56,6 @@ def normalize_answer(answer: str) -> str:
     s = re.sub(r"\s+", " ", s).strip()
     if _SPACED_THOUSANDS_RE.match(s):
         s = s.replace(" ", "")  # "1 000"
-    spaced_list = ", " in s  # "32, 349" is a list of two numbers, "32,349" one number
     s = re.sub(r"\s*([^\w\s\\])\s*", r"\1", s)  # spaces around operators/brackets carry no meaning
     s = re.sub(r"(?<=[^a-zA-Z\s])\s+(?=\\)", "", s)
     s = re.sub(r"_\{(\w)\}", r"_\1", s)
