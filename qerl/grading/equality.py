@@ -163,27 +163,44 @@ def _number_value(s: str) -> complex | None:
     return value if math.isfinite(value.real) and math.isfinite(value.imag) else None
 
 
+def _varies(s: str) -> bool:
+    """Whether an answer is an expression in variables that takes two different values at two points (x^2 + 1),
+    so no number can equal it."""
+    expr = to_sympy(s)
+    if expr is None or not expr.free_symbols or len(expr.free_symbols) > 8:
+        return False
+    try:
+        values = [complex(expr.evalf(15, subs={x: v for x in expr.free_symbols})) for v in (0.37, 1.61)]
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError):
+        return False
+    return all(map(math.isfinite, (values[0].real, values[1].real))) and abs(values[0] - values[1]) > 1e-6
+
+
 def _shape(s: str) -> tuple[str, complex | None]:
     """("many", None) for a tuple/set/interval/matrix/union/`a \\pm b` of 2+ items, ("word", None) for a word of
-    3+ letters, ("number", value) for one number, ("other", None) for the rest (expressions, equations, ...)."""
+    3+ letters, ("number", value) for one number, ("function", None) for an expression that varies with its
+    variables, ("other", None) for the rest (equations, labels, anything qerl's parser does not read)."""
     structure = _structure(s)
     if structure is not None and len(structure[2]) >= 2:
         return "many", None
     if is_words(s):
         return ("word", None) if len(s) > 2 else ("other", None)  # "e", "pi" may be numbers to math-verify
     value = _number_value(s)
-    return ("number", value) if value is not None else ("other", None)
+    if value is not None:
+        return "number", value
+    return ("function", None) if _varies(s) else ("other", None)
 
 
 # Labels, equations, ratios and prose (`x_1 = a, x_2 = b`, `7:32`, `1 and 2`): normalization may have cut these
 # down (an equation chain to its last value), so only math-verify may call them different.
-_LOSSY_RE = re.compile(r"[=:;<>]|\\text|\\q?quad|\b(?:and|or)\b|\\[lg]e")
+_LOSSY_RE = re.compile(r"[=:;<>]|\\q?quad|\b(?:and|or)\b|\\(?:[lg]eq?|neq|in)(?![a-zA-Z])")
 
 
 def _surely_different(p: str, g: str, raw_p: str, raw_g: str) -> bool:
     """Answers whose difference needs no math-verify, so qerl's "not equal" is final: two numbers more than 1e-5
-    apart (relative; whatever their notation), two different words, or a number or word against several items (a
-    tuple, set, interval, matrix). `p`, `g` normalized; `raw_p`, `raw_g` as extracted."""
+    apart (relative; whatever their notation), two different words, a number or word against several items (a
+    tuple, set, interval, matrix) or against an expression that varies (x^2 + 1). `p`, `g` normalized; `raw_p`,
+    `raw_g` as extracted."""
     if is_words(p) and is_words(g):
         return len(p) > 1 and len(g) > 1
     (kind_p, value_p), (kind_g, value_g) = _shape(p), _shape(g)
@@ -192,7 +209,8 @@ def _surely_different(p: str, g: str, raw_p: str, raw_g: str) -> bool:
         return abs(value_p - value_g) > float(_NUMBERS_SURELY_DIFFER) * scale
     if _LOSSY_RE.search(raw_p) or _LOSSY_RE.search(raw_g):
         return False
-    return {kind_p, kind_g} in ({"many", "number"}, {"many", "word"}, {"word", "number"})
+    return {kind_p, kind_g} in ({"many", "number"}, {"many", "word"}, {"word", "number"}, {"function", "number"},
+                                {"function", "word"})
 
 
 _DECIMAL_COMMA_RE = re.compile(r"-?\d+,\d+")
