@@ -9,7 +9,10 @@ process, the one way to stop sympy for sure.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
+import time
 
 # One of each construct, parsed before the worker says it is ready, so no graded answer pays for a first parse.
 WARM_UP = [
@@ -21,12 +24,26 @@ WARM_UP = [
 MEMORY_LIMIT_BYTES = 4 << 30  # address space: a runaway sympy expansion fails with MemoryError, not an OOM kill
 
 
+def _exit_with_parent() -> None:
+    """A watchdog thread: when the parent dies (even by SIGKILL, which closes no pipe we would be reading while
+    sympy computes), this process is re-parented, and exits instead of computing on as an orphan."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _write(out, obj: dict) -> None:
     out.write(json.dumps(obj).encode() + b"\n")
     out.flush()
 
 
 def main() -> None:
+    _exit_with_parent()
     out = sys.stdout.buffer
     try:
         import resource
