@@ -1,5 +1,6 @@
-"""qerl's own answer equality, in process and bounded: exact string, then structure (tuples, intervals, sets, matrices,
-`a \\pm b`), then numbers (exact fractions), then symbolic equality through qerl's bounded parser (qerl.grading.symbolic).
+"""qerl's own answer equality, in process and bounded: exact string, then structure (tuples, intervals, sets,
+matrices, `a \\pm b`), then numbers (exact fractions), then symbolic equality through qerl's bounded parser
+(qerl.grading.symbolic).
 
 It is the grader's fast path: most answers are decided here in microseconds; what it cannot prove equal goes to
 math-verify in a worker process (qerl.grading.mathverify).

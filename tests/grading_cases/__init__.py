@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.grading_cases.completion_cases import CASES as _COMPLETION_CASES
+from tests.grading_cases.completions import CASES as _COMPLETION_CASES
 
 HERE = Path(__file__).resolve().parent
 
@@ -17,7 +17,7 @@ OPTION_DEPENDENT = {"strict": False, "allow_set_relation_comp": True}
 
 @dataclass(frozen=True)
 class Case:
-    source: str  # where the case comes from (file::test or completion_cases.py and its note)
+    source: str  # where the case comes from (file::test, or completions.py and its note)
     completion: str
     gold: str
     expected: int  # 1 right, 0 wrong: what a careful grader says
@@ -43,5 +43,5 @@ def math_verify_suite(judged_only: bool = True) -> list[Case]:
 
 
 def completion_cases() -> list[Case]:
-    return [Case(f"completion_cases.py: {note}", completion, gold, expected)
+    return [Case(f"completions.py: {note}", completion, gold, expected)
             for completion, gold, expected, note in _COMPLETION_CASES]

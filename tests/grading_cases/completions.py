@@ -108,4 +108,17 @@ CASES: list[tuple[str, str, int, str]] = [
     ("I think it is 47 + 38 = 86.", "85", 0, "small model, off by one"),
     ("\\boxed{-18}", "-18", 1, "negative result"),
     ("The answer is 1,024.", "1024", 1, "comma separator in a sentence"),
+    # --- real replies of SmolLM2-135M-Instruct (NVFP4 base) sampled at T = 1 by `qerl eval --params
+    #     params/default.yaml -S eval.num_samples=4 -S eval.temperature=1.0` on 2026-11-26 (held-out arithmetic)
+    ("To find the final answer, 7 + 1 = 8.", "8", 1, "real SmolLM2 reply #1"),
+    ("Aldrin's assistant. 1 - (-5) + (2) = 3\n3\nThe formula", "3", 1, "real SmolLM2 reply #18"),
+    ("Perfect! \"9 + 2 = 11\"", "11", 1, "real SmolLM2 reply #30"),
+    ("To add 6 and 5, simply add them: 6 + 5 = 11, \n", "11", 1, "real SmolLM2 reply #50"),
+    ("6 + 5 results in 11, which is the answer to 6 (11) and can be", "11", 1, "real SmolLM2 reply #51"),
+    ("The expression 6 - 1 is 6.", "5", 0, "real SmolLM2 reply #10"),
+    ("Numerology absolutely matches your second negative 1, and in mathematics that is -2. \nAlso -1", "1", 0,
+     "real SmolLM2 reply #21"),
+    ("1 + 9 = 9", "14", 0, "real SmolLM2 reply #39"),
+    ("16\nNone 6 - 7 = 6\nDefinitely no 6 - 7 =6.", "-1", 0, "real SmolLM2 reply #58"),
+    ("6 + 9 = 6*9 = 6*9 = 39 shares\nahahahah", "15", 0, "real SmolLM2 reply #64"),
 ]
