@@ -100,12 +100,11 @@ def grade(completion: str, gold: str, deadline_s: float = DEADLINE_S) -> Grade:
         return Grade(float(verdict), answer, target, "qerl")
     if not (_fit_for_mathverify(answer) and _fit_for_mathverify(target)):
         return Grade(0.0, answer, target, "refused")
-    timeouts_before = _mathverify.timeouts
-    verdict = _mathverify.equal(_as_latex(target), _as_latex(answer), deadline)
+    verdict, new_timeout = _mathverify.equal(_as_latex(target), _as_latex(answer), deadline)
     _count("math_verify")
+    if new_timeout:
+        _count("timeouts")
     if verdict is None:
-        if _mathverify.timeouts > timeouts_before:
-            _count("timeouts")
         return Grade(0.0, answer, target, "timeout" if _mathverify.unavailable is None else "qerl")
     return Grade(float(verdict), answer, target, "math-verify")
 

@@ -144,30 +144,31 @@ class MathVerify:
             if self._standby is None:
                 self._standby = _Worker()
 
-    def equal(self, gold: str, pred: str, deadline: float) -> bool | None:
-        """Whether math-verify finds `pred` equal to `gold` (both as its `parse` takes them); None when it did not
-        answer by `deadline` (a time.monotonic() value) or is unavailable. A pair asked again gets the first
-        verdict from a cache; a timeout too (counted once), unless the new request has clearly more time than it had."""
+    def equal(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
+        """(verdict, timed out now): whether math-verify finds `pred` equal to `gold` (both as its `parse` takes
+        them), None when it did not answer by `deadline` (a time.monotonic() value) or is unavailable. A pair asked
+        again gets the first verdict from a cache; a timeout too (counted once: "timed out now" is False), unless the
+        new request has clearly more time than the first had."""
         key, budget = (gold, pred), deadline - time.monotonic()
         with self._lock:
             if key in self._cache:
                 verdict, had = self._cache[key]
                 if verdict is not None or budget <= 1.5 * had:  # the same deadline give or take: no second try
                     self._cache.move_to_end(key)
-                    return verdict
-        verdict = self._ask(gold, pred, deadline)
+                    return verdict, False
+        verdict, timed_out = self._ask(gold, pred, deadline)
         with self._lock:
             if self.unavailable is None:
                 self._cache[key] = (verdict, budget)
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return verdict
+        return verdict, timed_out
 
-    def _ask(self, gold: str, pred: str, deadline: float) -> bool | None:
+    def _ask(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
         with self._lock:
             self._ensure_started()
             if self.unavailable is not None:
-                return None
+                return None, False
             # The process's first worker may take its time to load (once; a trainer starts it before its first
             # step). A replacement after a kill gets only the request's deadline: a run of hostile answers must not
             # make every later answer wait for a restart.
@@ -178,14 +179,14 @@ class MathVerify:
                 self.timeouts += 1
                 if ready is False:
                     self._retire_active()
-                return None
+                return None, True
             if ready is None:
                 self._active.unavailable = f"the worker did not load within {STARTUP_TIMEOUT_S:.0f} s"
             if not ready:  # the process's first worker could not load math-verify: grade without it
                 self.unavailable = self._active.unavailable
                 log.warning("math-verify unavailable (%s): grading with qerl's own equality only", self.unavailable)
                 self.close_locked()
-                return None
+                return None, False
             if first:
                 self._ever_ready = True
                 deadline += time.monotonic() - waiting_since  # the one-time start is no fault of this answer
@@ -193,7 +194,7 @@ class MathVerify:
             if verdict is None:  # missed its deadline, or died (e.g. out of memory): the standby takes over
                 self.timeouts += 1
                 self._retire_active()
-            return verdict
+            return verdict, verdict is None
 
     def _retire_active(self) -> None:
         """Promote the standby; kill the old worker and start a new standby off the request's clock (on a loaded
