@@ -542,6 +542,8 @@ class Trainer:
             keys = ("reward_mean", "accuracy", "entropy", "clip_ratio/region", "response_length", "sigma",
                     "rollout_tokens_per_s", "seconds_rollout", "seconds_update")
             shown = " ".join(f"{k.split('/')[0]}={metrics[k]:.4g}" for k in keys if k in metrics)
+            if metrics.get("grader_timeouts"):  # completions scored 0 only because grading missed its deadline
+                shown += f" grader_timeouts={metrics['grader_timeouts']}"
             log.info("step %d/%d %s", metrics["step"], self.settings.train.steps, shown)
 
     def write_plots(self) -> list[Path]:
