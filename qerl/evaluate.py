@@ -96,7 +96,6 @@ def evaluate(
     `backend` samples (default: `make_backend(model, tokenizer)`, the engine on CUDA, the reference on the CPU)."""
     from qerl import data, grading
 
-    grading.start_worker()  # math-verify's worker loads while the first batch generates
     timeouts = grading.stats()["timeouts"]
     system_prompt = system_prompt if system_prompt is not None else data.SYSTEM_PROMPT
     jobs = [(ex, s) for ex in examples for s in range(num_samples)]

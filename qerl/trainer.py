@@ -216,7 +216,6 @@ class Trainer:
             self.optimizer, lambda i: lr_lambda(i, o.warmup_steps, s.train.steps, o.schedule, o.min_lr_ratio))
 
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
-        grading.start_worker()  # math-verify's worker loads (~1 s) in the background while the model loads
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend)

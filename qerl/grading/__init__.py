@@ -116,8 +116,8 @@ def stats() -> dict[str, int]:
 
 
 def start_worker(wait: bool = False) -> None:
-    """Start math-verify's worker processes now, in the background (a trainer calls this before its first step);
-    `wait`: return once the first is ready (or could not start)."""
+    """Start math-verify's worker process now, in the background, instead of when an answer first needs it;
+    `wait`: return once it is ready (or could not start)."""
     _mathverify.start(wait)
 
 

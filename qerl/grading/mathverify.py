@@ -3,8 +3,9 @@
 math-verify (HuggingFace's reference grader, the one TRL and open-r1 use) parses LaTeX into sympy and compares with
 sympy, which can take any time on a short input (`2^{2^{2^{2^{2}}}}`); its own timeouts use signal alarms, which only
 work on the main thread. Threads cannot be stopped, so math-verify runs in a child process (`python -m
-qerl.grading.mathverify_worker`) and a request that misses its deadline kills that process. A standby worker is kept
-started, so the next request does not wait for an import of sympy (about a second).
+qerl.grading.mathverify_worker`) and a request that misses its deadline kills that process. The first worker starts
+when math-verify is first needed (or on `start()`); from then on a standby is kept started, so a request after a kill
+does not wait for an import of sympy (about a second).
 
 Everything here is thread-safe (requests are serialized); `equal()` never raises.
 """
@@ -127,21 +128,24 @@ class MathVerify:
         atexit.register(self.close)
 
     def start(self, wait: bool = False) -> None:
-        """Start the workers now (they import in the background), so the first request does not wait; `wait`: until
-        the first is ready or has failed."""
+        """Start the worker now (it imports in the background), so the first request does not wait; `wait`: until
+        it is ready (then its standby starts) or has failed."""
         with self._lock:
             self._ensure_started()
             if wait and self._active is not None and self._active.wait_ready(
                     time.monotonic() + STARTUP_TIMEOUT_S):
                 self._ever_ready = True
+                self._ensure_started()  # the standby
 
     def _ensure_started(self) -> None:
+        """An active worker, and once one has been ready, a standby (a process that never needs math-verify, e.g. a
+        run on the arithmetic task, starts none: each costs an import of sympy, seconds of CPU on a busy machine)."""
         if self._pid != os.getpid():  # a forked child: the workers' pipes are its parent's, never to be shared
             self._pid, self._active, self._standby, self._ever_ready = os.getpid(), None, None, False
         if self.unavailable is None:
             if self._active is None:
                 self._active, self._standby = self._standby or _Worker(), None
-            if self._standby is None:
+            if self._standby is None and self._ever_ready:
                 self._standby = _Worker()
 
     def equal(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
@@ -189,6 +193,7 @@ class MathVerify:
                 return None, False
             if first:
                 self._ever_ready = True
+                self._ensure_started()  # the standby
                 deadline += time.monotonic() - waiting_since  # the one-time start is no fault of this answer
             verdict = self._active.ask(gold, pred, deadline)
             if verdict is None:  # missed its deadline, or died (e.g. out of memory): the standby takes over
