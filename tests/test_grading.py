@@ -81,7 +81,7 @@ def test_most_answers_never_reach_math_verify() -> None:
     for i in range(200):
         assert grade(f"{i} + 1 = {i + 1}. The answer is \\boxed{{{i + 1}}}.", str(i + 1)).score == 1.0
         assert grade(f"The answer is {i}.", str(i + 1)).score == 0.0
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 2.0  # ~0.1 s on an idle core
     after = grading.stats()
     assert after["math_verify"] == before["math_verify"] and after["own"] - before["own"] == 400
 

@@ -186,7 +186,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("completion, gold, expected", CASES)
-def test_score_table(completion: str, gold: str, expected: int) -> None:
+def test_score_table(completion: str, gold: str, expected: int, monkeypatch) -> None:
+    from qerl import grading
+
+    monkeypatch.setattr(grading, "DEADLINE_S", 30.0)  # the table tests the rule: a loaded machine must not flip it
     assert score(completion, gold) == expected
 
 

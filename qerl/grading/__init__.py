@@ -82,10 +82,11 @@ def _count(key: str) -> None:
         _stats[key] += 1
 
 
-def grade(completion: str, gold: str, deadline_s: float = DEADLINE_S) -> Grade:
+def grade(completion: str, gold: str, deadline_s: float | None = None) -> Grade:
     """Grade `completion` against `gold` (a bare answer or a worked solution). Never raises; returns within about
-    `deadline_s` (plus the one-time start of the math-verify worker, about a second, the first time it is needed)."""
-    deadline = time.monotonic() + deadline_s
+    `deadline_s` (default DEADLINE_S; plus the one-time start of the math-verify worker, about a second, the first
+    time it is needed)."""
+    deadline = time.monotonic() + (DEADLINE_S if deadline_s is None else deadline_s)
     _count("graded")
     try:
         answers, target = final_answers(completion), gold_answer(gold)

@@ -197,19 +197,50 @@ def _shape(s: str) -> tuple[str, complex | None]:
 _LOSSY_RE = re.compile(r"[=:;<>]|\\q?quad|\b(?:and|or)\b|\\(?:[lg]eq?|neq|in)(?![a-zA-Z])")
 
 
+def _far_apart(a: complex, b: complex) -> bool:
+    return abs(a - b) > float(_NUMBERS_SURELY_DIFFER) * max(1.0, abs(a), abs(b))
+
+
+def _distinct(values: list[complex]) -> list[complex]:
+    """The values sorted, near-equal neighbours merged ({5, 5} is {5})."""
+    out: list[complex] = []
+    for v in sorted(values, key=lambda z: (z.real, z.imag)):
+        if not out or _far_apart(out[-1], v):
+            out.append(v)
+    return out
+
+
+def _numeric_structures_differ(p: str, g: str) -> bool:
+    """Two tuples / intervals / matrices / sets of plain numbers that differ beyond rounding: by their brackets or
+    shape, or by an item (in order for tuples and matrices, as sets for sets)."""
+    sp, sg = _structure(p), _structure(g)
+    if sp is None or sg is None or sp[0] != sg[0] or sp[0] not in ("seq", "matrix", "set"):
+        return False
+    vp = [_number_value(normalize_answer(x)) for x in sp[2]]
+    vg = [_number_value(normalize_answer(x)) for x in sg[2]]
+    if None in vp or None in vg:
+        return False
+    if sp[0] == "set":
+        vp, vg = _distinct(vp), _distinct(vg)
+    elif sp[1] != sg[1]:
+        return True  # (1,2) vs [1,2], a 2x2 matrix vs a 4-vector
+    return len(vp) != len(vg) or any(_far_apart(a, b) for a, b in zip(vp, vg))
+
+
 def _surely_different(p: str, g: str, raw_p: str, raw_g: str) -> bool:
     """Answers whose difference needs no math-verify, so qerl's "not equal" is final: two numbers more than 1e-5
     apart (relative; whatever their notation), two different words, a number or word against several items (a
-    tuple, set, interval, matrix) or against an expression that varies (x^2 + 1). `p`, `g` normalized; `raw_p`,
-    `raw_g` as extracted."""
+    tuple, set, interval, matrix) or against an expression that varies (x^2 + 1), two tuples/sets/matrices of
+    numbers that differ. `p`, `g` normalized; `raw_p`, `raw_g` as extracted."""
     if is_words(p) and is_words(g):
         return len(p) > 1 and len(g) > 1
     (kind_p, value_p), (kind_g, value_g) = _shape(p), _shape(g)
     if kind_p == kind_g == "number":
-        scale = max(1.0, abs(value_p), abs(value_g))
-        return abs(value_p - value_g) > float(_NUMBERS_SURELY_DIFFER) * scale
+        return _far_apart(value_p, value_g)
     if _LOSSY_RE.search(raw_p) or _LOSSY_RE.search(raw_g):
         return False
+    if kind_p == kind_g == "many":
+        return _numeric_structures_differ(p, g)
     return {kind_p, kind_g} in ({"many", "number"}, {"many", "word"}, {"word", "number"}, {"function", "number"},
                                 {"function", "word"})
 
