@@ -79,7 +79,7 @@ def _cmd_eval(args) -> int:
     settings = load_settings(args.params, args.overrides)
     out = Path(args.out or settings.eval.out_dir)
     result = run_eval(settings, adapter=args.adapter, out_dir=out, limit=args.limit)
-    print(json.dumps(result.metrics, indent=2))
+    print(json.dumps({**result.metrics, **result.grader}, indent=2))  # the accuracy and what graded it
     print(f"wrote {out / 'metrics.json'} and {out / 'samples.jsonl'}")
     return 0
 

@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 class EvalResult:
     metrics: dict[str, float]
     records: list[dict[str, Any]] = field(default_factory=list)
+    grader: dict[str, str] = field(default_factory=dict)  # what graded (qerl.grading.grader_info()): name, versions
 
     def save(self, out_dir: str | Path) -> Path:
-        """Writes metrics.json and samples.jsonl (one row per example and sample) atomically."""
+        """Writes metrics.json (the metrics and the grader that produced them) and samples.jsonl (one row per example
+        and sample: the completion, its extracted answer beside the gold's, the score) atomically."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         atomic.write_text(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in self.records))
-        atomic.write_json(out / "metrics.json", self.metrics)
+        atomic.write_json(out / "metrics.json", {**self.metrics, **self.grader})
         return out
 
 
@@ -92,9 +94,9 @@ def evaluate(
     """Generate `num_samples` completions per example and score them against the gold answers.
 
     `backend` samples (default: `make_backend(model, tokenizer)`, the engine on CUDA, the reference on the CPU)."""
-    from qerl import data, rewards
+    from qerl import data, grading
 
-    reward_fn = reward_fn or rewards.score
+    timeouts = grading.stats()["timeouts"]
     system_prompt = system_prompt if system_prompt is not None else data.SYSTEM_PROMPT
     jobs = [(ex, s) for ex in examples for s in range(num_samples)]
     records: list[dict[str, Any]] = []
@@ -109,15 +111,20 @@ def evaluate(
         for (ex, sample), prompt, text, ids, reason in zip(chunk, prompts, out.texts, out.completion_ids,
                                                           out.stop_reasons):
             tokens += len(ids)
+            graded = grading.grade(text, ex.gold)
             records.append({
                 "id": ex.id, "sample": sample, "prompt": prompt, "completion": text,
-                "extracted": rewards.extract_answer(text), "gold": ex.gold,
-                "score": float(reward_fn(text, ex.gold)), "stop_reason": reason,
+                "extracted": graded.answer, "gold_answer": graded.gold, "gold": ex.gold,
+                "score": float(reward_fn(text, ex.gold)) if reward_fn else graded.score,
+                "graded_by": graded.decided_by if reward_fn is None else "reward_fn", "stop_reason": reason,
             })
         bar.update(len(chunk))
         bar.set_postfix(acc=f"{sum(r['score'] for r in records) / len(records):.3f}")
     bar.close()
-    return EvalResult(_summarize(records, num_samples, tokens, time.perf_counter() - start), records)
+    metrics = _summarize(records, num_samples, tokens, time.perf_counter() - start)
+    metrics["grader_timeouts"] = grading.stats()["timeouts"] - timeouts
+    grader = grading.grader_info() if reward_fn is None else {"grader": getattr(reward_fn, "__qualname__", "custom")}
+    return EvalResult(metrics, records, grader)
 
 
 def _summarize(records: list[dict], k: int, tokens: int, seconds: float) -> dict[str, float]:
@@ -173,5 +180,6 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
                       system_prompt=settings.data.system_prompt, progress=progress, backend=backend)
     if out_dir is not None:
         result.save(out_dir)
-    log.info("eval: %s", ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
+    log.info("eval: %s (graded by %s)", ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),
+             ", ".join(f"{k} {v}" for k, v in result.grader.items()))
     return result

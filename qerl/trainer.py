@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from qerl import atomic
-from qerl import checkpoints, data, distributed, grpo, lora, recompute, rewards, runfolder, training_ops
+from qerl import checkpoints, data, distributed, grading, grpo, lora, recompute, rewards, runfolder, training_ops
 from qerl.aqn import build_schedule
 from qerl.config import Settings
 from qerl.generate import Rollout
@@ -58,6 +58,7 @@ class RolloutBatch:
     rewards: Tensor | None = None
     accuracy: Tensor | None = None
     score_seconds: float = 0.0
+    grader_timeouts: int = 0  # completions scored 0 because grading missed its deadline (qerl.grading)
     extra: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -81,7 +82,8 @@ class RolloutBatch:
             seconds=sum(b.seconds for b in batches),
             rewards=torch.cat([b.rewards for b in batches]) if first.rewards is not None else None,
             accuracy=torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
-            score_seconds=sum(b.score_seconds for b in batches))
+            score_seconds=sum(b.score_seconds for b in batches),
+            grader_timeouts=sum(b.grader_timeouts for b in batches))
 
 
 @dataclass
@@ -272,12 +274,13 @@ class Trainer:
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
-        start = time.perf_counter()
+        start, timeouts = time.perf_counter(), grading.stats()["timeouts"]
         golds = [ex.gold for ex in batch.examples for _ in range(batch.group_size)]
         texts = batch.samples.texts
         batch.rewards = torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
         batch.accuracy = torch.tensor([rewards.score(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
         batch.score_seconds = time.perf_counter() - start
+        batch.grader_timeouts = grading.stats()["timeouts"] - timeouts
         return batch
 
     def collect(self, phases: Phases | None = None) -> RolloutBatch:
@@ -299,6 +302,7 @@ class Trainer:
         out = self._kept_groups(kept, want)
         out.seconds = sum(b.seconds for b in drawn)
         out.score_seconds = sum(b.score_seconds for b in drawn)
+        out.grader_timeouts = sum(b.grader_timeouts for b in drawn)
         kept_groups = int(self.dist.sum([len(out.examples)])[0])
         out.extra.update({"dynamic_sampling/rounds": len(drawn), "dynamic_sampling/kept_groups": kept_groups})
         return out
@@ -453,8 +457,9 @@ class Trainer:
         """The step's metrics over all ranks: sums of the partial sums, whole-step rows gathered, the slowest rank's
         times."""
         keys, peak_keys = sorted(totals.sums), sorted(totals.peaks)
-        loss_total, entropy_sum, entropy_count, *sums = self.dist.sum(
-            [totals.loss, totals.entropy_sum, totals.entropy_count] + [totals.sums[k] for k in keys])
+        loss_total, entropy_sum, entropy_count, grader_timeouts, *sums = self.dist.sum(
+            [totals.loss, totals.entropy_sum, totals.entropy_count, batch.grader_timeouts]
+            + [totals.sums[k] for k in keys])
         peaks = dict(zip(peak_keys, self.dist.max([totals.peaks[k] for k in peak_keys])))
         lengths = torch.tensor(self.dist.gather([len(c) for c in batch.samples.completion_ids]), dtype=torch.float32)
         truncated = torch.tensor(self.dist.gather(truncated.tolist()))
@@ -477,6 +482,7 @@ class Trainer:
             "rollout_tokens_per_s": float(lengths.sum()) / max(seconds_rollout, 1e-9),
             "seconds_rollout": seconds_rollout,
             "seconds_scoring": seconds_scoring,
+            "grader_timeouts": int(grader_timeouts),  # completions scored 0 because grading missed its deadline
             "seconds_update": seconds_update,
             "peak_memory_gb": peak_memory,
             "recomputed_blocks": totals.recomputed_blocks,
@@ -535,6 +541,8 @@ class Trainer:
             keys = ("reward_mean", "accuracy", "entropy", "clip_ratio/region", "response_length", "sigma",
                     "rollout_tokens_per_s", "seconds_rollout", "seconds_update")
             shown = " ".join(f"{k.split('/')[0]}={metrics[k]:.4g}" for k in keys if k in metrics)
+            if metrics.get("grader_timeouts"):  # completions scored 0 only because grading missed its deadline
+                shown += f" grader_timeouts={metrics['grader_timeouts']}"
             log.info("step %d/%d %s", metrics["step"], self.settings.train.steps, shown)
 
     def write_plots(self) -> list[Path]:

@@ -36,9 +36,10 @@ def test_quantize_then_eval_the_quantized_folder(tiny_llama_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics["num_examples"] == 3 and 0.0 <= metrics["accuracy"] <= 1.0
+    assert metrics["grader"] == "qerl.grading" and metrics["grader_timeouts"] == 0  # what graded, beside the number
     rows = [json.loads(x) for x in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 3
-    assert {"prompt", "completion", "extracted", "gold", "score"} <= set(rows[0])
+    assert {"prompt", "completion", "extracted", "gold_answer", "gold", "score", "graded_by"} <= set(rows[0])
 
 
 def test_missing_model_is_one_clear_error(tmp_path):

@@ -28,6 +28,15 @@ def my_reward(completion: str, gold: str) -> float:
 
 not_callable_reward = 3
 
+
+@pytest.fixture(autouse=True)
+def _grader_ready():
+    """math-verify's worker is loaded before each test (a no-op when it is): a hostile case that killed one must not
+    make the next test's legitimate answer miss its deadline while the replacement loads."""
+    from qerl import grading
+
+    grading.start_worker(wait=True)
+
 # (completion, gold, expected score)
 CASES = [
     # --- extraction: boxed, fbox, nested braces, answer phrases, ####, last number
@@ -93,7 +102,9 @@ CASES = [
     ("\\boxed{2^{10}}", "1024", 1),
     ("\\boxed{3^3=27}", "27", 1),
     ("\\boxed{\\pi}", "3.14159", 0),
-    ("\\boxed{2\\pi}", "6.283185307179586", 0),
+    # A decimal that agrees to 6 decimal places is equal (math-verify's float_rounding; its suite: sqrt(17) = 4.1231056...)
+    ("\\boxed{2\\pi}", "6.283185307179586", 1),
+    ("\\boxed{2\\pi}", "6.2832", 0),
     ("\\boxed{\\sqrt{2}\\cdot 10^{30} + 1}", "\\sqrt{2}\\cdot 10^{30}", 0),
     ("\\boxed{\\sin(\\pi/12)}", "\\frac{\\sqrt6-\\sqrt2}{4}", 1),
     ("\\boxed{\\sqrt{2}+\\sqrt{3}}", "\\sqrt{5+2\\sqrt6}", 1),
@@ -131,7 +142,8 @@ CASES = [
     ("\\boxed{\\text{west}}", "\\text{east}", 0),
     ("\\boxed{\\text{Evelyn}}", "Evelyn", 1),
     ("\\boxed{52_8}", "52_{8}", 1),
-    ("\\boxed{52_8}", "52", 0),
+    ("\\boxed{52_8}", "52", 1),  # the subscript names the base the question asked for (math-verify agrees)
+    ("\\boxed{52_8}", "53", 0),
     # --- delimiters and spacing commands
     ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "(3,\\frac{\\pi}{2})", 1),
     ("\\boxed{\\!3\\,000}", "3000", 1),
@@ -174,7 +186,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("completion, gold, expected", CASES)
-def test_score_table(completion: str, gold: str, expected: int) -> None:
+def test_score_table(completion: str, gold: str, expected: int, monkeypatch) -> None:
+    from qerl import grading
+
+    monkeypatch.setattr(grading, "DEADLINE_S", 30.0)  # the table tests the rule: a loaded machine must not flip it
     assert score(completion, gold) == expected
 
 

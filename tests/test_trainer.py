@@ -101,7 +101,7 @@ def test_one_run_writes_metrics_checkpoints_adapter_and_plots(tmp_path):
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     required = {"reward_mean", "reward_std", "accuracy", "entropy", "kl", "clip_ratio/region", "response_length",
                 "truncation_rate", "sigma", "noise_seed", "rollout_tokens_per_s", "seconds_rollout",
-                "seconds_scoring", "seconds_update", "peak_memory_gb", "lr", "grad_norm"}
+                "seconds_scoring", "seconds_update", "peak_memory_gb", "lr", "grad_norm", "grader_timeouts"}
     assert required <= set(lines[0])
     # AQN: the first stage is noise-free, later stages are not
     assert lines[0]["sigma"] == 0.0 and lines[-1]["sigma"] > 0

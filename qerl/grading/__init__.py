@@ -1,0 +1,131 @@
+r"""Grading a model's answer against a gold answer: qerl's extraction, qerl's fast equality, math-verify's equivalence.
+
+`grade(completion, gold)` runs three steps:
+  1. extraction (qerl.grading.extract): the final answer of the completion and of the gold, by one documented rule
+     (the last group of boxes, else an "answer is" / `####` marker, else the last math span or number);
+  2. qerl's own bounded equality (qerl.grading.equality), in process: exact text, numbers as exact fractions,
+     tuples/sets/intervals/matrices, a bounded symbolic check. It decides most answers in microseconds: equal, or
+     surely different (two plain numbers or words);
+  3. otherwise HuggingFace math-verify (`verify(parse(gold), parse(answer))`, pinned in pyproject.toml) in a worker
+     process under a deadline (qerl.grading.mathverify): relations (`-x > -1` = `x < 1`), labelled golds
+     (`(p,q)=(3,2)`), equations of curves, sets vs inequalities, and whatever LaTeX qerl's parser does not read.
+
+The answer is right if step 2 or step 3 finds it equal. A completion whose grading misses the deadline (hostile text,
+an expression sympy cannot finish) is scored 0 and counted in `stats()["timeouts"]`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+from qerl.grading.equality import own_verdict
+from qerl.grading.extract import extract_answer, final_answers, gold_answer
+from qerl.grading.mathverify import MathVerify
+from qerl.grading.normalize import normalize_answer
+from qerl.grading.symbolic import too_large
+
+__all__ = ["Grade", "grade", "grader_info", "stats", "start_worker", "extract_answer", "gold_answer",
+           "normalize_answer"]
+
+GRADER = "qerl.grading"
+RULE_VERSION = 2  # bump when a change of the rule (not a bug fix) changes scores: 1 was qerl's grader before #29
+DEADLINE_S = 0.8  # per graded completion, everything included (the promise is 1 s; killing a worker is not free)
+
+# What math-verify never gets: it would only spend the deadline on it (sympy on a power tower, a huge literal).
+_TOWER_RE = re.compile(r"\^\s*\{?\s*[\d\w]+\s*\}?\s*\^")
+_LONG_LITERAL_RE = re.compile(r"\d{40}")
+_HUGE_COMBINATORICS_RE = re.compile(r"\d{4,}\s*!|\\[dt]?binom\s*\{?\s*\d{4,}")  # 1000!, \binom{10000}{..}
+MAX_MATHVERIFY_CHARS = 300
+MAX_MATHVERIFY_BRACE_DEPTH = 12
+
+_mathverify = MathVerify()
+_stats_lock = threading.Lock()
+_stats = {"graded": 0, "own": 0, "math_verify": 0, "timeouts": 0}
+
+
+@dataclass(frozen=True)
+class Grade:
+    score: float  # 1.0 right, 0.0 wrong
+    answer: str | None  # the completion's final answer as extracted (None: it gave none)
+    gold: str | None  # the gold's final answer as extracted
+    decided_by: str  # "no answer", "qerl", "math-verify", "refused" (too large for math-verify), "timeout"
+
+    @property
+    def timed_out(self) -> bool:
+        return self.decided_by == "timeout"
+
+
+def _brace_depth(s: str) -> int:
+    depth = deepest = 0
+    for ch in s:
+        depth += (ch == "{") - (ch == "}")
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _fit_for_mathverify(s: str) -> bool:
+    return (len(s) <= MAX_MATHVERIFY_CHARS and not _TOWER_RE.search(s) and not _LONG_LITERAL_RE.search(s)
+            and not _HUGE_COMBINATORICS_RE.search(s) and _brace_depth(s) <= MAX_MATHVERIFY_BRACE_DEPTH
+            and not too_large(normalize_answer(s)))
+
+
+def _as_latex(answer: str) -> str:
+    """An extracted answer as math-verify's `parse` reads it: inside `$...$` unless it has its own delimiters."""
+    return answer if re.search(r"\$|\\\(|\\\[|\\boxed", answer) else f"${answer}$"
+
+
+def _count(key: str) -> None:
+    with _stats_lock:
+        _stats[key] += 1
+
+
+def grade(completion: str, gold: str, deadline_s: float | None = None) -> Grade:
+    """Grade `completion` against `gold` (a bare answer or a worked solution). Never raises; returns within about
+    `deadline_s` (default DEADLINE_S; plus the one-time start of the math-verify worker, about a second, the first
+    time it is needed)."""
+    deadline = time.monotonic() + (DEADLINE_S if deadline_s is None else deadline_s)
+    _count("graded")
+    try:
+        answers, target = final_answers(completion), gold_answer(gold)
+    except Exception:  # noqa: BLE001 - a reward never raises
+        answers, target = None, None
+    answer = None if answers is None else ", ".join(answers)
+    if answer is None or target is None:
+        return Grade(0.0, answer, target, "no answer")
+    verdict = own_verdict(answer, target)
+    if verdict is not None:
+        _count("own")
+        return Grade(float(verdict), answer, target, "qerl")
+    if not (_fit_for_mathverify(answer) and _fit_for_mathverify(target)):
+        return Grade(0.0, answer, target, "refused")
+    verdict, new_timeout = _mathverify.equal(_as_latex(target), _as_latex(answer), deadline)
+    _count("math_verify")
+    if new_timeout:
+        _count("timeouts")
+    if verdict is None:
+        return Grade(0.0, answer, target, "timeout" if _mathverify.unavailable is None else "qerl")
+    return Grade(float(verdict), answer, target, "math-verify")
+
+
+def stats() -> dict[str, int]:
+    """Counts since the process started: graded completions, decided by qerl / math-verify, timeouts."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def start_worker(wait: bool = False) -> None:
+    """Start math-verify's worker process now, in the background, instead of when an answer first needs it;
+    `wait`: return once it is ready (or could not start)."""
+    _mathverify.start(wait)
+
+
+def grader_info() -> dict[str, str]:
+    """What graded: recorded beside an accuracy so a number can be audited and reproduced."""
+    from qerl import __version__
+
+    version = _mathverify.version
+    return {"grader": GRADER, "grader_version": f"{__version__}/rule-{RULE_VERSION}",
+            "math_verify": version if version else f"unavailable ({_mathverify.unavailable})"}

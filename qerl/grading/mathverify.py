@@ -1,0 +1,230 @@
+"""math-verify, asked in a worker process under a deadline: the grader's slow path, which cannot hang its caller.
+
+math-verify (HuggingFace's reference grader, the one TRL and open-r1 use) parses LaTeX into sympy and compares with
+sympy, which can take any time on a short input (`2^{2^{2^{2^{2}}}}`); its own timeouts use signal alarms, which only
+work on the main thread. Threads cannot be stopped, so math-verify runs in a child process (`python -m
+qerl.grading.mathverify_worker`) and a request that misses its deadline kills that process. The first worker starts
+when math-verify is first needed (or on `start()`); from then on a standby is kept started, so a request after a kill
+does not wait for an import of sympy (about a second).
+
+Everything here is thread-safe (requests are serialized); `equal()` never raises.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 60.0  # a worker's import of math-verify and sympy (about 1 s; more on a loaded machine)
+CACHE_SIZE = 4096  # the trainer grades each completion twice (reward mix, then accuracy): the second is free
+
+
+def installed_version() -> str | None:
+    """math-verify's version if it is installed, without importing it (None: not installed)."""
+    if importlib.util.find_spec("math_verify") is None:
+        return None
+    try:
+        return importlib.metadata.version("math-verify")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+WORKER_MODULE = "qerl.grading.mathverify_worker"  # what a worker runs (`python -m`); tests swap in a hanging one
+
+
+class _Worker:
+    """One child process and the bytes it has written that no request has read yet."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # where `qerl` is importable from, installed or not
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["OMP_NUM_THREADS"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        self.buffer = b""
+        self.version: str | None = None
+        self.unavailable: str | None = None
+
+    def read_line(self, deadline: float) -> dict | None:
+        """The next JSON line, or None if it does not come by `deadline` (or the worker died)."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None  # the worker exited
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return None
+
+    def wait_ready(self, deadline: float) -> bool | None:
+        """True once the worker has loaded math-verify, False if it cannot, None if it is still loading."""
+        if self.version is None and self.unavailable is None:
+            hello = self.read_line(deadline)
+            if hello is None:
+                if self.proc.poll() is None:
+                    return None
+                self.unavailable = f"the worker exited with code {self.proc.returncode}"
+            elif "ready" in hello:
+                self.version = hello["ready"]
+            else:
+                self.unavailable = hello.get("unavailable", "unknown reply")
+        return self.version is not None
+
+    def ask(self, gold: str, pred: str, deadline: float) -> bool | None:
+        """math-verify's verdict, or None if it did not come by `deadline`."""
+        try:
+            self.proc.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return None
+        reply = self.read_line(deadline)
+        return None if reply is None else bool(reply.get("equal"))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class MathVerify:
+    """The worker in use and a standby; `equal()` asks the first, and on a missed deadline kills it and promotes the
+    standby. Counts the requests that timed out (`timeouts`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: _Worker | None = None
+        self._standby: _Worker | None = None
+        self.unavailable: str | None = None if installed_version() else "math-verify is not installed"
+        self._cache: OrderedDict[tuple[str, str], tuple[bool | None, float]] = OrderedDict()  # -> (verdict, budget)
+        self.timeouts = 0
+        self._ever_ready = False
+        self._pid = os.getpid()
+        atexit.register(self.close)
+
+    def start(self, wait: bool = False) -> None:
+        """Start the worker now (it imports in the background), so the first request does not wait; `wait`: until
+        it is ready (then its standby starts) or has failed."""
+        with self._lock:
+            self._ensure_started()
+            if wait and self._active is not None and self._active.wait_ready(
+                    time.monotonic() + STARTUP_TIMEOUT_S):
+                self._ever_ready = True
+                self._ensure_started()  # the standby
+
+    def _ensure_started(self) -> None:
+        """An active worker, and once one has been ready, a standby (a process that never needs math-verify, e.g. a
+        run on the arithmetic task, starts none: each costs an import of sympy, seconds of CPU on a busy machine)."""
+        if self._pid != os.getpid():  # a forked child: the workers' pipes are its parent's, never to be shared
+            self._pid, self._active, self._standby, self._ever_ready = os.getpid(), None, None, False
+        if self.unavailable is None:
+            if self._active is None:
+                self._active, self._standby = self._standby or _Worker(), None
+            if self._standby is None and self._ever_ready:
+                self._standby = _Worker()
+
+    def equal(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
+        """(verdict, timed out now): whether math-verify finds `pred` equal to `gold` (both as its `parse` takes
+        them), None when it did not answer by `deadline` (a time.monotonic() value) or is unavailable. A pair asked
+        again gets the first verdict from a cache; a timeout too (counted once: "timed out now" is False), unless the
+        new request has clearly more time than the first had."""
+        key, budget = (gold, pred), deadline - time.monotonic()
+        with self._lock:
+            if key in self._cache:
+                verdict, had = self._cache[key]
+                if verdict is not None or budget <= 1.5 * had:  # the same deadline give or take: no second try
+                    self._cache.move_to_end(key)
+                    return verdict, False
+        verdict, timed_out = self._ask(gold, pred, deadline)
+        with self._lock:
+            if self.unavailable is None:
+                self._cache[key] = (verdict, budget)
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return verdict, timed_out
+
+    def _ask(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
+        with self._lock:
+            self._ensure_started()
+            if self.unavailable is not None:
+                return None, False
+            # The process's first worker may take its time to load (once; a trainer starts it before its first
+            # step). A replacement after a kill gets only the request's deadline: a run of hostile answers must not
+            # make every later answer wait for a restart.
+            first = not self._ever_ready
+            waiting_since = time.monotonic()
+            ready = self._active.wait_ready(waiting_since + STARTUP_TIMEOUT_S if first else deadline)
+            if not ready and not first:  # a replacement still loading (or dead): this answer waits no longer
+                self.timeouts += 1
+                if ready is False:
+                    self._retire_active()
+                return None, True
+            if ready is None:
+                self._active.unavailable = f"the worker did not load within {STARTUP_TIMEOUT_S:.0f} s"
+            if not ready:  # the process's first worker could not load math-verify: grade without it
+                self.unavailable = self._active.unavailable
+                log.warning("math-verify unavailable (%s): grading with qerl's own equality only", self.unavailable)
+                self.close_locked()
+                return None, False
+            if first:
+                self._ever_ready = True
+                self._ensure_started()  # the standby
+                deadline += time.monotonic() - waiting_since  # the one-time start is no fault of this answer
+            verdict = self._active.ask(gold, pred, deadline)
+            if verdict is None:  # missed its deadline, or died (e.g. out of memory): the standby takes over
+                self.timeouts += 1
+                self._retire_active()
+            return verdict, verdict is None
+
+    def _retire_active(self) -> None:
+        """Promote the standby; kill the old worker and start a new standby off the request's clock (on a loaded
+        machine that takes tens of milliseconds)."""
+        dead, self._active, self._standby = self._active, self._standby, None
+        threading.Thread(target=self._replace, args=(dead,), daemon=True).start()
+
+    def _replace(self, dead: _Worker) -> None:
+        dead.kill()
+        with self._lock:
+            if self.unavailable is None and self._standby is None:
+                self._standby = _Worker()
+
+    def close_locked(self) -> None:
+        if self._pid != os.getpid():
+            return  # a forked child's copies of its parent's workers: the parent closes them
+        for worker in (self._active, self._standby):
+            if worker is not None:
+                worker.kill()
+        self._active = self._standby = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+    @property
+    def version(self) -> str | None:
+        return None if self.unavailable else installed_version()

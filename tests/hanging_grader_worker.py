@@ -1,0 +1,11 @@
+"""A math-verify worker that says it is ready, then never answers: what sympy stuck on an expression looks like to
+qerl.grading. Run as `python -m tests.hanging_grader_worker` by tests/test_grading.py."""
+
+import json
+import sys
+import time
+
+sys.stdout.write(json.dumps({"ready": "hanging"}) + "\n")
+sys.stdout.flush()
+for _line in sys.stdin:
+    time.sleep(3600)

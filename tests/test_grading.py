@@ -1,0 +1,211 @@
+"""The grader (qerl.grading) against its case tables, and its promises: bounded time on hostile input, a counted
+timeout instead of a hang, a clear rule for several answers, math-verify optional at run time."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from qerl import grading
+from qerl.grading import extract_answer, gold_answer, grade
+from qerl.grading import mathverify as mv
+from tests.grading_cases import HERE as CASES_DIR
+from tests.grading_cases import completion_cases, math_verify_suite
+
+# Cases where the grader deliberately disagrees with the table's expectation, with the reason.
+EXCEPTIONS: dict[str, str] = {
+    "tests/test_yujianll.py::test_string_extraction | '$1 - \\\\frac{1}{\\\\mathrm{e}}$' | '$1 + \\\\frac{1}{\\\\mathrm{e}}$'":
+        "1 + 1/e is not 1 - 1/e. math-verify 0.9.0 reads both as 1 (its parser stops at \\mathrm{e}) and its suite "
+        "expects that; a wrong answer graded right is a wrong gradient, so qerl grades it 0.",
+}
+TABLE_DEADLINE_S = 30.0  # the tables test the rule, not the speed: a loaded CI machine must not flip a verdict
+
+
+@pytest.fixture(autouse=True)
+def _worker_ready():
+    """math-verify's worker is loaded before each test (a no-op when it is): its start (seconds on a loaded machine,
+    again after a test killed one) is no test's measurement."""
+    grading.start_worker(wait=True)
+
+
+@pytest.mark.parametrize("case", math_verify_suite() + completion_cases(), ids=lambda c: c.key[:80])
+def test_grader_is_right_on_the_case_tables(case) -> None:
+    """qerl's grader is right on every case of math-verify's own test suite and of the completion-style table (so
+    wherever math-verify or qerl's grader before #29 is right), except the recorded EXCEPTIONS, which it grades the
+    other way on purpose."""
+    got = grade(case.completion, case.gold, deadline_s=TABLE_DEADLINE_S)
+    expected = 1 - case.expected if case.key in EXCEPTIONS else case.expected
+    assert got.score == expected, f"{case.source}: extracted {got.answer!r} vs gold {got.gold!r} ({got.decided_by})"
+
+
+def test_case_tables_keep_their_sources() -> None:
+    suite = json.loads((CASES_DIR / "math_verify_suite.json").read_text())
+    assert suite["repository"].endswith("Math-Verify") and len(suite["commit"]) == 40
+    assert len(math_verify_suite(judged_only=False)) == 269 and len(math_verify_suite()) == 264
+    assert len(completion_cases()) >= 80
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("first \\boxed{5}. Wait, corrected: \\boxed{7}", "7"),  # a draft, then the answer
+    ("The roots are $\\boxed{2}$ and $\\boxed{3}$.", "2, 3"),  # one answer over two boxes
+    ("\\boxed{1}, \\boxed{2}, \\boxed{1}", "1, 2"),  # a repeated box counts once
+    ("\\boxed{1} no no no \\boxed{2}", "2"),  # words without a connective separate
+    ("\\boxed{200} then ... Final Answer: The final answer is $10,455$.", "$10,455$"),  # the latest marker wins
+    ("Final Answer: The largest $n$ is 34.", "34"),
+    ("so $x \\equiv \\boxed{44}$. Check: 17 * 44 = 748, so our answer is correct.", "44"),  # commentary after a box
+    ("The probability is $\\frac{10}{9}$", "\\frac{10}{9}"),  # the last math span, not the last digit
+    ("We get $x = 3$, then 3 + 4 = 7.", "7"),  # a number after the last span
+    ("So the population is 1 000 people.", "1 000"),
+    ("17 + 25 = 42", "17 + 25 = 42"),  # all math: the reply is the answer (normalization keeps the value)
+    ("AZYUK2A", None),  # a digit inside a word is no answer
+    ("\\boxed{" + "1}\\boxed{" * 10 + "1}", "1"),
+    ("".join(f"\\boxed{{{i}}}" for i in range(30)), None),  # box spam is no answer
+])
+def test_extraction_rule(completion: str, answer: str | None) -> None:
+    assert extract_answer(completion) == answer
+
+
+def test_gold_answers_are_taken_whole() -> None:
+    assert gold_answer("\\sqrt{12}") == "\\sqrt{12}"
+    assert gold_answer("(p,q)=(3,2)") == "(p,q)=(3,2)"
+    assert gold_answer("Janet sells 9 eggs.\n#### 18") == "18"
+    assert gold_answer("so $\\boxed{\\frac{14}{3}}$.") == "\\frac{14}{3}"
+
+
+def test_most_answers_never_reach_math_verify() -> None:
+    """The fast path: plain numbers and exact matches are decided in process, in well under a millisecond each."""
+    before = grading.stats()
+    start = time.perf_counter()
+    for i in range(200):
+        assert grade(f"{i} + 1 = {i + 1}. The answer is \\boxed{{{i + 1}}}.", str(i + 1)).score == 1.0
+        assert grade(f"The answer is {i}.", str(i + 1)).score == 0.0
+    assert time.perf_counter() - start < 2.0  # ~0.1 s on an idle core
+    after = grading.stats()
+    assert after["math_verify"] == before["math_verify"] and after["own"] - before["own"] == 400
+
+
+HOSTILE = {
+    "10 MB of text": "x" * 10_000_000,
+    "10 MB of digits and commas": "1," * 5_000_000,
+    "nested braces": "\\boxed{" + "{" * 5000 + "72" + "}" * 5000 + "}",
+    "nested parentheses": "\\boxed{" + "(" * 5000 + "72" + ")" * 5000 + "}",
+    "power tower": "\\boxed{" + "2^" * 200 + "2}",
+    "braced power tower": "\\boxed{" + "2^{" * 50 + "2" + "}" * 50 + "}",
+    "short power tower": "\\boxed{9^{9^{9^{9}}}}",
+    "100k unclosed boxes": "\\boxed{" * 100_000,
+    "100k closed boxes": "\\boxed{1}" * 100_000,
+    "huge literal": "\\boxed{" + "9" * 100_000 + "}",
+    "factorial": "\\boxed{100000!}",
+    "sin of a googol": "\\boxed{\\sin(10^{100})}",
+    "long sum": "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(300)) + "}",
+    "deep fractions": "$" + "\\frac{1}{1+" * 40 + "x" + "}" * 40 + "$",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_completion_returns_within_a_second(name: str) -> None:
+    for gold in ("72", "\\frac{14}{3}", "x^2+1", "x<1"):
+        start = time.perf_counter()
+        got = grade(HOSTILE[name], gold)
+        assert time.perf_counter() - start < 1.0, (name, gold, got.decided_by)
+        assert got.score == 0.0
+
+
+@pytest.fixture
+def hanging_worker(monkeypatch):
+    """qerl.grading with a worker that never answers (sympy stuck), restored afterwards."""
+    monkeypatch.setattr(mv, "WORKER_MODULE", "tests.hanging_grader_worker")
+    hanging = mv.MathVerify()
+    monkeypatch.setattr(grading, "_mathverify", hanging)
+    yield hanging
+    hanging.close()
+
+
+def test_a_hung_grader_is_a_counted_timeout_not_a_hang(hanging_worker) -> None:
+    hanging_worker.start()
+    before = grading.stats()["timeouts"]
+    for gold in ("x<1", "x<2", "x<3"):  # each one kills a hung worker; the next gets the standby or times out
+        start = time.perf_counter()
+        got = grade("The solution is $\\boxed{-x > -1}$.", gold)
+        assert time.perf_counter() - start < 1.0 + (mv.STARTUP_TIMEOUT_S if gold == "x<1" else 0)
+        assert got.score == 0.0 and got.timed_out
+    assert grading.stats()["timeouts"] - before == 3
+    assert grade("\\boxed{42}", "42").score == 1.0  # the fast path does not need the worker
+
+
+def test_a_missed_deadline_kills_only_that_request() -> None:
+    """A request that misses its deadline is scored 0 and counted; the standby worker takes over at once."""
+    before = grading.stats()["timeouts"]
+    got = grade("$\\boxed{-x > -1}$", "x<7", deadline_s=0.0)
+    assert got.timed_out and got.score == 0.0
+    assert grading.stats()["timeouts"] == before + 1
+    assert grade("$\\boxed{-x > -1}$", "x<1", deadline_s=TABLE_DEADLINE_S).score == 1.0
+
+
+def test_grading_works_without_math_verify(monkeypatch) -> None:
+    """Where math-verify is not installed (e.g. a GPU image), qerl's own equality grades and the grader says so."""
+    monkeypatch.setattr(mv, "installed_version", lambda: None)
+    missing = mv.MathVerify()
+    monkeypatch.setattr(grading, "_mathverify", missing)
+    assert grade("\\boxed{2\\sqrt{3}}", "\\sqrt{12}").score == 1.0
+    got = grade("$\\boxed{-x > -1}$", "x<1")
+    assert got.score == 0.0 and not got.timed_out
+    assert grading.grader_info()["math_verify"].startswith("unavailable")
+
+
+def test_grader_info_names_the_versions() -> None:
+    info = grading.grader_info()
+    assert info["grader"] == "qerl.grading" and "rule-" in info["grader_version"]
+    assert info["math_verify"] == "0.9.0"  # the pin in pyproject.toml
+
+
+class _ScriptedBackend:
+    """A rollout backend that answers each prompt with a fixed reply: evaluation without a model."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = replies
+
+    def generate(self, prompts, sampling, progress=False):
+        from types import SimpleNamespace
+
+        texts = self.replies[: len(prompts)]
+        self.replies = self.replies[len(prompts):]
+        return SimpleNamespace(texts=texts, completion_ids=[[0]] * len(texts), stop_reasons=["eos"] * len(texts))
+
+
+def test_evaluation_records_the_grader_and_each_extracted_answer(tmp_path) -> None:
+    from qerl.data import Example
+    from qerl.evaluate import evaluate
+
+    examples = [Example("a", "What is x if -x > -1?", "x<1", "math"), Example("b", "What is 6 * 7?", "42", "math")]
+    replies = ["Flip the sign: $\\boxed{-x > -1}$.", "6 * 7 = 48, so the answer is 48."]
+    result = evaluate(None, None, examples, max_new_tokens=8, progress=False, backend=_ScriptedBackend(replies))
+    assert result.metrics["accuracy"] == 0.5 and result.metrics["grader_timeouts"] == 0
+    first, second = result.records
+    assert (first["extracted"], first["gold_answer"], first["score"], first["graded_by"]) == (
+        "-x > -1", "x<1", 1.0, "math-verify")
+    assert (second["extracted"], second["gold_answer"], second["score"]) == ("48", "42", 0.0)
+    metrics = json.loads((result.save(tmp_path) / "metrics.json").read_text())
+    assert metrics["accuracy"] == 0.5 and metrics["grader"] == "qerl.grading" and metrics["math_verify"] == "0.9.0"
+
+
+def test_trainer_counts_grader_timeouts_in_the_step(hanging_worker) -> None:
+    """Trainer.score puts the step's timed-out gradings beside its scoring time (metrics key grader_timeouts)."""
+    from types import SimpleNamespace
+
+    from qerl.data import Example
+    from qerl.rewards import combined_reward
+    from qerl.trainer import RolloutBatch, Trainer
+
+    hanging_worker.start()
+    texts = ["$\\boxed{-x > -1}$", "\\boxed{x < 1}", "$\\boxed{-x > -2}$", "The answer is 1."]
+    batch = RolloutBatch(examples=[Example("a", "q", "x<1", "math"), Example("b", "q", "1", "math")], group_size=2,
+                         samples=SimpleNamespace(texts=texts), sigma=0.0, noise_seed=0, seconds=1.0)
+    trainer = SimpleNamespace(reward_fn=combined_reward({"accuracy": 1.0}))
+    start = time.perf_counter()
+    Trainer.score(trainer, batch)
+    assert time.perf_counter() - start < 2 * 1.0 + mv.STARTUP_TIMEOUT_S  # two hung answers, each within its deadline
+    assert batch.grader_timeouts == 2  # graded twice each (reward mix, accuracy): the cache counts each once
+    assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and batch.accuracy.tolist() == [0.0, 1.0, 0.0, 1.0]
