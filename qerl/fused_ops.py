@@ -208,12 +208,13 @@ if triton is not None:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int, target_programs: int = 256) -> Tensor:
+                     head_dim: int, target_programs: int = 256, scale: float | None = None) -> Tensor:
     """One query token per row against the first `mask.shape[-1]` cache slots: q [rows, H * D] (contiguous),
     k_cache / v_cache [>= rows, Hkv, >= window, D] (unit stride along D), mask [rows, window] additive (0 or -inf).
     Returns [rows, H * D] as `scaled_dot_product_attention` over the grouped heads would. Split-KV (flash-decoding):
     the window is cut into splits so that rows * Hkv * splits reaches about `target_programs` programs, then one
-    small kernel combines the splits: a decode step has too few (row, head) pairs to fill the GPU otherwise."""
+    small kernel combines the splits: a decode step has too few (row, head) pairs to fill the GPU otherwise.
+    `scale`: the softmax scale (default head_dim ** -0.5; Gemma's is query_pre_attn_scalar ** -0.5)."""
     rows, window = mask.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("decode_attention needs k and v caches of one layout with unit stride along head_dim")
@@ -229,8 +230,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
     out = torch.empty((rows, num_heads * head_dim), dtype=q.dtype, device=q.device)
     _decode_attention_partial_kernel[(rows, num_kv_heads, splits)](
         q, k_cache, v_cache, mask, partial, stats, q.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), mask.stride(0), window, chunk, head_dim ** -0.5, G=group, GP=gp, D=head_dim,
-        BLOCK_N=block_n, num_warps=4)
+        k_cache.stride(2), mask.stride(0), window, chunk, head_dim ** -0.5 if scale is None else scale, G=group,
+        GP=gp, D=head_dim, BLOCK_N=block_n, num_warps=4)
     _decode_attention_combine_kernel[(rows, num_kv_heads)](partial, stats, out, splits, G=group, GP=gp, D=head_dim,
                                                            SPLITS=triton.next_power_of_2(splits), num_warps=4)
     return out

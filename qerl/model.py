@@ -1,20 +1,23 @@
-"""One decoder for the Llama, Qwen2 and Qwen3 families, with Hugging Face's module names.
+"""One decoder for the Llama, Qwen2/3, Mistral, Phi-3 and Gemma 3 families, with Hugging Face's module names.
 
-Parameter names match transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` exactly, so
-checkpoints load as a plain state dict and PEFT adapter keys line up. One forward serves training (no cache) and
-rollout (static KV cache): both compute the same numbers, which the policy-gradient ratio relies on.
+Parameter names match transformers' `*ForCausalLM` of each family exactly, so checkpoints load as a plain state
+dict and PEFT adapter keys line up; what each family changes is described once, in `qerl.families`. One forward
+serves training (no cache) and rollout (static KV cache): both compute the same numbers, which the policy-gradient
+ratio relies on.
 
 `Transformer.decode_step` is the one-token step of a rollout engine over caches the engine owns: the same blocks,
 with the Triton kernels of `qerl.fused_ops` where they run (`fused=True`). Each block calls its input projections
 through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA
-where the model is loaded) those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.fusion`).
+where the model is loaded) those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.fusion`); Phi-3
+stores them stacked (`qkv_proj`, `gate_up_proj`), so it runs one GEMM each as loaded. Where a kernel's rounding is
+not the family's (Gemma's (1 + w) norms, GeGLU) the decode step runs those ops in plain PyTorch.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -24,9 +27,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qerl import training_ops
+from qerl.families import ACTIVATIONS, FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 GROUP_ATTR = "projection_group"  # a block's fused q/k/v or gate/up (qerl.fusion.ProjectionGroup), when made
 
@@ -55,6 +57,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str | None = None  # dtype the checkpoint was saved in
+    # Families past Llama/Qwen (qerl.families); the defaults are Llama's.
+    hidden_act: str = "silu"  # MLP activation: SwiGLU ("silu") or GeGLU ("gelu_pytorch_tanh")
+    sliding_window: int | None = None  # keys a sliding layer attends to (itself included); None = no sliding layer
+    layer_types: list[str] | None = None  # per layer FULL or SLIDING attention; None = all full
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None = rope_theta
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (Gemma); None = head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) where set
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | Any) -> "ModelConfig":
@@ -65,6 +74,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r} (architectures {config.get('architectures')}); "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        fam = family(model_type)
+        config = {**fam.config_defaults, **config}
 
         def need(key: str) -> Any:
             if config.get(key) is None:
@@ -73,20 +84,42 @@ class ModelConfig:
 
         if config.get("use_sliding_window"):
             raise ValueError("Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError(f"{model_type}: use_bidirectional_attention=true is not supported (causal LMs only)")
+        if config.get("attn_logit_softcapping") is not None:  # transformers' Gemma 3 never applies it
+            raise ValueError(f"{model_type}: attn_logit_softcapping={config['attn_logit_softcapping']} is not "
+                             "supported (transformers' Gemma 3 ignores it; its checkpoints set null)")
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        # transformers >= 5 folds rope_theta and the scaling into `rope_parameters`; older files use rope_scaling.
+        # transformers >= 5 folds rope_theta and the scaling into `rope_parameters` (keyed by layer kind where
+        # they differ, as Gemma 3's local and global layers); older files use rope_theta and rope_scaling.
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        rope_theta = float(config.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
-        rope.pop("rope_theta", None)
+        local_rope = None
+        if FULL in rope or SLIDING in rope:
+            local_rope = dict(rope.get(SLIDING) or {})
+            rope = dict(rope.get(FULL) or {})
+        rope_theta = float(rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
+        partial = rope.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0
+        if partial != 1.0:
+            raise ValueError(f"{model_type}: partial_rotary_factor={partial} (partial RoPE) is not supported")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(_ROPE_TYPES)}")
+        intermediate, layers = need("intermediate_size"), need("num_hidden_layers")
+        types = layer_types(fam, config, layers)
+        rope_local_theta = None
+        if fam.sliding == "layer_types" and types is not None:
+            if (local_rope or {}).get("rope_type", "default") != "default":
+                raise ValueError(f"{model_type}: only plain RoPE on sliding layers is supported, got {local_rope}")
+            rope_local_theta = float((local_rope or {}).get("rope_theta") or need("rope_local_base_freq"))
+        act = config.get(fam.activation_key) or config.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{model_type}: unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
         attn_bias = bool(config.get("attention_bias", False))
         return cls(
             model_type=model_type,
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or hidden // heads,
@@ -96,28 +129,56 @@ class ModelConfig:
             rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
             max_position_embeddings=config.get("max_position_embeddings") or 4096,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else attn_bias,
-            attention_out_bias=False if model_type == "qwen2" else attn_bias,
+            attention_bias=True if fam.qkv_bias_only else attn_bias,
+            attention_out_bias=False if fam.qkv_bias_only else attn_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=fam.qk_norm,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            hidden_act=act,
+            sliding_window=int(config["sliding_window"]) if types is not None else None,
+            layer_types=types,
+            rope_local_theta=rope_local_theta,
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """A Hugging Face `config.json` dict that transformers (and `from_hf`) read back as this architecture."""
+        fam = self.family
         d = asdict(self)
-        for key in ("attention_out_bias", "qk_norm", "torch_dtype"):
+        for key in ("attention_out_bias", "qk_norm", "torch_dtype", "hidden_act", "layer_types", "rope_local_theta",
+                    "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping"):
             d.pop(key)
-        d["architectures"] = [_ARCHITECTURES[self.model_type]]
-        d["hidden_act"] = "silu"
-        d["attention_bias"] = self.attention_out_bias if self.model_type != "qwen2" else True
-        if self.model_type == "qwen2":
+        d["architectures"] = [fam.architecture]
+        d[fam.activation_key] = self.hidden_act
+        d["attention_bias"] = True if fam.qkv_bias_only else self.attention_out_bias
+        if fam.qkv_bias_only:
             d.pop("mlp_bias")
+        if fam.sliding != "never":  # written even when None: transformers' default for an absent key is a window
+            d["sliding_window"] = self.sliding_window
+        if fam.sliding == "layer_types":
+            d["layer_types"] = self.layer_types or [FULL] * self.num_hidden_layers
+            d["rope_parameters"] = {
+                FULL: {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
+                SLIDING: {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}}
+            d.pop("rope_theta"), d.pop("rope_scaling")
+        for key in ("query_pre_attn_scalar", "final_logit_softcapping"):
+            if getattr(self, key) is not None or key in fam.config_defaults:
+                d[key] = getattr(self, key)
         if self.torch_dtype:
             d["torch_dtype"] = self.torch_dtype
         return d
+
+    @property
+    def family(self) -> Family:
+        """What this architecture changes in the shared decoder (`qerl.families`)."""
+        return family(self.model_type)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends over a sliding window of `sliding_window` keys."""
+        return self.layer_types is not None and self.layer_types[layer] == SLIDING
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -188,6 +249,9 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         inv_freq, self.attention_scaling = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if config.rope_local_theta is not None:  # Gemma 3: sliding layers rotate with their own plain-RoPE base
+            self.local = RotaryEmbedding(replace(config, rope_theta=config.rope_local_theta, rope_scaling=None,
+                                                 rope_local_theta=None))
 
     def _apply(self, fn, recurse=True):  # noqa: D401
         # `.to(bf16)` or `to_empty()` would otherwise round or wipe the frequencies (they live in no checkpoint).
@@ -217,19 +281,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32 with a `weight` read on every forward: AQN perturbs these weights in place."""
+    """RMSNorm in fp32 with a `weight` read on every forward: AQN perturbs these weights in place.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    `unit_offset` (Gemma): the weight is stored as w and scales by (1 + w), in fp32 with one rounding at the end,
+    where Llama rounds the normalized x before multiplying by w: the two families round differently."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.unit_offset:  # Gemma's rounding: the training kernels (qerl.training_ops) norm as Llama does
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return training_ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: Tensor, residual: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor]:
-        """(x + residual, norm(x + residual)) for [rows, dim]; fused: one kernel that adds into x in place."""
-        if fused:
+        """(x + residual, norm(x + residual)) for [rows, dim]; fused: one kernel that adds into x in place (Llama's
+        rounding only: a unit-offset norm takes the plain path)."""
+        if fused and not self.unit_offset:
             from qerl import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
 
             return fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
@@ -275,20 +347,30 @@ class Attention(nn.Module):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} not a multiple of kv heads {self.num_kv_heads}")
         hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        if config.family.stacked_projections:  # Phi-3: one qkv_proj in the checkpoint, already one GEMM
+            self.qkv_proj = nn.Linear(hidden, q_dim + 2 * kv_dim, bias=config.attention_bias)
+            self.qkv_sizes = (q_dim, kv_dim, kv_dim)
+        else:
+            self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
+            self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+            self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            unit_offset = config.family.unit_offset_norms
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset)
         self.qk_norm = config.qk_norm
+        # Softmax scale; None = SDPA's own head_dim ** -0.5 (not passed, so Llama/Qwen compute exactly as before).
+        self.scale = config.query_pre_attn_scalar ** -0.5 if config.query_pre_attn_scalar else None
         self.kv_cache: KVCache | None = None
 
     def project_qkv(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden]."""
         if (group := self.__dict__.get(GROUP_ATTR)) is not None:
             q, k, v = group(x, fused)
+            return q, k, v
+        if hasattr(self, "qkv_proj"):  # column slices of one output, as a fused group's
+            q, k, v = project(self.qkv_proj, x, fused).split(self.qkv_sizes, dim=-1)
             return q, k, v
         return project(self.q_proj, x, fused), project(self.k_proj, x, fused), project(self.v_proj, x, fused)
 
@@ -308,13 +390,18 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(cache_position, k, v)
             # Fold each kv head's query group into the query axis instead of copying the cache `groups` times.
             q = q.reshape(batch, self.num_kv_heads, groups * seq, self.head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, groups, 1))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, groups, 1), **self._scale)
             out = out.reshape(batch, self.num_heads, seq, self.head_dim)  # GPU kernels return strided layouts
         else:
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **self._scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    @property
+    def _scale(self) -> dict[str, float]:
+        """SDPA's `scale` argument where the family sets one (Gemma's query_pre_attn_scalar)."""
+        return {} if self.scale is None else {"scale": self.scale}
 
     def decode_step(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
                     slot: Tensor, fused: bool = False) -> Tensor:
@@ -327,9 +414,12 @@ class Attention(nn.Module):
         if fused:
             from qerl import fused_ops
 
-            q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim,
-                                           self.q_norm if self.qk_norm else None,
-                                           self.k_norm if self.qk_norm else None)
+            norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+            if self.qk_norm and self.q_norm.unit_offset:  # the kernel norms as Llama rounds: Gemma's q/k norm here
+                q = self.q_norm(q.view(rows, heads, dim)).view(rows, heads * dim)
+                k = self.k_norm(k.view(rows, kv_heads, dim)).view(rows, kv_heads * dim)
+                norms = (None, None)
+            q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim, *norms)
         else:
             q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
             if self.qk_norm:
@@ -338,59 +428,90 @@ class Attention(nn.Module):
             k_cache[:rows].index_copy_(2, slot, k[:, :, None].to(k_cache.dtype))
             v_cache[:rows].index_copy_(2, slot, v[:, :, None].to(v_cache.dtype))
         if fused:  # split-KV decode attention: SDPA's kernels leave most of the GPU idle at one query per row
-            out = fused_ops.decode_attention(q, k_cache, v_cache, mask[:, 0, 0], heads, kv_heads, dim)
+            out = fused_ops.decode_attention(q, k_cache, v_cache, mask[:, 0, 0], heads, kv_heads, dim,
+                                             **self._scale)
             return project(self.o_proj, out, fused)
         # Query heads of one kv head side by side (as forward folds GQA): no repeat of the cache.
         out = F.scaled_dot_product_attention(q.view(rows, kv_heads, heads // kv_heads, dim),
-                                             k_cache[:rows, :, :window], v_cache[:rows, :, :window], attn_mask=mask)
+                                             k_cache[:rows, :, :window], v_cache[:rows, :, :window], attn_mask=mask,
+                                             **self._scale)
         return project(self.o_proj, out.reshape(rows, heads * dim), fused)
 
 
+def gelu_tanh(x: Tensor) -> Tensor:
+    """transformers' gelu_pytorch_tanh (Gemma's GeGLU)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (act = SiLU) or GeGLU (tanh-approximated GELU)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        if config.family.stacked_projections:  # Phi-3: one gate_up_proj in the checkpoint, gate rows first
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+            self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = _ACTIVATIONS[config.hidden_act]
 
     def gate_up(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
         """gate and up projections [..., intermediate] of the normed input x [..., hidden]."""
         if (group := self.__dict__.get(GROUP_ATTR)) is not None:
             gate, up = group(x, fused)
             return gate, up
+        if hasattr(self, "gate_up_proj"):
+            gate, up = project(self.gate_up_proj, x, fused).chunk(2, dim=-1)
+            return gate, up
         return project(self.gate_proj, x, fused), project(self.up_proj, x, fused)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(training_ops.silu_mul(gate, up))
+        if self.act is F.silu:
+            return self.down_proj(training_ops.silu_mul(gate, up))  # one kernel on CUDA (qerl.training_ops)
+        return self.down_proj(self.act(gate) * up)
 
     def decode_step(self, h: Tensor, fused: bool = False) -> Tensor:
-        """forward for [rows, hidden]; fused: SiLU(gate) * up in one kernel."""
+        """forward for [rows, hidden]; fused: SiLU(gate) * up in one kernel (GeGLU: the plain ops, no kernel)."""
         gate, up = self.gate_up(h, fused)
-        if fused:
+        if fused and self.act is F.silu:
             from qerl import fused_ops
 
             act = fused_ops.fused_silu_mul(gate, up)
         else:
-            act = F.silu(gate) * up
+            act = self.act(gate) * up
         return project(self.down_proj, act, fused)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). With the family's sandwich norms (Gemma) the
+    outputs are normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(.))); post_attention_layernorm is then
+    the norm of the attention output, and pre/post_feedforward_layernorm frame the MLP (Hugging Face's names)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        unit_offset = config.family.unit_offset_norms
+        self.sliding = config.is_sliding(layer_idx)  # the decoder hands sliding layers their window's mask
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset)
         self.mlp = MLP(config)
+        self.sandwich = config.family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 cache_position: Tensor | None) -> Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask,
+                                                                 cache_position))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_position)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -400,6 +521,10 @@ class DecoderLayer(nn.Module):
         kernel does it): takes and returns (x, residual), the block's output being x + residual."""
         x, h = self.input_layernorm.add_forward(x, residual, fused)
         residual = self.self_attn.decode_step(h, cos, sin, mask, k_cache, v_cache, slot, fused)
+        if self.sandwich:
+            residual = self.post_attention_layernorm(residual)
+            x, h = self.pre_feedforward_layernorm.add_forward(x, residual, fused)
+            return x, self.post_feedforward_layernorm(self.mlp.decode_step(h, fused))
         x, h = self.post_attention_layernorm.add_forward(x, residual, fused)
         return x, self.mlp.decode_step(h, fused)
 
@@ -441,16 +566,44 @@ def _positions_and_mask(batch: int, seq: int, attention_mask: Tensor | None, pos
     return position_ids, allowed[:, None]
 
 
+def _sliding_mask(mask: Tensor | None, seq: int, cache_position: Tensor | None, key_len: int, window: int,
+                  device: torch.device) -> Tensor:
+    """`mask` (as `_positions_and_mask` returns it; None = plain causal) narrowed, for sliding layers, to the last
+    `window` key slots of each query, itself included: transformers' `kv_idx > q_idx - sliding_window`."""
+    query_slots = cache_position if cache_position is not None else torch.arange(seq, device=device)
+    key_slots = torch.arange(key_len, device=device)
+    if mask is None:
+        mask = (key_slots[None, :] <= query_slots[:, None])[None, None]
+    return mask & (key_slots[None, :] > query_slots[:, None] - window)
+
+
 class Decoder(nn.Module):
     """Embeddings, blocks and final norm (HF's `model.` prefix); returns hidden states."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.family.unit_offset_norms)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
+        self.embed_scale = config.hidden_size ** 0.5 if config.family.scaled_embeddings else None
+        self.sliding_window = config.sliding_window
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings, times sqrt(hidden) where the family scales them (Gemma: the factor in the model's
+        dtype, as transformers rounds it)."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        return x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype).item()
+
+    def _rope(self, positions: Tensor) -> dict[bool, tuple[Tensor, Tensor]]:
+        """cos/sin tables by `layer.sliding`: sliding layers' own RoPE base where the family has one (Gemma 3)."""
+        tables = {False: self.rotary_emb(positions)}
+        local = getattr(self.rotary_emb, "local", None)
+        tables[True] = local(positions) if local is not None else tables[False]
+        return tables
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache_position: Tensor | None = None) -> Tensor:
@@ -468,15 +621,20 @@ class Decoder(nn.Module):
                 raise ValueError(f"cache_position must be [T={seq}], got {tuple(cache_position.shape)}")
         position_ids, mask = _positions_and_mask(batch, seq, attention_mask, position_ids, cache_position,
                                                  cache_len, input_ids.device)
-        cos, sin = self.rotary_emb(position_ids)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        x = self.embed_tokens(input_ids)
+        masks = {False: mask}
+        if self.sliding_window is not None:
+            masks[True] = _sliding_mask(mask, seq, cache_position, cache_len or seq, self.sliding_window,
+                                        input_ids.device)
+        inputs = {kind: (cos[:, None], sin[:, None], masks[kind])  # cos/sin broadcast over heads
+                  for kind, (cos, sin) in self._rope(position_ids).items() if kind in masks}
+        x = self.embed(input_ids)
         # gradient_checkpointing: True (every layer), False, or how many layers (the first ones) recompute their
         # forward in backward instead of keeping their activations: the trainer's memory plan picks that number.
         plan = self.gradient_checkpointing
         recompute = (len(self.layers) if plan is True else int(plan)) if self.training and torch.is_grad_enabled() \
             else 0
         for i, layer in enumerate(self.layers):
+            cos, sin, mask = inputs[layer.sliding]
             if i < recompute:
                 x = checkpoint(layer, x, cos, sin, mask, cache_position, use_reentrant=False)
             else:
@@ -486,16 +644,20 @@ class Decoder(nn.Module):
     def decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,
                     kv_caches: Sequence[tuple[Tensor, Tensor]], fused: bool = False) -> Tensor:
         """Hidden states [rows, hidden] after the final norm (arguments as `Transformer.decode_step`)."""
-        cos, sin = self.rotary_emb(positions)  # [rows, 1, D] fp32
-        cos, sin = cos[:, 0], sin[:, 0]
-        x = self.embed_tokens(tokens)
-        if fused:  # an additive mask, built once per step instead of once per layer inside SDPA
-            mask = torch.zeros(attend.shape, dtype=x.dtype, device=x.device).masked_fill_(~attend, float("-inf"))
-        else:
-            mask = attend
-        mask = mask[:, None, None, :]
+        x = self.embed(tokens)
+        attends = {False: attend}
+        if self.sliding_window is not None:  # slots before the window: the engine's slots are transformers' kv_idx
+            attends[True] = attend & (torch.arange(attend.shape[-1], device=attend.device) > slot - self.sliding_window)
+        inputs = {}
+        for kind, (cos, sin) in self._rope(positions).items():  # [rows, 1, D] fp32
+            if kind in attends:
+                mask = attends[kind]
+                if fused:  # an additive mask, built once per step instead of once per layer inside SDPA
+                    mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+                inputs[kind] = (cos[:, 0], sin[:, 0], mask[:, None, None, :])
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            cos, sin, mask = inputs[layer.sliding]
             x, residual = layer.decode_step(x, residual, cos, sin, mask, k_cache, v_cache, slot, fused)
         return self.norm.add_forward(x, residual, fused)[1]
 
@@ -614,7 +776,8 @@ class Transformer(nn.Module):
         Triton kernels (see `fused_decode_supported`) and LoRA's addmm path, ~1 ulp from `forward` in bf16.
         Everything it launches depends only on shapes, so a CUDA graph of it replays correctly.
         """
-        return project(self.lm_head, self.model.decode_step(tokens, positions, slot, attend, kv_caches, fused), fused)
+        logits = project(self.lm_head, self.model.decode_step(tokens, positions, slot, attend, kv_caches, fused), fused)
+        return self.softcap(logits)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache_position: Tensor | None = None, logits_to_keep: int | Tensor | None = None) -> Tensor:
@@ -630,4 +793,9 @@ class Transformer(nn.Module):
             hidden = hidden[:, logits_to_keep]
         elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(hidden)
+        return self.softcap(self.lm_head(hidden))
+
+    def softcap(self, logits: Tensor) -> Tensor:
+        """cap * tanh(logits / cap) where the config sets final_logit_softcapping, else the logits."""
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -7,6 +7,7 @@ from qerl.model import ModelConfig, Transformer, rope_frequencies
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, attn_implementation="eager")
 
+PHI3_IDS = dict(pad_token_id=None, eos_token_id=2)  # Phi3Config's defaults (32000) lie outside the tiny vocabulary
 # (family, extra HF config) per case: every variant a user can load.
 CASES = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
@@ -21,17 +22,32 @@ CASES = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # Families past Llama/Qwen (qerl.families): windows shorter than the 24 tokens compared, so they slide.
+    "mistral-sliding": ("mistral", dict(sliding_window=5)),
+    "mistral-head-dim": ("mistral", dict(sliding_window=None, head_dim=32, tie_word_embeddings=True)),
+    "phi3": ("phi3", dict(sliding_window=None, **PHI3_IDS)),
+    "phi3-sliding": ("phi3", dict(sliding_window=7, tie_word_embeddings=True, **PHI3_IDS)),
+    "gemma3": ("gemma3_text", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=5, num_hidden_layers=3,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e2}},
+                                   final_logit_softcapping=3.0)),
 }
+# transformers' config and model classes of each family
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def hf_model(family: str, **overrides):
     """A tiny transformers model with every weight random (norms too, so a misplaced norm shows)."""
     import transformers
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
-    config = getattr(transformers, f"{name}Config")(**{**TINY, **overrides})
+    config_class, model_class = HF_CLASSES[family]
+    config = getattr(transformers, config_class)(**{**TINY, **overrides})
     torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in pname else 0.1 * torch.randn_like(p))
@@ -72,8 +88,9 @@ def test_config_fields_from_hf():
 
 
 def test_unsupported_or_incomplete_config_is_a_clear_error():
-    with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
-        ModelConfig.from_hf({"model_type": "mistral", "hidden_size": 64})
+    with pytest.raises(ValueError, match="unsupported model_type 'falcon' .*; supported: llama, qwen2, qwen3, "
+                                         "mistral, phi3, gemma3_text$"):
+        ModelConfig.from_hf({"model_type": "falcon", "hidden_size": 64})
     with pytest.raises(ValueError, match="'intermediate_size'"):
         ModelConfig.from_hf({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
     with pytest.raises(ValueError, match="rope type 'longrope'"):

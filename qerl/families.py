@@ -1,0 +1,86 @@
+"""What each supported model family changes in the one decoder (`qerl.model`); everything not listed is Llama's.
+
+One `Family` per Hugging Face `model_type`: the decoder, the config reader and writer (`ModelConfig.from_hf` /
+`to_hf`) and LoRA's target names read their differences from here, so adding a family is one entry (plus tests).
+
+| family       | differs from Llama in                                                                             |
+| ------------ | ------------------------------------------------------------------------------------------------- |
+| qwen2        | bias on q/k/v (always), none on o_proj                                                            |
+| qwen3        | per-head RMSNorm on q and k                                                                       |
+| mistral      | sliding-window attention on every layer when `sliding_window` is set                              |
+| phi3         | q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj`; sliding window when set            |
+| gemma3_text  | (1 + w) RMSNorm in fp32; norms after attention and MLP too; embeddings * sqrt(hidden); GeGLU;      |
+|              | queries scaled by query_pre_attn_scalar^-0.5; q/k norm; local (sliding, own RoPE base) and global  |
+|              | layers; optional final logit soft-capping                                                         |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' `layer_types` values
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # transformers' *ForCausalLM class, written into exported config.json files
+    qkv_bias_only: bool = False  # Qwen2: bias on q/k/v always, never on o_proj (else `attention_bias` for all four)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
+    unit_offset_norms: bool = False  # Gemma: RMSNorm weight w applied as (1 + w), in fp32, rounded once
+    sandwich_norms: bool = False  # Gemma: also norm the attention and MLP outputs (post_attention_layernorm,
+    # pre_feedforward_layernorm, post_feedforward_layernorm), so post_attention_layernorm means something else
+    scaled_embeddings: bool = False  # Gemma: embeddings * sqrt(hidden_size), the factor rounded to the dtype
+    stacked_projections: bool = False  # Phi-3: checkpoint holds qkv_proj and gate_up_proj, not q/k/v, gate/up
+    sliding: str = "never"  # "never"; "all": every layer when `sliding_window` is set; "layer_types": per layer
+    activation_key: str = "hidden_act"  # config key of the MLP activation (Gemma: hidden_activation)
+    config_defaults: dict[str, Any] = field(default_factory=dict)  # transformers' defaults for keys a file may omit
+
+    @property
+    def lora_target_aliases(self) -> dict[str, str]:
+        """Names in LoRA target_modules that this family's modules answer to under another name."""
+        if not self.stacked_projections:
+            return {}
+        return {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias_only=True),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "mistral": Family("MistralForCausalLM", sliding="all"),
+    "phi3": Family("Phi3ForCausalLM", stacked_projections=True, sliding="all"),
+    "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, unit_offset_norms=True, sandwich_norms=True,
+                          scaled_embeddings=True, sliding="layer_types", activation_key="hidden_activation",
+                          config_defaults={"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                                           "sliding_window": 4096, "sliding_window_pattern": 6,
+                                           "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                           "tie_word_embeddings": True}),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU and Gemma's GeGLU
+
+
+def family(model_type: str) -> Family:
+    """The family of a `model_type`; an unsupported one fails in one line naming the supported ones."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None
+
+
+def layer_types(fam: Family, config: dict[str, Any], num_layers: int) -> list[str] | None:
+    """Each layer's attention kind (`FULL` / `SLIDING`) as the family reads a config; None = all full."""
+    if fam.sliding == "never" or config.get("sliding_window") is None:
+        return None
+    if fam.sliding == "all":
+        return [SLIDING] * num_layers
+    types = config.get("layer_types")
+    if types is None:  # older Gemma 3 files: every `sliding_window_pattern`-th layer is global
+        pattern = config["sliding_window_pattern"]
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {FULL, SLIDING}:
+        raise ValueError(f"layer_types must name {FULL!r} or {SLIDING!r} for each of {num_layers} layers, "
+                         f"got {types}")
+    return None if SLIDING not in types else list(types)
