@@ -13,6 +13,7 @@ import json
 import math
 import os
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -134,6 +135,15 @@ def _matches(name: str, targets: tuple[str, ...] | list[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+def resolve_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) -> list[str]:
+    """target_modules in the model family's own module names, each once: Phi-3 stores q/k/v as one `qkv_proj` and
+    gate/up as one `gate_up_proj` (`qerl.families`), so there q_proj, k_proj and v_proj all mean qkv_proj, as in
+    PEFT adapters of Phi-3. Adapters are saved under the resolved names, which PEFT and vLLM look for."""
+    family = getattr(getattr(model, "config", None), "family", None)
+    aliases = getattr(family, "lora_target_aliases", {})
+    return list(dict.fromkeys(aliases.get(t, t) for t in targets))
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | None = None) -> list[nn.Parameter]:
     """Wrap every linear whose name ends with a target in a LoraLinear, freeze the rest; return trainable params.
 
@@ -143,7 +153,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
     """
     if lora_layers(model):
         raise ValueError("LoRA is already applied to this model")
-    targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, settings.target_modules)]
+    names = resolve_targets(model, settings.target_modules)
+    targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, names)]
     wrong = [f"{name} ({type(m).__name__})" for name, m in targets if not _is_linear(m)]
     if wrong:
         raise ValueError(f"LoRA target_modules {settings.target_modules} match non-linear modules: "
@@ -234,11 +245,12 @@ def _check_settings_match(model: nn.Module, settings: LoraSettings) -> None:
     layers = lora_layers(model)
     if not layers:
         raise ValueError("the model has no LoRA adapters (call apply_lora or load_adapter first)")
+    targets = resolve_targets(model, settings.target_modules)
     for name, layer in layers.items():
         if layer.rank != settings.rank or not math.isclose(layer.scaling, settings.scaling):
             raise ValueError(f"settings (rank {settings.rank}, scaling {settings.scaling:g}) disagree with {name} "
                              f"(rank {layer.rank}, scaling {layer.scaling:g})")
-        if not _matches(name, settings.target_modules):
+        if not _matches(name, targets):
             raise ValueError(f"adapted module {name} is not covered by target_modules {settings.target_modules}")
     if settings.train_norms != bool(trained_norms(model)):
         raise ValueError(f"settings.train_norms={settings.train_norms} but the model "
@@ -256,7 +268,8 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
     state = {k: v.to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(_peft_config(settings, base_model_name_or_path, norms), indent=2))
+        resolved = replace(settings, target_modules=resolve_targets(model, settings.target_modules))
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(_peft_config(resolved, base_model_name_or_path, norms), indent=2))
     return Path(out_dir)
 
 

@@ -32,7 +32,7 @@ CASES = {
                                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                        "rope_theta": 1e6},
                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e2}},
-                                   final_logit_softcapping=3.0)),
+                                   final_logit_softcapping=10.0)),
 }
 # transformers' config and model classes of each family
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

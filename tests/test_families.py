@@ -1,0 +1,221 @@
+"""Mistral, Phi-3 and Gemma 3 (qerl.families) through everything a family must run through, against transformers'
+own model of each, built tiny and saved by transformers itself: the config both ways, the decode step (the rollout
+engine's path, on the CPU) over sliding windows, the engine's tokens, PEFT adapters, and quantize -> train one step
+-> export -> transformers + PEFT reload with qerl's greedy tokens. Logits: tests/test_model.py's CASES."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qerl.engine import RolloutEngine
+from qerl.generate import generate
+from qerl.lora import LoraSettings, apply_lora, lora_layers, save_adapter
+from qerl.model import ModelConfig
+from tests.test_engine import prompts
+from tests.test_model import CASES, hf_model, left_pad, ours_from
+
+# One case per family, each with sliding windows shorter than the sequences below (Gemma: local and global layers).
+FAMILIES = ["mistral-sliding", "phi3-sliding", "gemma3"]
+
+
+def hf_pair(case: str):
+    family, overrides = CASES[case]
+    hf = hf_model(family, **overrides)
+    return hf, ours_from(hf)
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_config_reads_back_in_transformers_and_ours(case):
+    import transformers
+
+    hf, ours = hf_pair(case)
+    config = ours.config
+    assert config.sliding_window is not None and any(config.is_sliding(i) for i in range(config.num_hidden_layers))
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    again = transformers.AutoConfig.for_model(**config.to_hf())
+    assert type(again) is type(hf.config) and ModelConfig.from_hf(again.to_dict()) == config
+
+
+def test_family_differences_are_read_from_the_config():
+    gemma = hf_pair("gemma3")[1].config
+    assert gemma.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (gemma.rope_theta, gemma.rope_local_theta, gemma.rope_scaling) == (1e6, 1e2, {"rope_type": "linear",
+                                                                                         "factor": 2.0})
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.query_pre_attn_scalar == 24
+    assert gemma.final_logit_softcapping == 10.0 and gemma.tie_word_embeddings
+    # An older Gemma 3 config.json (rope_local_base_freq, sliding_window_pattern): every 2nd layer global here.
+    old = ModelConfig.from_hf({"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 256,
+                               "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window": 512,
+                               "sliding_window_pattern": 2})
+    assert old.layer_types == ["sliding_attention", "full_attention"] * 2 and old.rope_local_theta == 1e4
+    mistral = ModelConfig.from_hf({**old.to_hf(), "model_type": "mistral", "sliding_window": None})
+    assert mistral.sliding_window is None and mistral.layer_types is None  # v0.2+: no window at all
+    phi3 = hf_pair("phi3-sliding")[1]
+    assert not hasattr(phi3.model.layers[0].self_attn, "q_proj")
+    assert phi3.model.layers[0].self_attn.qkv_proj.out_features == 64 + 2 * 32  # 4 heads, 2 kv heads of 16
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
+        ModelConfig.from_hf({**old.to_hf(), "attn_logit_softcapping": 50.0})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
+        ModelConfig.from_hf({**phi3.config.to_hf(), "partial_rotary_factor": 0.75})
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_decode_step_equals_transformers_over_sliding_windows(case):
+    """Left-padded rows prefilled through `forward` into caches, then `decode_step` (the engine's step) token by
+    token past every sliding window: the logits of transformers' full forward at each real position."""
+    hf, model = hf_pair(case)
+    rows = [[5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200], [11, 12, 13, 14, 15, 16, 1, 2, 3, 4, 5]]
+    ids, mask = left_pad(rows)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_len, slots = 4, ids.shape[1] + 1
+    c = model.config
+    caches = [(torch.zeros(2, c.num_key_value_heads, slots, c.head_dim),
+               torch.zeros(2, c.num_key_value_heads, slots, c.head_dim)) for _ in model.model.layers]
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask, position_ids=positions).logits
+        model.setup_kv_cache(batch_size=2, max_seq_len=slots)
+        model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len], cache_position=torch.arange(prompt_len))
+        for (k, v), layer in zip(caches, model.model.layers):
+            k.copy_(layer.self_attn.kv_cache.k_cache)
+            v.copy_(layer.self_attn.kv_cache.v_cache)
+        model.free_kv_cache()
+        for t in range(prompt_len, ids.shape[1]):
+            attend = F.pad(mask[:, :t + 1].bool(), (0, 1)) & (torch.arange(t + 2) <= t)  # one unwritten slot
+            logits = model.decode_step(ids[:, t], positions[:, t:t + 1], torch.tensor([t]), attend, caches)
+            real = mask[:, t].bool()
+            assert (logits[real] - expected[real, t]).abs().max() < 1e-4, t
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("case", FAMILIES)
+def test_engine_greedy_tokens_are_the_reference_samplers(case, fused):
+    """The rollout engine (its decode step, or graphs of `forward`; KV windows of 8 slots) against
+    `qerl.generate.generate`, 20 tokens past prompts of up to 8: every sliding window is crossed."""
+    _, model = hf_pair(case)
+    ps = prompts(n=4, vocab=256, max_len=9)
+    ref = generate(model, None, ps, 20, temperature=0, eos_token_ids=[])
+    out = RolloutEngine(model, fused=fused, check_every=3, window=8).generate(None, ps, 20, temperature=0,
+                                                                                eos_token_ids=[])
+    assert out.completion_ids == ref.completion_ids
+    for a, b in zip(out.logprobs, ref.logprobs):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_phi3_lora_targets_are_its_stacked_projections(tmp_path):
+    """Phi-3's q/k/v and gate/up are one layer each: the default targets adapt qkv_proj and gate_up_proj, and the
+    adapter names those, as PEFT's own Phi-3 adapters do."""
+    _, model = hf_pair("phi3-sliding")
+    settings = LoraSettings(rank=4, alpha=8)  # default targets: q/k/v/o, gate/up/down
+    apply_lora(model, settings)
+    assert {name.rsplit(".", 1)[-1] for name in lora_layers(model)} == {"qkv_proj", "o_proj", "gate_up_proj",
+                                                                         "down_proj"}
+    save_adapter(model, tmp_path / "adapter", "base", settings)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+
+
+# ---------------------------------------------------------------------------------------------------- PEFT, export
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    """(case, folder): the family's tiny model saved by transformers (config.json + fp32 safetensors)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model(CASES[request.param][0], **CASES[request.param][1]).save_pretrained(folder)
+    return request.param, folder
+
+
+def hf_from(folder, adapter=None, quantized=False):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if quantized:
+        from transformers import CompressedTensorsConfig
+
+        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    # fp32: compressed-tensors dequantizes into the checkpoint dtype otherwise (bf16 for a merged export), and
+    # qerl computes on the CPU in fp32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", **kwargs)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model.eval()
+
+
+def hf_greedy(model, ids: list[int], new: int) -> list[int]:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+PROMPT = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38]
+
+
+def test_our_adapter_loads_in_peft_with_equal_logits(family_dir, tmp_path):
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from qerl.loading import load_model
+
+    case, folder = family_dir
+    model, _ = load_model(folder)
+    settings = LoraSettings(rank=4, alpha=8, train_norms=True)
+    apply_lora(model, settings)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # nonzero B and moved norms: a wrong layout, scaling or norm name would show
+        for layer in lora_layers(model).values():
+            layer.lora_B.copy_(0.1 * torch.randn(layer.lora_B.shape, generator=g))
+        for name, p in model.named_parameters():
+            if p.requires_grad and "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    save_adapter(model, tmp_path / "adapter", str(folder), settings)
+    peft_model = hf_from(folder, tmp_path / "adapter")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert (model(ids) - peft_model(ids).logits).abs().max() < 1e-4
+    assert set(get_peft_model_state_dict(peft_model)) == set(load_file(tmp_path / "adapter/adapter_model.safetensors"))
+
+
+def test_quantize_train_export_reload_gives_qerls_greedy_tokens(family_dir, tmp_path):
+    """NVFP4 base + LoRA, one optimizer step on a policy-gradient loss through the quantized layers, the adapter
+    saved, `qerl export` (unmerged: compressed-tensors base + PEFT adapter; merged) reloaded by transformers: the
+    greedy tokens qerl's policy gives."""
+    from qerl.export import export_policy
+    from qerl.loading import load_model
+    from qerl.quant.linear import QuantLinear, quantize_model
+
+    case, folder = family_dir
+    model, _ = load_model(folder)
+    quantize_model(model, "nvfp4")
+    settings = LoraSettings(rank=4, alpha=8)
+    params = apply_lora(model, settings)
+    optimizer = torch.optim.AdamW(params, lr=2e-2)
+    model.train()
+    sequences = torch.tensor([PROMPT + [7, 8, 9, 10], PROMPT + [200, 201, 202, 203]])
+    logp = torch.log_softmax(model(sequences)[:, :-1].float(), -1).gather(-1, sequences[:, 1:, None])[..., 0]
+    loss = -(torch.tensor([[1.0], [-1.0]]) * logp[:, len(PROMPT) - 1:]).mean()  # advantages +1 / -1
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    assert all(layer.lora_B.abs().max() > 0 for layer in lora_layers(model).values())
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    adapter = save_adapter(model, tmp_path / "adapter", str(folder), settings)
+    expected = generate(model, None, [PROMPT], 12, temperature=0, eos_token_ids=[]).completion_ids[0]
+
+    unmerged = export_policy(adapter, tmp_path / "export").out
+    assert hf_greedy(hf_from(unmerged / "base", unmerged / "adapter", quantized=True), PROMPT, 12) == expected
+
+    # Merged and re-quantized: not the policy exactly, but one checkpoint both loaders must read alike.
+    # (transformers' compressed-tensors path dequantizes into bf16 even for an fp32 model, qerl into the compute
+    # dtype: the two runs differ by bf16 weight rounding, which greedy tokens of these peaked models survive.)
+    merged = export_policy(adapter, tmp_path / "merged", merge=True).out
+    ours, _ = load_model(merged, dtype=torch.float32)
+    assert hf_greedy(hf_from(merged, quantized=True), PROMPT, 12) == \
+        generate(ours, None, [PROMPT], 12, temperature=0, eos_token_ids=[]).completion_ids[0]
