@@ -219,3 +219,48 @@ def test_quantize_train_export_reload_gives_qerls_greedy_tokens(family_dir, tmp_
     ours, _ = load_model(merged, dtype=torch.float32)
     assert hf_greedy(hf_from(merged, quantized=True), PROMPT, 12) == \
         generate(ours, None, [PROMPT], 12, temperature=0, eos_token_ids=[]).completion_ids[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the GPU tests cover the kernels (and Triton "
+                    "3.6's interpreter mis-reads scalar arguments on the GPU image)")
+def test_fused_decode_step_per_family_in_the_interpreter():
+    """The engine's fused decode step (Triton kernels where the family's ops are theirs: Llama-style norms, RoPE +
+    KV write, decode attention with the family's scale and sliding mask, SiLU * up, LoRA's addmm; plain PyTorch for
+    Gemma's norms and GeGLU) in Triton's CPU interpreter (fp32), with live LoRA: the plain step's logits, token by
+    token past the sliding windows. (The engine around it runs on the CPU in test_engine_greedy_tokens_...)"""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from qerl.lora import LoraSettings, apply_lora
+        from tests.test_families import FAMILIES, hf_pair
+        from tests.test_model import left_pad
+        ids, mask = left_pad([[5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12], [11, 12, 13, 14, 15, 16, 1]])
+        positions, prompt_len = (mask.cumsum(-1) - 1).clamp(min=0), 9
+        for case in FAMILIES:
+            _, model = hf_pair(case)
+            for p in apply_lora(model, LoraSettings(rank=4, alpha=8)):
+                p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+            model.fuse_projections()  # Mistral, Gemma: q/k/v and gate/up as one GEMM; Phi-3 is stacked already
+            assert model.fused_decode_supported(), case
+            c, slots = model.config, ids.shape[1]
+            with torch.no_grad():
+                model.setup_kv_cache(batch_size=2, max_seq_len=slots)
+                model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len], cache_position=torch.arange(prompt_len))
+                caches = {fused: [(l.self_attn.kv_cache.k_cache.clone(), l.self_attn.kv_cache.v_cache.clone())
+                                  for l in model.model.layers] for fused in (False, True)}
+                model.free_kv_cache()
+                for t in range(prompt_len, slots):  # past every sliding window (5 and 7 keys)
+                    attend = mask[:, :t + 1].bool()
+                    step = [model.decode_step(ids[:, t], positions[:, t:t + 1], torch.tensor([t]), attend, caches[f],
+                                              fused=f) for f in (False, True)]
+                    assert (step[0] - step[1]).abs().max() < 1e-4, (case, t, (step[0] - step[1]).abs().max())
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
