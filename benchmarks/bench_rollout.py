@@ -1,5 +1,6 @@
 """Rollout throughput of qerl's engine (bf16+LoRA, NVFP4+LoRA, and QLoRA: bitsandbytes NF4+LoRA) on random-weight
-Qwen2.5 shapes, with Hugging Face `generate` (bf16, eager) as the outside anchor.
+Qwen2.5 shapes (and one row per other family: mistral-7b, phi4-14b, gemma3-4b, gemma3-12b), with Hugging Face
+`generate` (bf16, eager) as the outside anchor.
 
     PYTHONPATH=. python3 benchmarks/bench_rollout.py --models 7b,32b --batches 8,32,64,128 --new 256,1024 \
         [--schemes bf16,nvfp4,nf4-bnb] [--long-batches 64] [--hf] [--plain] --out DIR [--budget SECONDS]
@@ -38,6 +39,31 @@ SHAPES = {
                 num_key_value_heads=8, vocab_size=152064),
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8, vocab_size=152064),
+    # The other families (qerl.families), published config.json values written down from the model cards (no hub
+    # here to check them against); each key overrides hf_config's Qwen2 defaults.
+    # Mistral-7B-Instruct-v0.3: no sliding window (v0.2+), rope theta 1e6.
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5,
+                       sliding_window=None),
+    # Phi-4 (14B; Phi-3's architecture): stacked qkv_proj / gate_up_proj, head_dim 128. Phi-3-mini's head_dim 96
+    # would take the plain decode path (the RoPE kernel needs a power-of-two half), Phi-4-mini's partial RoPE
+    # and LongRoPE are not supported.
+    "phi4-14b": dict(model_type="phi3", hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                     num_attention_heads=40, num_key_value_heads=10, vocab_size=100352, rope_theta=2.5e5,
+                     rms_norm_eps=1e-5, max_position_embeddings=16384, sliding_window=None),
+    # Gemma 3 4B / 12B text decoders: 5 local layers (window 1024, RoPE base 1e4) per global one (base 1e6,
+    # linear scaling 8), head_dim 256, query_pre_attn_scalar 256, tied 262k embeddings.
+    "gemma3-4b": dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                      query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+                      rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                      tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072),
+    "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
+                       query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+                       rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                       tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                       max_position_embeddings=131072),
 }
 
 
@@ -72,9 +98,10 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
             model.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             model.lm_head.weight.normal_(0, cfg.hidden_size ** -0.5)
-            model.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            model.tie_weights()  # Gemma: one embedding matrix
+            model.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family.unit_offset_norms)
             for i in range(cfg.num_hidden_layers):
-                layer = DecoderLayer(cfg)  # nn.Linear's default (kaiming-uniform) init
+                layer = DecoderLayer(cfg, i)  # nn.Linear's default (kaiming-uniform) init; i: local or global
                 if scheme == "nvfp4":
                     quantize_model(layer, "nvfp4", pattern=r".")  # q/k/v and gate/up share global scales
                 elif scheme == "nf4-bnb":
@@ -127,20 +154,19 @@ def time_engine(engine: RolloutEngine, batch: int, prompt_len: int, new: int, vo
 
 
 def hf_anchor(name: str, batch: int, prompt_len: int, new: int) -> dict:
-    """transformers' own Qwen2 in bf16, eager `generate` (dynamic cache), greedy, fixed length."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """transformers' own model of the shape's family in bf16, eager `generate` (dynamic cache), greedy, fixed
+    length."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     s = SHAPES[name]
-    config = Qwen2Config(hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-                         num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
-                         num_key_value_heads=s["num_key_value_heads"], vocab_size=s["vocab_size"],
-                         max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=None,
-                         pad_token_id=0, bos_token_id=None)
+    # The config qerl reads, as transformers writes it (to_hf): the same architecture on both sides.
+    config = AutoConfig.for_model(**{**ModelConfig.from_hf(hf_config(name)).to_hf(), "eos_token_id": None,
+                                     "pad_token_id": 0, "bos_token_id": None})
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(DEVICE):
-            model = Qwen2ForCausalLM(config).eval()
+            model = AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(previous)
     model.generation_config.eos_token_id = None
