@@ -61,13 +61,24 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU and Gemma's GeGLU
 
 
+# Near misses, said in the one-line refusal.
+_HINTS = {"gemma3": "the multimodal Gemma 3: save its text decoder (transformers' Gemma3ForCausalLM, model_type "
+                    "gemma3_text) and load that",
+          "gemma2": "Gemma 2 (attention soft-capping) is not supported; Gemma 3 text is (gemma3_text)"}
+
+
+def unsupported(model_type: Any, architectures: Any = None) -> ValueError:
+    """The one-line error for a `model_type` no family covers, naming the supported ones."""
+    hint = f" ({_HINTS[model_type]})" if model_type in _HINTS else ""
+    return ValueError(f"unsupported model_type {model_type!r} (architectures {architectures}){hint}; supported: "
+                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
 def family(model_type: str) -> Family:
     """The family of a `model_type`; an unsupported one fails in one line naming the supported ones."""
-    try:
-        return FAMILIES[model_type]
-    except KeyError:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None
+    if model_type not in FAMILIES:
+        raise unsupported(model_type)
+    return FAMILIES[model_type]
 
 
 def layer_types(fam: Family, config: dict[str, Any], num_layers: int) -> list[str] | None:

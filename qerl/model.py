@@ -27,7 +27,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qerl import training_ops
-from qerl.families import ACTIVATIONS, FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types
+from qerl.families import (ACTIVATIONS, FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types,
+                           unsupported)
 
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 GROUP_ATTR = "projection_group"  # a block's fused q/k/v or gate/up (qerl.fusion.ProjectionGroup), when made
@@ -72,8 +73,7 @@ class ModelConfig:
             config = config.to_dict()
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} (architectures {config.get('architectures')}); "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise unsupported(model_type, config.get("architectures"))
         fam = family(model_type)
         config = {**fam.config_defaults, **config}
 

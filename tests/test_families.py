@@ -57,6 +57,9 @@ def test_family_differences_are_read_from_the_config():
     phi3 = hf_pair("phi3-sliding")[1]
     assert not hasattr(phi3.model.layers[0].self_attn, "q_proj")
     assert phi3.model.layers[0].self_attn.qkv_proj.out_features == 64 + 2 * 32  # 4 heads, 2 kv heads of 16
+    with pytest.raises(ValueError, match=r"'gemma3' .*\(the multimodal Gemma 3: save its text decoder .*; supported: "
+                                         "llama, qwen2, qwen3, mistral, phi3, gemma3_text$"):
+        ModelConfig.from_hf({"model_type": "gemma3", "text_config": old.to_hf()})
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
         ModelConfig.from_hf({**old.to_hf(), "attn_logit_softcapping": 50.0})
     with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
