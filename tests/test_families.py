@@ -285,12 +285,14 @@ def test_fused_decode_step_per_family_in_the_interpreter():
 # ---------------------------------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# Each family at a GPU-sized shape (head_dim 64: the fused RoPE kernel applies), windows the rollouts below cross.
+# Each family at a GPU-sized shape (head_dim 64, Gemma's real 256: the fused kernels apply), windows the rollouts
+# below cross.
 GPU_CONFIGS = {
     "mistral": dict(model_type="mistral", sliding_window=48),
     "phi3": dict(model_type="phi3", sliding_window=40),
-    "gemma3_text": dict(model_type="gemma3_text", sliding_window=32, sliding_window_pattern=2,
-                        query_pre_attn_scalar=48, rope_local_base_freq=1e4, final_logit_softcapping=30.0),
+    "gemma3_text": dict(model_type="gemma3_text", sliding_window=32, sliding_window_pattern=2, head_dim=256,
+                        num_attention_heads=4, query_pre_attn_scalar=256, rope_local_base_freq=1e4,
+                        final_logit_softcapping=30.0),
 }
 
 
@@ -334,7 +336,7 @@ def test_gpu_family_decode_tokens_equal_eager_forward(family, scheme):
     new = 64
     engine = RolloutEngine(model, check_every=4)
     out = engine.generate(None, ps, new, temperature=0, eos_token_ids=[])
-    assert engine.use_graphs and engine.stats["captures"] >= 1
+    assert engine.use_graphs and engine.kernels and engine.stats["captures"] >= 1
     eager = RolloutEngine(model, use_graphs=False, check_every=4).generate(None, ps, new, temperature=0,
                                                                           eos_token_ids=[])
     same_rows = sum(a == b for a, b in zip(out.completion_ids, eager.completion_ids)) / len(ps)
