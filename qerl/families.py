@@ -58,7 +58,6 @@ FAMILIES: dict[str, Family] = {
                                            "tie_word_embeddings": True}),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU and Gemma's GeGLU
 
 
 # Near misses, said in the one-line refusal.

@@ -27,8 +27,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qerl import training_ops
-from qerl.families import (ACTIVATIONS, FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types,
-                           unsupported)
+from qerl.families import FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types, unsupported
 
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 GROUP_ATTR = "projection_group"  # a block's fused q/k/v or gate/up (qerl.fusion.ProjectionGroup), when made
@@ -112,8 +111,8 @@ class ModelConfig:
                 raise ValueError(f"{model_type}: only plain RoPE on sliding layers is supported, got {local_rope}")
             rope_local_theta = float((local_rope or {}).get("rope_theta") or need("rope_local_base_freq"))
         act = config.get(fam.activation_key) or config.get("hidden_act") or "silu"
-        if act not in ACTIVATIONS:
-            raise ValueError(f"{model_type}: unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{model_type}: unsupported activation {act!r}; supported: {', '.join(_ACTIVATIONS)}")
         attn_bias = bool(config.get("attention_bias", False))
         return cls(
             model_type=model_type,
@@ -443,7 +442,7 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}  # config's hidden_act: SwiGLU, Gemma's GeGLU
 
 
 class MLP(nn.Module):

@@ -62,6 +62,8 @@ def test_family_differences_are_read_from_the_config():
         ModelConfig.from_hf({"model_type": "gemma3", "text_config": old.to_hf()})
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
         ModelConfig.from_hf({**old.to_hf(), "attn_logit_softcapping": 50.0})
+    with pytest.raises(ValueError, match="unsupported activation 'relu'; supported: silu, gelu_pytorch_tanh"):
+        ModelConfig.from_hf({**mistral.to_hf(), "hidden_act": "relu"})
     with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
         ModelConfig.from_hf({**phi3.config.to_hf(), "partial_rotary_factor": 0.75})
 
