@@ -112,15 +112,20 @@ def test_decode_step_equals_transformers_over_sliding_windows(case):
 @pytest.mark.parametrize("case", FAMILIES)
 def test_engine_greedy_tokens_are_the_reference_samplers(case, fused):
     """The rollout engine (its decode step, or graphs of `forward`; KV windows of 8 slots) against
-    `qerl.generate.generate`, 20 tokens past prompts of up to 8: every sliding window is crossed."""
+    `qerl.generate.generate`, 20 tokens past prompts of up to 8: every sliding window is crossed; then with rows
+    ending early, so the engine moves the live rows' caches into a smaller bucket mid-window."""
     _, model = hf_pair(case)
-    ps = prompts(n=4, vocab=256, max_len=9)
-    ref = generate(model, None, ps, 20, temperature=0, eos_token_ids=[])
-    out = RolloutEngine(model, fused=fused, check_every=3, window=8).generate(None, ps, 20, temperature=0,
-                                                                                eos_token_ids=[])
-    assert out.completion_ids == ref.completion_ids
-    for a, b in zip(out.logprobs, ref.logprobs):
-        assert torch.allclose(a, b, atol=1e-5)
+    ps = prompts(n=7, vocab=256, max_len=9)
+    free = generate(model, None, ps, 20, temperature=0, eos_token_ids=[])
+    eos = [free.completion_ids[0][2], free.completion_ids[3][5]]
+    for eos_ids in ([], eos):
+        ref = free if not eos_ids else generate(model, None, ps, 20, temperature=0, eos_token_ids=eos_ids)
+        engine = RolloutEngine(model, fused=fused, check_every=2, window=8)
+        out = engine.generate(None, ps, 20, temperature=0, eos_token_ids=eos_ids)
+        assert out.completion_ids == ref.completion_ids and out.stop_reasons == ref.stop_reasons
+        for a, b in zip(out.logprobs, ref.logprobs):
+            assert torch.allclose(a, b, atol=1e-5)
+    assert engine.stats["compactions"] >= 1
 
 
 def test_phi3_lora_targets_are_its_stacked_projections(tmp_path):
