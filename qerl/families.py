@@ -3,15 +3,7 @@
 One `Family` per Hugging Face `model_type`: the decoder, the config reader and writer (`ModelConfig.from_hf` /
 `to_hf`) and LoRA's target names read their differences from here, so adding a family is one entry (plus tests).
 
-| family       | differs from Llama in                                                                             |
-| ------------ | ------------------------------------------------------------------------------------------------- |
-| qwen2        | bias on q/k/v (always), none on o_proj                                                            |
-| qwen3        | per-head RMSNorm on q and k                                                                       |
-| mistral      | sliding-window attention on every layer when `sliding_window` is set                              |
-| phi3         | q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj`; sliding window when set            |
-| gemma3_text  | (1 + w) RMSNorm in fp32; norms after attention and MLP too; embeddings * sqrt(hidden); GeGLU;      |
-|              | queries scaled by query_pre_attn_scalar^-0.5; q/k norm; local (sliding, own RoPE base) and global  |
-|              | layers; optional final logit soft-capping                                                         |
+The README's "Supported model families" table says the same for users, with the decode kernels each family runs.
 """
 from __future__ import annotations
 
