@@ -128,20 +128,19 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def return_large_frees_to_the_os() -> None:
-    """Have glibc serve every allocation of 16 MiB or more from its own mmap, unmapped again when freed.
+    """Have glibc serve every allocation of 4 MiB or more from its own mmap, unmapped again when freed.
 
     By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, so a training step's
     activations (tens of MiB per layer on the CPU) soon come from the heap, which keeps their pages after the step:
     the embedded default's 3-step run held 9.5 GB of resident memory. A fixed threshold also turns the adjustment
-    off. Why 16 MiB (measured, BENCHMARKS.md "Beside TRL on the CPU"): at 1 MiB every activation is a fresh mapping
-    the kernel zero-fills on first touch, ~40% of the update's CPU time (8 M page faults a round); at 16 MiB the
-    smaller, most frequent blocks are reused from the heap: the same time as glibc's default (38 s user, < 1 s
-    system a round) at 4.2 GiB peak instead of 7.3 (1 MiB: 3.9). No-op where the C library is not glibc.
+    off. The value trades memory for the kernel's page zeroing (BENCHMARKS.md "Beside TRL on the CPU", the embedded
+    default's step): 1 MiB 95 CPU-s a step at 3.9 GiB peak, 4 MiB 80 s at 4.4 GiB, 16 MiB 63 s at 8.5 GiB (TRL:
+    91 s, 8.1 GiB). No-op where the C library is not glibc.
     """
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return
     m_mmap_threshold = -3  # from glibc's malloc.h
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 16 << 20)
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 4 << 20)
 
 
 class Trainer:
