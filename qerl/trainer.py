@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from qerl import atomic
-from qerl import checkpoints, data, distributed, grading, grpo, lora, recompute, rewards, runfolder, training_ops
+from qerl import (checkpoints, data, distributed, grading, grpo, lora, recompute, rewards, runfolder, safestate,
+                  training_ops)
 from qerl.aqn import build_schedule
 from qerl.config import Settings
 from qerl.generate import Rollout
@@ -41,7 +42,8 @@ from qerl.tracking import JsonlWriter, NullTracker, Tracker, log_step
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = "trainer_state.json"  # the trainer state's structure and plain values (qerl.safestate)
+STATE_TENSORS = "trainer_state.safetensors"  # its tensors
 
 
 @dataclass
@@ -585,7 +587,7 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "settings": self.settings.to_dict(),
         }
-        torch.save(state, tmp / STATE_FILE)
+        safestate.save(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
         write_manifest(tmp)
         atomic.replace_dir(tmp, final)
         for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
@@ -606,12 +608,20 @@ class Trainer:
     @staticmethod
     def read_checkpoint(path: Path) -> dict[str, Any]:
         """A checkpoint's trainer state, its adapter file checked readable; raises `CheckpointCorrupt` naming the
-        file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched."""
+        file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched. Nothing in the files is
+        executed: JSON and safetensors (`qerl.safestate`), or an older qerl's pickle read by
+        `checkpoints.read_pickled_state`, which refuses anything but tensors, numbers and arrays."""
         from safetensors import safe_open
 
         file = path / STATE_FILE
         try:
-            state = torch.load(file, map_location="cpu", weights_only=False)
+            if not file.exists() and (path / checkpoints.PICKLED_STATE).exists():
+                file = path / checkpoints.PICKLED_STATE
+                state = checkpoints.read_pickled_state(file)
+            else:
+                state = safestate.load(file, path / STATE_TENSORS)
+            if not isinstance(state, dict):
+                raise TypeError(f"holds a {type(state).__name__}, not a trainer state")
             missing = {"step", "optimizer", "scheduler", "sampler", "rng"} - set(state)
             if missing:
                 raise KeyError(f"lacks {', '.join(sorted(missing))}")
@@ -619,7 +629,11 @@ class Trainer:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     f.get_tensor(key)
-        except Exception as e:  # noqa: BLE001 - torch, pickle and safetensors each raise their own types
+        except checkpoints.CheckpointCorrupt:  # already names the file (an older pickle refused)
+            raise
+        except safestate.StateFormatError as e:
+            raise checkpoints.CheckpointCorrupt(f"{e.file}: unreadable ({e.reason})") from None
+        except Exception as e:  # noqa: BLE001 - safetensors and torch each raise their own types
             reason = str(e).strip().splitlines()[0] if str(e).strip() else "empty or truncated"
             raise checkpoints.CheckpointCorrupt(f"{file}: unreadable ({type(e).__name__}: {reason})") from None
         return state

@@ -146,7 +146,7 @@ def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path
     # a kill mid-write leaves a temp folder behind, never a half checkpoint
     half = tmp_path / "part" / "checkpoints" / ".tmp-step-000004-1"
     half.mkdir()
-    (half / "trainer_state.pt").write_bytes(b"garbage")
+    (half / "trainer_state.json").write_bytes(b"garbage")
 
     resumed = make_trainer(settings, tmp_path / "part", resume=True)
     assert resumed.step == 2
