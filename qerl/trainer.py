@@ -188,7 +188,9 @@ class Trainer:
         self.progress = progress
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
         if self.dist.is_main:
-            checkpoints.remove_killed_writes(self.out / CHECKPOINTS)  # we hold the lock: no live writer owns them
+            # We hold the lock: no live writer owns what killed writes left.
+            checkpoints.remove_killed_writes(self.out / CHECKPOINTS)
+            runfolder.remove_killed_writes(self.out)
             runfolder.check_start(self.out, resume, overwrite, has_checkpoint=bool(checkpoints.finished(
                 self.out / CHECKPOINTS)))
         seed_everything(s.train.seed)
@@ -531,6 +533,8 @@ class Trainer:
             self.train_step(phases)
             if eval_every and self.step % eval_every == 0 and self.step < stop:
                 phases.evaluate(self)
+        if self.step < total and self.step % self.settings.train.save_every and self.dist.is_main:
+            self.save_checkpoint()  # stopped early (--max-steps): --resume continues from here, not the last save
         adapter = self.out / "adapter"
         if self.dist.is_main:
             adapter = phases.export(self)
@@ -642,6 +646,8 @@ class Trainer:
         self.apply_checkpoint(path, self.read_checkpoint(path))
 
     def apply_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        if self.dist.is_main:
+            runfolder.check_resumed_settings(path, state.get("settings"), self.settings.to_dict())
         lora.load_adapter(self.model, path / "adapter")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
