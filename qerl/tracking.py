@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from qerl import atomic
+from qerl.errors import naming_a_full_disk
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class JsonlWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
+        with naming_a_full_disk(self.path), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
@@ -72,4 +73,5 @@ class JsonlWriter:
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (a resumed run rewrites the steps after its checkpoint)."""
         kept = [r for r in self.read() if r.get("step", 0) <= step]
-        atomic.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        with naming_a_full_disk(self.path):
+            atomic.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

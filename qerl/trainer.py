@@ -30,6 +30,7 @@ from qerl import (checkpoints, data, distributed, grading, grpo, lora, recompute
                   training_ops)
 from qerl.aqn import build_schedule
 from qerl.config import Settings
+from qerl.errors import naming_a_full_disk
 from qerl.generate import Rollout
 from qerl.manifest import write_manifest
 from qerl.phases import Phases
@@ -557,13 +558,15 @@ class Trainer:
     def write_plots(self) -> list[Path]:
         from qerl.plots import plot_training_curves
 
-        return plot_training_curves(self.metrics_log.read(), self.out)
+        with naming_a_full_disk(self.out):
+            return plot_training_curves(self.metrics_log.read(), self.out)
 
     # ------------------------------------------------------------------------------------------------ state
 
     def export_adapter(self, out_dir: str | Path) -> Path:
         base = str(self.settings.quant.quantized_path or self.settings.model.path)
-        return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
+        with naming_a_full_disk(out_dir):
+            return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest finished checkpoint folder (intact or not: `resume_from_newest_intact` checks)."""
@@ -575,11 +578,24 @@ class Trainer:
         hashes, written last) and renamed (atomic). The `keep` newest are kept, so a damaged newest one has a
         predecessor to fall back to."""
         root = self.out / CHECKPOINTS
-        root.mkdir(parents=True, exist_ok=True)
         final = root / f"{checkpoints.PREFIX}{self.step:06d}"
         tmp = checkpoints.temp_folder(root, self.step, os.getpid())
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            with naming_a_full_disk(final, "the older checkpoints are intact: free space, then --resume"):
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                self._write_checkpoint(tmp)
+                atomic.replace_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, at once (a kill leaves it to the next start)
+            raise
+        for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s", final)
+        return final
+
+    def _write_checkpoint(self, tmp: Path) -> None:
         self.export_adapter(tmp / "adapter")
         state = {
             "step": self.step,
@@ -593,11 +609,6 @@ class Trainer:
         }
         safestate.save(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
         write_manifest(tmp)
-        atomic.replace_dir(tmp, final)
-        for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint %s", final)
-        return final
 
     def resume_from_newest_intact(self) -> Path | None:
         """Load the newest intact checkpoint, falling back past damaged ones (each reported in one line); None if

@@ -142,3 +142,36 @@ def test_a_metrics_file_with_a_bad_line_before_the_last_names_file_and_line(fini
     assert err.strip().splitlines()[-1].startswith(f"tiny-trainer: error: {run / 'metrics.jsonl'}:2: not a JSON "
                                                    "record (")
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[2])["step"] == 2  # left as it was
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs of its own, so a test can fill a disk without filling the machine's. Needs root (mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here: cannot make a small filesystem to fill")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_after_freeing_space(finished, small_disk):
+    run, filler = small_disk / "run", small_disk / "filler"
+    proc = tiny_process(run, "--fill-disk-at-checkpoint", 4, filler)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1] == (f"tiny-trainer: error: No space left on device: {run / 'checkpoints'}"
+                                            "/step-000004 (the older checkpoints are intact: free space, then --resume)")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]  # the failed write's temp is gone
+
+    filler.unlink()
+    err = finish(run, "--resume")
+    assert "step-000002 (step 2)" in err and "damaged" not in err
+    assert steps(run) == [1, 2, 3, 4]
+    assert_same_adapter(finished, run)

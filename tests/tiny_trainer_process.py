@@ -90,21 +90,14 @@ def main() -> int:
 
 
 def fill(path: Path) -> None:
-    """Write `path` until its filesystem has no space left."""
-    with path.open("wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 16))
-                f.flush()
-        except OSError:
-            pass
-    with path.open("ab") as f:  # the last partial block
-        try:
-            while True:
-                f.write(b"\0")
-                f.flush()
-        except OSError:
-            pass
+    """Write `path` until its filesystem has no space left (unbuffered: every byte that fits lands)."""
+    with path.open("wb", buffering=0) as f:
+        for size in (1 << 16, 1):  # big blocks, then the last partial one byte by byte
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":
