@@ -84,9 +84,9 @@ def check_resumed_settings(checkpoint: Path, saved: dict[str, Any] | None, curre
     listed = ", ".join(f"{key} {old[key]!r} -> {new[key]!r}" for key in changed)
     fixed = [key for key in changed if key in FIXED_ON_RESUME]
     if fixed:
-        raise ValueError(f"--resume: {checkpoint} was trained with other {', '.join(fixed)} ({listed}); its adapter and "
-                         "optimizer state belong to those: resume with the run's own params.yaml, or pass --overwrite "
-                         "to start over")
+        raise ValueError(f"--resume: {checkpoint} was trained with other {', '.join(fixed)} ({listed}); its adapter "
+                         "and optimizer state belong to those: resume with the run's own params.yaml, or pass "
+                         "--overwrite to start over")
     log.warning("--resume: settings changed since %s (%s): the run continues with the new values", checkpoint, listed)
 
 

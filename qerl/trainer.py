@@ -199,7 +199,7 @@ class Trainer:
 
         d = s.data  # data first: a bad dataset fails in a second, not after a model load
         self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
-        examples = data.examples_for(d)
+        examples = data.examples_for(d, key="data.n")
         if model is None:
             tokenizer, context = load_tokenizer_and_context(s.model, s.quant)  # no weights yet: a second or two
         else:

@@ -166,8 +166,9 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_after_f
     proc = tiny_process(run, "--fill-disk-at-checkpoint", 4, filler)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err
-    assert err.strip().splitlines()[-1] == (f"tiny-trainer: error: No space left on device: {run / 'checkpoints'}"
-                                            "/step-000004 (the older checkpoints are intact: free space, then --resume)")
+    assert err.strip().splitlines()[-1] == (
+        f"tiny-trainer: error: No space left on device: {run / 'checkpoints' / 'step-000004'} (the older checkpoints "
+        "are intact: free space, then --resume)")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]  # the failed write's temp is gone
 
     filler.unlink()
