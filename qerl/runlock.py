@@ -38,8 +38,10 @@ class FolderLock:
         self.hand_over = hand_over
         self._fd: int | None = None
         self._joined = False
+        self._made_folder = False
 
     def acquire(self) -> "FolderLock":
+        self._made_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         holder = _handed_over.get(self._key())
         if holder is not None and holder.held:
@@ -84,13 +86,18 @@ class FolderLock:
             self.path.unlink(missing_ok=True)  # while still locked: nobody can take a lock on it in between
         finally:
             os.close(fd)  # releases the flock
+        if self._made_folder:  # taken for a run that wrote nothing (it failed first): leave no empty folder behind
+            try:
+                self.path.parent.rmdir()
+            except OSError:  # not empty, or gone
+                pass
 
     @property
     def held(self) -> bool:
         return self._fd is not None or self._joined
 
     def __enter__(self) -> "FolderLock":
-        return self.acquire()
+        return self if self.held else self.acquire()  # `with lock.acquire():` and `with lock:` alike
 
     def __exit__(self, *exc) -> None:
         self.release()
