@@ -238,3 +238,29 @@ def test_qerl_train_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
     assert last == (f"qerl: error: no intact checkpoint in {run / 'checkpoints'}: {run / 'checkpoints' / 'step-000002'}"
                     f"/{STATE}: 7 bytes, the manifest says 0 (pass --overwrite to start the run over)")
     assert "Traceback" not in proc.stderr
+
+
+def test_the_state_format_keeps_every_kind_of_value_a_trainer_state_holds(tmp_path):
+    import math
+    import random
+
+    import numpy as np
+
+    from qerl import safestate
+
+    tree = {"python_rng": random.Random(1).getstate(), "numpy_rng": np.random.RandomState(2).get_state(),
+            "by_index": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}}, "floats": [0.1, math.inf],
+            "none": None, "flag": True, "text": "a", "__tensor__": "a key that looks like a marker"}
+    safestate.save(tree, tmp_path / "s.json", tmp_path / "s.safetensors")
+    back = safestate.load(tmp_path / "s.json", tmp_path / "s.safetensors")
+    assert back["python_rng"] == tree["python_rng"]  # tuples stay tuples: random.setstate takes them
+    assert all((a == b).all() if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(back["numpy_rng"], tree["numpy_rng"]))
+    assert back["numpy_rng"][1].dtype == np.uint32
+    assert list(back["by_index"]) == [0] and torch.equal(back["by_index"][0]["exp_avg"], tree["by_index"][0]["exp_avg"])
+    assert back["floats"] == [0.1, math.inf] and back["none"] is None and back["flag"] is True
+    assert back["__tensor__"] == "a key that looks like a marker"
+
+    (tmp_path / "s.json").write_text('{"x": {"__tensor__": "t99"}}')  # names a tensor the file lacks
+    with pytest.raises(safestate.StateFormatError, match=r"s\.json: KeyError: 't99'"):
+        safestate.load(tmp_path / "s.json", tmp_path / "s.safetensors")
