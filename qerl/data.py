@@ -312,8 +312,8 @@ def examples_for(source: Any, knobs: Any = None, n: int | None = None, key: str 
                             answer_field=source.answer_field, answer_format=source.answer_format,
                             digits=knobs.digits, operators=knobs.operators, steps=knobs.steps)
     except TooFewExamples as e:
-        raise ValueError(f"{key} = {e.n}: {e.label} has only {e.available} examples (lower {key}, or set it to null "
-                         "for all of them)") from None
+        raise ValueError(f"{key} = {e.n}: {e.label} has only {e.available} example{'' if e.available == 1 else 's'} "
+                         f"(lower {key}, or set it to null for all of them)") from None
 
 
 def fingerprint(source: Any, knobs: Any = None) -> dict[str, Any]:

@@ -136,3 +136,19 @@ def test_dvc_repro_and_exp_run_leave_a_live_run_untouched_and_name_it(tmp_path, 
                     for name in written_once} == written_once
     finally:
         stop(live)
+
+
+def test_the_training_flows_check_the_evaluation_data_before_training(tmp_path, long_params):
+    """The final evaluation comes after the whole run: its `eval.n` is checked before anything is quantized or built."""
+    pytest.importorskip("prefect")
+    from flows.train import train_and_evaluate
+    from qerl.config import load_settings
+
+    table = tmp_path / "problems.csv"
+    table.write_text("question,answer\nWhat is 1 + 1?,2\n")
+    settings = load_settings(long_params, [f"eval.name={table}", "eval.n=5"])
+    with pytest.raises(ValueError) as info:
+        train_and_evaluate(settings, str(tmp_path / "run"), tracker=None)
+    assert str(info.value) == (f"eval.n = 5: {table} has only 1 example (lower eval.n, or set it to null for all "
+                               "of them)")
+    assert not (tmp_path / "run").exists()
