@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 
 from flows import cli
 from flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
-from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, default_out_dir, describe, log_eval, run_tags,
+from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, describe, log_eval, run_tags,
                          train_and_evaluate)
 from qerl.config import load_settings
 from tasks import evaluate, find_newest_data
@@ -48,47 +48,49 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
     else:
         logger.info("no *.jsonl in %s: training on the data the params name", data_dir)
     settings = load_settings(params, overrides + ["tracking.backend=mlflow"])  # the registry lives in MLflow
-    registry = Registry.from_settings(settings)
-    champion = registry.champion()
-    if champion is None:
-        raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
-                          "first (its first registered adapter becomes the champion)")
-    champion_version = str(champion.version)
     out_dir = out_dir or default_out_dir(settings)
-    champion_adapter = str(registry.download(champion, Path(out_dir) / "champion"))
-    logger.info("continuing from %s version %s (run %s)", registry.name, champion_version, champion.run_id)
+    with claim_run_folder(out_dir):  # before the registry and MLflow: a folder in use fails here, in a line
+        registry = Registry.from_settings(settings)
+        champion = registry.champion()
+        if champion is None:
+            raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
+                              "first (its first registered adapter becomes the champion)")
+        champion_version = str(champion.version)
+        champion_adapter = str(registry.download(champion, Path(out_dir) / "champion"))
+        logger.info("continuing from %s version %s (run %s)", registry.name, champion_version, champion.run_id)
 
-    scores: dict[str, float] = {}
+        scores: dict[str, float] = {}
 
-    def score_champion(trainer) -> None:  # the champion's weights are loaded and untrained yet: score them here
-        result = evaluate(settings, out_dir=str(Path(out_dir) / "eval" / "champion"), model=trainer.model,
-                          tokenizer=trainer.tokenizer)
-        scores["champion"] = result.metrics[EVAL_METRIC]
-        log_eval(tracker, result.metrics, trainer.step, prefix="champion_eval")
+        def score_champion(trainer) -> None:  # the champion's weights are loaded and untrained yet: score them here
+            result = evaluate(settings, out_dir=str(Path(out_dir) / "eval" / "champion"), model=trainer.model,
+                              tokenizer=trainer.tokenizer)
+            scores["champion"] = result.metrics[EVAL_METRIC]
+            log_eval(tracker, result.metrics, trainer.step, prefix="champion_eval")
 
-    tags = run_tags(settings, **{"qerl.flow": "retrain", "out_dir": out_dir, "parent_version": champion_version,
-                                 "data": newest})
-    with MlflowTracker.from_settings(settings, run_name=f"retrain-{describe(settings)}", tags=tags) as tracker:
-        outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
-                                     init_adapter=champion_adapter, before_training=score_champion)
-        candidate = outcome.eval[EVAL_METRIC]
-        promoted = beats(candidate, scores["champion"], min_improvement)
-        version = tracker.register_adapter(registry.name, tags={f"eval.{EVAL_METRIC}": candidate,
-                                                                "parent_version": champion_version,
-                                                                "promoted": promoted})
-        if promoted:
-            registry.promote(version)
-            verdict = (f"promoted {registry.name} version {version} to {CHAMPION}: {EVAL_METRIC} {candidate:.4f} beats "
-                       f"version {champion_version}'s {scores['champion']:.4f} by more than {min_improvement:+g}")
-        else:
-            verdict = (f"kept {CHAMPION} version {champion_version}: candidate version {version} {EVAL_METRIC} "
-                       f"{candidate:.4f} does not beat {scores['champion']:.4f} by more than {min_improvement:+g}")
-        logger.info(verdict)
-        tracker.set_tags({"promoted": promoted, "model_version": version, "verdict": verdict})
-        tracker.log_metrics({"promoted": float(promoted)}, step=outcome.steps)
-    return {"promoted": promoted, "verdict": verdict, "champion_version": version if promoted else champion_version,
-            "candidate_version": version, "previous_champion_version": champion_version, "candidate": candidate,
-            "champion": scores["champion"], **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "eval"}}
+        tags = run_tags(settings, **{"qerl.flow": "retrain", "out_dir": out_dir, "parent_version": champion_version,
+                                     "data": newest})
+        with MlflowTracker.from_settings(settings, run_name=f"retrain-{describe(settings)}", tags=tags) as tracker:
+            outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
+                                         init_adapter=champion_adapter, before_training=score_champion)
+            candidate = outcome.eval[EVAL_METRIC]
+            promoted = beats(candidate, scores["champion"], min_improvement)
+            version = tracker.register_adapter(registry.name, tags={f"eval.{EVAL_METRIC}": candidate,
+                                                                    "parent_version": champion_version,
+                                                                    "promoted": promoted})
+            if promoted:
+                registry.promote(version)
+                verdict = (f"promoted {registry.name} version {version} to {CHAMPION}: {EVAL_METRIC} {candidate:.4f} "
+                           f"beats version {champion_version}'s {scores['champion']:.4f} by more than "
+                           f"{min_improvement:+g}")
+            else:
+                verdict = (f"kept {CHAMPION} version {champion_version}: candidate version {version} {EVAL_METRIC} "
+                           f"{candidate:.4f} does not beat {scores['champion']:.4f} by more than {min_improvement:+g}")
+            logger.info(verdict)
+            tracker.set_tags({"promoted": promoted, "model_version": version, "verdict": verdict})
+            tracker.log_metrics({"promoted": float(promoted)}, step=outcome.steps)
+        return {"promoted": promoted, "verdict": verdict, "champion_version": version if promoted else champion_version,
+                "candidate_version": version, "previous_champion_version": champion_version, "candidate": candidate,
+                "champion": scores["champion"], **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "eval"}}
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,8 +100,11 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> str:
-    probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
-    return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, args.out)["verdict"]
+    settings = load_settings(args.params, args.overrides)
+    out_dir = args.out or default_out_dir(settings)
+    with claim_run_folder(out_dir):  # first: a folder in use fails before MLflow and Prefect start
+        probe(resolve_tracking_uri(settings))
+        return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir)["verdict"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ is thread-local, and Prefect may run a task on another thread than its flow.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 import os
@@ -59,6 +60,24 @@ def probe(uri: str, timeout: float = 3.0) -> None:
                                       f"not writable")
 
 
+def mlflow_client(uri: str):
+    """An `MlflowClient` on `uri` whose store is set up. MLflow creates a SQLite store's tables on first use, and two
+    processes doing that at once fail (`sqlite3.OperationalError: duplicate column name`): e.g. two flows started in a
+    fresh directory. The first use is serialized by a lock on the database's folder (no file of its own to leave)."""
+    from mlflow import MlflowClient
+
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(uri)
+    folder = os.open(Path(uri.removeprefix("sqlite:///")).parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # waits: the other process's set-up takes a second or two
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)  # the store (its tables created or upgraded) exists from here on
+    finally:
+        os.close(folder)  # releases the lock
+    return client
+
+
 def _local_artifact_root(uri: str) -> str | None:
     """Artifacts of a SQLite store live next to the database (MLflow would use ./mlruns of whichever folder the first
     run started in); servers keep their own default."""
@@ -90,11 +109,9 @@ class MlflowTracker:
                  tags: dict[str, str] | None = None, parent_run_id: str | None = None, run_id: str | None = None):
         """A new run of `experiment`, nested under `parent_run_id` if given; or, with `run_id`, that existing run
         reopened (a resumed training run continues the same MLflow run)."""
-        from mlflow import MlflowClient
-
         probe(tracking_uri)
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
+        self.client = mlflow_client(tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         self.experiment_id = found.experiment_id if found else self.client.create_experiment(
             experiment, artifact_location=_local_artifact_root(tracking_uri))
@@ -214,11 +231,9 @@ class Registry:
     """The champion/candidate moves on one registered model."""
 
     def __init__(self, tracking_uri: str, name: str):
-        from mlflow import MlflowClient
-
         probe(tracking_uri)
         self.tracking_uri, self.name = tracking_uri, name
-        self.client = MlflowClient(tracking_uri)
+        self.client = mlflow_client(tracking_uri)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Registry":

@@ -20,8 +20,10 @@ from prefect.utilities.annotations import quote
 from flows import cli
 from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
+from qerl.evaluate import eval_examples
 from qerl.phases import Phases
 from qerl.plots import REWARD_CURVE, TRAINING_CURVES
+from qerl.runlock import FolderLock, run_folder_lock
 from qerl.tracking import JsonlWriter, log_step
 from tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
                    score_rewards, torchrun_train)
@@ -65,6 +67,17 @@ def with_quantized_base(settings: Settings, quantized_root: str) -> Settings:
     return dataclasses.replace(settings, quant=dataclasses.replace(q, quantized_path=folder))
 
 
+def claim_run_folder(out_dir: str, nproc: int = 1) -> FolderLock:
+    """The run folder's lock, taken before MLflow and Prefect do any work: a second flow on the folder fails here in
+    one line naming the holder, not inside MLflow's database set-up or after Prefect's start-up. The trainer this
+    process builds joins it (`hand_over`); over several processes the torchrun job takes it itself, so here the
+    folder is only checked free. Release it (or leave the `with` block) after the trainer has closed."""
+    lock = run_folder_lock(out_dir, hand_over=True).acquire()
+    if nproc > 1:
+        lock.release()
+    return lock
+
+
 def default_out_dir(settings: Settings) -> str:
     """A fresh folder per flow run (the trainer refuses to overwrite a previous run without --overwrite)."""
     return str(Path(settings.train.out_dir) / time.strftime("%Y%m%d-%H%M%S"))
@@ -75,6 +88,7 @@ def train_and_evaluate(settings: Settings, out_dir: str, tracker, *, quantized_r
                        before_training=None, overwrite: bool = False) -> TrainOutcome:
     """The body both training flows share. `before_training(trainer)` runs once the policy is loaded (the retrain
     flow evaluates the champion there, on the same in-process model)."""
+    eval_examples(settings)  # the final evaluation's data: a bad eval.n fails now, not after the training
     settings = with_quantized_base(settings, quantized_root)
     trainer = build_trainer(settings, out_dir, tracker, resume=resume, init_adapter=init_adapter, overwrite=overwrite)
     try:
@@ -127,6 +141,7 @@ def train_over_processes(settings: Settings, params: str, overrides: list[str], 
     after its loop, from the run folder the job wrote: its parameters and per-step metrics into the tracker (the job
     itself tracks nothing), the final evaluation of the base + adapter, the artifacts. No evaluations between steps:
     the job's ranks train only."""
+    eval_examples(settings)  # the final evaluation's data: a bad eval.n fails now, not after the training
     settings = with_quantized_base(settings, quantized_root)
     if settings.train.eval_every:
         get_run_logger().warning("train.eval_every=%d: no evaluations between steps over %d processes, only the "
@@ -191,8 +206,9 @@ def train(params: str = "params/default.yaml", overrides: list[str] | None = Non
     if resume and out_dir is None:
         raise ConfigError("resume=True needs out_dir: the run folder whose checkpoints to continue from")
     out_dir = out_dir or default_out_dir(settings)
-    with open_tracker(settings, run_name=settings.tracking.run_name or describe(settings),
-                      tags=run_tags(settings, **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
+    with claim_run_folder(out_dir, nproc), \
+            open_tracker(settings, run_name=settings.tracking.run_name or describe(settings),
+                         tags=run_tags(settings, **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
         if nproc == 1:
             outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
                                          max_steps=max_steps, resume=resume, overwrite=overwrite)
@@ -235,10 +251,14 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> str:
     settings = load_settings(args.params, args.overrides)
-    if settings.tracking.backend == "mlflow":
-        probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
-    result = train(args.params, args.overrides, args.out, args.max_steps, args.resume, overwrite=args.overwrite,
-                   nproc=args.nproc)
+    if args.resume and args.out is None:
+        raise ConfigError("--resume needs --out: the run folder whose checkpoints to continue from")
+    out_dir = args.out or default_out_dir(settings)
+    with claim_run_folder(out_dir, args.nproc):  # first: a folder in use fails before MLflow and Prefect start
+        if settings.tracking.backend == "mlflow":
+            probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
+        result = train(args.params, args.overrides, out_dir, args.max_steps, args.resume, overwrite=args.overwrite,
+                       nproc=args.nproc)
     return (f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
             + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
 

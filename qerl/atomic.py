@@ -8,12 +8,15 @@ file under the destination's name; the temp sibling is removed on any exception.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -86,3 +89,19 @@ def atomic_dir(path: str | os.PathLike, *, temp_prefix: str | None = None,
                     raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_killed_writes(path: str | os.PathLike) -> list[Path]:
+    """Delete what killed writes of `path` left beside it: temp files and folders (`.<name>.tmp-*`, written by this
+    module and by callers' `temp_prefix`) and old folders moved aside by `replace_dir` (`.<name>.old-*`).
+
+    Call only while holding the lock that makes you `path`'s one writer: then no live process owns them."""
+    path = Path(path)
+    stale = sorted(p for pattern in (f".{path.name}.tmp-*", f".{path.name}.old-*") for p in path.parent.glob(pattern))
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        log.info("removed %s (left by a write that was killed)", p)
+    return stale

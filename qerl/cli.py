@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="GRPO/DAPO training of LoRA on the quantized base with AQN")
     _add_params(p)
     p.add_argument("--out", default=None, help="run folder (default: train.out_dir)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (of train.steps)")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="train N steps, then stop with a checkpoint (never past train.steps); with --resume, N more "
+                        "steps past the checkpoint it resumes from")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue from the newest intact checkpoint in the run folder")

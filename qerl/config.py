@@ -226,6 +226,13 @@ class TrainSettings:
     def validate(self) -> None:
         if not self.rewards:
             raise _RuleError("rewards", "rewards = {}: name at least one reward function (e.g. accuracy: 1.0)")
+        from qerl.rewards import get_reward_fn  # here: a misspelt name fails now, not after the model has loaded
+
+        for name in self.rewards:
+            try:
+                get_reward_fn(name)
+            except ValueError as e:
+                raise _RuleError("rewards", f"rewards = {self.rewards}: {e}") from None
 
 
 @dataclass
@@ -341,11 +348,13 @@ def load_settings(path: str | Path | None = None, overrides: typing.Sequence[str
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8") \
             from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if raw is None:  # an empty file is a mistake (a truncated copy, the wrong path), not a wish for every default
+        raise ConfigError(f"{path}: the params file is empty (no sections); start from params/default.yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
     lines = _key_lines(text)

@@ -276,7 +276,7 @@ def load_dataset(
     if n is None:
         return examples
     if not 0 <= n <= len(examples):
-        raise ValueError(f"n={n} but {name!r} has {len(examples)} examples")
+        raise TooFewExamples(n, len(examples), tables.table_label(name, config, split))
     keep = sorted(random.Random(seed).sample(range(len(examples)), n))
     return [examples[i] for i in keep]
 
@@ -293,14 +293,27 @@ def _resolve_table(name: str, path: str | Path | None, config: str | None,
     return name, config, answer_format
 
 
-def examples_for(source: Any, knobs: Any = None, n: int | None = None) -> list[Example]:
+class TooFewExamples(ValueError):
+    """A table holds fewer examples than asked for; `examples_for` names the setting that asked."""
+
+    def __init__(self, n: int, available: int, label: str):
+        super().__init__(f"n={n} but {label} has {available} examples")
+        self.n, self.available, self.label = n, available, label
+
+
+def examples_for(source: Any, knobs: Any = None, n: int | None = None, key: str = "data.n") -> list[Example]:
     """The examples a `data` or `eval` settings section names (`n` defaults to its own); the arithmetic knobs come
-    from `knobs` (default: the section itself, which for `eval` must be given the `data` section)."""
+    from `knobs` (default: the section itself, which for `eval` must be given the `data` section). `key` is how an
+    `n` beyond the table is named to the user (data.n, eval.n, --limit)."""
     knobs = knobs or source
-    return load_dataset(source.name, split=source.split, n=source.n if n is None else n, seed=source.seed,
-                        path=source.path, config=source.config, question_field=source.question_field,
-                        answer_field=source.answer_field, answer_format=source.answer_format,
-                        digits=knobs.digits, operators=knobs.operators, steps=knobs.steps)
+    try:
+        return load_dataset(source.name, split=source.split, n=source.n if n is None else n, seed=source.seed,
+                            path=source.path, config=source.config, question_field=source.question_field,
+                            answer_field=source.answer_field, answer_format=source.answer_format,
+                            digits=knobs.digits, operators=knobs.operators, steps=knobs.steps)
+    except TooFewExamples as e:
+        raise ValueError(f"{key} = {e.n}: {e.label} has only {e.available} example{'' if e.available == 1 else 's'} "
+                         f"(lower {key}, or set it to null for all of them)") from None
 
 
 def fingerprint(source: Any, knobs: Any = None) -> dict[str, Any]:

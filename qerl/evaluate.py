@@ -150,7 +150,8 @@ def eval_examples(settings: Settings, limit: int | None = None) -> list:
     """The evaluation split named by `settings.eval` (arithmetic knobs shared with `settings.data`)."""
     from qerl import data
 
-    return data.examples_for(settings.eval, knobs=settings.data, n=limit or settings.eval.n)
+    return data.examples_for(settings.eval, knobs=settings.data, n=limit or settings.eval.n,
+                             key="--limit" if limit else "eval.n")
 
 
 def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path | None = None,

@@ -25,11 +25,12 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from qerl import lora
-from qerl.atomic import atomic_dir
+from qerl.atomic import atomic_dir, remove_killed_writes
 from qerl.loading import convert_gguf, quant_scheme, read_config, resolve_model
 from qerl.model import ModelConfig, Transformer
 from qerl.quant.checkpoint import quantize_checkpoint
 from qerl.quant.formats import SERVABLE_SCHEMES, get_codec
+from qerl.runlock import output_lock
 
 log = logging.getLogger(__name__)
 
@@ -58,32 +59,40 @@ def export_policy(adapter: str | os.PathLike, out: str | os.PathLike, merge: boo
     source = _base_source(model or config.get("base_model_name_or_path"), given=model is not None)
     stored = quant_scheme(read_config(source), source) if source.is_dir() else None
     scheme = _scheme(scheme, stored)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out} already exists and is not empty; choose another folder or remove it")
+    _check_out_free(out)
     _check_adapter_fits(source, adapter)  # before any slow work: a wrong adapter fails in a second
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        folder = work / "export"
-        if merge:
-            _write_merged(source, adapter, scheme, folder)
-            command = f"vllm serve {out.resolve()}"
-        else:
-            _write_unmerged(source, stored, adapter, scheme, folder, out.resolve())
-            rank = int(config["r"])
-            max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
-            command = (f"vllm serve {out.resolve() / 'base'} --enable-lora --lora-modules "
-                       f"{_served_name(out)}={out.resolve() / 'adapter'} --max-lora-rank {max_rank}")
-        (folder / "README.md").write_text(_readme(out.resolve(), merge, scheme, command, config, _served_name(out)))
-        os.replace(folder, out)  # an empty `out` is replaced; nothing half-written is ever visible there
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    # One writer per destination: under its lock, temp folders beside `out` are the remains of killed exports.
+    with output_lock(out):
+        remove_killed_writes(out)
+        _check_out_free(out)  # again, under the lock: a racing export may have finished meanwhile
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            folder = work / "export"
+            if merge:
+                _write_merged(source, adapter, scheme, folder)
+                command = f"vllm serve {out.resolve()}"
+            else:
+                _write_unmerged(source, stored, adapter, scheme, folder, out.resolve())
+                rank = int(config["r"])
+                max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+                command = (f"vllm serve {out.resolve() / 'base'} --enable-lora --lora-modules "
+                           f"{_served_name(out)}={out.resolve() / 'adapter'} --max-lora-rank {max_rank}")
+            (folder / "README.md").write_text(_readme(out.resolve(), merge, scheme, command, config, _served_name(out)))
+            os.replace(folder, out)  # an empty `out` is replaced; nothing half-written is ever visible there
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     if not merge and config.get("modules_to_save"):
         log.warning("the adapter also trains %s (PEFT modules_to_save), which vLLM's LoRA does not load: serve the "
                     "--merge export with vLLM; transformers + PEFT load this one", config["modules_to_save"])
     log.info("exported to %s", out)
     return Export(out, merge, scheme, command)
+
+
+def _check_out_free(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out} already exists and is not empty; choose another folder or remove it")
 
 
 def _adapter_config(adapter: Path) -> dict:

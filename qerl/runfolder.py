@@ -11,11 +11,26 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
+
+from qerl import atomic
 
 log = logging.getLogger(__name__)
 
 TRACES = ("metrics.jsonl", "adapter", "checkpoints")  # what marks a folder as holding a run
 OUTPUTS = TRACES + ("params.yaml", "reward_curve.png", "training_curves.png")  # what a run writes (and --overwrite removes)
+
+
+# What a checkpoint's adapter and optimizer state belong to: resuming it under other values would be another run.
+FIXED_ON_RESUME = ("model.path", "quant.scheme", "lora.rank", "lora.alpha", "lora.target_modules", "lora.use_rslora",
+                   "lora.train_norms")
+
+
+def remove_killed_writes(folder: Path) -> None:
+    """Delete the temp files and folders that killed writes of the run's outputs left (the final adapter export, the
+    metrics rewrite, ...). Call only while holding the run's lock. Checkpoints sweep their own (`qerl.checkpoints`)."""
+    for name in OUTPUTS:
+        atomic.remove_killed_writes(folder / name)
 
 
 def traces(folder: Path) -> list[str]:
@@ -39,6 +54,10 @@ def check_start(folder: Path, resume: bool, overwrite: bool, has_checkpoint: boo
         return
     listed = ", ".join(found)
     if resume and not has_checkpoint:
+        if found == ["metrics.jsonl"]:  # killed before its first checkpoint: starting over is exactly resuming
+            log.warning("no checkpoint in %s yet (the run stopped before its first): resuming from step 0; "
+                        "metrics.jsonl's rows are rewritten from step 1", folder)
+            return
         raise FileExistsError(f"nothing to resume in {folder}: it holds {listed} but no checkpoint; pass --overwrite "
                               "to start the run over (its outputs are deleted), or choose another --out")
     if not resume and not overwrite:
@@ -52,3 +71,25 @@ def check_start(folder: Path, resume: bool, overwrite: bool, has_checkpoint: boo
             elif path.exists():
                 path.unlink()
         log.warning("--overwrite: deleted the previous run's outputs in %s (%s)", folder, listed)
+
+
+def check_resumed_settings(checkpoint: Path, saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """Name in one line the settings that differ from those the checkpoint was trained with: the run continues with
+    the new values (a longer `train.steps`, a lower learning rate), except for `FIXED_ON_RESUME`, which are refused.
+    Keys the checkpoint does not know (settings added to qerl since) are not differences."""
+    old, new = _flat(saved or {}), _flat(current)
+    changed = [key for key in new if key in old and old[key] != new[key]]
+    if not changed:
+        return
+    listed = ", ".join(f"{key} {old[key]!r} -> {new[key]!r}" for key in changed)
+    fixed = [key for key in changed if key in FIXED_ON_RESUME]
+    if fixed:
+        raise ValueError(f"--resume: {checkpoint} was trained with other {', '.join(fixed)} ({listed}); its adapter "
+                         "and optimizer state belong to those: resume with the run's own params.yaml, or pass "
+                         "--overwrite to start over")
+    log.warning("--resume: settings changed since %s (%s): the run continues with the new values", checkpoint, listed)
+
+
+def _flat(settings: dict[str, Any]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, values in settings.items() if isinstance(values, dict)
+            for key, value in values.items()}

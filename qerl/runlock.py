@@ -19,19 +19,34 @@ class FolderLocked(RuntimeError):
     """Another process holds the lock; the message names it (PID and host) in one line."""
 
 
+# Locks taken with `hand_over=True`, by lock file: a later lock of the same file in this process joins the holder
+# instead of failing (a flow takes its run folder before MLflow and Prefect start; the trainer it builds joins).
+_handed_over: dict[Path, "FolderLock"] = {}
+
+
 class FolderLock:
     """`with FolderLock(lock_file, what="run folder runs/x"):` or `lock = FolderLock(...).acquire()` ... `release()`.
 
-    Fails at once (no waiting): two trainers on one folder is a mistake to report, not a queue to form.
+    Fails at once (no waiting): two trainers on one folder is a mistake to report, not a queue to form. With
+    `hand_over`, later locks of the same file in this process join this one (their release is a no-op): for a
+    caller that takes the folder early on behalf of what it starts next.
     """
 
-    def __init__(self, lock_file: str | Path, what: str):
+    def __init__(self, lock_file: str | Path, what: str, hand_over: bool = False):
         self.path = Path(lock_file)
         self.what = what
+        self.hand_over = hand_over
         self._fd: int | None = None
+        self._joined = False
+        self._made_folder = False
 
     def acquire(self) -> "FolderLock":
+        self._made_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        holder = _handed_over.get(self._key())
+        if holder is not None and holder.held:
+            self._joined = True
+            return self
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -53,23 +68,36 @@ class FolderLock:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
         self._fd = fd
+        if self.hand_over:
+            _handed_over[self._key()] = self
         return self
 
+    def _key(self) -> Path:
+        return self.path.parent.resolve() / self.path.name
+
     def release(self) -> None:
+        self._joined = False
         if self._fd is None:
             return
+        if _handed_over.get(self._key()) is self:
+            del _handed_over[self._key()]
         fd, self._fd = self._fd, None
         try:
             self.path.unlink(missing_ok=True)  # while still locked: nobody can take a lock on it in between
         finally:
             os.close(fd)  # releases the flock
+        if self._made_folder:  # taken for a run that wrote nothing (it failed first): leave no empty folder behind
+            try:
+                self.path.parent.rmdir()
+            except OSError:  # not empty, or gone
+                pass
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._fd is not None or self._joined
 
     def __enter__(self) -> "FolderLock":
-        return self.acquire()
+        return self if self.held else self.acquire()  # `with lock.acquire():` and `with lock:` alike
 
     def __exit__(self, *exc) -> None:
         self.release()
@@ -95,9 +123,9 @@ def _describe_holder(fd: int, wait_s: float = 1.0) -> str:
             time.sleep(0.02)
 
 
-def run_folder_lock(folder: str | Path) -> FolderLock:
-    """The lock of a training run folder: `<folder>/.qerl.lock`."""
-    return FolderLock(Path(folder) / ".qerl.lock", what=f"run folder {folder}")
+def run_folder_lock(folder: str | Path, hand_over: bool = False) -> FolderLock:
+    """The lock of a training run folder: `<folder>/.qerl.lock` (`hand_over`: see `FolderLock`)."""
+    return FolderLock(Path(folder) / ".qerl.lock", what=f"run folder {folder}", hand_over=hand_over)
 
 
 def output_lock(target: str | Path) -> FolderLock:

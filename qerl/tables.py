@@ -74,25 +74,61 @@ def _open_file(datasets: Any, path: Path) -> datasets.Dataset:
                          f"{', '.join(sorted(FILE_LOADERS))} (or a folder of them, or a hub dataset id)")
     if loader in ("json", "csv"):
         _check_utf8(path)  # pyarrow's decode error names neither the file nor the line
+    _check_has_rows(path, loader)  # `datasets` says StopIteration, or "corresponds to no data"
     # A single file is one split; `datasets` calls it "train" whatever it holds.
     return _open(datasets, str(path), lambda: datasets.load_dataset(loader, data_files=str(path), split="train"))
 
 
 def _open(datasets: Any, label: str, load: Any) -> datasets.Dataset:
-    """A local table, without `datasets`' progress bars (noise for a file read in a second, and they would
-    come before a one-line error)."""
+    """A local table, without `datasets`' progress bars and error logs (noise for a file read in a second, and they
+    would come before our one-line error, which says the same with the file's name)."""
     was_enabled = datasets.is_progress_bar_enabled()
+    verbosity = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return load()
     except (FileNotFoundError, ConnectionError, ImportError):
         raise
     except Exception as e:  # pyarrow and pandas parse errors have many types; each becomes one line naming the file
-        reason = _bad_json_line(Path(label)) or " ".join(str(e).split()) or type(e).__name__
+        reason = _bad_json_line(Path(label)) or _innermost(e)
         raise ValueError(f"{label}: {reason}") from None
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+def _innermost(e: BaseException) -> str:
+    """The message of the error at the bottom of the chain: `datasets` wraps the parser's own error (which names
+    the problem) in "An error occurred while generating the dataset"."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _check_has_rows(path: Path, loader: str) -> None:
+    """ValueError naming the file when it holds no rows: empty, blank, a CSV header alone, a parquet of 0 rows."""
+    if loader == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except Exception:  # noqa: BLE001 - not a parquet file: the loader's own error says so
+            return
+        if rows == 0:
+            raise ValueError(f"{path}: the parquet file has no rows")
+        return
+    lines = 0
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            lines += bool(line.strip())
+            if lines > 1:
+                return
+    if lines == 0:
+        raise ValueError(f"{path}: the file is empty (no rows)")
+    if loader == "csv":
+        raise ValueError(f"{path}: only a header line, no rows")
 
 
 def _check_utf8(path: Path) -> None:

@@ -26,9 +26,11 @@ import torch
 from torch import Tensor
 
 from qerl import atomic
-from qerl import checkpoints, data, distributed, grading, grpo, lora, recompute, rewards, runfolder, training_ops
+from qerl import (checkpoints, data, distributed, grading, grpo, lora, recompute, rewards, runfolder, safestate,
+                  training_ops)
 from qerl.aqn import build_schedule
 from qerl.config import Settings
+from qerl.errors import naming_a_full_disk
 from qerl.generate import Rollout
 from qerl.manifest import write_manifest
 from qerl.phases import Phases
@@ -41,7 +43,8 @@ from qerl.tracking import JsonlWriter, NullTracker, Tracker, log_step
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = "trainer_state.json"  # the trainer state's structure and plain values (qerl.safestate)
+STATE_TENSORS = "trainer_state.safetensors"  # its tensors
 
 
 @dataclass
@@ -185,7 +188,9 @@ class Trainer:
         self.progress = progress
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
         if self.dist.is_main:
-            checkpoints.remove_killed_writes(self.out / CHECKPOINTS)  # we hold the lock: no live writer owns them
+            # We hold the lock: no live writer owns what killed writes left.
+            checkpoints.remove_killed_writes(self.out / CHECKPOINTS)
+            runfolder.remove_killed_writes(self.out)
             runfolder.check_start(self.out, resume, overwrite, has_checkpoint=bool(checkpoints.finished(
                 self.out / CHECKPOINTS)))
         seed_everything(s.train.seed)
@@ -193,7 +198,7 @@ class Trainer:
 
         d = s.data  # data first: a bad dataset fails in a second, not after a model load
         self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
-        examples = data.examples_for(d)
+        examples = data.examples_for(d, key="data.n")
         if model is None:
             tokenizer, context = load_tokenizer_and_context(s.model, s.quant)  # no weights yet: a second or two
         else:
@@ -528,6 +533,8 @@ class Trainer:
             self.train_step(phases)
             if eval_every and self.step % eval_every == 0 and self.step < stop:
                 phases.evaluate(self)
+        if self.step < total and self.step % self.settings.train.save_every and self.dist.is_main:
+            self.save_checkpoint()  # stopped early (--max-steps): --resume continues from here, not the last save
         adapter = self.out / "adapter"
         if self.dist.is_main:
             adapter = phases.export(self)
@@ -550,13 +557,15 @@ class Trainer:
     def write_plots(self) -> list[Path]:
         from qerl.plots import plot_training_curves
 
-        return plot_training_curves(self.metrics_log.read(), self.out)
+        with naming_a_full_disk(self.out):
+            return plot_training_curves(self.metrics_log.read(), self.out)
 
     # ------------------------------------------------------------------------------------------------ state
 
     def export_adapter(self, out_dir: str | Path) -> Path:
         base = str(self.settings.quant.quantized_path or self.settings.model.path)
-        return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
+        with naming_a_full_disk(out_dir):
+            return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest finished checkpoint folder (intact or not: `resume_from_newest_intact` checks)."""
@@ -568,11 +577,24 @@ class Trainer:
         hashes, written last) and renamed (atomic). The `keep` newest are kept, so a damaged newest one has a
         predecessor to fall back to."""
         root = self.out / CHECKPOINTS
-        root.mkdir(parents=True, exist_ok=True)
         final = root / f"{checkpoints.PREFIX}{self.step:06d}"
         tmp = checkpoints.temp_folder(root, self.step, os.getpid())
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            with naming_a_full_disk(final, "the older checkpoints are intact: free space, then --resume"):
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                self._write_checkpoint(tmp)
+                atomic.replace_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, at once (a kill leaves it to the next start)
+            raise
+        for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s", final)
+        return final
+
+    def _write_checkpoint(self, tmp: Path) -> None:
         self.export_adapter(tmp / "adapter")
         state = {
             "step": self.step,
@@ -584,13 +606,8 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "settings": self.settings.to_dict(),
         }
-        torch.save(state, tmp / STATE_FILE)
+        safestate.save(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
         write_manifest(tmp)
-        atomic.replace_dir(tmp, final)
-        for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint %s", final)
-        return final
 
     def resume_from_newest_intact(self) -> Path | None:
         """Load the newest intact checkpoint, falling back past damaged ones (each reported in one line); None if
@@ -605,12 +622,20 @@ class Trainer:
     @staticmethod
     def read_checkpoint(path: Path) -> dict[str, Any]:
         """A checkpoint's trainer state, its adapter file checked readable; raises `CheckpointCorrupt` naming the
-        file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched."""
+        file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched. Nothing in the files is
+        executed: JSON and safetensors (`qerl.safestate`), or an older qerl's pickle read by
+        `checkpoints.read_pickled_state`, which refuses anything but tensors, numbers and arrays."""
         from safetensors import safe_open
 
         file = path / STATE_FILE
         try:
-            state = torch.load(file, map_location="cpu", weights_only=False)
+            if not file.exists() and (path / checkpoints.PICKLED_STATE).exists():
+                file = path / checkpoints.PICKLED_STATE
+                state = checkpoints.read_pickled_state(file)
+            else:
+                state = safestate.load(file, path / STATE_TENSORS)
+            if not isinstance(state, dict):
+                raise TypeError(f"holds a {type(state).__name__}, not a trainer state")
             missing = {"step", "optimizer", "scheduler", "sampler", "rng"} - set(state)
             if missing:
                 raise KeyError(f"lacks {', '.join(sorted(missing))}")
@@ -618,7 +643,11 @@ class Trainer:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     f.get_tensor(key)
-        except Exception as e:  # noqa: BLE001 - torch, pickle and safetensors each raise their own types
+        except checkpoints.CheckpointCorrupt:  # already names the file (an older pickle refused)
+            raise
+        except safestate.StateFormatError as e:
+            raise checkpoints.CheckpointCorrupt(f"{e.file}: unreadable ({e.reason})") from None
+        except Exception as e:  # noqa: BLE001 - safetensors and torch each raise their own types
             reason = str(e).strip().splitlines()[0] if str(e).strip() else "empty or truncated"
             raise checkpoints.CheckpointCorrupt(f"{file}: unreadable ({type(e).__name__}: {reason})") from None
         return state
@@ -627,6 +656,8 @@ class Trainer:
         self.apply_checkpoint(path, self.read_checkpoint(path))
 
     def apply_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        if self.dist.is_main:
+            runfolder.check_resumed_settings(path, state.get("settings"), self.settings.to_dict())
         lora.load_adapter(self.model, path / "adapter")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qerl.checkpoints import NoIntactCheckpoint
+from qerl.checkpoints import PICKLED_STATE as PICKLED
+from qerl.checkpoints import NoIntactCheckpoint, read_pickled_state
 from qerl.manifest import MANIFEST, ManifestMismatch, verify_manifest, write_manifest
 from tests.test_run_folder import steps, tiny_process, wait_for
 from tests.test_trainer import make_trainer, tiny_settings
@@ -52,9 +53,10 @@ def garbage(path: Path) -> None:  # same size: only the hash can tell
     path.write_bytes(os.urandom(path.stat().st_size))
 
 
-STATE, WEIGHTS = "trainer_state.pt", "adapter/adapter_model.safetensors"
+STATE, TENSORS, WEIGHTS = "trainer_state.json", "trainer_state.safetensors", "adapter/adapter_model.safetensors"
 CORRUPTIONS = {
     "state truncated": (STATE, truncate), "state zero bytes": (STATE, zero), "state garbage": (STATE, garbage),
+    "state tensors truncated": (TENSORS, truncate), "state tensors garbage": (TENSORS, garbage),
     "adapter truncated": (WEIGHTS, truncate), "adapter garbage": (WEIGHTS, garbage),
     "manifest garbage": (MANIFEST, garbage), "adapter config deleted": ("adapter/adapter_config.json", Path.unlink),
 }
@@ -88,17 +90,94 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back_to_the_prev
     assert steps(run) == [1, 2]
 
 
+def test_a_checkpoint_whose_manifest_was_deleted_is_damaged(run, caplog):
+    """qerl writes a manifest with every checkpoint: one without was tampered with, so it is not loaded unverified."""
+    (run / "checkpoints" / "step-000004" / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING), make_trainer(tiny_settings(None), run, resume=True) as trainer:
+        assert trainer.step == 2
+    assert any(f"{run / 'checkpoints' / 'step-000004' / MANIFEST}: missing (every checkpoint is written with one)"
+               in r.getMessage() for r in caplog.records)
+
+
+def as_pickled_checkpoint(folder: Path, manifest: bool) -> None:
+    """Rewrite a checkpoint as older qerl wrote it: the trainer state pickled by torch.save (and, in the oldest
+    versions, no manifest)."""
+    from qerl import safestate
+
+    state = safestate.load(folder / STATE, folder / TENSORS)
+    (folder / STATE).unlink()
+    (folder / TENSORS).unlink()
+    (folder / MANIFEST).unlink()
+    torch.save(state, folder / PICKLED)
+    if manifest:
+        write_manifest(folder)
+
+
+@pytest.mark.parametrize("manifest", [True, False])
+def test_an_older_pickled_checkpoint_resumes_bit_for_bit(finished, tmp_path, manifest):
+    """Read by torch's restricted unpickler (tensors, numbers, numpy arrays): nothing to run, and the same run."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    shutil.rmtree(run / "checkpoints" / "step-000004")
+    as_pickled_checkpoint(run / "checkpoints" / "step-000002", manifest)
+    (run / "adapter").rename(run / "adapter-before")
+    with make_trainer(tiny_settings(None), run, resume=True) as trainer:
+        assert trainer.step == 2
+        trainer.train()
+    a, b = adapter(finished), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("what", ["state garbage", "adapter truncated"])
-def test_a_checkpoint_without_manifest_is_checked_by_loading_it(run, what, caplog):
+def test_an_older_checkpoint_without_manifest_is_checked_by_loading_it(run, what, caplog):
     """Checkpoints written before manifests existed: a load error names the file and the run falls back too."""
     name, damage = CORRUPTIONS[what]
     for ckpt in (run / "checkpoints").iterdir():
-        (ckpt / MANIFEST).unlink()
-    damage(run / "checkpoints" / "step-000004" / name)
+        as_pickled_checkpoint(ckpt, manifest=False)
+    damage(run / "checkpoints" / "step-000004" / (PICKLED if name == STATE else name))
     with caplog.at_level(logging.WARNING), make_trainer(tiny_settings(None), run, resume=True) as trainer:
         assert trainer.step == 2
-    assert any(f"{run / 'checkpoints' / 'step-000004' / name}: unreadable (" in r.getMessage()
-               for r in caplog.records)
+    assert any(f"{run / 'checkpoints' / 'step-000004' / (PICKLED if name == STATE else name)}: unreadable ("
+               in r.getMessage() for r in caplog.records)
+
+
+class Payload:
+    """Unpickling this runs `touch MARKER`: what an attacker plants in a checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_resume_never_runs_code_planted_in_a_checkpoint(finished, tmp_path):
+    """A pickled trainer state carrying a payload, the manifest updated to match (as an attacker would): the real
+    `--resume` process refuses the checkpoint, naming the function the pickle asked for, runs nothing, and continues
+    from the older checkpoint."""
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(finished, run)
+    newest = run / "checkpoints" / "step-000004"
+    as_pickled_checkpoint(newest, manifest=False)
+    state = read_pickled_state(newest / PICKLED)
+    state["aqn"] = Payload(marker)
+    torch.save(state, newest / PICKLED)
+    write_manifest(newest)
+    # A planted pickle beside the JSON state is never read either.
+    torch.save(Payload(marker), run / "checkpoints" / "step-000002" / PICKLED)
+    write_manifest(run / "checkpoints" / "step-000002")
+
+    proc = tiny_process(run, "--resume")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert not marker.exists()
+    refused = [line for line in err.splitlines() if "checkpoint step-000004 is damaged" in line]
+    assert len(refused) == 1 and f"{newest / PICKLED}: refused: its pickle calls " in refused[0], err
+    assert "system" in refused[0] and "nothing was run" in refused[0]
+    assert "resuming from" in err and "step-000002 (step 2)" in err
+    assert steps(run) == [1, 2, 3, 4]
+    a, b = adapter(finished), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_after_a_fallback_the_run_continues_to_the_same_adapter_as_an_undamaged_one(finished, run):
@@ -159,3 +238,29 @@ def test_qerl_train_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
     assert last == (f"qerl: error: no intact checkpoint in {run / 'checkpoints'}: {run / 'checkpoints' / 'step-000002'}"
                     f"/{STATE}: 7 bytes, the manifest says 0 (pass --overwrite to start the run over)")
     assert "Traceback" not in proc.stderr
+
+
+def test_the_state_format_keeps_every_kind_of_value_a_trainer_state_holds(tmp_path):
+    import math
+    import random
+
+    import numpy as np
+
+    from qerl import safestate
+
+    tree = {"python_rng": random.Random(1).getstate(), "numpy_rng": np.random.RandomState(2).get_state(),
+            "by_index": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}}, "floats": [0.1, math.inf],
+            "none": None, "flag": True, "text": "a", "__tensor__": "a key that looks like a marker"}
+    safestate.save(tree, tmp_path / "s.json", tmp_path / "s.safetensors")
+    back = safestate.load(tmp_path / "s.json", tmp_path / "s.safetensors")
+    assert back["python_rng"] == tree["python_rng"]  # tuples stay tuples: random.setstate takes them
+    assert all((a == b).all() if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(back["numpy_rng"], tree["numpy_rng"]))
+    assert back["numpy_rng"][1].dtype == np.uint32
+    assert list(back["by_index"]) == [0] and torch.equal(back["by_index"][0]["exp_avg"], tree["by_index"][0]["exp_avg"])
+    assert back["floats"] == [0.1, math.inf] and back["none"] is None and back["flag"] is True
+    assert back["__tensor__"] == "a key that looks like a marker"
+
+    (tmp_path / "s.json").write_text('{"x": {"__tensor__": "t99"}}')  # names a tensor the file lacks
+    with pytest.raises(safestate.StateFormatError, match=r"s\.json: KeyError: 't99'"):
+        safestate.load(tmp_path / "s.json", tmp_path / "s.safetensors")

@@ -135,3 +135,47 @@ def test_a_non_utf8_data_file_is_one_line_naming_file_and_line(tmp_path):
     proc = qerl("eval", "-S", f"eval.name={rows}", "-S", "eval.n=null")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"qerl: error: {rows}:2: not UTF-8 (byte 0xff at byte 15 of the line)"]
+
+
+def test_an_empty_params_file_is_one_line_not_a_run_with_every_default(tmp_path):
+    params = tmp_path / "empty.yaml"
+    params.write_text("# nothing yet\n")
+    proc = qerl("train", "--params", params, "--out", tmp_path / "run")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"qerl: error: {params}: the params file is empty (no sections); start from "
+                                        "params/default.yaml"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_reward_name_fails_with_the_other_settings(tmp_path):
+    """Before anything loads: the model path does not even exist."""
+    proc = qerl("train", "-S", "model.path=/nonexistent", "-S", "train.rewards={accuarcy: 1.0}", "--out",
+                tmp_path / "run")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "qerl: error: -S train.rewards={accuarcy: 1.0}: train.rewards = {'accuarcy': 1.0}: unknown reward "
+        "'accuarcy': use one of ['accuracy', 'format'] or 'package.module:function'"]
+
+
+def test_n_beyond_the_dataset_names_the_key_and_the_file_before_the_model_loads(tmp_path):
+    """The model path does not exist: the error comes from the data, checked first."""
+    table = tmp_path / "problems.csv"
+    table.write_text("question,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
+    proc = qerl("eval", "-S", "model.path=/nonexistent", "-S", f"eval.name={table}", "-S", "eval.n=5")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"qerl: error: eval.n = 5: {table} has only 2 examples (lower eval.n, or set "
+                                        "it to null for all of them)"]
+    proc = qerl("train", "-S", "model.path=/nonexistent", "-S", f"data.name={table}", "-S", "data.n=3", "--out",
+                tmp_path / "run")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (f"qerl: error: data.n = 3: {table} has only 2 examples (lower data.n, or "
+                                            "set it to null for all of them)")
+
+
+def test_a_damaged_parquet_file_is_one_line_without_the_datasets_librarys_own_lines(tmp_path):
+    table = tmp_path / "bad.parquet"
+    table.write_bytes(b"PAR1 not really")
+    proc = qerl("eval", "-S", "model.path=/nonexistent", "-S", f"eval.name={table}", "-S", "eval.n=null")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"qerl: error: {table}: Parquet magic bytes not found in footer. Either the "
+                                        "file is corrupted or this is not a parquet file."]

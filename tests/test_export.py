@@ -78,8 +78,12 @@ def vllm_command(out) -> list[str]:
 def test_unmerged_export_is_the_policy_in_transformers_and_peft(policy, tmp_path, capsys):
     model, tokenizer, adapter = policy
     out = tmp_path / "export"
+    killed = tmp_path / ".export.tmp-killed"  # what an export killed half-way leaves beside its destination
+    (killed / "export" / "base").mkdir(parents=True)
+    (killed / "export" / "base" / "model.safetensors").write_bytes(b"\0" * 1000)
     assert main(["export", "--adapter", str(adapter), "--out", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == " ".join(vllm_command(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # the killed one's remains and the lock are gone
 
     # vLLM: the base folder in compressed-tensors NVFP4, the adapter registered by name, rank within the limit.
     command = vllm_command(out)

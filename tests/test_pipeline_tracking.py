@@ -134,3 +134,25 @@ def test_train_flow_checks_the_server_before_loading_anything(tmp_path):
         train.fn(params=str(ROOT / "params/tiny.yaml"), out_dir=str(out),
                  overrides=[f"tracking.tracking_uri=http://127.0.0.1:{closed_port()}"])
     assert not out.exists()
+
+
+SET_UP_AT = """
+import sys, time
+from flows.tracking import mlflow_client
+start = float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.001)
+mlflow_client(sys.argv[1]).get_experiment_by_name("qerl")
+"""
+
+
+def test_two_processes_setting_up_a_fresh_sqlite_store_at_once_both_succeed(tmp_path):
+    """Without the set-up lock one of them died in MLflow's table creation ('duplicate column name') every time."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    start = time.time() + 8  # both past their imports, then at the same moment
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", SET_UP_AT, uri, str(start)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]

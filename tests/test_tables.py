@@ -154,3 +154,33 @@ def test_uncached_hub_dataset_offline_is_one_line_naming_it_and_how_to_fetch_it(
                            f"local datasets cache ({hub_cache})")
     assert "datasets.load_dataset('someone/absent', 'v2')" in last
     assert not (tmp_path / "prepared").exists()
+
+
+def test_files_without_rows_are_one_line_naming_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from qerl.tables import open_table
+
+    files = {"empty.jsonl": "", "blank.jsonl": "\n \n", "empty.csv": "", "header.csv": "question,answer\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    pq.write_table(pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    expected = {"empty.jsonl": "the file is empty (no rows)", "blank.jsonl": "the file is empty (no rows)",
+                "empty.csv": "the file is empty (no rows)", "header.csv": "only a header line, no rows",
+                "empty.parquet": "the parquet file has no rows"}
+    for name, reason in expected.items():
+        with pytest.raises(ValueError) as info:
+            open_table(str(tmp_path / name))
+        assert str(info.value) == f"{tmp_path / name}: {reason}"
+
+
+def test_a_broken_csv_names_the_parsers_reason_not_the_wrapper(tmp_path):
+    from qerl.tables import open_table
+
+    table = tmp_path / "broken.csv"
+    table.write_text('question,answer\n"What is 1 + 1?,2\n')
+    with pytest.raises(ValueError) as info:
+        open_table(str(table))
+    assert str(info.value) == f"{table}: Error tokenizing data. C error: EOF inside string starting at row 1"

@@ -139,14 +139,15 @@ def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path
     full.train()
 
     part = make_trainer(settings, tmp_path / "part")
-    part.train(max_steps=3)  # "killed" after step 3: the last checkpoint is step 2
+    part.train(max_steps=3)
     part.close()  # as the process's exit would: the run folder's lock goes with it
     part.close()
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-000003")  # "killed" after step 3: the last save is step 2
     (tmp_path / "part" / "adapter").rename(tmp_path / "part" / "adapter-stale")
     # a kill mid-write leaves a temp folder behind, never a half checkpoint
     half = tmp_path / "part" / "checkpoints" / ".tmp-step-000004-1"
     half.mkdir()
-    (half / "trainer_state.pt").write_bytes(b"garbage")
+    (half / "trainer_state.json").write_bytes(b"garbage")
 
     resumed = make_trainer(settings, tmp_path / "part", resume=True)
     assert resumed.step == 2
@@ -165,8 +166,9 @@ def test_entropy_targeted_aqn_resumes_bit_exactly(tmp_path):
     full = make_trainer(settings, tmp_path / "full")
     full.train()
     part = make_trainer(settings, tmp_path / "part")
-    part.train(max_steps=3)  # "killed" after step 3: the last checkpoint is step 2
+    part.train(max_steps=3)
     part.close()  # as the process's exit would: the run folder's lock goes with it
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-000003")  # "killed" after step 3: the last save is step 2
 
     def records(run):
         return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

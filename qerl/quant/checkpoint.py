@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from qerl.atomic import atomic_dir
+from qerl.atomic import atomic_dir, remove_killed_writes
 from qerl.quant.formats import Codec, get_codec, scheme_for_compressed_tensors
 from qerl.quant.linear import DECODER_LINEAR_PATTERN, fused_group_key
 from qerl.runlock import output_lock
@@ -206,12 +206,6 @@ def _temp_prefix(dst: Path) -> str:
     return f".{dst.name}.tmp-"
 
 
-def _remove_killed_writes(dst: Path) -> None:
-    for stale in dst.parent.glob(_temp_prefix(dst) + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
-        log.info("removed %s (a quantization that was killed)", stale)
-
-
 def _check_destination(src: Path, dst: Path) -> None:
     if dst.resolve() == src.resolve():
         raise ValueError(f"destination {dst} is the source folder")
@@ -298,7 +292,7 @@ def quantize_checkpoint(
     # One writer per destination: under its lock, temp folders beside `dst` are the remains of killed writes.
     lock = output_lock(dst).acquire()
     try:
-        _remove_killed_writes(dst)
+        remove_killed_writes(dst)
         _check_destination(src, dst)  # again, under the lock: a racing writer may have finished meanwhile
         with atomic_dir(dst, temp_prefix=_temp_prefix(dst)) as tmp:  # replaces an empty dst folder
             weight_map: dict[str, str] = {}
