@@ -21,7 +21,7 @@ from qerl.data import (
     load_jsonl,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"  # evaluation sets the repository holds (data/README.md)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
