@@ -18,10 +18,20 @@ def lora_model(model_type="qwen2", scheme=None, dropout=0.0, seed=0):
     apply_lora(model, LoraSettings(rank=4, alpha=8, dropout=dropout,
                                    target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                    "down_proj")))
-    with torch.no_grad():  # non-zero B, so the adapters change the output
-        for layer in lora_layers(model).values():
-            layer.lora_B.normal_(0, 0.3, generator=torch.Generator().manual_seed(hash(id(layer)) % 1000))
+    with torch.no_grad():  # non-zero B, so the adapters change the output; seeded by position, not by id()
+        for i, layer in enumerate(lora_layers(model).values()):
+            layer.lora_B.normal_(0, 0.3, generator=torch.Generator().manual_seed(1000 * seed + i))
     return model
+
+
+# Fused and separate layers sum the same products in another order (one GEMM over the concatenated weights): they
+# agree to the dtype's rounding, scaled by the values' size, not bit for bit.
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3),
+             torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def assert_same_numbers(actual, expected, what=""):
+    torch.testing.assert_close(actual, expected, **TOLERANCE[expected.dtype], msg=lambda m: f"{what}: {m}")
 
 
 def twins(model_type="qwen2", scheme=None, dropout=0.0):
@@ -47,22 +57,23 @@ def storage_bytes(model) -> int:
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_fused_forward_and_lora_grads_match_separate_layers(model_type, scheme):
     a, b = twins(model_type, scheme)
-    ids = torch.randint(0, 97, (2, 7))
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(7))
     la, lb = a(ids), b(ids)
-    assert torch.allclose(la, lb, atol=1e-5)
+    assert_same_numbers(lb, la, "logits")
     la.square().mean().backward()
     lb.square().mean().backward()
     grads_a = {n: p.grad for n, p in a.named_parameters() if p.requires_grad}
     grads_b = {n: p.grad for n, p in b.named_parameters() if p.requires_grad}
     assert grads_a.keys() == grads_b.keys() and len(grads_a) == 7 * 2 * 2
     for n in grads_a:
-        assert grads_b[n] is not None and torch.allclose(grads_a[n], grads_b[n], atol=1e-5), n
+        assert grads_b[n] is not None, n
+        assert_same_numbers(grads_b[n], grads_a[n], n)
 
 
 def test_dropout_keeps_one_mask_per_member():
     a, b = twins(dropout=0.5)
     a.train(), b.train()
-    ids = torch.randint(0, 97, (2, 5))
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(5))
     torch.manual_seed(3)
     la = a(ids)
     torch.manual_seed(3)
@@ -91,7 +102,7 @@ def test_weights_held_once_and_state_dict_unchanged(scheme):
 @pytest.mark.parametrize("scheme", [None, "nvfp4"])
 def test_decode_path_follows_optimizer_steps_and_adapter_switches(scheme):
     a, b = twins(scheme=scheme)
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
     attn_a, attn_b = a.model.layers[1].self_attn, b.model.layers[1].self_attn
 
     def check():
@@ -101,7 +112,7 @@ def test_decode_path_follows_optimizer_steps_and_adapter_switches(scheme):
             return attn_b.project_qkv(x, fused=True)[1]
 
     before = check()
-    ids = torch.randint(0, 97, (1, 4))
+    ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(4))
     a(ids).sum().backward()
     grads = {n: p.grad for n, p in a.named_parameters() if p.requires_grad}
     for model in (a, b):  # an optimizer step writes the factors in place; both take the same step (Adam divides by
@@ -124,7 +135,7 @@ def test_decode_path_follows_optimizer_steps_and_adapter_switches(scheme):
 def test_moves_and_loads_rebuild_the_group(scheme):
     a, b = twins(scheme=scheme)
     b.double()  # members get private copies; the group re-concatenates at its next call
-    ids = torch.randint(0, 97, (1, 6))
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(6))
     assert torch.allclose(a.double()(ids), b(ids), atol=1e-8)
     c = lora_model(scheme=scheme, seed=5)
     b.load_state_dict(c.double().state_dict())  # loaded rows are the members' own; the group follows them
@@ -157,7 +168,7 @@ def test_gpu_fused_training_step_matches_separate(scheme):
     from tests.test_engine import gpu_model
 
     (a, pa), (b, pb) = gpu_model(scheme), gpu_model(scheme, fuse=True)
-    ids = torch.randint(0, 1024, (4, 64), device="cuda")
+    ids = torch.randint(0, 1024, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     la, lb = a(ids).float(), b(ids).float()
     assert (la - lb).abs().max() <= 0.02 * la.abs().max()
     la.logsumexp(-1).mean().backward()
