@@ -5,6 +5,12 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # see qerl/__init__.py: sp
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ "${QERL_SKIP_VENV:-0}" = "1" ] || . .venv/bin/activate
+# Everything the run writes to the temp folder (pytest's tmp_path folders, DVC clones, quantized models, Prefect and
+# MLflow stores: over a GB) goes into one folder of its own, removed when the run ends, whatever its outcome.
+# QERL_KEEP_TMP=1 keeps it (its path is printed) to look at a failure.
+scratch="$(mktemp -d "${TMPDIR:-/tmp}/qerl-test.XXXXXX")"
+if [ "${QERL_KEEP_TMP:-0}" = "1" ]; then echo "temp folder kept: $scratch"; else trap 'rm -rf "$scratch"' EXIT; fi
+export TMPDIR="$scratch"
 set +e
 python -m pytest "$@"
 rc=$?

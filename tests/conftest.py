@@ -5,8 +5,33 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see qerl/__init__.py
+# Prefect's temporary server gets 20 s to answer by default; on 2 shared cores under load it took longer, and the
+# flow failed ("Timed out while attempting to connect to ephemeral Prefect API server"). Set before Prefect loads;
+# subprocesses inherit it.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
 
 import pytest
+
+from tests import processes
+from tests.prefect_server import stop_temporary_servers
+
+SESSION_MARK = processes.mark_session()  # everything the tests start carries it: see pytest_sessionfinish
+
+
+@pytest.hookimpl(trylast=True)  # after the session fixtures' own teardown
+def pytest_sessionfinish(session):
+    """Nothing the suite started outlives it, and nothing logs after pytest's result line: Prefect's temporary
+    server (started in this process by in-process flows) is stopped now, not by Prefect's atexit hook, whose log line
+    hit pytest's closed capture stream ("--- Logging error --- ValueError: I/O operation on closed file."); then
+    every process still carrying the session's mark is stopped with its process group (e.g. a temporary server whose
+    start-up timed out, whose handle Prefect then dropped)."""
+    stop_temporary_servers()
+    left = processes.stop_started_by(SESSION_MARK)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if left and reporter is not None:
+        reporter.line("")  # after the progress dots
+        reporter.write_line(f"stopped {len(left)} process(es) the tests left running: " + "; ".join(left),
+                            yellow=True)
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,7 @@ def start_server(tmp: Path, request, **settings: str) -> tuple[str, dict]:
            "PWD": str(ROOT), **settings}  # PWD: prefect.yaml's working directory
     log = tmp / "server.log"
     server = start(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log, request)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # generous: on 2 shared cores under load start-up took minutes
     while True:
         try:
             with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
@@ -78,3 +78,28 @@ def prefect_cli(env: dict, *args: str, timeout: float = 120) -> subprocess.Compl
     """`prefect --no-prompt ARGS` from the repository root (where prefect.yaml lives)."""
     return subprocess.run(["prefect", "--no-prompt", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def stop_temporary_servers() -> None:
+    """Stops Prefect's temporary local servers that flows started in this process, after draining the log and event
+    workers that send to them (as prefect.testing's harness does): otherwise the workers' reconnect warnings, or the
+    servers' own atexit "Stopping temporary server" line, are logged after pytest has closed its streams."""
+    import sys
+
+    if "prefect" not in sys.modules:  # no flow ran in this process
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger
+
+    if not SubprocessASGIServer._instances:
+        return
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=30)
+    level = subprocess_server_logger.level
+    subprocess_server_logger.setLevel("WARNING")  # its "Stopping temporary server" (stderr) would print after the
+    try:                                          # result line (stdout) when both go to one pipe
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()
+    finally:
+        subprocess_server_logger.setLevel(level)
