@@ -11,6 +11,7 @@ from pathlib import Path
 
 from qerl.config import load_settings
 from qerl.errors import debug_requested, report
+from qerl.outdir import check_writable, removed_if_empty_on_failure
 
 
 def _add_debug(p: argparse.ArgumentParser, default) -> None:
@@ -79,7 +80,7 @@ def _cmd_eval(args) -> int:
     from qerl.evaluate import run_eval
 
     settings = load_settings(args.params, args.overrides)
-    out = Path(args.out or settings.eval.out_dir)
+    out = check_writable(args.out or settings.eval.out_dir, "--out" if args.out else "eval.out_dir")
     result = run_eval(settings, adapter=args.adapter, out_dir=out, limit=args.limit)
     print(json.dumps({**result.metrics, **result.grader}, indent=2))  # the accuracy and what graded it
     print(f"wrote {out / 'metrics.json'} and {out / 'samples.jsonl'}")
@@ -91,6 +92,7 @@ def _cmd_quantize(args) -> int:
     from qerl.loading import resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint
 
+    check_writable(args.out)
     text = _read_text(Path(args.eval_text)) if args.eval_text else None
     report = quantize_checkpoint(resolve_model(args.model), Path(args.out), args.scheme, strict=args.strict)
     if text is not None:
@@ -114,13 +116,14 @@ def _cmd_train(args) -> int:
     settings = load_settings(args.params, args.overrides)
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps {args.max_steps}: must be >= 1")
+    out = check_writable(args.out or settings.train.out_dir, "--out" if args.out else "train.out_dir")
     # Under torchrun: one rank of a data-parallel run (rank 0 writes the outputs); otherwise plain one process.
     try:
         with process_group(settings.train.collective_timeout_s) as group:
             if not group.is_main:
                 logging.getLogger().setLevel(logging.WARNING)  # one rank reports progress
-            with Trainer(settings, out_dir=args.out or settings.train.out_dir, resume=args.resume,
-                         overwrite=args.overwrite) as trainer:
+            with removed_if_empty_on_failure(out), Trainer(settings, out_dir=out, resume=args.resume,
+                                                          overwrite=args.overwrite) as trainer:
                 adapter = trainer.train(max_steps=args.max_steps)
     except DistributedError as exc:  # a rank died or timed out: say so in a line, never hang
         if debug_requested(args.debug):
@@ -135,6 +138,7 @@ def _cmd_train(args) -> int:
 def _cmd_export(args) -> int:
     from qerl.export import export_policy
 
+    check_writable(args.out)
     result = export_policy(args.adapter, args.out, merge=args.merge, model=args.model, scheme=args.scheme)
     print(f"wrote {result.out} ({'merged, ' if result.merged else ''}{result.scheme}); serve it with:")
     print(result.vllm_command)
