@@ -69,6 +69,8 @@ def test_tracker_logs_params_metrics_artifacts_table_and_registers(store, tmp_pa
     client = MlflowClient(store)
     run = client.get_run(tracker.run_id)
     assert run.info.status == "FINISHED"
+    # the UI opens the experiment on its runs ("Machine learning"), not on the empty GenAI overview
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert run.data.params["lora.rank"] == "8" and json.loads(run.data.params["lora.target_modules"])
     assert len(run.data.params) == len(settings.to_flat_dict())
     assert [m.value for m in client.get_metric_history(tracker.run_id, "reward_mean")] == pytest.approx([0.1, 0.2])
@@ -96,6 +98,19 @@ def test_failed_body_marks_run_failed(store):
         with MlflowTracker(store, "qerl-test") as tracker:
             raise RuntimeError("boom")
     assert MlflowClient(store).get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_an_existing_experiment_gets_the_runs_view_unless_its_kind_was_chosen(store):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    untagged = client.create_experiment("made-before-the-tag")
+    chosen = client.create_experiment("kind-chosen-in-the-ui", tags={"mlflow.experimentKind": "genai_development"})
+    for name in ("made-before-the-tag", "kind-chosen-in-the-ui"):
+        with MlflowTracker(store, name):
+            pass
+    assert client.get_experiment(untagged).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"
 
 
 def test_unreachable_server_is_a_fast_one_line_error():
