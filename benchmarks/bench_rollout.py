@@ -31,7 +31,8 @@ from qerl.model import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: 
 from qerl.quant.bnb import quantize_model_bnb, require_bitsandbytes  # noqa: E402
 from qerl.quant.linear import quantize_model  # noqa: E402
 
-# Published shapes (shared/notes/model-shapes.md); Qwen2 = bias on q/k/v, GQA, SwiGLU, rope theta 1e6.
+# Published shapes (the config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct on the Hugging Face hub);
+# Qwen2 = bias on q/k/v, GQA, SwiGLU, rope theta 1e6.
 SHAPES = {
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064),
