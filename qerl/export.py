@@ -97,8 +97,8 @@ def _check_out_free(out: Path) -> None:
 
 def _adapter_config(adapter: Path) -> dict:
     if not adapter.is_dir():
-        raise FileNotFoundError(f"--adapter {adapter} {'is a file, not' if adapter.exists() else 'does not exist: give'} "
-                                "a PEFT adapter folder (e.g. runs/default/adapter)")
+        what = "is a file, not" if adapter.exists() else "does not exist: give"
+        raise FileNotFoundError(f"--adapter {adapter} {what} a PEFT adapter folder (e.g. runs/default/adapter)")
     for name in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS):
         if not (adapter / name).is_file():
             raise FileNotFoundError(f"--adapter {adapter} has no {name} (not a PEFT adapter folder)")
