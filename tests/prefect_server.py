@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import patience
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,7 +76,7 @@ def start_server(tmp: Path, request, **settings: str) -> tuple[str, dict]:
         time.sleep(1)
 
 
-def prefect_cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def prefect_cli(env: dict, *args: str, timeout: float = patience(120)) -> subprocess.CompletedProcess:
     """`prefect --no-prompt ARGS` from the repository root (where prefect.yaml lives)."""
     return subprocess.run(["prefect", "--no-prompt", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -95,7 +97,7 @@ def stop_temporary_servers() -> None:
     if not SubprocessASGIServer._instances:
         return
     for worker in (APILogWorker, EventsWorker):
-        worker.drain_all(timeout=30)
+        worker.drain_all(timeout=patience(30))
     level = subprocess_server_logger.level
     subprocess_server_logger.setLevel("WARNING")  # its "Stopping temporary server" (stderr) would print after the
     try:                                          # result line (stdout) when both go to one pipe

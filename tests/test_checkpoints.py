@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from qerl.checkpoints import PICKLED_STATE as PICKLED
 from qerl.checkpoints import NoIntactCheckpoint, read_pickled_state
 from qerl.manifest import MANIFEST, ManifestMismatch, verify_manifest, write_manifest
+from tests.patience import patience
 from tests.test_run_folder import steps, tiny_process, wait_for
 from tests.test_trainer import make_trainer, tiny_settings
 
@@ -208,13 +209,13 @@ def test_kill_9_during_a_checkpoint_write_then_resume(finished, tmp_path):
     proc = tiny_process(run, "--stall-at-checkpoint", 4, "--marker", marker)
     wait_for(marker, proc)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+    proc.wait(patience(30))
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == [f".tmp-step-000004-{proc.pid}", "step-000002"]  # the write was caught half-way
     assert not (run / "checkpoints" / ckpts[0] / MANIFEST).exists()
 
     resumed = tiny_process(run, "--resume")
-    out, err = resumed.communicate(timeout=300)
+    out, err = resumed.communicate(timeout=patience(300))
     assert resumed.returncode == 0, err
     assert "resuming from" in err and "step-000002 (step 2)" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
@@ -232,7 +233,7 @@ def test_qerl_train_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
     (run / "checkpoints" / "step-000002" / STATE).write_bytes(b"garbage")
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out", str(run),
                            "--resume"], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=patience(300))
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"qerl: error: no intact checkpoint in {run / 'checkpoints'}: {run / 'checkpoints' / 'step-000002'}"

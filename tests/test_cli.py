@@ -7,10 +7,12 @@ from pathlib import Path
 
 import yaml
 
+from tests.patience import patience
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def qerl(*args, cwd=REPO, timeout=600):
+def qerl(*args, cwd=REPO, timeout=patience(600)):
     return subprocess.run([sys.executable, "-m", "qerl.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout)
 
@@ -114,7 +116,7 @@ def test_a_damaged_adapter_is_one_line_and_debug_shows_the_traceback(tiny_llama_
     import os
 
     env_debug = subprocess.run([sys.executable, "-m", "qerl.cli", *map(str, args)], capture_output=True, text=True,
-                               cwd=REPO, timeout=600, env={**os.environ, "QERL_DEBUG": "1"})
+                               cwd=REPO, timeout=patience(600), env={**os.environ, "QERL_DEBUG": "1"})
     assert env_debug.returncode == 2 and "Traceback (most recent call last)" in env_debug.stderr
 
 

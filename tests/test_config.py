@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from qerl.config import DEFAULT_PARAMS, ConfigError, Settings, load_settings, settings_from_dict
+from tests.patience import patience
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -122,7 +123,7 @@ def test_cli_rejects_bad_params_with_one_line_and_nonzero_exit(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora:\n  rnk: 4\n")
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", "eval", "--params", str(bad)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+                          capture_output=True, text=True, cwd=REPO, timeout=patience(120))
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"qerl: error: {bad}:2: unknown key 'lora.rnk' (did you mean 'rank'?)"
     assert "Traceback" not in proc.stderr
@@ -130,7 +131,7 @@ def test_cli_rejects_bad_params_with_one_line_and_nonzero_exit(tmp_path):
 
 def test_cli_params_prints_resolved_yaml():
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", "params", "-S", "lora.rank=4"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+                          capture_output=True, text=True, cwd=REPO, timeout=patience(120))
     assert proc.returncode == 0, proc.stderr
     assert "rank: 4" in proc.stdout
 

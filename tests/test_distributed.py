@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from qerl.distributed import DistributedError, Group
+from tests.patience import patience
 from tests.test_trainer import adapter_tensors, make_trainer, tiny_settings
 
 # Wall-clock and memory readings differ between runs by nature; everything else must match.
@@ -45,7 +46,8 @@ def rank_main(rank: int, world: int, port: int, tmp_path, out, max_steps, resume
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(tmp_path, out, world=2, max_steps=None, resume=False, die_at_update=False, timeout=240, **sections):
+def run_ranks(tmp_path, out, world=2, max_steps=None, resume=False, die_at_update=False, timeout=patience(240),
+              **sections):
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, world, port, tmp_path, out, max_steps, resume, die_at_update,
@@ -114,7 +116,7 @@ def coin_reward(completion: str, gold: str) -> float:
 
 
 def test_a_dead_rank_fails_rank_0_with_a_clear_error_not_a_hang(tmp_path):
-    codes = run_ranks(tmp_path, tmp_path / "run", die_at_update=True, timeout=120)
+    codes = run_ranks(tmp_path, tmp_path / "run", die_at_update=True, timeout=patience(120))
     assert codes[1] == 3 and codes[0] != 0
     message = (tmp_path / "error-rank0.txt").read_text()
     assert "rank 0" in message and "another rank died or timed out" in message

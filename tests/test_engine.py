@@ -18,6 +18,7 @@ from qerl.engine import RolloutEngine, engine_for, generate_fast, release_engine
 from qerl.generate import Rollout, generate
 from qerl.lora import LoraSettings, adapters_disabled, apply_lora
 from qerl.model import ModelConfig, Transformer
+from tests.patience import patience
 from tests.reference import policy_logprobs
 
 CUDA = torch.cuda.is_available()
@@ -249,7 +250,7 @@ def test_triton_kernels_in_the_interpreter():
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
@@ -281,7 +282,7 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 

@@ -24,6 +24,7 @@ if not CUDA and "triton" not in sys.modules:  # as in test_kernels.py: the inter
 triton = pytest.importorskip("triton")
 from kernels import dispatch, gemm, humming_nvfp4  # noqa: E402
 from kernels import nvfp4 as K  # noqa: E402
+from tests.patience import patience  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
@@ -280,7 +281,8 @@ def test_interpreter_tests_in_a_subprocess():
 
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                         "table_layout_dequantize_is_bit_identical or under_the_interpreter"],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+                       capture_output=True, text=True, timeout=patience(600),
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     last = r.stdout.strip().splitlines()[-1]
     assert "3 passed" in last and "skipped" not in last, r.stdout[-2000:]
@@ -348,7 +350,7 @@ def test_table_layout_dequantize_passes_the_compiler_frontend_for_sm90():
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.getcwd()
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
     if res.stdout.startswith("SKIP"):
         pytest.skip(res.stdout)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

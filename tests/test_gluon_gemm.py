@@ -22,6 +22,7 @@ import torch
 
 from kernels import gluon_nvfp4 as G
 from qerl.quant import nvfp4 as codec
+from tests.patience import patience
 
 HAS_GLUON = G.IMPORT_ERROR is None
 
@@ -165,7 +166,7 @@ def test_layout_dequantize_is_bit_identical_to_the_codec():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
     res = subprocess.run([sys.executable, "-c", DEQUANT_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=600)
+                         timeout=patience(600))
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
@@ -241,7 +242,7 @@ def test_kernel_compiles_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler, not the interpreter
     env["PYTHONPATH"] = os.getcwd()
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
-                         env=env, timeout=600)
+                         env=env, timeout=patience(600))
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():
         pytest.skip("Triton's ptxas is not installed")
     assert res.returncode == 0, res.stderr[-4000:]

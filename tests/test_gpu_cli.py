@@ -15,6 +15,8 @@ import pytest
 import torch
 import yaml
 
+from tests.patience import patience
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +24,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def qerl(*args, timeout=900):
+def qerl(*args, timeout=patience(900)):
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=REPO, timeout=timeout)
     assert proc.returncode == 0, f"qerl {' '.join(map(str, args))}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -27,6 +27,7 @@ triton = pytest.importorskip("triton")
 import kernels  # noqa: E402
 from kernels import nvfp4 as K  # noqa: E402
 from kernels.reference import quantize_ref, weight_fp64  # noqa: E402
+from tests.patience import patience  # noqa: E402
 
 INTERP_ACTIVE = not CUDA and K.interpreting()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -74,7 +75,8 @@ def test_interpreter_subprocess():
     if CUDA or INTERP_ACTIVE:
         pytest.skip("interpreter tests run in-process (or the GPU tests cover the kernels)")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "interp"],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+                       capture_output=True, text=True, timeout=patience(600),
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1].replace("1 skipped", ""), r.stdout[-2000:]
 
@@ -84,7 +86,7 @@ def test_import_without_triton():
             "from qerl.quant import nvfp4; w = torch.randn(8, 32); q = kernels.nvfp4_quantize(w); "
             "y = kernels.nvfp4_linear(torch.randn(2, 32), *q); assert y.shape == (2, 8)")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(120))
     assert r.returncode == 0, r.stderr
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import patience
+
 pytest.importorskip("prefect")
 pytest.importorskip("mlflow")
 
@@ -92,7 +94,8 @@ def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_re
 
 def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flows.compare", "--params", TINY, "--arms", "fp8-lora",
-                           "--out", str(tmp_path / "exp")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--out", str(tmp_path / "exp")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=patience(120))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "python -m flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from qerl.config import load_settings
+from tests.patience import patience
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,11 +63,13 @@ def test_dvc_params_exist_in_the_params_files(params_file):
 
 def test_dvc_pipeline_is_valid():
     env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
-    listed = subprocess.run(["dvc", "stage", "list"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    listed = subprocess.run(["dvc", "stage", "list"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=patience(120))
     assert listed.returncode == 0, listed.stderr
     assert [line.split()[0] for line in listed.stdout.splitlines()] == ["fingerprint", "prepare", "quantize", "train",
                                                                           "evaluate"]
-    dag = subprocess.run(["dvc", "dag", "--dot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    dag = subprocess.run(["dvc", "dag", "--dot"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=patience(120))
     assert dag.returncode == 0, dag.stderr
     for edge in ('"fingerprint" -> "prepare"', '"prepare" -> "train"', '"quantize" -> "train"', '"train" -> "evaluate"'):
         assert edge in dag.stdout

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import patience
+
 pytest.importorskip("dvc")
 
 pytestmark = pytest.mark.slow
@@ -23,7 +25,7 @@ ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "qerl-test", "G
        "GIT_COMMITTER_NAME": "qerl-test", "GIT_COMMITTER_EMAIL": "test@qerl"}
 
 
-def run(repo: Path, *cmd: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+def run(repo: Path, *cmd: str, timeout: float = patience(1500)) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=repo, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.patience import patience
 from tests.prefect_server import ROOT
 
 pytest.importorskip("prefect")
@@ -34,7 +35,7 @@ def test_a_flow_on_the_temporary_server_prints_no_telemetry_traceback(tmp_path):
            if k not in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "DO_NOT_TRACK")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=patience(300))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "flow done" in proc.stdout, out
     assert "telemetry" not in out.lower() and "Traceback" not in out, out

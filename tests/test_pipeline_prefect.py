@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import patience
 from tests.prefect_server import ROOT, prefect_cli, start, start_server, tail
 
 pytest.importorskip("prefect")
@@ -59,7 +60,7 @@ def stack(tmp_path_factory, request):
         EventsWorker.drain_all()
 
 
-def prefect(stack: Stack, *args: str, timeout: float = 120):
+def prefect(stack: Stack, *args: str, timeout: float = patience(120)):
     return prefect_cli(stack.env, *args, timeout=timeout)
 
 
@@ -76,7 +77,7 @@ def deployed_run(stack, request):
     out_dir = stack.tmp / "runs" / "deployed"
     run = prefect(stack, "deployment", "run", "qerl-train/train-embedded", "--param", f"params={TINY}",
                   "--param", f"out_dir={out_dir}", "--param", f"quantized_root={stack.quantized_root}",
-                  "--watch", "--watch-timeout", "1500", timeout=1600)
+                  "--watch", "--watch-timeout", "1500", timeout=patience(1600))
     return run, out_dir, log
 
 

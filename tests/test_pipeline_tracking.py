@@ -17,6 +17,7 @@ pytest.importorskip("mlflow")
 from flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry, TrackingUnavailable,  # noqa: E402
                             open_tracker, probe, resolve_tracking_uri)
 from qerl.config import load_settings  # noqa: E402
+from tests.patience import patience  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,7 +133,7 @@ def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path):
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never reached: the probe comes first
     proc = subprocess.run([sys.executable, "-m", "flows.train", "--params", "params/tiny.yaml", "--out", str(out),
                            "-S", f"tracking.tracking_uri={uri}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=patience(120))
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"python -m flows.train: error: MLflow tracking server {uri} is unreachable "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import patience
 from tests.test_trainer import make_trainer, tiny_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def test_a_huge_question_fails_in_one_line_before_the_model_loads(tmp_path, comm
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", command, "--params", "params/tiny.yaml",
                            "--out", str(tmp_path / "out"), "-S", f"{key}.name={rows}", "-S", f"{key}.n=null"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=patience(300))
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"qerl: error: {rows}:2: prompt is ") and "longer than the " in line

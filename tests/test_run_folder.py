@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from qerl.runlock import FolderLocked, run_folder_lock
+from tests.patience import patience
 from tests.test_trainer import make_trainer, tiny_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ def tiny_process(*args):
                             env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = patience(120)) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert proc.poll() is None, proc.communicate()
@@ -52,7 +53,7 @@ def test_two_trainers_racing_on_one_folder_one_wins_the_other_fails_at_once_nami
                                 f"{socket.gethostname()} (lock file {run / '.qerl.lock'}); wait for it to finish or "
                                 "stop it, or choose another folder"]
     release.touch()
-    assert winner.wait(120) == 0, winner.communicate()
+    assert winner.wait(patience(120)) == 0, winner.communicate()
     assert steps(run) == [1, 2, 3, 4]  # one run's steps, not two runs interleaved
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
     assert not (run / ".qerl.lock").exists()  # released and removed at the end
@@ -65,7 +66,7 @@ def test_a_lock_dies_with_its_process(tmp_path):
     with pytest.raises(FolderLocked, match=f"PID {holder.pid} on host"):
         run_folder_lock(run).acquire()
     holder.send_signal(signal.SIGKILL)
-    holder.wait(30)
+    holder.wait(patience(30))
     assert (run / ".qerl.lock").exists()  # left behind by the killed holder, and no obstacle
     run_folder_lock(run).acquire().release()
 
@@ -77,10 +78,10 @@ def test_qerl_train_on_a_folder_in_use_is_one_line_naming_the_holder(tmp_path):
     try:
         wait_for(run / ".qerl.lock", first)
         second = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
-                                 str(run)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                                 str(run)], cwd=REPO, capture_output=True, text=True, timeout=patience(120))
     finally:
         first.kill()
-        first.wait(30)
+        first.wait(patience(30))
     assert second.returncode == 2
     assert second.stderr.splitlines() == [
         f"qerl: error: run folder {run} is in use by PID {first.pid} on host {socket.gethostname()} "
@@ -142,7 +143,7 @@ def test_resume_on_an_empty_folder_starts_at_step_zero(tmp_path):
 def test_qerl_train_refuses_a_previous_run_in_one_line_before_loading_anything(finished_run):
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
-                           str(finished_run)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           str(finished_run)], cwd=REPO, capture_output=True, text=True, timeout=patience(120))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"qerl: error: {finished_run} already holds a run (metrics.jsonl, adapter/): "
                                         "pass --resume to continue it, --overwrite to replace it (its outputs are "

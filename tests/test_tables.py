@@ -13,6 +13,7 @@ import pytest
 
 from qerl.config import load_settings
 from qerl.data import fingerprint, load_dataset
+from tests.patience import patience
 
 datasets = pytest.importorskip("datasets")
 
@@ -130,7 +131,7 @@ def stages(*args: str, cache: Path, tmp_path: Path) -> subprocess.CompletedProce
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
            "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "flows.stages", *args, "--params", str(ROOT / "params/tiny.yaml")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=patience(300))
 
 
 def test_hub_id_loads_offline_from_the_datasets_cache(hub_cache, tmp_path):
