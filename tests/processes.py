@@ -32,11 +32,18 @@ def started_by(mark: str) -> list:
         if proc.pid == os.getpid():
             continue
         try:
-            if proc.environ().get(MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
+            if (proc.environ().get(MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE
+                    and not _exits_with_us(proc)):
                 found.append(proc)
         except (psutil.Error, OSError):  # gone meanwhile, or not ours to read
             continue
     return found
+
+
+def _exits_with_us(proc) -> bool:
+    """multiprocessing's resource tracker (started by torch.multiprocessing's spawn) lives as long as this process
+    and then exits by itself: not something a test left running."""
+    return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
 
 
 def _signal(procs: list, sig: int) -> None:
