@@ -44,6 +44,8 @@ def removed_if_empty_on_failure(folder: str | os.PathLike) -> Iterator[Path]:
         for path in created:
             try:
                 path.rmdir()
-            except OSError:  # not empty (or already gone): keep it and everything above it
+            except FileNotFoundError:  # already removed (the run folder's lock removes a folder it made)
+                continue
+            except OSError:  # not empty: keep it and everything above it
                 break
         raise
