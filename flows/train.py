@@ -7,6 +7,7 @@ adapter logged and registered in MLflow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -67,7 +68,7 @@ def with_quantized_base(settings: Settings, quantized_root: str) -> Settings:
     return dataclasses.replace(settings, quant=dataclasses.replace(q, quantized_path=folder))
 
 
-def claim_run_folder(out_dir: str, nproc: int = 1) -> FolderLock:
+def claim_run_folder(out_dir: str, nproc: int = 1) -> FolderLock | contextlib.AbstractContextManager:
     """The run folder's lock, taken before MLflow and Prefect do any work: a second flow on the folder fails here in
     one line naming the holder, not inside MLflow's database set-up or after Prefect's start-up. The trainer this
     process builds joins it (`hand_over`); over several processes the torchrun job takes it itself, so here the
@@ -75,6 +76,9 @@ def claim_run_folder(out_dir: str, nproc: int = 1) -> FolderLock:
     lock = run_folder_lock(out_dir, hand_over=True).acquire()
     if nproc > 1:
         lock.release()
+        # Not the lock itself: a `with` on a released lock takes it again, and the torchrun job would find its
+        # own folder in use by this process.
+        return contextlib.nullcontext(lock)
     return lock
 
 
