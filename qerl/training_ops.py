@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +118,4 @@ def _liger():
     except Exception:  # not installed, or an install that does not import with this torch/triton
         return None
 
-    class Ops:
-        pass
-
-    Ops.LigerRMSNormFunction, Ops.LigerSiLUMulFunction = LigerRMSNormFunction, LigerSiLUMulFunction
-    return Ops
+    return types.SimpleNamespace(LigerRMSNormFunction=LigerRMSNormFunction, LigerSiLUMulFunction=LigerSiLUMulFunction)

@@ -11,24 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tests.test_checkpoints import adapter, finished  # noqa: F401 - finished: the uninterrupted run, a fixture
 from tests.test_run_folder import REPO, steps, tiny_process, wait_for
-from tests.test_trainer import make_trainer, tiny_settings
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """An uninterrupted 4-step run (checkpoints at steps 2 and 4): what every resumed run must end as."""
-    run = tmp_path_factory.mktemp("stopped") / "run"
-    with make_trainer(tiny_settings(None), run) as trainer:
-        trainer.train()
-    return run
 
 
 def assert_same_adapter(a: Path, b: Path) -> None:
-    ta, tb = load_file(str(a / "adapter" / "adapter_model.safetensors")), load_file(str(b / "adapter" /
-                                                                                      "adapter_model.safetensors"))
+    ta, tb = adapter(a), adapter(b)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
