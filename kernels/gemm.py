@@ -1,12 +1,12 @@
 """A frozen NVFP4 weight on the GPU: one resident copy, and the fastest GEMM for each call's M.
 
-`NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them: repacked for
-humming-kernels when it is installed and the shape fits ("humming" layout), else as given ("qerl" layout, read
-by our Triton kernels); on request (`prefer="gluon"`, quant.gpu_layout or QERL_NVFP4_LAYOUT = gluon) shuffled for
-the Gluon decode GEMM ("gluon" layout, kernels/gluon_nvfp4.py: the fastest at M <= 32, a little behind humming at
-M = 64 on the small layers, a tie over a GRPO step at batch 64; hence opt-in, for decode-heavy work: BENCHMARKS.md,
-"The Gluon decode GEMM"). Forward and backward dx then pick a backend per (shape, M bucket) through
-`kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
+`NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them. On a Hopper GPU
+(sm_90) with Gluon, and a shape it holds, the copy is shuffled for our Gluon decode GEMM ("gluon" layout,
+kernels/gluon_nvfp4.py: the fastest decode at batch 1-8, level at 64, LoRA's update in its epilogue, compiled in
+seconds: BENCHMARKS.md, "The Gluon decode GEMM" and "Rollouts"). Elsewhere, repacked for humming-kernels when it is
+installed and the shape fits ("humming" layout), else as given ("qerl" layout, read by our Triton kernels);
+`prefer=`, quant.gpu_layout or QERL_NVFP4_LAYOUT choose another. Forward and backward dx then pick a backend per
+(shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
 cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
 The scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 weight exists at a
@@ -26,6 +26,9 @@ from . import nvfp4 as triton_nvfp4
 
 log = logging.getLogger(__name__)
 
+# QERL_LORA_EPILOGUE=0 adds LoRA's update with a separate addmm even where the Gluon GEMM could add it in its
+# epilogue: the A/B arm of benchmarks/bench_rollout.py and bench_decode_layer.py, nothing a run needs.
+LOW_RANK_EPILOGUE = os.environ.get("QERL_LORA_EPILOGUE", "1") != "0"
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 _warned: set[str] = set()
 
@@ -70,6 +73,8 @@ class NVFP4Gemm:
         self.humming: humming_nvfp4.HummingWeight | None = None
         self.tensors: dict[str, torch.Tensor] | None = None
         self.gluon: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if prefer is None and gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k):
+            prefer = "gluon"  # the Hopper default: the fastest decode at every batch we measured, and JIT-free
         if prefer == "gluon":
             if gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k):
                 self.gluon = (*gluon_nvfp4.shuffle_weight(packed, scale), global_scale.reshape(1).float())
@@ -166,7 +171,7 @@ class NVFP4Gemm:
     def backend_for(self, kind: str, x2: torch.Tensor) -> str:
         run = self._forward if kind == "fwd" else self._grad_input
         backends = self._backends(kind)
-        if "gluon" in backends and not (x2.shape[0] <= gluon_nvfp4.MAX_M and x2.dtype == torch.bfloat16):
+        if "gluon" in backends and not (x2.shape[0] <= gluon_nvfp4.MAX_M_CHUNKED and x2.dtype == torch.bfloat16):
             backends = tuple(b for b in backends if b != "gluon")
         cands = {b: (lambda b=b: run(b, x2)) for b in backends}
         return dispatch.choose(kind, self.layout, self.n, self.k, x2.shape[0], cands)
@@ -176,6 +181,15 @@ class NVFP4Gemm:
         if x2.shape[0] == 0:
             return x2.new_empty(0, self.n)
         return self._forward(backend or self.backend_for("fwd", x2), x2)
+
+    def forward_low_rank(self, x2: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+        """y [M, N] = x2 @ W^T + scale * h @ b^T (LoRA's update: h = x2 A^T [M, R], b = B [N, R]), inference only.
+        Where the Gluon GEMM runs the call, the update is added in its epilogue (no launch of its own, one rounding
+        to bf16); any other backend adds it with one addmm."""
+        backend = self.backend_for("fwd", x2) if x2.shape[0] else None
+        if backend == "gluon" and h.dtype == b.dtype == x2.dtype and LOW_RANK_EPILOGUE:
+            return gluon_nvfp4.linear_forward(x2, *self.gluon, low_rank=(h, b, scale))
+        return self.forward(x2, backend).addmm_(h, b.t(), alpha=scale)
 
     def grad_input(self, dy2: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         """dx [M, K] for dy2 [M, N]."""

@@ -61,7 +61,9 @@ ROWS = 64  # weight rows per consumer warpgroup (wgmma's M)
 # the order `_decode` permutes it into before the [64 W, 128] reshape (tests emulate the kernel with it).
 A_PERMUTE = (0, 2, 3, 8, 4, 1, 6, 9, 5, 7)
 BK = 128  # K per pipeline stage (8 wgmma K steps of 16)
-MAX_M = 64
+MAX_M = 64  # rows per launch
+MAX_M_CHUNKED = 256  # linear_forward runs up to this many rows as launches of MAX_M (each streams the weight again:
+# still less traffic than dequantize + cuBLAS at decode; the dispatch measures where it stops paying)
 
 
 def available() -> bool:
@@ -260,11 +262,35 @@ if IMPORT_ERROR is None:
         return tile + wrap, (kb + 1) * (1 - wrap), (s + 1) * (1 - turn), phase ^ turn
 
     @gluon.jit
+    def _add_low_rank(acc, tile, h_ptr, b_ptr, lora_scale, M, W: gl.constexpr, MP: gl.constexpr,
+                      R: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
+        """acc [64 W rows, MP tokens] + lora_scale * B[rows, :] @ h[tokens, :]^T, in fp32: LoRA's second product
+        (h = x A^T [M, R], B [N, R], both bf16 and contiguous) in the epilogue, so the adapter costs no launch of
+        its own. A thread's 8 consecutive rows of B are 8 R contiguous elements (vector loads); R is taken RC at a
+        time (the products [8, tokens, RC] per thread stay in registers)."""
+        l3: gl.constexpr = gl.BlockedLayout([8, 1, RC], [8 * W, 32 // (8 * W), 1], [1, num_warps, 1], [2, 0, 1])
+        l2: gl.constexpr = gl.SliceLayout(2, l3)
+        rows = tile * (_ROWS * W) + gl.arange(0, _ROWS * W, layout=gl.SliceLayout(1, l2))
+        toks = gl.arange(0, MP, layout=gl.SliceLayout(0, l2))
+        rows3 = gl.expand_dims(gl.expand_dims(rows, 1), 2)
+        toks3 = gl.expand_dims(gl.expand_dims(toks, 0), 2)
+        lo = gl.zeros([_ROWS * W, MP], gl.float32, l2)
+        for c in gl.static_range(R // RC):
+            rr = c * RC + gl.arange(0, RC, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
+            rr3 = gl.expand_dims(gl.expand_dims(rr, 0), 0)
+            b = gl.load(b_ptr + rows3 * R + rr3).to(gl.float32)  # [64 W, 1, RC]
+            h = gl.load(h_ptr + toks3 * R + rr3, mask=(toks3 < M) & (rr3 < R), other=0.0).to(gl.float32)
+            lo += gl.sum(b * h, axis=2)
+        return acc + gl.convert_layout(lo, acc.type.layout) * lora_scale
+
+    @gluon.jit
     def _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
-                        cnt_ptr, M, N, W: gl.constexpr, MP: gl.constexpr, num_warps: gl.constexpr):
+                        cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
+                        R: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
         """acc holds this program's share of `tile` (64 W weight rows). If the program did the whole K range, store
         y; else write the share to its contributor slot, and the last contributor to arrive (a counter it resets)
-        sums the slots in fixed order (bitwise reproducible) and stores y."""
+        sums the slots in fixed order (bitwise reproducible) and stores y. With R > 0, LoRA's low-rank term is
+        added to the finished tile before its one rounding to bf16."""
         # 8 consecutive rows (16-byte stores along N) per thread, few tokens per thread: the loop-invariant part
         # of the offsets (token * N) stays a handful of registers (one per token held)
         out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8 * W, 32 // (8 * W)], [1, num_warps], [0, 1])
@@ -276,6 +302,8 @@ if IMPORT_ERROR is None:
         p_first = _program_of(tile * k_iters, n_programs, total_units)
         n_contrib = _program_of(tile * k_iters + k_iters - 1, n_programs, total_units) - p_first + 1
         if n_contrib == 1:
+            if R > 0:
+                acc = _add_low_rank(acc, tile, h_ptr, b_ptr, lora_scale, M, W, MP, R, RC, num_warps)
             gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             MN = N.to(gl.int64) * M
@@ -286,13 +314,16 @@ if IMPORT_ERROR is None:
                 acc = gl.zeros_like(acc)  # our own share is re-read from its slot: the sum is in slot order
                 for c in range(n_contrib):
                     acc += gl.load(ws_ptr + c.to(gl.int64) * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                if R > 0:
+                    acc = _add_low_rank(acc, tile, h_ptr, b_ptr, lora_scale, M, W, MP, R, RC, num_warps)
                 gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (CUDA-graph replays)
 
     @gluon.jit
     def _consumer(x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr, y_ptr,
-                  ws_ptr, cnt_ptr, M, N, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
-                  SUB: gl.constexpr, SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
+                  ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
+                  STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_LANES: gl.constexpr, R: gl.constexpr,
+                  RC: gl.constexpr, num_warps: gl.constexpr):
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * W, 1],
                                                              instr_shape=[16, MP, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -341,7 +372,7 @@ if IMPORT_ERROR is None:
             if (kb == k_iters - 1) | (u == u1 - 1):  # the segment of this tile ends here
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
-                                cnt_ptr, M, N, W, MP, num_warps)
+                                cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W, MP, R, RC, num_warps)
                 first = u + 1
             prev = s
             tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
@@ -369,11 +400,13 @@ if IMPORT_ERROR is None:
     # then fails an assertion lowering the loop (ConvertTritonGPUToLLVM, SmallVector idx < size())
     @gluon.jit(do_not_specialize=["k_iters", "total_units"])
     def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
-                                 total_units, W: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr,
-                                 SUB: gl.constexpr, SCALE_LANES: gl.constexpr, num_warps: gl.constexpr):
+                                 total_units, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
+                                 STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_LANES: gl.constexpr,
+                                 R: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
         """Persistent, stream-K: the (tile, K step) units in tile-major order are cut into one equal range per
         program, so every program streams the same number of weight bytes whatever the shape (no tail wave);
-        a tile shared by several programs is summed by the last of them."""
+        a tile shared by several programs is summed by the last of them. R > 0: y += lora_scale * h @ B^T (LoRA's
+        update, h = x A^T [M, R], B [N, R]) in the epilogue."""
         p = gl.program_id(0)
         n_programs = gl.num_programs(0)
         u0 = (p * total_units) // n_programs
@@ -390,7 +423,8 @@ if IMPORT_ERROR is None:
 
         gl.warp_specialize([
             (_consumer, (x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr,
-                         y_ptr, ws_ptr, cnt_ptr, M, N, W, MP, STAGES, SUB, SCALE_LANES, num_warps)),
+                         y_ptr, ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W, MP, STAGES, SUB, SCALE_LANES,
+                         R, RC, num_warps)),
             (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W, STAGES,
                          SUB)),
         ], [1], [24])
@@ -498,16 +532,42 @@ def n_programs(cfg: Config, tiles: int, k_iters: int, device: torch.device | Non
     return max(1, min(sms * cfg.per_sm, tiles * k_iters // 4))
 
 
+def low_rank_chunk(rank: int, mp: int) -> int:
+    """The rank taken per step of the epilogue's low-rank loop: the largest power of two dividing it that keeps a
+    thread's B chunk and products (8 rows x its tokens x chunk) in registers (a thread holds MP / 16 tokens, at
+    least one): 4 at M <= 16, 2 at 32, 1 at 64 (measured free of spills with `compile_sm90`)."""
+    most = max(1, 4 // max(1, mp // 16))
+    return next(c for c in (8, 4, 2, 1) if c <= most and rank % c == 0)
+
+
 def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
-                   config: Config | None = None) -> torch.Tensor:
-    """y[M, N] (bf16) = x2[M, K] @ W^T for the shuffled weight (codes, scales) and its global scale."""
+                   config: Config | None = None,
+                   low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] (bf16) = x2[M, K] @ W^T for the shuffled weight (codes, scales) and its global scale;
+    with `low_rank = (h [M, R], B [N, R], s)` (bf16), y = x2 @ W^T + s * h @ B^T: LoRA's update in the epilogue.
+    M up to MAX_M_CHUNKED, in launches of MAX_M rows; into `out` (contiguous [M, N] bf16) if given."""
     if x2.dtype != torch.bfloat16 or x2.dim() != 2 or x2.stride(1) != 1:
         raise ValueError(f"x must be a 2-D bf16 tensor with unit stride along K, got {x2.dtype} "
                          f"{tuple(x2.shape)} {x2.stride()}")
     m, k = x2.shape
     n = codes.shape[0] * ROWS
+    if MAX_M < m <= MAX_M_CHUNKED:
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device) if out is None else out
+        for i in range(0, m, MAX_M):
+            part = None if low_rank is None else (low_rank[0][i:i + MAX_M], low_rank[1], low_rank[2])
+            linear_forward(x2[i:i + MAX_M], codes, scales, gs, config, part, out=y[i:i + MAX_M])
+        return y
     if codes.shape[1] * BK != k:
         raise ValueError(f"x has K = {k}, the weight {codes.shape[1] * BK}")
+    h, b, lora_scale, rank = x2, x2, 0.0, 0  # no low-rank term: the pointers are never read
+    if low_rank is not None:
+        h, b, lora_scale = low_rank
+        rank = h.shape[-1]
+        if h.shape != (m, rank) or b.shape != (n, rank) or h.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+            raise ValueError(f"low rank: h must be bf16 [{m}, R] and B bf16 [{n}, R], got {h.dtype} "
+                             f"{tuple(h.shape)} and {b.dtype} {tuple(b.shape)}")
+        h, b = h.contiguous(), b.contiguous()
     if x2.data_ptr() % 16 or (x2.stride(0) * 2) % 16:  # TMA reads 16-byte-aligned rows
         x2 = x2.clone()
     mp = padded_m(m)
@@ -520,7 +580,7 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     tiles, k_iters = n // (ROWS * cfg.w), k // (BK * cfg.sub)
     programs = n_programs(cfg, tiles, k_iters, x2.device)
     most = max_contributors(tiles, k_iters, programs)
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device) if out is None else out
     ws = torch.empty(most * m * n if most > 1 else 1, dtype=torch.float32, device=x2.device)
     from .nvfp4 import _counters  # the split-K counters our Triton kernel resets the same way: one buffer per GPU
 
@@ -528,7 +588,8 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     x_desc, w_desc, s_desc = descriptors(x2, codes, scales, cfg.w, mp)
     nvfp4_decode_gemm_kernel[(programs,)](
         x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,
-        W=cfg.w, MP=mp, STAGES=cfg.stages, SUB=cfg.sub, SCALE_LANES=cfg.scale_lanes, **cfg.launch_options())
+        h, b, float(lora_scale), W=cfg.w, MP=mp, STAGES=cfg.stages, SUB=cfg.sub, SCALE_LANES=cfg.scale_lanes,
+        R=rank, RC=low_rank_chunk(rank, mp) if rank else 1, **cfg.launch_options())
     return y
 
 
@@ -539,7 +600,7 @@ def max_contributors(tiles: int, k_iters: int, n_programs: int) -> int:
     return min(n_programs, -(-(k_iters - 1) // per) + 1)
 
 
-def compile_sm90(m: int, n: int, k: int, config: Config | None = None):
+def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int = 0):
     """Compile the kernel for an H100/H200 (sm_90a) on any machine, GPU or not: Gluon -> TTGIR -> PTX -> cubin
     with the ptxas that ships with Triton. Returns Triton's compiled kernel (`.asm["ttgir" | "ptx" | "cubin"]`,
     `.metadata.shared`). A layout mistake (e.g. a decode that would need data movement) fails here."""
@@ -555,9 +616,10 @@ def compile_sm90(m: int, n: int, k: int, config: Config | None = None):
     x_desc, w_desc, s_desc = descriptors(x, codes, scales, cfg.w, mp)
     signature = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
                  "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
-                 "N": "i32", "k_iters": "i32", "total_units": "i32"}
+                 "N": "i32", "k_iters": "i32", "total_units": "i32", "h_ptr": "*bf16", "b_ptr": "*bf16",
+                 "lora_scale": "fp32"}
     constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SUB": cfg.sub, "SCALE_LANES": cfg.scale_lanes,
-                  "num_warps": 4 * cfg.w}
+                  "R": rank, "RC": low_rank_chunk(rank, mp) if rank else 1, "num_warps": 4 * cfg.w}
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())

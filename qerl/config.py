@@ -75,8 +75,8 @@ class QuantSettings:
     scheme: str = "nvfp4"
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
     # The layout of the NVFP4 base on a CUDA GPU, i.e. which decode GEMM runs: auto (QERL_NVFP4_LAYOUT if set, else
-    # humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon (our Hopper decode GEMM:
-    # fastest at batch <= 32, level with humming over a GRPO step at batch 64; BENCHMARKS.md). A layer the chosen
+    # gluon on Hopper, else humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon
+    # (our Hopper decode GEMM, LoRA's update in its epilogue; BENCHMARKS.md, "Rollouts"). A layer the chosen
     # layout cannot hold keeps the default, with a warning. Numerics differ between layouts only in GEMM rounding.
     gpu_layout: Literal["auto", "humming", "qerl", "gluon"] = "auto"
 

@@ -176,14 +176,17 @@ class ProjectionGroup:
         return outs
 
     def _decode(self, x: Tensor, members: list[nn.Module]) -> list[Tensor]:
-        """Inference: base GEMM, then LoRA as one x·Aᵀ GEMM and one addmm of the block-diagonal Bᵀ into it."""
-        out = self.fused(x)
+        """Inference: LoRA as one x·Aᵀ GEMM, its block-diagonal Bᵀ product added by the base GEMM (in the
+        epilogue of our NVFP4 GEMM, else one addmm)."""
         lora = self.stacked_lora()
-        if lora is not None:
-            a, b = lora
-            if a.dtype != x.dtype or out.dtype != x.dtype:
-                return [m(x) for m in members]  # e.g. fp32 adapters on a bf16 model: the plain path's roundings
-            out.addmm_(F.linear(x, a), b.t())
+        if lora is None:
+            return list(self.fused(x).split(self.sizes, dim=-1))
+        a, b = lora
+        if a.dtype != x.dtype:
+            return [m(x) for m in members]  # e.g. fp32 adapters on a bf16 model: the plain path's roundings
+        h = F.linear(x, a)
+        plus_low_rank = getattr(self.fused, "plus_low_rank", None)
+        out = plus_low_rank(x, h, b, 1.0) if plus_low_rank is not None else self.fused(x).addmm_(h, b.t())
         return list(out.split(self.sizes, dim=-1))
 
     def signature(self) -> tuple[int, ...]:

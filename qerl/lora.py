@@ -106,7 +106,11 @@ class LoraLinear(nn.Module):
         (adapter off, adapter dtype != activation dtype, not 2-D) it is `forward`."""
         if not self.enabled or self.lora_B.dtype != x.dtype or x.dim() != 2:
             return self(x)
-        return self.base(x).addmm_(nn.functional.linear(x, self.lora_A), self.lora_B.t(), alpha=self.scaling)
+        h = nn.functional.linear(x, self.lora_A)
+        plus_low_rank = getattr(self.base, "plus_low_rank", None)  # a quantized base adds it inside its GEMM
+        if plus_low_rank is not None:
+            return plus_low_rank(x, h, self.lora_B, self.scaling)
+        return self.base(x).addmm_(h, self.lora_B.t(), alpha=self.scaling)
 
     def delta_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """(B @ A) * scaling, [out, in]."""

@@ -22,7 +22,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA and "triton" not in sys.modules:  # as in test_kernels.py: the interpreter is chosen at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
-from kernels import dispatch, gemm, humming_nvfp4  # noqa: E402
+from kernels import dispatch, gemm, gluon_nvfp4, humming_nvfp4  # noqa: E402
 from kernels import nvfp4 as K  # noqa: E402
 from tests.patience import patience  # noqa: E402
 
@@ -241,8 +241,21 @@ def test_hummings_effective_weights_equal_the_codec():
 
 
 @gpu
+def test_gpu_the_default_layout_is_gluon_on_hopper_else_humming():
+    """One default for every batch size: the Gluon layout on an sm_90 GPU (JIT-free, fastest decode), humming's
+    elsewhere; a shape Gluon cannot hold (N % 64, K % 128) keeps humming's (or ours)."""
+    t = codec.quantize(_weight(256, 128))
+    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+    want = "gluon" if gluon_nvfp4.available() else "humming" if humming_nvfp4.available() else "qerl"
+    assert g.layout == want
+    odd = codec.quantize(_weight(256, 64))  # K = 64: not a Gluon shape
+    assert gemm.NVFP4Gemm(odd["weight_packed"], odd["weight_scale"], odd["weight_global_scale"]).layout != "gluon"
+
+
+@gpu
 def test_without_humming_the_layer_keeps_our_layout(monkeypatch):
     monkeypatch.setattr(humming_nvfp4, "HummingLayer", None)
+    monkeypatch.setattr(gluon_nvfp4, "available", lambda: False)  # not Hopper: the Gluon default does not apply
     t = codec.quantize(_weight(256, 128))
     g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
     assert g.layout == "qerl" and g._backends("fwd") == ("triton", "dequant_cublas")
@@ -260,7 +273,7 @@ def test_quant_linear_keeps_one_copy_and_exports_the_checkpoint_layout():
     before = {k: v.clone() for k, v in q.state_dict().items()}
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     y = q(x)
-    assert q.cuda_gemm().layout == "humming"
+    assert q.cuda_gemm().layout == ("gluon" if gluon_nvfp4.available() else "humming")
     assert q.weight_packed is None and q.weight_scale is None  # no second copy
     after = q.state_dict()
     assert before.keys() == after.keys()

@@ -214,14 +214,14 @@ COMPILE_SCRIPT = textwrap.dedent("""
     out = {}
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for m, n, k, w, stages, lanes, sub in json.loads(sys.argv[1]):
-        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, scale_lanes=lanes, sub=sub))
+    for m, n, k, w, stages, lanes, sub, rank in json.loads(sys.argv[1]):
+        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, scale_lanes=lanes, sub=sub), rank)
         f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
         f.write(ck.asm["cubin"]); f.close()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
-        out[f"{m},{w},{lanes},{sub}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
+        out[f"{m},{w},{lanes},{rank},{sub}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
                                    "local": "LOCAL:0" in res, "shared": ck.metadata.shared}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -237,8 +237,9 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not HAS_GLUON, reason=f"Triton without Gluon: {G.IMPORT_ERROR}")
 def test_kernel_compiles_for_sm90_without_spills():
-    cases = [(1, 4096, 4096, 2, 4, False, 1), (64, 4096, 4096, 2, 3, True, 1), (16, 1024, 4096, 1, 6, True, 1),
-             (8, 1024, 4096, 1, 4, True, 2)]
+    # the last field: LoRA's rank in the epilogue (0: none)
+    cases = [(1, 4096, 4096, 2, 4, False, 1, 0), (64, 4096, 4096, 2, 3, True, 1, 0), (16, 1024, 4096, 1, 6, True, 1, 0),
+             (8, 1024, 4096, 1, 4, True, 2, 0), (8, 1024, 4096, 1, 4, True, 2, 16), (32, 1024, 4096, 1, 4, True, 2, 48)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler, not the interpreter
     env["PYTHONPATH"] = os.getcwd()
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -277,6 +278,30 @@ def test_gpu_kernel_matches_reference(m, n, k, programs):
     wide = torch.zeros(m, k + 8, device="cuda", dtype=torch.bfloat16)
     wide[:, 1:k + 1] = x  # a view whose rows start off the 16-byte grid TMA needs
     assert torch.equal(G.linear_forward(wide[:, 1:k + 1], codes, scales, gs, cfg), y)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 8, 33, 64, 100, 256])
+@pytest.mark.parametrize("n,k,rank,programs", [(4608, 3584, 48, None), (1024, 4096, 16, 3), (192, 256, 8, 1),
+                                               (4096, 4096, 24, 1000)])
+def test_gpu_low_rank_epilogue_adds_loras_update(m, n, k, rank, programs):
+    """y = x W^T + s h B^T with LoRA's update added in the epilogue: the reference within the bf16 rounding of y,
+    whole tiles and tiles summed by their last contributor, M chunked past 64, the same bits on a second launch."""
+    packed, scale, gs = (t.cuda() for t in random_weight(n, k, seed=m + rank))
+    codes, scales = G.shuffle_weight(packed, scale)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    h = torch.randn(m, rank, device="cuda", generator=g).to(torch.bfloat16)
+    b = (torch.randn(n, rank, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    cfg = None if programs is None else G.Config(w=1, stages=4, programs=programs, scale_lanes=True)
+    y = G.linear_forward(x, codes, scales, gs, cfg, low_rank=(h, b, 0.75))
+    w = codec.dequantize(packed, scale, gs, dtype=torch.float32).double()
+    want = x.double() @ w.t() + 0.75 * h.double() @ b.double().t()
+    err = (y.double() - want).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item(), err
+    base = G.linear_forward(x, codes, scales, gs, cfg)
+    assert (y.double() - base.double()).abs().max() > 0  # the update was added, not dropped
+    assert torch.equal(G.linear_forward(x, codes, scales, gs, cfg, low_rank=(h, b, 0.75)), y)
 
 
 @gpu

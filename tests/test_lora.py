@@ -104,6 +104,27 @@ def test_fused_forward_is_forward_with_one_addmm():
         assert torch.equal(layer.fused_forward(x), layer.base(x))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_fused_forward_on_a_quantized_base_adds_the_update_inside_its_gemm(device):
+    """On an NVFP4 base the decode step hands LoRA's update to the base GEMM (`QuantLinear.plus_low_rank`: the
+    Gluon GEMM's epilogue on Hopper, one addmm elsewhere): forward's result within bf16 rounding, bias included."""
+    from qerl.quant.linear import QuantLinear
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    base = QuantLinear.from_linear(nn.Linear(256, 192).to(device, dtype), "nvfp4")
+    layer = LoraLinear(base, rank=16, alpha=32).to(device, dtype)
+    nn.init.normal_(layer.lora_B)
+    for m in (1, 8, 64):
+        x = torch.randn(m, 256, device=device, dtype=dtype)
+        with torch.no_grad():
+            want, got = layer(x).double(), layer.fused_forward(x).double()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), m
+        with torch.no_grad():
+            assert not torch.allclose(got, base(x).double())  # the update is in
+
+
 def test_rslora_scaling():
     assert LoraSettings(rank=16, alpha=32).scaling == 2.0
     assert LoraSettings(rank=16, alpha=32, use_rslora=True).scaling == 8.0

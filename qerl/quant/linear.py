@@ -326,6 +326,16 @@ class QuantLinear(nn.Module):
         out = _DequantizedLinear.apply(x, self)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
+    def plus_low_rank(self, x: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+        """self(x) + scale * h @ b^T for 2-D x (inference: LoRA's update, h = x A^T, b = B): on the GPU kernel's
+        path the update goes into the GEMM itself (kernels.gemm.NVFP4Gemm.forward_low_rank), else one addmm."""
+        if self._rows_of is None and self.use_kernel and x.is_cuda and self.codec.gpu_kernel \
+                and x.dtype in (torch.bfloat16, torch.float16) and (gemm := _gpu_gemm()) is not None:
+            x2 = x if x.stride(-1) == 1 else x.contiguous()
+            y = self.cuda_gemm().forward_low_rank(x2, h, b, scale)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self(x).addmm_(h, b.t(), alpha=scale)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"scheme={self.scheme}"
