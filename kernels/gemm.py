@@ -2,8 +2,8 @@
 
 `NVFP4Gemm` takes a layer's compressed-tensors tensors and keeps exactly one copy of them. On a Hopper GPU
 (sm_90) with Gluon, and a shape it holds, the copy is shuffled for our Gluon decode GEMM ("gluon" layout,
-kernels/gluon_nvfp4.py: the fastest decode at batch 1-8, level at 64, LoRA's update in its epilogue, compiled in
-seconds: BENCHMARKS.md, "The Gluon decode GEMM" and "Rollouts"). Elsewhere, repacked for humming-kernels when it is
+kernels/gluon_nvfp4.py: faster than bf16 at every batch measured, and compiled in seconds where humming's JIT took a
+minute: BENCHMARKS.md, "Rollouts: the Gluon default"). Elsewhere, repacked for humming-kernels when it is
 installed and the shape fits ("humming" layout), else as given ("qerl" layout, read by our Triton kernels);
 `prefer=`, quant.gpu_layout or QERL_NVFP4_LAYOUT choose another. Forward and backward dx then pick a backend per
 (shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
@@ -26,9 +26,11 @@ from . import nvfp4 as triton_nvfp4
 
 log = logging.getLogger(__name__)
 
-# QERL_LORA_EPILOGUE=0 adds LoRA's update with a separate addmm even where the Gluon GEMM could add it in its
-# epilogue: the A/B arm of benchmarks/bench_rollout.py and bench_decode_layer.py, nothing a run needs.
-LOW_RANK_EPILOGUE = os.environ.get("QERL_LORA_EPILOGUE", "1") != "0"
+# QERL_LORA_EPILOGUE=1 adds LoRA's update in the Gluon GEMM's epilogue instead of one addmm after it. Off by default:
+# measured slower (H100, 7B, 2026-11-26: fixed cost 75.1 against 65.9 µs per layer at batch 8, rollouts 0.93-0.77x;
+# BENCHMARKS.md, "Rollouts: the Gluon default and LoRA in the epilogue"): the stream-K tile's last program reads B
+# with scalar loads after every other program is done, and the extra registers spill in the main loop at M = 8, 64.
+LOW_RANK_EPILOGUE = os.environ.get("QERL_LORA_EPILOGUE", "0") == "1"
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 _warned: set[str] = set()
 
@@ -74,7 +76,7 @@ class NVFP4Gemm:
         self.tensors: dict[str, torch.Tensor] | None = None
         self.gluon: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if prefer is None and gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k):
-            prefer = "gluon"  # the Hopper default: the fastest decode at every batch we measured, and JIT-free
+            prefer = "gluon"  # the Hopper default (module docstring)
         if prefer == "gluon":
             if gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k):
                 self.gluon = (*gluon_nvfp4.shuffle_weight(packed, scale), global_scale.reshape(1).float())
@@ -184,8 +186,8 @@ class NVFP4Gemm:
 
     def forward_low_rank(self, x2: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """y [M, N] = x2 @ W^T + scale * h @ b^T (LoRA's update: h = x2 A^T [M, R], b = B [N, R]), inference only.
-        Where the Gluon GEMM runs the call, the update is added in its epilogue (no launch of its own, one rounding
-        to bf16); any other backend adds it with one addmm."""
+        With QERL_LORA_EPILOGUE=1, where the Gluon GEMM runs the call, the update is added in its epilogue (no
+        launch of its own, one rounding to bf16); otherwise (the default: measured faster) one addmm adds it."""
         backend = self.backend_for("fwd", x2) if x2.shape[0] else None
         if backend == "gluon" and h.dtype == b.dtype == x2.dtype and LOW_RANK_EPILOGUE:
             return gluon_nvfp4.linear_forward(x2, *self.gluon, low_rank=(h, b, scale))

@@ -76,7 +76,7 @@ class QuantSettings:
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
     # The layout of the NVFP4 base on a CUDA GPU, i.e. which decode GEMM runs: auto (QERL_NVFP4_LAYOUT if set, else
     # gluon on Hopper, else humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon
-    # (our Hopper decode GEMM, LoRA's update in its epilogue; BENCHMARKS.md, "Rollouts"). A layer the chosen
+    # (our Hopper decode GEMM; BENCHMARKS.md, "Rollouts: the Gluon default"). A layer the chosen
     # layout cannot hold keeps the default, with a warning. Numerics differ between layouts only in GEMM rounding.
     gpu_layout: Literal["auto", "humming", "qerl", "gluon"] = "auto"
 

@@ -328,7 +328,8 @@ class QuantLinear(nn.Module):
 
     def plus_low_rank(self, x: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """self(x) + scale * h @ b^T for 2-D x (inference: LoRA's update, h = x A^T, b = B): on the GPU kernel's
-        path the update goes into the GEMM itself (kernels.gemm.NVFP4Gemm.forward_low_rank), else one addmm."""
+        path through kernels.gemm.NVFP4Gemm.forward_low_rank (into the GEMM's epilogue where enabled), else one
+        addmm."""
         if self._rows_of is None and self.use_kernel and x.is_cuda and self.codec.gpu_kernel \
                 and x.dtype in (torch.bfloat16, torch.float16) and (gemm := _gpu_gemm()) is not None:
             x2 = x if x.stride(-1) == 1 else x.contiguous()
