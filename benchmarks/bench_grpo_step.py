@@ -62,7 +62,7 @@ def numbered_tokenizer(vocab: int):
 
 def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_len: int = 256, new: int = 1024,
               micro: int = 4, sigma: float = 1e-2, steps: int = 2, lora_rank: int = 16,
-              overrides: tuple[str, ...] = (), variant: str = "default") -> dict:
+              overrides: tuple[str, ...] = (), variant: str = "default", reward: str = "hash") -> dict:
     r: dict = {"model": name, "scheme": scheme, "variant": variant, "settings": list(overrides),
                "rows": prompts * group, "prompt": prompt_len, "new": new, "micro_batch": micro}
     torch.cuda.reset_peak_memory_stats()
@@ -85,7 +85,10 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
             "tracking.backend=none", *overrides])
         s.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         s.data.system_prompt = system
-        s.train.rewards = {"bench_grpo_step:hash_reward": 1.0}  # this file's folder is on sys.path
+        # "hash": a stand-in that costs nothing; "accuracy": the product's default reward, the math grader (math-verify
+        # in a worker process where installed) on these completions: what grading costs in a step
+        s.train.rewards = {"bench_grpo_step:hash_reward" if reward == "hash" else reward: 1.0}  # folder on sys.path
+        r["reward"] = reward
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer) as trainer:
             trainer.train()
             r["kv_gib"] = trainer.rollout_backend.engine.memory_bytes() / GIB
@@ -142,7 +145,7 @@ def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], ar
         result = Path(tmp) / "row.json"
         cmd = [sys.executable, os.path.abspath(__file__), "--arm", name, scheme, variant, "--row", str(result),
                "--new", str(args.new), "--micro", str(args.micro), "--sigma", str(args.sigma),
-               "--steps", str(args.steps), *(x for o in overrides for x in ("--set", o))]
+               "--steps", str(args.steps), "--reward", args.reward, *(x for o in overrides for x in ("--set", o))]
         rc = subprocess.run(cmd).returncode
         if rc != 0 or not result.exists():
             print(f"[{name} {scheme} {variant}] arm process failed (exit {rc})", flush=True)
@@ -154,7 +157,7 @@ def one_arm(args) -> int:
     name, scheme, variant = args.arm
     try:
         r = grpo_step(name, scheme, new=args.new, micro=args.micro, sigma=args.sigma, steps=args.steps,
-                      overrides=tuple(args.set), variant=variant)
+                      overrides=tuple(args.set), variant=variant, reward=args.reward)
     except ImportError as e:  # the QLoRA arm without bitsandbytes
         print(f"[{name} {scheme}] skipped: {e}", flush=True)
         return 3
@@ -175,6 +178,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--sigma", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=2, help="steps per arm; the last is reported (step 1 pays one-offs)")
+    ap.add_argument("--reward", default="hash", choices=["hash", "accuracy"],
+                    help="hash: a free stand-in; accuracy: the default math grader (its cost is the scoring column)")
     ap.add_argument("--out", default="outputs/bench")
     ap.add_argument("--variants", default="", help="arms of settings, e.g. 'ckpt:model.gradient_checkpointing=true;"
                     "auto:' (label:key=value,...; each arm runs every scheme); default: the product's defaults")
