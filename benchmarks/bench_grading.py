@@ -133,6 +133,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old-ref", default="481760a", help="git commit of qerl's grader before #29")
     parser.add_argument("--samples", help="an eval samples.jsonl: time the step on its completions and golds")
+    parser.add_argument("--math500", type=int, default=0, metavar="N",
+                        help="time the step on N MATH-500 worked solutions (data/math500), half against their own "
+                             "gold, half against the next problem's: a 7B policy's LaTeX completions")
     parser.add_argument("--skip-accuracy", action="store_true")
     args = parser.parse_args()
     if not args.skip_accuracy:
@@ -141,6 +144,13 @@ def main() -> None:
     if args.samples:
         rows = [json.loads(line) for line in Path(args.samples).read_text().splitlines()]
         pairs = [(r["completion"], r["gold"]) for r in rows][:64]
+    if args.math500:
+        from qerl.data import load_jsonl
+
+        path = ROOT / "data" / "math500" / "test.jsonl"
+        solutions = [json.loads(line)["answer"] for line in path.read_text().splitlines()[:args.math500 + 1]]
+        golds = [ex.gold for ex in load_jsonl(path)[:args.math500 + 1]]
+        pairs = [(solutions[i], golds[i + (i % 2)]) for i in range(args.math500)]
     step_cost(pairs)
     hostile_times()
 

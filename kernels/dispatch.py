@@ -1,8 +1,8 @@
 """Which NVFP4 GEMM backend runs each (kind, layer shape, M bucket): measured on the GPU it runs on, cached on disk.
 
 Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM),
-"gluon" (our warp-specialized decode GEMM, M <= 64) and "dequant_cublas" (our one-pass dequantize into a reused
-scratch buffer, then cuBLAS). Which of them a layer can use depends on the layout its one weight copy is in.
+"gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our one-pass dequantize into a reused
+scratch buffer, then cuBLAS) and, in the FP8 update only, "dequant_fp8" (the same into FP8, then `_scaled_mm`). Which of them a layer can use depends on the layout its one weight copy is in.
 Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
 CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in `cache_path()`,
 keyed by GPU name and library versions, so a process pays for each measurement once per machine. A corrupt or
@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "humming", "gluon", "dequant_cublas")
+BACKENDS = ("triton", "humming", "gluon", "dequant_cublas", "dequant_fp8")
 CACHE_VERSION = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -40,6 +40,8 @@ def m_bucket(m: int) -> int:
 def default_backend(kind: str, layout: str, m: int) -> str:
     """The pick before any measurement, from the measured shape of the trade-off (BENCHMARKS.md): small M is
     weight-bandwidth-bound (a 4-bit kernel wins), large M is tensor-core-bound (cuBLAS on bf16 wins)."""
+    if layout.endswith("-fp8"):  # the FP8 update (kernels.gemm.update_precision)
+        return "gluon" if kind == "fwd" and m <= 64 else "dequant_fp8"
     if kind == "bwd":
         return "triton" if layout == "qerl" and m <= 64 else "dequant_cublas"
     if layout == "humming":

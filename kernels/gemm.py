@@ -6,15 +6,15 @@ kernels/gluon_nvfp4.py: faster than bf16 at every batch measured, and compiled i
 minute: BENCHMARKS.md, "Rollouts: the Gluon default"). Elsewhere, repacked for humming-kernels when it is
 installed and the shape fits ("humming" layout), else as given ("qerl" layout, read by our Triton kernels);
 `prefer=`, quant.gpu_layout or QERL_NVFP4_LAYOUT choose another. Forward and backward dx then pick a backend per
-(shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode), dequantize-into-scratch +
-cuBLAS where tensor-core time does (training), whatever measured fastest in between.
-
-The scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 weight exists at a
-time (each use is consumed by cuBLAS on the same stream before the next layer's dequantize overwrites it).
+(shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
+dequantize-into-scratch + cuBLAS where tensor-core time does (training), whatever measured fastest in between. The
+scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 weight exists at a time
+(each use is consumed by cuBLAS on the same stream before the next layer's dequantize overwrites it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -32,6 +32,30 @@ log = logging.getLogger(__name__)
 # with scalar loads after every other program is done, and the extra registers spill in the main loop at M = 8, 64.
 LOW_RANK_EPILOGUE = os.environ.get("QERL_LORA_EPILOGUE", "0") == "1"
 _SCRATCH: dict[tuple, torch.Tensor] = {}
+_update_fp8 = False  # inside `update_precision("fp8")`: training-size GEMMs of the Gluon layout in FP8
+FP8_MAX = 448.0  # the largest finite E4M3 value
+
+
+@contextlib.contextmanager
+def update_precision(precision: str):
+    """Within the block, the frozen base's forward and dx GEMMs at training sizes run as `precision`: "bf16"
+    (dequantize + cuBLAS bf16) or "fp8" (Hopper, layers in the Gluon layout: W dequantized straight into FP8 E4M3
+    with one scale per output row, activations and gradients scaled per row, `torch._scaled_mm`). The trainer wraps
+    its update in it (model.base_gemm); rollouts, which decode with the 4-bit GEMM, are not affected."""
+    global _update_fp8
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"unknown update precision {precision!r}: expected bf16 or fp8")
+    before, _update_fp8 = _update_fp8, precision == "fp8"
+    try:
+        yield
+    finally:
+        _update_fp8 = before
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448: each row's largest value lands on E4M3's largest."""
+    s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
+    return (x.float() / s).to(torch.float8_e4m3fn), s
 _warned: set[str] = set()
 
 
@@ -150,7 +174,34 @@ class NVFP4Gemm:
         t = self.tensors
         return t["weight_packed"], t["weight_scale"], t["weight_global_scale"]
 
+    def _fp8_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per output row of W (n) and of W^T (k): the FP8 scale (max |W| over the row / 448) and its inverse, from
+        the block scales alone (a block's largest code is 6 by construction of NVFP4: max |W| = 6 * its scale / gs).
+        Computed once per layer."""
+        if getattr(self, "_fp8_cache", None) is None:
+            scale = self.canonical()["weight_scale"].float() * (6.0 / self.gluon[2].float())  # [N, K/16]
+            row = scale.amax(1).clamp_min(1e-30) / FP8_MAX
+            col = scale.amax(0).clamp_min(1e-30).repeat_interleave(16) / FP8_MAX
+            self._fp8_cache = (row, 1.0 / row, col, 1.0 / col)
+        return self._fp8_cache
+
+    def _forward_fp8(self, x2: torch.Tensor) -> torch.Tensor:
+        s_n, inv_n, _, _ = self._fp8_scales()
+        w = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, inv_scale=inv_n,
+                                   out=scratch(self.n * self.k, torch.float8_e4m3fn, self.device))
+        xq, s_x = fp8_rows(x2)
+        return torch._scaled_mm(xq, w.t(), scale_a=s_x, scale_b=s_n[None, :], out_dtype=x2.dtype)
+
+    def _grad_input_fp8(self, dy2: torch.Tensor) -> torch.Tensor:
+        _, _, s_k, inv_k = self._fp8_scales()
+        wt = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, transposed=True, inv_scale=inv_k,
+                                    out=scratch(self.n * self.k, torch.float8_e4m3fn, self.device))  # W^T [K, N]
+        dyq, s_dy = fp8_rows(dy2)
+        return torch._scaled_mm(dyq, wt.t(), scale_a=s_dy, scale_b=s_k[None, :], out_dtype=dy2.dtype)
+
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
+        if backend == "dequant_fp8":
+            return self._forward_fp8(x2)
         if backend == "humming":
             return self.humming.forward(x2)
         if backend == "gluon":
@@ -160,11 +211,24 @@ class NVFP4Gemm:
         return x2 @ self.dequantize(x2.dtype, transposed=True)
 
     def _grad_input(self, backend: str, dy2: torch.Tensor) -> torch.Tensor:
+        if backend == "dequant_fp8":
+            return self._grad_input_fp8(dy2)
         if backend == "triton":
             return triton_nvfp4.grad_input(dy2, *self._ours())
         return dy2 @ self.dequantize(dy2.dtype, transposed=True).t()  # W^T is the coalesced write for humming
 
+    def _fp8(self) -> bool:
+        """Whether this call is in the FP8 update (the Gluon layout only: its dequantize writes FP8)."""
+        if not _update_fp8:
+            return False
+        if self.layout != "gluon":
+            _warn_once(f"model.base_gemm = fp8 needs the Gluon layout (Hopper); {self.layout} layers run bf16")
+            return False
+        return True
+
     def _backends(self, kind: str) -> tuple[str, ...]:
+        if self._fp8():
+            return ("gluon", "dequant_fp8") if kind == "fwd" else ("dequant_fp8",)
         if kind == "bwd":
             return ("triton", "dequant_cublas") if self.layout == "qerl" else ("dequant_cublas",)
         return {"humming": ("humming", "dequant_cublas"), "qerl": ("triton", "dequant_cublas"),
@@ -175,8 +239,11 @@ class NVFP4Gemm:
         backends = self._backends(kind)
         if "gluon" in backends and not (x2.shape[0] <= gluon_nvfp4.MAX_M_CHUNKED and x2.dtype == torch.bfloat16):
             backends = tuple(b for b in backends if b != "gluon")
+        if "dequant_fp8" in backends and x2.shape[0] % 16:  # _scaled_mm takes M in multiples of 16
+            backends = tuple(b for b in backends if b != "dequant_fp8") or ("dequant_cublas",)
         cands = {b: (lambda b=b: run(b, x2)) for b in backends}
-        return dispatch.choose(kind, self.layout, self.n, self.k, x2.shape[0], cands)
+        layout = self.layout + ("-fp8" if "dequant_fp8" in backends else "")  # its own dispatch entries
+        return dispatch.choose(kind, layout, self.n, self.k, x2.shape[0], cands)
 
     def forward(self, x2: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         """y [M, N] for x2 [M, K] (bf16/fp16, unit stride along K)."""

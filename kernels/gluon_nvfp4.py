@@ -125,12 +125,14 @@ def unshuffle_weight(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.T
 
 if triton is not None:
     @triton.jit
-    def shuffled_block_dequant_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, N, K, TRANSPOSED: tl.constexpr):
+    def shuffled_block_dequant_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, inv_ptr, N, K, TRANSPOSED: tl.constexpr,
+                                      SCALED: tl.constexpr = False):
         """W (or W^T) in out's dtype from the shuffled layout, one (64-row, 128-column) block per program: its 1024
         code words and 512 scale bytes read once, contiguously, and the layout's permutation done on the decoded
         tile (Triton moves it through shared memory; a per-element gather re-read each word 8 times and was 1.1-1.7x
         slower). Values are e2m1 * (scale / global_scale) in fp32, then one rounding: bit-identical to
-        qerl.quant.nvfp4.dequantize. out is [K, N] if TRANSPOSED else [N, K]."""
+        qerl.quant.nvfp4.dequantize. out is [K, N] if TRANSPOSED else [N, K]. SCALED (the FP8 update path): each
+        value is first multiplied by inv_ptr's fp32 factor for its output row of out (W's row n, or W^T's row k)."""
         dtype = out_ptr.dtype.element_ty
         rb, kb = tl.program_id(1), tl.program_id(0)
         block = rb.to(tl.int64) * (K // 128) + kb
@@ -148,11 +150,19 @@ if triton is not None:
         sb = tl.load(scales_ptr + block * 512 + tl.reshape(tl.arange(0, 512), [2, 2, 2, 8, 4, 2]))
         eff = tl.math.div_rn(_e4m3_decode(sb), tl.full(sb.shape, 1.0, tl.float32) * tl.load(gs_ptr))
         eff = tl.reshape(eff, [2, 2, 2, 8, 1, 4, 1, 2, 1])
-        w = (val * eff).to(dtype)
-        # rows (t6, t5, b1, g), cols (half, r, b2, q, b0)
-        w = tl.reshape(tl.permute(w, (1, 2, 7, 3, 0, 5, 6, 4, 8)), [64, 128])
         rows = rb * 64 + tl.arange(0, 64)
         cols = kb * 128 + tl.arange(0, 128)
+        if SCALED:  # the factor applies in fp32, before the one rounding (to FP8)
+            w = tl.reshape(tl.permute(val * eff, (1, 2, 7, 3, 0, 5, 6, 4, 8)), [64, 128])
+            if TRANSPOSED:
+                w = w * tl.load(inv_ptr + cols)[None, :]
+            else:
+                w = w * tl.load(inv_ptr + rows)[:, None]
+            w = w.to(dtype)
+        else:
+            w = (val * eff).to(dtype)
+            # rows (t6, t5, b1, g), cols (half, r, b2, q, b0)
+            w = tl.reshape(tl.permute(w, (1, 2, 7, 3, 0, 5, 6, 4, 8)), [64, 128])
         if TRANSPOSED:
             tl.store(out_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(w))
         else:
@@ -160,14 +170,18 @@ if triton is not None:
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype,
-               transposed: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+               transposed: bool = False, out: torch.Tensor | None = None,
+               inv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] (W^T [K, N] if transposed) from the shuffled layout, in dtype, into `out` (N * K elements) if
-    given: the dequantize + cuBLAS backend's first half for layers held in this layout."""
+    given: the dequantize + cuBLAS backend's first half for layers held in this layout. `inv_scale` (fp32, one per
+    row of the result: [N], or [K] if transposed) multiplies each row before the rounding: W / row scale in FP8."""
     n, k = codes.shape[0] * ROWS, codes.shape[1] * BK
     shape = (k, n) if transposed else (n, k)
     out = torch.empty(shape, dtype=dtype, device=codes.device) if out is None else out.view(shape)
+    inv = gs if inv_scale is None else inv_scale  # unread unless SCALED
     shuffled_block_dequant_kernel[(k // BK, n // ROWS)](codes, scales.view(torch.uint8), gs.reshape(1).float(), out,
-                                                        n, k, TRANSPOSED=transposed)
+                                                        inv, n, k, TRANSPOSED=transposed,
+                                                        SCALED=inv_scale is not None)
     return out
 
 

@@ -35,6 +35,7 @@ from qerl.generate import Rollout
 from qerl.manifest import write_manifest
 from qerl.phases import Phases
 from qerl.prompt_length import fit_prompts, model_context
+from qerl.quant.linear import update_precision
 from qerl.rollout import RolloutBackend, Sampling, make_backend
 from qerl.runlock import run_folder_lock
 from qerl.runtime import load_base_model, load_tokenizer_and_context, seed_everything
@@ -391,8 +392,10 @@ class Trainer:
         mask = grpo.loss_mask(padded["mask"], self.loss_cfg, truncated)
         on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
         micro = self._micro_batches(len(batch))
-        old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
-        totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp, ref_logp)
+        with update_precision(self.settings.model.base_gemm):  # every forward of the update: the same GEMMs
+            old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
+            totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
+                                    ref_logp)
         self.scheduler.step()
         self.step += 1
         return self._step_metrics(batch, step_rewards, truncated, totals, time.perf_counter() - start)

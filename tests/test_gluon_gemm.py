@@ -157,6 +157,13 @@ DEQUANT_SCRIPT = textwrap.dedent("""
         out = torch.empty(256 * 192, dtype=dt)
         got_t = G.dequantize(codes, scales, d["weight_global_scale"], dt, transposed=True, out=out)
         assert got_t.data_ptr() == out.data_ptr() and torch.equal(got_t.view(bits), ref.t().view(bits))
+    # the FP8 update path's per-row factors, applied in fp32 before the rounding (here to fp32: exact)
+    ref = codec.dequantize(d["weight_packed"], d["weight_scale"], d["weight_global_scale"], dtype=torch.float32)
+    inv_n, inv_k = torch.rand(192) + 0.5, torch.rand(256) + 0.5
+    got = G.dequantize(codes, scales, d["weight_global_scale"], torch.float32, inv_scale=inv_n)
+    assert torch.equal(got, ref * inv_n[:, None])
+    got_t = G.dequantize(codes, scales, d["weight_global_scale"], torch.float32, transposed=True, inv_scale=inv_k)
+    assert torch.equal(got_t, ref.t() * inv_k[:, None])
     print("ok")
 """)
 
@@ -221,15 +228,18 @@ COMPILE_SCRIPT = textwrap.dedent("""
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
-        out[f"{m},{w},{lanes},{rank},{sub}"] = {"sass": {op: sass.count(op) for op in ("HGMMA", "LDS.128", "LDL", "STL")},
-                                   "local": "LOCAL:0" in res, "shared": ck.metadata.shared}
+        ops = ("HGMMA", "LDS.128", "LDL", "STL")
+        out[f"{m},{w},{lanes},{rank},{sub}"] = {"sass": {op: sass.count(op) for op in ops},
+                                                "local": "LOCAL:0" in res, "shared": ck.metadata.shared}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    for transposed in (False, True):  # the layout's dequantize, through the whole compiler too
+    for transposed, out_type in ((False, "*bf16"), (True, "*bf16"), (False, "*fp8e4nv"), (True, "*fp8e4nv")):
+        # the layout's dequantize through the whole compiler too, and its FP8 form (per-row factors)
         triton.compile(ASTSource(G.shuffled_block_dequant_kernel,
-                                 {"codes_ptr": "*i32", "scales_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16",
-                                  "N": "i32", "K": "i32", "TRANSPOSED": "constexpr"},
-                                 constexprs={"TRANSPOSED": transposed}),
+                                 {"codes_ptr": "*i32", "scales_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": out_type,
+                                  "inv_ptr": "*fp32", "N": "i32", "K": "i32", "TRANSPOSED": "constexpr",
+                                  "SCALED": "constexpr"},
+                                 constexprs={"TRANSPOSED": transposed, "SCALED": out_type == "*fp8e4nv"}),
                        target=GPUTarget("cuda", 90, 32))
     print(json.dumps(out))
 """)
@@ -325,3 +335,26 @@ def test_gpu_gluon_layout_layer_forward_backward_and_canonical(m):
     y.float().square().sum().backward()
     dx_want = (2 * y.detach().float()) @ w
     assert (x.grad.float() - dx_want).abs().max() <= 2e-2 * dx_want.abs().max()
+
+
+@gpu
+@pytest.mark.parametrize("m", [2048, 4096])
+def test_gpu_fp8_update_gemms_match_the_exact_product(m):
+    """In the FP8 update (kernels.gemm.update_precision) a Gluon-layout layer's forward and dx run dequantize-to-FP8
+    (one scale per row) + _scaled_mm: within FP8's rounding of the exact products (E4M3 keeps 3 mantissa bits: ~3%
+    per element, averaged over K in a dot product)."""
+    from kernels.gemm import NVFP4Gemm, linear, update_precision
+    packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=3))
+    layer = NVFP4Gemm(packed, scale, gs, prefer="gluon")
+    w = codec.dequantize(packed, scale, gs, dtype=torch.float32).double()
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with update_precision("fp8"):
+        assert layer.backend_for("fwd", x.detach()) == "dequant_fp8"
+        y = linear(x, layer)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+    want, dx_want = x.detach().double() @ w.t(), dy.double() @ w
+    rel = lambda got, ref: ((got.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+    assert rel(y, want) <= 0.04 and rel(x.grad, dx_want) <= 0.04, (rel(y, want), rel(x.grad, dx_want))
+    with torch.no_grad():  # outside the block: bf16 again
+        assert rel(linear(x.detach(), layer), want) <= 0.01

@@ -147,3 +147,46 @@ def test_gpu_recompute_plan_keeps_what_fits_and_recomputes_the_rest():
     # A margin leaving room for about 1.5 blocks: all but one block recomputes (the measurement may vary by a bit)
     planned = recompute.plan(model.model, ids, attn, "auto", margin_bytes=free - int(1.5 * per_block))
     assert planned in (layers - 1, layers - 2), (planned, per_block, free)
+
+
+needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                                 reason="the FP8 update needs a Hopper GPU (the Gluon layout)")
+
+
+@needs_gluon
+def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch):
+    """model.base_gemm = fp8: the update's forward and dx GEMMs of the NVFP4 base in FP8. The evidence a user needs:
+    per-token log-probs close to the bf16 update's, LoRA gradients pointing the same way, and the FP8 GEMMs really
+    ran (forward and backward of every layer)."""
+    from kernels import gemm
+    from qerl.quant.linear import update_precision
+    from tests.test_families import gpu_family_model
+
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = gemm.NVFP4Gemm._forward_fp8, gemm.NVFP4Gemm._grad_input_fp8
+    monkeypatch.setattr(gemm.NVFP4Gemm, "_forward_fp8",
+                        lambda s, x: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(s, x))
+    monkeypatch.setattr(gemm.NVFP4Gemm, "_grad_input_fp8",
+                        lambda s, d: calls.__setitem__("bwd", calls["bwd"] + 1) or bwd(s, d))
+    model = gpu_family_model("mistral", "nvfp4")
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids = torch.randint(0, 1024, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def logp_and_grads(precision):
+        for p in params:
+            p.grad = None
+        with update_precision(precision):
+            logits = model(ids)[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            (-logp.mean()).backward()
+        return logp.detach(), torch.cat([p.grad.flatten().float() for p in params])
+
+    logp16, g16 = logp_and_grads("bf16")
+    assert calls == {"fwd": 0, "bwd": 0}
+    logp8, g8 = logp_and_grads("fp8")
+    layers = len(model.model.layers)
+    assert calls["fwd"] >= 4 * layers and calls["bwd"] >= 4 * layers  # qkv, o, gate_up, down: forward and dx
+    gap = (logp8 - logp16).abs()
+    cos = torch.nn.functional.cosine_similarity(g8, g16, dim=0).item()
+    print(f"fp8 vs bf16 update: |logp gap| mean {gap.mean():.4f} max {gap.max():.4f}, LoRA grad cosine {cos:.5f}")
+    assert gap.mean() <= 0.02 and cos >= 0.99

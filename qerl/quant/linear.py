@@ -8,9 +8,11 @@ again instead of saving W, so activation memory holds only x, as for a frozen nn
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
+import warnings
 from collections.abc import Iterable
 from types import ModuleType
 
@@ -55,6 +57,19 @@ def _gpu_gemm() -> ModuleType | None:
         log.warning("kernels.gemm failed to import (%s); using the PyTorch reference path", e)
         return None
     return gemm
+
+
+def update_precision(precision: str) -> contextlib.AbstractContextManager:
+    """A block whose frozen-base GEMMs at training sizes run in `precision` (model.base_gemm: bf16 or fp8; see
+    kernels.gemm.update_precision). fp8 applies on Hopper to NVFP4 layers in the Gluon layout; elsewhere (no GPU
+    kernels, other layouts) the block runs as bf16, said once."""
+    gemm = _gpu_gemm() if torch.cuda.is_available() else None
+    if precision != "bf16" and gemm is None:
+        warnings.warn(f"model.base_gemm = {precision} needs the NVFP4 GPU kernels on a CUDA GPU; the update runs "
+                      "bf16 here", stacklevel=2)
+    if gemm is None or precision == "bf16":
+        return contextlib.nullcontext()
+    return gemm.update_precision(precision)
 
 
 class _DequantizedLinear(torch.autograd.Function):
