@@ -7,9 +7,10 @@ minute: BENCHMARKS.md, "Rollouts: the Gluon default"). Elsewhere, repacked for h
 installed and the shape fits ("humming" layout), else as given ("qerl" layout, read by our Triton kernels);
 `prefer=`, quant.gpu_layout or QERL_NVFP4_LAYOUT choose another. Forward and backward dx then pick a backend per
 (shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
-dequantize-into-scratch + cuBLAS where tensor-core time does (training), whatever measured fastest in between. The
-scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 weight exists at a time
-(each use is consumed by cuBLAS on the same stream before the next layer's dequantize overwrites it).
+dequantize-into-scratch + cuBLAS where tensor-core time does (training), whatever measured fastest in between.
+
+The scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 (or FP8) weight exists
+at a time (each use is consumed by cuBLAS on the same stream before the next layer's dequantize overwrites it).
 """
 
 from __future__ import annotations
