@@ -95,21 +95,23 @@ def typical_step(seed: int = 0, prompts: int = 8, group: int = 8) -> list[tuple[
 
 
 def step_cost(pairs: list[tuple[str, str]], repeats: int = 5) -> None:
-    from qerl.rewards import combined_reward, score
+    """As `Trainer.score` grades a step: the accuracy over the worker pool (grade_all), then the reward mix."""
+    from qerl.rewards import combined_reward
 
     reward_fn = combined_reward({"accuracy": 1.0})
     grading.start_worker(wait=True)
     times = []
     for r in range(repeats):
         start = time.perf_counter()
+        grading.grade_all(pairs)
         for completion, gold in pairs:
             reward_fn(completion, gold)
-            score(completion, gold)
         times.append(time.perf_counter() - start)
         if r == 0:
             before = grading.stats()
-    print(f"{len(pairs)} completions graded twice (reward + accuracy): first pass {1e3 * times[0]:.1f} ms, "
-          f"later passes median {1e3 * statistics.median(times[1:]):.1f} ms (cached math-verify verdicts)")
+    print(f"{len(pairs)} completions graded twice (accuracy over {grading._mathverify.size} math-verify worker(s), "
+          f"then the reward): first pass {1e3 * times[0]:.1f} ms, later passes median "
+          f"{1e3 * statistics.median(times[1:]):.1f} ms (cached math-verify verdicts)")
     fresh = grading.stats()
     print(f"  decided by qerl's own equality: {fresh['own']}, sent to math-verify: {fresh['math_verify']}, "
           f"timeouts: {fresh['timeouts']} (counts over all passes; after the first: "

@@ -285,8 +285,11 @@ class Trainer:
         start, timeouts = time.perf_counter(), grading.stats()["timeouts"]
         golds = [ex.gold for ex in batch.examples for _ in range(batch.group_size)]
         texts = batch.samples.texts
+        # The plain grader first, its math-verify requests in parallel over the worker pool: the reward mix's own
+        # grading then finds their verdicts cached.
+        batch.accuracy = torch.tensor([g.score for g in grading.grade_all(list(zip(texts, golds)))],
+                                      dtype=torch.float32)
         batch.rewards = torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
-        batch.accuracy = torch.tensor([rewards.score(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
         batch.score_seconds = time.perf_counter() - start
         batch.grader_timeouts = grading.stats()["timeouts"] - timeouts
         return batch

@@ -209,3 +209,44 @@ def test_trainer_counts_grader_timeouts_in_the_step(hanging_worker) -> None:
     assert time.perf_counter() - start < 2 * 1.0 + mv.STARTUP_TIMEOUT_S  # two hung answers, each within its deadline
     assert batch.grader_timeouts == 2  # graded twice each (reward mix, accuracy): the cache counts each once
     assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and batch.accuracy.tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+class _Meeting:
+    """A math-verify worker that answers only when the other worker of its pool is being asked at the same time."""
+
+    unavailable, version, timeouts = None, "test", 0
+
+    def __init__(self, barrier):
+        self.barrier, self.asked = barrier, 0
+
+    def equal(self, gold, pred, deadline):
+        self.asked += 1
+        self.barrier.wait(timeout=60)  # alone (requests one after the other): BrokenBarrierError, the test fails
+        return True, False
+
+    def start(self, wait=False):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_steps_math_verify_requests_run_in_parallel_over_the_pool(monkeypatch) -> None:
+    """grade_all (the trainer's scoring) asks the pool's workers at the same time (math-verify takes ~20 ms an answer,
+    one after the other on one worker); the verdicts are cached for the reward mix's own grading."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    members = [_Meeting(barrier), _Meeting(barrier)]
+    pool = mv.MathVerifyPool(members=members)
+    monkeypatch.setattr(grading, "_mathverify", pool)
+    pairs = [("The solution is $\\boxed{-x > -1}$.", "x<1"), ("So $\\boxed{y \\geq 2}$.", "2 \\le y")]
+    got = grading.grade_all(pairs)
+    assert [g.decided_by for g in got] == ["math-verify", "math-verify"] and [m.asked for m in members] == [1, 1]
+    assert grade(*pairs[0]).score == 1.0 and [m.asked for m in members] == [1, 1]  # from the pool's cache
+
+
+def test_the_pool_keeps_one_worker_per_four_cores(monkeypatch) -> None:
+    for cores, size in ((1, 1), (2, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(mv.os, "cpu_count", lambda cores=cores: cores)
+        assert mv.pool_size() == size

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from qerl.grading.equality import own_verdict
 from qerl.grading.extract import extract_answer, final_answers, gold_answer
-from qerl.grading.mathverify import MathVerify
+from qerl.grading.mathverify import MathVerify, MathVerifyPool
 from qerl.grading.normalize import normalize_answer
 from qerl.grading.symbolic import too_large
 
-__all__ = ["Grade", "grade", "grader_info", "stats", "start_worker", "extract_answer", "gold_answer",
+__all__ = ["Grade", "grade", "grade_all", "grader_info", "stats", "start_worker", "extract_answer", "gold_answer",
            "normalize_answer"]
 
 GRADER = "qerl.grading"
@@ -41,7 +41,7 @@ _HUGE_COMBINATORICS_RE = re.compile(r"\d{4,}\s*!|\\[dt]?binom\s*\{?\s*\d{4,}")  
 MAX_MATHVERIFY_CHARS = 300
 MAX_MATHVERIFY_BRACE_DEPTH = 12
 
-_mathverify = MathVerify()
+_mathverify: MathVerify | MathVerifyPool = MathVerifyPool()
 _stats_lock = threading.Lock()
 _stats = {"graded": 0, "own": 0, "math_verify": 0, "timeouts": 0}
 
@@ -108,6 +108,19 @@ def grade(completion: str, gold: str, deadline_s: float | None = None) -> Grade:
     if verdict is None:
         return Grade(0.0, answer, target, "timeout" if _mathverify.unavailable is None else "qerl")
     return Grade(float(verdict), answer, target, "math-verify")
+
+
+def grade_all(pairs: list[tuple[str, str]]) -> list[Grade]:
+    """grade() of every (completion, gold), the math-verify requests in parallel over the worker pool (one thread per
+    worker; qerl's own steps share the interpreter). The trainer calls it first in a step's scoring, so the rewards'
+    own calls find math-verify's verdicts cached."""
+    size = getattr(_mathverify, "size", 1)
+    if size <= 1 or len(pairs) <= 1:
+        return [grade(c, g) for c, g in pairs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=size, thread_name_prefix="qerl-grade") as pool:
+        return list(pool.map(lambda pair: grade(*pair), pairs))
 
 
 def stats() -> dict[str, int]:

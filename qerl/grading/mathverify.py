@@ -228,3 +228,72 @@ class MathVerify:
     @property
     def version(self) -> str | None:
         return None if self.unavailable else installed_version()
+
+
+def pool_size() -> int:
+    """Workers to keep: one per 4 cores, at most 4 (a 2-core machine keeps one; a GPU host's 16 cores keep 4)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+class MathVerifyPool:
+    """`size` MathVerify workers (each with its standby) asked in parallel by parallel callers (`qerl.grading
+    .grade_all`): a step's math-verify requests are ~20 ms each, one after another on one worker. The same interface
+    as MathVerify; verdicts are cached here, whichever worker gave them."""
+
+    def __init__(self, size: int | None = None, members: list | None = None) -> None:
+        import queue
+
+        self.members = members or [MathVerify() for _ in range(size or pool_size())]
+        self._idle: queue.Queue[MathVerify] = queue.Queue()
+        for m in self.members:
+            self._idle.put(m)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def unavailable(self) -> str | None:
+        return self.members[0].unavailable
+
+    @property
+    def version(self) -> str | None:
+        return self.members[0].version
+
+    @property
+    def timeouts(self) -> int:
+        return sum(m.timeouts for m in self.members)
+
+    def start(self, wait: bool = False) -> None:
+        """Start every worker (in the background); `wait`: until the first is ready or has failed."""
+        for m in self.members[1:]:
+            m.start()
+        self.members[0].start(wait)
+
+    def equal(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
+        import queue
+
+        with self._lock:
+            if (gold, pred) in self._cache:
+                self._cache.move_to_end((gold, pred))
+                return self._cache[(gold, pred)], False
+        try:  # the first idle worker; none free by the deadline: a timeout like any other
+            member = self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None, True
+        try:
+            verdict, timed_out = member.equal(gold, pred, deadline)
+        finally:
+            self._idle.put(member)
+        if verdict is not None:
+            with self._lock:
+                self._cache[(gold, pred)] = verdict
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return verdict, timed_out
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
