@@ -153,6 +153,37 @@ needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.g
                                  reason="the FP8 update needs a Hopper GPU (the Gluon layout)")
 
 
+def smooth_nvfp4_model():
+    """A random Llama-shaped model (hidden 512, 4 layers) initialized as nn.Linear does (std ~0.58/sqrt(fan-in)), as
+    the benchmarks' random 7B is: a rounding error stays a small error through its layers. (The decode tests' models,
+    twice that gain, are chaotic on purpose: a 1% perturbation grows to whole nats there, whatever its source.)
+    Decoder linears in NVFP4 (the Gluon layout on Hopper), LoRA r = 8 live, projections fused."""
+    from qerl.lora import LoraSettings, apply_lora
+    from qerl.model import ModelConfig, Transformer
+    from qerl.quant.linear import quantize_model
+
+    cfg = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,
+                               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                               "vocab_size": 1024, "max_position_embeddings": 1024})
+    torch.manual_seed(0)
+    model = Transformer.from_config(cfg, dtype=torch.bfloat16, device="cuda").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                p.normal_(0, 1.0)
+            elif p.dim() == 2:
+                p.normal_(0, 0.58 / p.shape[1] ** 0.5)
+            else:
+                p.fill_(1.0)
+    model.requires_grad_(False)
+    quantize_model(model, "nvfp4")
+    with torch.no_grad():
+        for p in apply_lora(model, LoraSettings(rank=8, alpha=16), dtype=torch.bfloat16):
+            p.normal_(0, 0.02)
+    model.fuse_projections()
+    return model
+
+
 @needs_gluon
 def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch):
     """model.base_gemm = fp8: the update's forward and dx GEMMs of the NVFP4 base in FP8. The evidence a user needs:
@@ -160,7 +191,6 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch):
     ran (forward and backward of every layer)."""
     from kernels import gemm
     from qerl.quant.linear import update_precision
-    from tests.test_families import gpu_family_model
 
     calls = {"fwd": 0, "bwd": 0}
     fwd, bwd = gemm.NVFP4Gemm._forward_fp8, gemm.NVFP4Gemm._grad_input_fp8
@@ -168,7 +198,7 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch):
                         lambda s, x: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(s, x))
     monkeypatch.setattr(gemm.NVFP4Gemm, "_grad_input_fp8",
                         lambda s, d: calls.__setitem__("bwd", calls["bwd"] + 1) or bwd(s, d))
-    model = gpu_family_model("mistral", "nvfp4")
+    model = smooth_nvfp4_model()
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, 1024, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
