@@ -61,6 +61,16 @@ def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _fp8_rows_compiled = None
 
 
+def _rows_of_16(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_scaled_mm` takes rows in multiples of 16: a training micro-batch's token count rarely is one (prompts of
+    any length), so pad with zero rows (their outputs are sliced off)."""
+    pad = -q.shape[0] % 16
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+        s = torch.cat([s, s.new_ones(pad, 1)])
+    return q, s
+
+
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448: each row's largest value lands on E4M3's largest.
     Through torch.compile on CUDA: one read of x and one write (as eager ops, five passes cost 1 ms for the 7B's
@@ -204,15 +214,15 @@ class NVFP4Gemm:
         s_n, inv_n, _, _ = self._fp8_scales()
         w = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, inv_scale=inv_n,
                                    out=scratch(self.n * self.k, torch.float8_e4m3fn, self.device))
-        xq, s_x = fp8_rows(x2)
-        return torch._scaled_mm(xq, w.t(), scale_a=s_x, scale_b=s_n[None, :], out_dtype=x2.dtype)
+        xq, s_x = _rows_of_16(*fp8_rows(x2))
+        return torch._scaled_mm(xq, w.t(), scale_a=s_x, scale_b=s_n[None, :], out_dtype=x2.dtype)[:x2.shape[0]]
 
     def _grad_input_fp8(self, dy2: torch.Tensor) -> torch.Tensor:
         _, _, s_k, inv_k = self._fp8_scales()
         wt = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, transposed=True, inv_scale=inv_k,
                                     out=scratch(self.n * self.k, torch.float8_e4m3fn, self.device))  # W^T [K, N]
-        dyq, s_dy = fp8_rows(dy2)
-        return torch._scaled_mm(dyq, wt.t(), scale_a=s_dy, scale_b=s_k[None, :], out_dtype=dy2.dtype)
+        dyq, s_dy = _rows_of_16(*fp8_rows(dy2))
+        return torch._scaled_mm(dyq, wt.t(), scale_a=s_dy, scale_b=s_k[None, :], out_dtype=dy2.dtype)[:dy2.shape[0]]
 
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
         if backend == "dequant_fp8":
@@ -254,8 +264,6 @@ class NVFP4Gemm:
         backends = self._backends(kind)
         if "gluon" in backends and not (x2.shape[0] <= gluon_nvfp4.MAX_M_CHUNKED and x2.dtype == torch.bfloat16):
             backends = tuple(b for b in backends if b != "gluon")
-        if "dequant_fp8" in backends and x2.shape[0] % 16:  # _scaled_mm takes M in multiples of 16
-            backends = tuple(b for b in backends if b != "dequant_fp8") or ("dequant_cublas",)
         cands = {b: (lambda b=b: run(b, x2)) for b in backends}
         layout = self.layout + ("-fp8" if "dequant_fp8" in backends else "")  # its own dispatch entries
         return dispatch.choose(kind, layout, self.n, self.k, x2.shape[0], cands)

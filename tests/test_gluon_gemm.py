@@ -338,7 +338,7 @@ def test_gpu_gluon_layout_layer_forward_backward_and_canonical(m):
 
 
 @gpu
-@pytest.mark.parametrize("m", [2048, 4096])
+@pytest.mark.parametrize("m", [2048, 4099])  # 4099: not a multiple of 16 (_scaled_mm's), as most micro-batches
 def test_gpu_fp8_update_gemms_match_the_exact_product(m):
     """In the FP8 update (kernels.gemm.update_precision) a Gluon-layout layer's forward and dx run dequantize-to-FP8
     (one scale per row) + _scaled_mm: within FP8's rounding of the exact products (E4M3 keeps 3 mantissa bits: ~3%
