@@ -1,8 +1,10 @@
 """qerl's GRPO step beside what users would pick instead: TRL's `GRPOTrainer` + PEFT (and, on a GPU, its QLoRA form
 and Unsloth), the same work, each arm in its own process on one machine.
 
-    python benchmarks/bench_peers.py --device cpu --steps 4                  # the embedded default (SmolLM2-135M)
+    python benchmarks/bench_peers.py --device cpu --steps 2                  # the embedded default (SmolLM2-135M)
     python benchmarks/bench_peers.py --device cuda --model 7b --steps 2      # a random-weight 7B, 256 + 1,024 tokens
+    python benchmarks/bench_peers.py --device cpu --tiny --arms all          # the GPU arms' code paths, tiny, on the CPU
+    bash benchmarks/run_peers.sh OUTDIR                                      # the GPU run in one device call
 
 The same work in every arm: the same prompts (qerl's generated arithmetic questions in the model's chat template
 with the params file's system prompt, or on the GPU a 256-token random-word prompt per question), 8 prompts x 8
@@ -14,13 +16,23 @@ first step, CPU seconds per step (user + system, all threads), and peak memory (
 CPU; the GPU's peak allocation on CUDA). The arms:
 
 * `qerl-nvfp4`, `qerl-bf16` (fp32 on the CPU), `qerl-nf4-bnb` (CUDA): `qerl.trainer.Trainer`, as `qerl train` runs;
+  `qerl-nvfp4-ckpt`: the same with `model.gradient_checkpointing=true` (every block recomputed, as TRL does; the
+  default `auto` keeps what free memory holds, so its peak grows with the card);
 * `trl`: TRL's GRPOTrainer + PEFT LoRA on the plain model, generation through `transformers.generate`;
 * `trl-qlora` (CUDA): the same on a bitsandbytes NF4 base (`BitsAndBytesConfig(load_in_4bit=True)`), as TRL's docs
   run QLoRA;
 * `unsloth` (CUDA): Unsloth's `FastLanguageModel` + TRL's GRPOTrainer, as Unsloth's GRPO notebooks run it.
 
-An arm that cannot run (a package missing, a GPU-only arm on the CPU) is reported with exactly why. Rows go to
-OUT/peers.jsonl, and a markdown table is printed last.
+An arm that cannot run (a package missing, a GPU-only arm on the CPU, an exception, its time limit) is reported as
+"did not run: <exactly why>", with how far it got (rows hold `reached`: model loaded, steps done). `--arm-steps
+trl=1` gives an arm its own number of steps (on the GPU a TRL step is ~100 s: one step, which then also pays its
+one-offs, small there: no graph capture or compilation); `--budget-s` caps the whole run (each arm's limit is what
+is left), so one device call always ends with its rows written. Rows go to OUT/peers.jsonl (appended), and a
+markdown table is printed last.
+
+`--tiny` runs the GPU work (random weights of the 7B's architecture at tiny sizes, the word-level tokenizer over the
+vocabulary, the 256-token-style random system prompt, the hash reward, micro-batches of 4, gradient checkpointing)
+on whatever `--device` says: on the CPU it is the dry run of every GPU arm's code path short of CUDA itself.
 """
 from __future__ import annotations
 
@@ -28,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +54,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 CPU_ARMS = ("qerl-nvfp4", "qerl-bf16", "trl")
-GPU_ARMS = ("qerl-nvfp4", "qerl-bf16", "qerl-nf4-bnb", "trl", "trl-qlora", "unsloth")
+GPU_ARMS = ("qerl-nvfp4", "qerl-nvfp4-ckpt", "qerl-bf16", "qerl-nf4-bnb", "trl", "trl-qlora", "unsloth")
 PROMPTS, GROUP, RANK = 8, 8, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -63,16 +76,31 @@ def _peak_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def _reached(args, **kv) -> None:
+    """How far the arm got, written as it goes: a run killed at its limit still says where it was."""
+    if not args.row:
+        return
+    path = Path(args.row)
+    row = json.loads(path.read_text()) if path.exists() else {"arm": args.arm}
+    row.setdefault("reached", {}).update(kv)
+    path.write_text(json.dumps(row))
+
+
+def gpu_work(args) -> bool:
+    """The GPU's workload (random 7B-shaped weights, 256 + 1,024 tokens), on CUDA or, with --tiny, at tiny size."""
+    return args.device == "cuda" or args.tiny
+
+
 # ------------------------------------------------------------------------------------------------ the shared work
 
 
 def workload(args) -> dict:
     """What every arm trains on: settings overrides for qerl, and the prompts / reward / sizes for the peers."""
-    if args.device == "cpu":
+    if not gpu_work(args):
         return {"params": str(ROOT / "params" / "default.yaml"), "new": args.new or 24, "micro": 32,
                 "lr": 3e-4, "reward": "accuracy"}
-    return {"params": str(ROOT / "params" / "default.yaml"), "new": args.new or 1024, "micro": 4, "lr": 3e-4,
-            "reward": "hash", "model": args.model, "prompt_len": 256}
+    return {"params": str(ROOT / "params" / "default.yaml"), "new": args.new or (16 if args.tiny else 1024),
+            "micro": 4, "lr": 3e-4, "reward": "hash", "model": args.model, "prompt_len": 32 if args.tiny else 256}
 
 
 def qerl_settings(w: dict, scheme: str, steps: int, extra: tuple[str, ...] = ()):
@@ -83,38 +111,55 @@ def qerl_settings(w: dict, scheme: str, steps: int, extra: tuple[str, ...] = ())
         f"rollout.max_new_tokens={w['new']}", "rollout.temperature=1.0", "grpo.loss_type=dapo", "grpo.beta=0.0",
         "grpo.epsilon_low=0.2", "grpo.epsilon_high=0.28", f"grpo.micro_batch_size={w['micro']}",
         f"lora.rank={RANK}", f"lora.alpha={2 * RANK}", f"optim.lr={w['lr']}", "optim.warmup_steps=0",
-        f"train.steps={steps}", "train.eval_every=0", f"train.save_every={steps}", "tracking.backend=none", *extra])
+        # One step more than the arm runs: no checkpoint is written inside a timed step (TRL's arms save nothing).
+        f"train.steps={steps + 1}", "train.eval_every=0", f"train.save_every={steps + 1}", "tracking.backend=none",
+        *extra])
 
 
-def qerl_arm(args, scheme: str) -> dict:
+def qerl_arm(args, scheme: str, extra: tuple[str, ...] = ()) -> dict:
     from qerl.trainer import Trainer
 
     w = workload(args)
+    steps = arm_steps(args)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.device == "cpu":
-            s = qerl_settings(w, scheme, args.steps)
+        t0 = time.perf_counter()
+        if not gpu_work(args):
+            s = qerl_settings(w, scheme, steps, extra)
             model = tokenizer = None
         else:
             import bench_grpo_step as g
             from bench_rollout import build_model
 
-            model = build_model(args.model, scheme, lora_rank=0)
+            # As bench_grpo_step builds it: the published shape, the base in `scheme`, q/k/v and gate/up fused on
+            # CUDA (as load_base_model leaves them there); the trainer applies LoRA.
+            model = build_model(args.model, scheme, lora_rank=0, device=args.device, fuse=args.device == "cuda")
             tokenizer = g.numbered_tokenizer(model.config.vocab_size)
-            s = qerl_settings(w, scheme, args.steps, (f"model.path=random-{args.model}",))
+            s = qerl_settings(w, scheme, steps, (f"model.path=random-{args.model}", *extra))
             s.lora.target_modules = TARGETS
             s.data.system_prompt = random_system_prompt(model.config.vocab_size, w["prompt_len"])
             s.train.rewards = {"bench_grpo_step:hash_reward": 1.0}
+        _reached(args, model_loaded_s=round(time.perf_counter() - t0, 1))
         times, cpu = [], []
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer, progress=False) as trainer:
-            for _ in range(args.steps):
+            for _ in range(steps):
                 t0, c0 = time.perf_counter(), _cpu_seconds()
                 trainer.train_step()
                 times.append(time.perf_counter() - t0)
                 cpu.append(_cpu_seconds() - c0)
+                _reached(args, steps_done=len(times), step_s=[round(t, 2) for t in times])
             rows = trainer.metrics_log.read()
     last = rows[-1]
     return {"times": times, "cpu": cpu, "generate_s": last["seconds_rollout"], "update_s": last["seconds_update"],
             "reward_mean": [r["reward_mean"] for r in rows]}
+
+
+def arm_steps(args) -> int:
+    """--steps, or the arm's own number from --arm-steps (e.g. trl=1,trl-qlora=1)."""
+    for part in filter(None, (args.arm_steps or "").split(",")):
+        name, _, n = part.partition("=")
+        if name.strip() == args.arm:
+            return int(n)
+    return args.steps
 
 
 def random_system_prompt(vocab: int, length: int) -> str:
@@ -128,6 +173,15 @@ def random_system_prompt(vocab: int, length: int) -> str:
 
 
 def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
+    if unsloth:
+        # Unsloth patches transformers, PEFT and TRL as it is imported: first, as its notebooks do.
+        os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # it would fetch a README from the hub
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import unsloth  # noqa: F401
+            from unsloth import FastLanguageModel  # noqa: F401
+        except ImportError as e:
+            raise Unavailable(f"unsloth is not importable here: {type(e).__name__}: {first_line(e)}") from None
     try:
         import trl
         from peft import LoraConfig
@@ -140,9 +194,11 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
     from qerl import data, rewards
 
     w = workload(args)
-    s = qerl_settings(w, "bf16", args.steps)
+    steps = arm_steps(args)
+    s = qerl_settings(w, "bf16", steps)
     tmp = tempfile.mkdtemp()
-    if args.device == "cpu":
+    t0 = time.perf_counter()
+    if not gpu_work(args):
         from qerl.loading import embedded_model_path
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -153,26 +209,29 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
         system = s.data.system_prompt
         score = rewards.get_reward_fn("accuracy")
     else:
-        model, tokenizer, folder = peer_gpu_model(args, tmp, quantized, unsloth)
+        model, tokenizer = peer_model(args, tmp, quantized, unsloth)
         examples = data.examples_for(s.data)
-        system = random_system_prompt(tokenizer.vocab_size, w["prompt_len"])
+        from bench_rollout import hf_config
+
+        system = random_system_prompt(hf_config(args.model)["vocab_size"], w["prompt_len"])  # qerl's arms' prompt
         import bench_grpo_step as g
 
         score = g.hash_reward
+    _reached(args, model_loaded_s=round(time.perf_counter() - t0, 1))
     rows = [{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": e.question}],
              "gold": e.gold} for e in examples]
-    dataset = Dataset.from_list(rows * max(1, (PROMPTS * (args.steps + 1)) // len(rows) + 1))
+    dataset = Dataset.from_list(rows * max(1, (PROMPTS * (steps + 1)) // len(rows) + 1))
 
     def reward(completions, gold, **_):
         return [float(score(c[0]["content"] if isinstance(c, list) else c, g)) for c, g in zip(completions, gold)]
 
     micro = w["micro"]
     config = trl.GRPOConfig(
-        output_dir=tmp, max_steps=args.steps, learning_rate=w["lr"], lr_scheduler_type="constant",
+        output_dir=tmp, max_steps=steps, learning_rate=w["lr"], lr_scheduler_type="constant",
         per_device_train_batch_size=micro, gradient_accumulation_steps=PROMPTS * GROUP // micro,
         num_generations=GROUP, max_completion_length=w["new"], temperature=1.0, loss_type="dapo", beta=0.0,
         epsilon=0.2, epsilon_high=0.28, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-        use_cpu=args.device == "cpu", bf16=args.device == "cuda", gradient_checkpointing=args.device == "cuda",
+        use_cpu=args.device == "cpu", bf16=args.device == "cuda", gradient_checkpointing=gpu_work(args),
         dataloader_num_workers=0)
     marks: list[tuple[float, float]] = []
 
@@ -182,61 +241,121 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
 
         def on_step_end(self, *_, **__):
             marks.append((time.perf_counter(), _cpu_seconds()))
+            n = len(marks) // 2
+            _reached(args, steps_done=n, step_s=[round(e[0] - b[0], 2) for b, e in zip(marks[0::2], marks[1::2])])
 
     peft_config = None if unsloth else LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
                                                   task_type="CAUSAL_LM")
     trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward], args=config,
                               train_dataset=dataset, peft_config=peft_config, callbacks=[StepClock()])
-    # TRL generates a step's completions before its first micro-batch, inside the step: the begin/end marks hold it.
+    # The rollout's share of a step: TRL generates a step's completions before its first micro-batch, inside the
+    # step (the begin/end marks hold it), in `_generate` (prompt tokenization, `generate`, decoding).
+    generate_s: list[float] = []
+    inner = getattr(trainer, "_generate", None)  # TRL 1.15 and 1.16 have it; a trainer without it: no split
+
+    def timed_generate(*a, **k):
+        g0 = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            generate_s.append(time.perf_counter() - g0)
+
+    if inner is not None:
+        trainer._generate = timed_generate
+    _reached(args, trainer_ready_s=round(time.perf_counter() - t0, 1))
     trainer.train()
     starts, ends = marks[0::2], marks[1::2]
     times = [e[0] - b[0] for b, e in zip(starts, ends)]
     cpu = [e[1] - b[1] for b, e in zip(starts, ends)]
     logged = [h for h in trainer.state.log_history if "reward" in h]
-    return {"times": times, "cpu": cpu, "reward_mean": [h["reward"] for h in logged], "trl": trl.__version__}
+    r = {"times": times, "cpu": cpu, "reward_mean": [h["reward"] for h in logged], "trl": trl.__version__}
+    if generate_s:
+        r["generate_s"] = generate_s[-1]
+        r["update_s"] = times[-1] - generate_s[-1]  # the rest of the step: scoring, the update, the optimizer
+    if unsloth:
+        import unsloth
+
+        r["unsloth"] = unsloth.__version__
+    return r
 
 
-def peer_gpu_model(args, tmp: str, quantized: bool, unsloth: bool):
-    """The random-weight model of the published shape as the peers load it: a transformers folder on local disk."""
+def peer_model(args, tmp: str, quantized: bool, unsloth: bool):
+    """The random-weight model of the published shape as the peers load it. bf16 (TRL + PEFT): built on the device,
+    the same weights `from_pretrained` would give. QLoRA and Unsloth quantize while they load a checkpoint, so the
+    model is saved to local disk first and loaded from there as their users load one."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import bench_grpo_step as g
     from bench_rollout import hf_config
 
-    cfg = AutoConfig.for_model(**hf_config(args.model))
-    folder = Path(tmp) / "model"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        dense = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    dense.save_pretrained(folder)
-    tokenizer = g.numbered_tokenizer(cfg.vocab_size)
-    tokenizer.save_pretrained(folder)
-    del dense
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    shape = hf_config(args.model)
+    vocab = shape["vocab_size"]
+    end = vocab - 1  # numbered_tokenizer's end-of-sequence (and padding) token
+    tokenizer = g.numbered_tokenizer(vocab)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+
+    def build():
+        cfg = AutoConfig.for_model(**shape, eos_token_id=end, pad_token_id=end, bos_token_id=None)
+        torch.manual_seed(0)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(args.device):
+                dense = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        finally:
+            torch.set_default_dtype(previous)
+        dense.generation_config.eos_token_id = end
+        dense.generation_config.pad_token_id = end
+        return dense
+
+    if not quantized and not unsloth:
+        return build(), tokenizer
+    # The checkpoint, once per run (PEERS_MODEL_DIR, set by run_peers.sh): the QLoRA and Unsloth arms load the same
+    # files, and the second skips the build and the 15 GB write.
+    folder = Path(os.environ.get("PEERS_MODEL_DIR") or tmp) / f"random-{args.model}-seed0"
+    if not (folder / "saved.ok").exists():
+        dense = build()
+        dense.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "saved.ok").write_text("complete\n")
+        del dense
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the peak is the quantized model's run, not the dense build before it
     if unsloth:
-        try:
-            from unsloth import FastLanguageModel
-        except ImportError as e:
-            raise Unavailable(f"unsloth is not importable here ({e}); it needs unsloth_zoo, xformers and a "
-                              "matching torch, which are not on this machine and cannot be downloaded here") from None
-        model, tokenizer = FastLanguageModel.from_pretrained(str(folder), load_in_4bit=True, fast_inference=False,
-                                                             max_lora_rank=RANK)
+        from unsloth import FastLanguageModel
+
+        # As Unsloth's GRPO notebooks load a model without vLLM: 4-bit (bitsandbytes NF4), LoRA on all linears,
+        # Unsloth's gradient checkpointing.
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            str(folder), max_seq_length=w_len(args), load_in_4bit=args.device == "cuda", fast_inference=False,
+            max_lora_rank=RANK, dtype=dtype, use_exact_model_name=True)  # a local folder: no hub name mapping
         model = FastLanguageModel.get_peft_model(model, r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
-                                                 use_gradient_checkpointing="unsloth")
-        return model, tokenizer, folder
-    kwargs = {}
-    if quantized:
-        try:
-            from transformers import BitsAndBytesConfig
-            import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            raise Unavailable(f"{e.name} is not installed (pip install bitsandbytes)") from None
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda", **kwargs)
-    return model, tokenizer, folder
+                                                 use_gradient_checkpointing="unsloth", random_state=0)
+        return model, tokenizer
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError as e:
+        raise Unavailable(f"{e.name} is not installed (pip install bitsandbytes)") from None
+    # As TRL's docs run QLoRA: NF4 with bf16 compute (TRL then prepares the model for k-bit training).
+    qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=args.device,
+                                                 quantization_config=qconfig)
+    return model, tokenizer
+
+
+def w_len(args) -> int:
+    w = workload(args)
+    return w["prompt_len"] + 32 + w["new"]  # the system prompt, the question and the template's words, the answer
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:400] if text else ""
 
 
 # ------------------------------------------------------------------------------------------------ one arm, all arms
@@ -250,75 +369,146 @@ def one_arm(args) -> int:
         torch.cuda.reset_peak_memory_stats()
     try:
         if arm.startswith("qerl-"):
-            r = qerl_arm(args, arm.removeprefix("qerl-"))
+            # qerl-<scheme>, or qerl-<scheme>-ckpt: every block recomputed in the update, as TRL's gradient
+            # checkpointing does (the default, `auto`, keeps what the free memory holds: faster, higher peak).
+            scheme = arm.removeprefix("qerl-").removesuffix("-ckpt")
+            extra = ("model.gradient_checkpointing=true",) if arm.endswith("-ckpt") else ()
+            if scheme == "nf4-bnb" and args.device != "cuda":
+                raise Unavailable("bitsandbytes' NF4 base is a CUDA arm")
+            r = qerl_arm(args, scheme, extra)
         elif arm in ("trl", "trl-qlora", "unsloth"):
+            if arm == "unsloth" and args.device != "cuda" and not args.tiny:
+                raise Unavailable("Unsloth's GRPO path needs a GPU")
             r = trl_arm(args, quantized=arm == "trl-qlora", unsloth=arm == "unsloth")
         else:
             raise Unavailable(f"unknown arm {arm!r}")
     except Unavailable as e:
-        Path(args.row).write_text(json.dumps({"arm": arm, "unavailable": str(e)}))
+        _write_row(args, {"arm": arm, "unavailable": str(e)})
+        return 0
+    except Exception as e:  # noqa: BLE001 -- the row says why, the traceback goes to the log
+        import traceback
+
+        traceback.print_exc()
+        _write_row(args, {"arm": arm, "unavailable": f"{type(e).__name__}: {first_line(e)}"})
         return 0
     steady = r["times"][1:] or r["times"]
     row = {"arm": arm, "device": args.device, "steps": len(r["times"]), "step_s": statistics.median(steady),
            "first_step_s": r["times"][0], "cpu_s_per_step": statistics.median(r["cpu"][1:] or r["cpu"]),
            "peak_gib": _peak_gib(args.device), **{k: v for k, v in r.items() if k not in ("times", "cpu")},
            "times": r["times"]}
-    Path(args.row).write_text(json.dumps(row))
+    if args.device == "cuda":
+        import torch
+
+        row["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    _write_row(args, row)
     return 0
 
 
-def run_arm(arm: str, args) -> dict:
+def _write_row(args, row: dict) -> None:
+    """The arm's final row, keeping how far it got (`reached`)."""
+    path = Path(args.row)
+    if path.exists():
+        row = {"reached": json.loads(path.read_text()).get("reached", {}), **row}
+    path.write_text(json.dumps(row))
+
+
+def run_arm(arm: str, args, limit: float) -> dict:
+    """One arm in its own process (its peak memory and one-offs are its own), killed with its children at `limit`
+    seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, __file__, "--arm", arm, "--row", str(out), "--device", args.device,
-               "--steps", str(args.steps), "--model", args.model] + (["--new", str(args.new)] if args.new else [])
+               "--steps", str(args.steps), "--arm-steps", args.arm_steps, "--model", args.model]
+        cmd += (["--new", str(args.new)] if args.new else []) + (["--tiny"] if args.tiny else [])
+        env = dict(os.environ)
+        if arm == "unsloth" and args.unsloth_site:
+            # Unsloth pins older TRL and datasets (trl<=1.15, datasets<5): its own site goes first for its arm only.
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.unsloth_site, env.get("PYTHONPATH", "")]))
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd).returncode
-        if rc != 0 or not out.exists():
-            return {"arm": arm, "unavailable": f"the arm's process failed (exit {rc}); its output is above"}
-        row = json.loads(out.read_text())
-        row["process_s"] = time.perf_counter() - t0
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, limit))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+        seconds = time.perf_counter() - t0
+        row = json.loads(out.read_text()) if out.exists() else {"arm": arm}
+        if rc is None:
+            row = {"arm": arm, "unavailable": f"did not finish within its limit of {limit:.0f} s (killed)",
+                   "reached": row.get("reached", {})}
+        elif rc != 0 or ("step_s" not in row and "unavailable" not in row):
+            row = {"arm": arm, "unavailable": f"the arm's process failed (exit {rc}); its output is above",
+                   "reached": row.get("reached", {})}
+        row["process_s"] = seconds
         return row
 
 
 def table(rows: list[dict], device: str) -> str:
-    base = next((r["step_s"] for r in rows if r["arm"] == "trl" and "step_s" in r), None)
-    mem = next((r["peak_gib"] for r in rows if r["arm"] == "trl" and "peak_gib" in r), None)
+    def first(arm, key):
+        return next((r[key] for r in rows if r["arm"] == arm and key in r), None)
+
+    base, mem, ours = first("trl", "step_s"), first("trl", "peak_gib"), first("qerl-nvfp4", "step_s")
     peak = "peak RSS GiB" if device == "cpu" else "peak GPU GiB"
-    lines = [f"| arm | step s (median) | first step s | CPU s per step | {peak} | step vs TRL | memory vs TRL |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| arm | step s | generate s | update s | first step s | CPU s per step | {peak} | step vs TRL | "
+             "memory vs TRL | qerl NVFP4 faster by |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"| {r['arm']} | not run: {r['unavailable']} | | | | | |")
+            got = r.get("reached") or {}
+            far = f" (reached: {', '.join(f'{k} {v}' for k, v in got.items())})" if got else ""
+            lines.append(f"| {r['arm']} | did not run: {r['unavailable']}{far} | | | | | | | | |")
             continue
         ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
         mratio = f"{r['peak_gib'] / mem:.2f}x" if mem else "-"
-        lines.append(f"| {r['arm']} | {r['step_s']:.2f} | {r['first_step_s']:.2f} | {r['cpu_s_per_step']:.2f} | "
-                     f"{r['peak_gib']:.2f} | {ratio} | {mratio} |")
+        faster = f"{r['step_s'] / ours:.2f}x" if ours else "-"
+        one = " (1 step)" if r["steps"] == 1 else ""
+        gen = f"{r['generate_s']:.1f}" if "generate_s" in r else "-"
+        upd = f"{r['update_s']:.1f}" if "update_s" in r else "-"
+        lines.append(f"| {r['arm']} | {r['step_s']:.2f}{one} | {gen} | {upd} | {r['first_step_s']:.2f} | "
+                     f"{r['cpu_s_per_step']:.2f} | {r['peak_gib']:.2f} | {ratio} | {mratio} | {faster} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--model", default="7b", help="GPU: the published shape (bench_rollout.hf_config)")
-    ap.add_argument("--arms", default="", help="comma-separated; default: every arm for the device")
+    ap.add_argument("--model", default="", help="GPU work: a shape of bench_rollout.SHAPES (default 7b; tiny with "
+                    "--tiny)")
+    ap.add_argument("--tiny", action="store_true", help="the GPU arms' work at tiny size (a dry run on the CPU)")
+    ap.add_argument("--arms", default="", help="comma-separated, or 'all'; default: every arm for the device")
     ap.add_argument("--steps", type=int, default=4, help="steps per arm; the first pays one-offs")
+    ap.add_argument("--arm-steps", default="", help="per-arm steps, e.g. trl=1,trl-qlora=1")
     ap.add_argument("--new", type=int, default=0, help="new tokens per completion (default 24 CPU, 1,024 GPU)")
     ap.add_argument("--repeat", type=int, default=1, help="run the arm list this many times, interleaved")
+    ap.add_argument("--arm-timeout", type=float, default=600, help="seconds one arm may take")
+    ap.add_argument("--budget-s", type=float, default=0, help="seconds the whole run may take (0: no cap); each "
+                    "arm's limit is the smaller of --arm-timeout and what is left")
+    ap.add_argument("--unsloth-site", default=os.environ.get("PEERS_UNSLOTH_SITE", ""),
+                    help="a folder put first on the unsloth arm's PYTHONPATH (its pinned TRL and datasets)")
     ap.add_argument("--out", default="outputs/peers")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--row", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.model = args.model or ("tiny" if args.tiny else "7b" if args.device == "cuda" else "embedded")
     if args.arm:
         sys.exit(one_arm(args))
-    arms = args.arms.split(",") if args.arms else list(CPU_ARMS if args.device == "cpu" else GPU_ARMS)
+    start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    every = GPU_ARMS if args.device == "cuda" or args.tiny else CPU_ARMS
+    arms = list(every) if args.arms in ("", "all") else args.arms.split(",")
     os.makedirs(args.out, exist_ok=True)
     rows = []
     with open(Path(args.out) / "peers.jsonl", "a") as log:
         for _ in range(args.repeat):  # interleaved, so a change in the machine's load falls on every arm
             for arm in arms:
-                row = run_arm(arm, args)
+                limit = args.arm_timeout
+                if args.budget_s:
+                    limit = min(limit, args.budget_s - (time.perf_counter() - start) - 5)
+                if limit < 30:
+                    row = {"arm": arm, "unavailable": f"no time left in the run's budget of {args.budget_s:.0f} s"}
+                else:
+                    row = run_arm(arm, args, limit)
+                row.update(run_started=started, tiny=args.tiny, model=args.model)
                 rows.append(row)
                 log.write(json.dumps(row) + "\n")
                 log.flush()

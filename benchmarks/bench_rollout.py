@@ -34,6 +34,9 @@ from qerl.quant.linear import quantize_model  # noqa: E402
 # Published shapes (the config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct on the Hugging Face hub);
 # Qwen2 = bias on q/k/v, GQA, SwiGLU, rope theta 1e6.
 SHAPES = {
+    # A CPU dry run of the GPU benchmarks' code paths (bench_peers.py --tiny): the 7B's architecture, tiny sizes.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064),
     "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
