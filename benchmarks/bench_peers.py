@@ -231,8 +231,9 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
         per_device_train_batch_size=micro, gradient_accumulation_steps=PROMPTS * GROUP // micro,
         num_generations=GROUP, max_completion_length=w["new"], temperature=1.0, loss_type="dapo", beta=0.0,
         epsilon=0.2, epsilon_high=0.28, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-        use_cpu=args.device == "cpu", bf16=args.device == "cuda", gradient_checkpointing=gpu_work(args),
-        dataloader_num_workers=0)
+        use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
+        # Unsloth's notebooks leave it off here: get_peft_model(use_gradient_checkpointing="unsloth") set its own.
+        gradient_checkpointing=gpu_work(args) and not unsloth)
     marks: list[tuple[float, float]] = []
 
     class StepClock(TrainerCallback):
@@ -270,7 +271,11 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
     times = [e[0] - b[0] for b, e in zip(starts, ends)]
     cpu = [e[1] - b[1] for b, e in zip(starts, ends)]
     logged = [h for h in trainer.state.log_history if "reward" in h]
-    r = {"times": times, "cpu": cpu, "reward_mean": [h["reward"] for h in logged], "trl": trl.__version__}
+    r = {"times": times, "cpu": cpu, "reward_mean": [h["reward"] for h in logged], "trl": trl.__version__,
+         # The work as the trainer ran it (Unsloth rewrites TRL's config: this shows it kept the same batch).
+         "work": {k: getattr(trainer.args, k, None) for k in (
+             "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
+             "num_generations", "max_completion_length", "loss_type", "beta", "gradient_checkpointing")}}
     if generate_s:
         r["generate_s"] = generate_s[-1]
         r["update_s"] = times[-1] - generate_s[-1]  # the rest of the step: scoring, the update, the optimizer
@@ -329,10 +334,14 @@ def peer_model(args, tmp: str, quantized: bool, unsloth: bool):
         from unsloth import FastLanguageModel
 
         # As Unsloth's GRPO notebooks load a model without vLLM: 4-bit (bitsandbytes NF4), LoRA on all linears,
-        # Unsloth's gradient checkpointing.
-        model, tokenizer = FastLanguageModel.from_pretrained(
+        # Unsloth's gradient checkpointing. The tokenizer is the stand-in object itself: read back from the folder,
+        # transformers 5 makes any model_type qwen2 tokenizer its byte-level BPE class (Qwen2Tokenizer), which turns
+        # the word-level vocabulary's prompts into no tokens at all (and Unsloth's check_tokenizer would then find
+        # its added specials past the embedding) -- so fix_tokenizer=False and the loaded one is set aside.
+        model, _ = FastLanguageModel.from_pretrained(
             str(folder), max_seq_length=w_len(args), load_in_4bit=args.device == "cuda", fast_inference=False,
-            max_lora_rank=RANK, dtype=dtype, use_exact_model_name=True)  # a local folder: no hub name mapping
+            max_lora_rank=RANK, dtype=dtype, use_exact_model_name=True,  # a local folder: no hub name mapping
+            fix_tokenizer=False)
         model = FastLanguageModel.get_peft_model(model, r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
                                                  use_gradient_checkpointing="unsloth", random_state=0)
         return model, tokenizer
@@ -427,7 +436,7 @@ def run_arm(arm: str, args, limit: float) -> dict:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
-            rc = proc.wait(timeout=max(1.0, limit))
+            rc = proc.wait(timeout=None if limit == float("inf") else max(1.0, limit))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -481,7 +490,7 @@ def main() -> None:
     ap.add_argument("--arm-steps", default="", help="per-arm steps, e.g. trl=1,trl-qlora=1")
     ap.add_argument("--new", type=int, default=0, help="new tokens per completion (default 24 CPU, 1,024 GPU)")
     ap.add_argument("--repeat", type=int, default=1, help="run the arm list this many times, interleaved")
-    ap.add_argument("--arm-timeout", type=float, default=600, help="seconds one arm may take")
+    ap.add_argument("--arm-timeout", type=float, default=0, help="seconds one arm may take (0: no limit)")
     ap.add_argument("--budget-s", type=float, default=0, help="seconds the whole run may take (0: no cap); each "
                     "arm's limit is the smaller of --arm-timeout and what is left")
     ap.add_argument("--unsloth-site", default=os.environ.get("PEERS_UNSLOTH_SITE", ""),
@@ -501,7 +510,7 @@ def main() -> None:
     with open(Path(args.out) / "peers.jsonl", "a") as log:
         for _ in range(args.repeat):  # interleaved, so a change in the machine's load falls on every arm
             for arm in arms:
-                limit = args.arm_timeout
+                limit = args.arm_timeout or float("inf")
                 if args.budget_s:
                     limit = min(limit, args.budget_s - (time.perf_counter() - start) - 5)
                 if limit < 30:
