@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # qerl beside TRL (+ PEFT, bf16 and QLoRA) and Unsloth on one GPU, in one device call (issue #31).
 #   bash benchmarks/run_peers.sh OUTDIR [ARMS]        # the device call carries [".whl-peers"]
-# ARMS (comma-separated; default: the first call's) among qerl-nvfp4, qerl-bf16, qerl-nf4-bnb, trl, trl-qlora,
-# unsloth. Two calls of ~8 minutes hold every arm, each with the NVFP4 arm as the in-call baseline:
-#   call 1: qerl-nvfp4,qerl-bf16,qerl-nf4-bnb,trl       call 2: qerl-nvfp4,trl-qlora,unsloth
+# ARMS (comma-separated; default: the first call's) among qerl-nvfp4, qerl-nvfp4-ckpt, qerl-bf16, qerl-nf4-bnb, trl,
+# trl-qlora, unsloth. Three calls of ≤ 9 minutes hold every arm, each with the NVFP4 arm as its in-call baseline:
+#   call 1: qerl-nvfp4,qerl-nvfp4-ckpt,qerl-bf16,trl      call 2: qerl-nvfp4,qerl-nf4-bnb,trl-qlora
+#   call 3: ARM_TIMEOUT=420 ... qerl-nvfp4,unsloth
 # Every arm runs in its own process (bench_peers.py) with a time limit inside BUDGET_S (default 530 s) for the
 # whole run, so the call ends inside its 600 s with every row written: OUTDIR/peers.jsonl, OUTDIR/peers.log (the
 # whole output), OUTDIR/versions.txt. An arm that cannot run is a row "did not run: <exactly why>".
@@ -16,7 +17,7 @@
 # A dry run of this script on the CPU (arms at tiny size; WHL: the wheels for this machine's Python):
 #   DEVICE=cpu EXTRA=--tiny WHL=DIR bash benchmarks/run_peers.sh OUTDIR all
 set -uo pipefail
-out=${1:-outputs/peers}; arms=${2:-${ARMS:-qerl-nvfp4,qerl-bf16,qerl-nf4-bnb,trl}}
+out=${1:-outputs/peers}; arms=${2:-${ARMS:-qerl-nvfp4,qerl-nvfp4-ckpt,qerl-bf16,trl}}
 whl=${WHL:-.whl-peers}; device=${DEVICE:-cuda}
 mkdir -p "$out"
 # gluon: no humming-kernels JIT in the NVFP4 arm's process; nothing reaches the network (the machine has none).
