@@ -9,11 +9,13 @@ train.seed and aqn.seed; the data and the held-out split stay the same), logged 
 experiment's parent run and tagged `arm` and `seed`. A rerun skips finished runs (their `result.json`), resumes a
 crashed one from its last checkpoint into the same MLflow run, then rebuilds the report from the run folders.
 
-`--jobs N` trains N runs at once, each in its own worker process: on a GPU machine worker i sees GPU i (N <= the GPU
-count), on the CPU each worker gets cores / N threads (a small model's decode steps use several threads poorly, so
-N workers of fewer threads get more done; README, "Does AQN help?"). Workers take the next run nobody holds (a lock
-file per run folder), so they stay busy until the plan is done, and an interrupted experiment resumes the same way
-with any N.
+`--jobs N` trains N runs at once, each in its own worker process (flows.workers): on a GPU machine worker i sees
+GPU i mod G, `--per-gpu K` (or `auto`: as many as the free memory holds at `--worker-gib` each) workers sharing a
+GPU; every worker gets cores / N torch threads (a small model's decode steps use several threads poorly, so N
+workers of fewer threads get more done; README, "Does AQN help?"). Workers take the next run nobody holds (a lock
+file per run folder), so they stay busy until the plan is done; a worker that crashes or is killed is replaced
+(`--restarts` per slot) and its run resumes from its last checkpoint, and an interrupted experiment resumes the same
+way with any N.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,40 +31,18 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows import cli
+from flows.arms import ARMS, DEFAULT_ARMS, parse_arm
 from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
 from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
+from flows.workers import CLAIM, claimed_runs, slot_environments, supervise
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.report import RunRecord, write_report
-from qerl.runlock import FolderLock, FolderLocked
 from qerl.tracking import JsonlWriter
 
-# The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's
-# base format through qerl's own NF4 codec (quant.scheme: nf4), not bitsandbytes.
-ARMS: dict[str, list[str]] = {
-    "bf16-lora": ["quant.scheme=bf16", "aqn.enabled=false"],
-    "nf4-lora": ["quant.scheme=nf4", "aqn.enabled=false"],
-    "nvfp4": ["quant.scheme=nvfp4", "aqn.enabled=false"],
-    "nvfp4-aqn": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=geometric"],
-    "nvfp4-aqn-entropy": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=entropy"],
-}
+__all__ = ["ARMS", "DEFAULT_ARMS", "parse_arm", "compare", "plan_runs", "work"]
 DONE = "result.json"  # written last: a run folder without it is unfinished (never started, or crashed)
 MLFLOW_RUN = "mlflow_run.json"  # the run's MLflow id, written first: a resumed run continues that MLflow run
 PARENT = "experiment.json"  # the parent run's id: a rerun files its runs under the same parent
-CLAIM = ".compare-claim.lock"  # held by the worker training a run (the trainer's own lock is .qerl.lock)
-
-
-def parse_arm(spec: str) -> tuple[str, list[str]]:
-    """`name` (built-in) or `name:section.key=value,section.key=value` (values without commas)."""
-    name, sep, body = spec.partition(":")
-    if not sep:
-        if name not in ARMS:
-            raise ConfigError(f"--arms {spec}: unknown arm (built-in: {', '.join(ARMS)}; or define one as "
-                              f"NAME:section.key=value,...)")
-        return name, list(ARMS[name])
-    overrides = [item.strip() for item in body.split(",") if item.strip()]
-    if not name or not overrides or any("=" not in item for item in overrides):
-        raise ConfigError(f"--arms {spec}: expected NAME:section.key=value[,section.key=value...]")
-    return name, overrides
 
 
 def run_overrides(common: list[str], arm: list[str], seed: int, run_dir: Path) -> list[str]:
@@ -165,68 +144,39 @@ def base_entropy(settings: Settings, out: Path, num_prompts: int, quantized_root
     return measured
 
 
-def worker_environments(jobs: int) -> list[dict[str, str]]:
-    """The environment of each of `jobs` workers: one GPU each where there are enough, else an equal share of the
-    CPU cores as torch threads."""
-    import torch
-
-    envs = []
-    for i in range(jobs):
-        env = dict(os.environ)
-        if torch.cuda.is_available():
-            if torch.cuda.device_count() < jobs:
-                raise ConfigError(f"--jobs {jobs}: this machine has {torch.cuda.device_count()} GPU(s); one run "
-                                  "per GPU at most")
-            env["CUDA_VISIBLE_DEVICES"] = str(i)
-        else:
-            threads = str(max(1, len(os.sched_getaffinity(0)) // jobs))
-            env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-        envs.append(env)
-    return envs
-
-
 def work(params: str, common: list[str], arms: dict[str, list[str]], seeds: int, out: Path,
          quantized_root: str) -> list[str]:
     """A worker: train, in plan order, every unfinished run that no other worker holds; returns what it trained."""
     parent_run_id = json.loads((out / PARENT).read_text())["parent_run_id"]
+    planned = {run.run_dir: run for run in plan_runs(params, common, arms, seeds, out)}
     trained = []
-    for run in plan_runs(params, common, arms, seeds, out):
-        if (run.run_dir / DONE).is_file():
-            continue
-        claim = FolderLock(run.run_dir / CLAIM, what=f"{run.arm} seed {run.seed}")
-        try:
-            claim.acquire()
-        except FolderLocked:  # another worker is on it
-            continue
-        try:
-            if not (run.run_dir / DONE).is_file():  # finished between our check and our claim
-                train_arm_seed(params, run.overrides, run.arm, run.seed, str(run.run_dir), parent_run_id,
-                               quantized_root)
-                trained.append(f"{run.arm}/seed-{run.seed}")
-        finally:
-            claim.release()
+    for run_dir in claimed_runs(planned, done=lambda d: (d / DONE).is_file(),
+                                describe=lambda d: f"{planned[d].arm} seed {planned[d].seed}"):
+        run = planned[run_dir]
+        train_arm_seed(params, run.overrides, run.arm, run.seed, str(run.run_dir), parent_run_id, quantized_root)
+        trained.append(f"{run.arm}/seed-{run.seed}")
     return trained
 
 
 def run_workers(params: str, common: list[str], arm_specs: list[str], seeds: int, out: Path, quantized_root: str,
-                jobs: int) -> None:
+                jobs: int, per_gpu: int | str = 1, worker_gib: float = 4.0, restarts: int = 2) -> None:
     """Start `jobs` worker processes (`python -m flows.compare --worker ...`) and wait for all of them; their logs
-    interleave on this process's output. A worker that fails is named once every worker has ended."""
+    interleave on this process's output. A worker that crashes is replaced up to `restarts` times per slot (its run
+    resumes from its last checkpoint); a slot that still fails is named once every worker has ended."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
     command = [sys.executable, "-m", "flows.compare", "--worker", "--params", params, "--seeds", str(seeds),
                "--out", str(out), "--quantized-root", quantized_root, "--arms", *arm_specs]
     for override in common:
         command += ["-S", override]
-    procs = []
-    for i, env in enumerate(worker_environments(jobs)):
+    envs = slot_environments(jobs, per_gpu, worker_gib)
+    for i, env in enumerate(envs):
         if PREFECT_API_URL.value():  # a Prefect server: the workers' flow runs show up there beside ours
             env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
         else:  # each worker starts its own temporary server; one database each
             env["PREFECT_HOME"] = str(Path(PREFECT_HOME.value()) / f"compare-worker-{i}")
-        procs.append(subprocess.Popen(command, env=env))
-    codes = [p.wait() for p in procs]
-    failed = [f"worker {i} (exit code {c})" for i, c in enumerate(codes) if c != 0]
+    slots = supervise(command, envs, restarts=restarts)
+    failed = [f"worker {i} (exit code {s.codes[-1]})" for i, s in enumerate(slots) if s.codes and s.codes[-1] != 0]
     if failed:
         raise RuntimeError(f"{', '.join(failed)} failed; their runs resume on the next invocation")
 
@@ -234,14 +184,15 @@ def run_workers(params: str, common: list[str], arm_specs: list[str], seeds: int
 @flow(name="qerl-compare", log_prints=True)
 def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, seeds: int = 3,
             overrides: list[str] | None = None, out_dir: str | None = None, quantized_root: str = QUANTIZED_ROOT,
-            reward_threshold: float = 0.5, entropy_prompts: int = 32, jobs: int = 1) -> dict:
+            reward_threshold: float = 0.5, entropy_prompts: int = 32, jobs: int = 1, per_gpu: int | str = 1,
+            worker_gib: float = 4.0, restarts: int = 2) -> dict:
     """Train every arm with seeds 0..seeds-1 (`jobs` at once), then write the report to `<out_dir>/report` and the
     parent run."""
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: must be >= 1")
     logger = get_run_logger()
     common = list(overrides or [])
-    chosen = dict(parse_arm(spec) for spec in (arms or list(ARMS)))
+    chosen = dict(parse_arm(spec) for spec in (arms or DEFAULT_ARMS))
     out = Path(out_dir) if out_dir else default_out_dir(params)
     planned = plan_runs(params, common, chosen, seeds, out)
     first = load_settings(params, planned[0].overrides)
@@ -267,7 +218,8 @@ def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, 
             logger.info("step-0 policy entropy of the %s base: %.4f nats/token", e["scheme"], e["entropy"])
 
         if jobs > 1:
-            run_workers(params, common, list(arms or list(ARMS)), seeds, out, quantized_root, jobs)
+            run_workers(params, common, list(arms or DEFAULT_ARMS), seeds, out, quantized_root, jobs, per_gpu,
+                        worker_gib, restarts)
         records = []
         for run in planned:  # with workers, every run is finished now and only read back
             result = train_arm_seed(params, run.overrides, run.arm, run.seed, str(run.run_dir), parent.run_id,
@@ -283,8 +235,9 @@ def compare(params: str = "params/compare.yaml", arms: list[str] | None = None, 
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), metavar="ARM",
-                        help=f"built-in: {', '.join(ARMS)}; or NAME:section.key=value,... (default: all built-in)")
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="ARM",
+                        help=f"built-in: {', '.join(ARMS)}; or NAME:section.key=value,... "
+                             f"(default: {' '.join(DEFAULT_ARMS)})")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm (default 3)")
     parser.add_argument("--out", default=None, help="experiment folder (default: runs/compare/<params stem>)")
     parser.add_argument("--reward-threshold", type=float, default=0.5,
@@ -293,9 +246,25 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out questions the step-0 entropy of each base format is measured on")
     parser.add_argument("--quantized-root", default=QUANTIZED_ROOT)
     parser.add_argument("--jobs", type=int, default=1,
-                        help="runs trained at once, each in its own process: one GPU each, or an equal share of the "
-                             "CPU cores (default 1)")
+                        help="runs trained at once, each in its own process, spread over the GPUs (see --per-gpu) or "
+                             "an equal share of the CPU cores (default 1)")
+    parser.add_argument("--per-gpu", type=_per_gpu, default=1,
+                        help="workers sharing one GPU: a number, or 'auto' (as many as its free memory holds at "
+                             "--worker-gib each); default 1")
+    parser.add_argument("--worker-gib", type=float, default=4.0,
+                        help="GPU memory one worker needs, for --per-gpu auto (default 4)")
+    parser.add_argument("--restarts", type=int, default=2,
+                        help="times a crashed worker is replaced, per slot (default 2)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # what --jobs starts
+
+
+def _per_gpu(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -308,7 +277,8 @@ def _run(args: argparse.Namespace) -> str:
                        args.quantized_root)
         return f"worker {os.getpid()} trained: {', '.join(trained) or 'nothing left'}"
     result = compare(args.params, args.arms, args.seeds, args.overrides, args.out, args.quantized_root,
-                     args.reward_threshold, args.entropy_prompts, args.jobs)
+                     args.reward_threshold, args.entropy_prompts, args.jobs, args.per_gpu, args.worker_gib,
+                     args.restarts)
     return f"report: {Path(result['out_dir']) / 'report' / 'report.md'}  mlflow parent run {result['parent_run_id']}"
 
 

@@ -1,0 +1,35 @@
+"""The arms of the "does quantization noise help RL?" experiments: named sets of `section.key=value` overrides.
+
+Prefect-free: `flows.compare` and the bare GPU driver (`benchmarks/aqn_seeds.py`) read the same table.
+"""
+
+from __future__ import annotations
+
+from qerl.config import ConfigError
+
+# The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's
+# base format through qerl's own NF4 codec (quant.scheme: nf4); `qlora-bnb` is QLoRA itself (bitsandbytes' NF4
+# storage and kernels: pip install -e ".[qlora]"), not in the default set since it needs that extra.
+ARMS: dict[str, list[str]] = {
+    "bf16-lora": ["quant.scheme=bf16", "aqn.enabled=false"],
+    "nf4-lora": ["quant.scheme=nf4", "aqn.enabled=false"],
+    "nvfp4": ["quant.scheme=nvfp4", "aqn.enabled=false"],
+    "nvfp4-aqn": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=geometric"],
+    "nvfp4-aqn-entropy": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=entropy"],
+    "qlora-bnb": ["quant.scheme=nf4-bnb", "aqn.enabled=false"],
+}
+DEFAULT_ARMS = ["bf16-lora", "nf4-lora", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
+
+
+def parse_arm(spec: str) -> tuple[str, list[str]]:
+    """`name` (built-in) or `name:section.key=value,section.key=value` (values without commas)."""
+    name, sep, body = spec.partition(":")
+    if not sep:
+        if name not in ARMS:
+            raise ConfigError(f"--arms {spec}: unknown arm (built-in: {', '.join(ARMS)}; or define one as "
+                              f"NAME:section.key=value,...)")
+        return name, list(ARMS[name])
+    overrides = [item.strip() for item in body.split(",") if item.strip()]
+    if not name or not overrides or any("=" not in item for item in overrides):
+        raise ConfigError(f"--arms {spec}: expected NAME:section.key=value[,section.key=value...]")
+    return name, overrides
