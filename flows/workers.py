@@ -119,11 +119,14 @@ def attempts(folder: Path) -> int:
 
 
 def claimed_runs(folders: Iterable[Path], done: Callable[[Path], bool], max_attempts: int | None = None,
-                 describe: Callable[[Path], str] = str) -> Iterator[Path]:
+                 describe: Callable[[Path], str] = str, stop: Callable[[], bool] | None = None) -> Iterator[Path]:
     """Each unfinished folder of `folders` that no other worker holds, in order, held while the caller works on it
     (the claim is released when the caller asks for the next one, or closes the generator). Every claim counts as an
-    attempt; with `max_attempts`, a folder taken that often without finishing is skipped."""
+    attempt; with `max_attempts`, a folder taken that often without finishing is skipped. `stop()`, asked before
+    each claim, ends the iteration (e.g. too little time left for another run)."""
     for folder in folders:
+        if stop is not None and stop():
+            return
         if done(folder):
             continue
         claim = FolderLock(folder / CLAIM, what=describe(folder))

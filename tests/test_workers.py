@@ -155,3 +155,12 @@ def test_the_state_files_are_json(tmp_path):
     write_json(tmp_path / "a.json", {"x": 1})
     assert read_json(tmp_path / "a.json") == {"x": 1} and read_json(tmp_path / "b.json") is None
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
+
+
+def test_stop_ends_the_claims_before_the_next_one(tmp_path):
+    root = _plan(tmp_path, 4)
+    got = []
+    for folder in claimed_runs(sorted(root.iterdir()), done=lambda d: False, stop=lambda: len(got) >= 2):
+        got.append(folder.name)
+    assert got == ["run-00", "run-01"]
+    assert [attempts(root / f"run-{i:02d}") for i in range(4)] == [1, 1, 0, 0]  # the unclaimed ones were not counted
