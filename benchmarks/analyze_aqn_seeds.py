@@ -102,7 +102,9 @@ def bootstrap_ci(values, rng: np.random.Generator, n: int, stat=np.mean) -> tupl
         return float(values[0]), float(values[0])
     idx = rng.integers(0, len(values), size=(n, len(values)))
     stats = stat(values[idx], axis=1)
-    return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
+    # Censored values (inf: never reached) are order statistics only: no interpolation between inf and a number.
+    method = "linear" if np.isfinite(stats).all() else "nearest"
+    return float(np.percentile(stats, 2.5, method=method)), float(np.percentile(stats, 97.5, method=method))
 
 
 def wilson(k: int, n: int) -> tuple[float, float]:

@@ -174,13 +174,26 @@ def work(jobs: list[Job], out: Path, deadline: float | None, first_estimate_s: f
             print(f"[worker {os.getpid()}] {job.describe()}: FAILED {type(exc).__name__}: {exc}", flush=True)
             if "CUDA" in str(exc) and "out of memory" not in str(exc):  # the context is gone: a fresh process
                 return 3
+            _release_memory()
             continue
         write_json(folder / DONE, result)
         shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # only a resume needs them
+        _release_memory()
         shown = (f"accuracy={result['eval'].get('accuracy', float('nan')):.3f}" if job.kind == "run"
                  else f"entropy={result['entropy']:.3f}")
         print(f"[worker {os.getpid()}] {job.describe()}: {shown} in {result['seconds']:.1f}s", flush=True)
     return 0
+
+
+def _release_memory() -> None:
+    """Give the finished run's GPU memory back (the caching allocator keeps it): workers share the GPU."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def status(jobs: list[Job], out: Path, started: float) -> dict:

@@ -99,7 +99,7 @@ def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "python -m flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
-        "nvfp4-aqn, nvfp4-aqn-entropy; or define one as NAME:section.key=value,...)"]
+        "nvfp4-aqn, nvfp4-aqn-entropy, qlora-bnb; or define one as NAME:section.key=value,...)"]
     assert not (tmp_path / "exp").exists()
 
 
