@@ -34,7 +34,6 @@ ARM_ORDER = ["bf16-lora", "qlora-bnb", "nf4-lora", "nvfp4", "nvfp4-aqn", "nvfp4-
 NVFP4_ARMS = ["nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
 BASELINES = ["bf16-lora", "qlora-bnb"]
 AQN_ARMS = ["nvfp4-aqn", "nvfp4-aqn-entropy"]
-NO_NOISE_AT_STEP_1 = {"bf16-lora", "qlora-bnb", "nf4-lora", "nvfp4"}  # fresh LoRA, no AQN at the first rollout
 
 
 @dataclass
@@ -198,7 +197,9 @@ def summarize(runs: list[Run], task: str, arm: str, threshold: float, rng, n_boo
     steps = max((len(r.rewards) for r in mine), default=0)
     censored = np.array([s if s is not None else np.inf for s in reach], dtype=float)
     learned = sum(s is not None for s in reach)
-    step1 = np.array([r.entropy[0] for r in mine if len(r.entropy) and np.isfinite(r.entropy[0])])
+    # The base format's own entropy: the first rollouts of fresh LoRA, only where they carried no AQN noise.
+    step1 = np.array([r.entropy[0] for r in mine if len(r.entropy) and np.isfinite(r.entropy[0])
+                      and len(r.sigma) and r.sigma[0] == 0])
     median_low, median_high = bootstrap_ci(censored, rng, n_boot, stat=np.median) if len(mine) else (np.nan, np.nan)
     return {
         "task": task, "arm": arm, "seeds": len(mine), "steps": steps,
@@ -216,6 +217,13 @@ def summarize(runs: list[Run], task: str, arm: str, threshold: float, rng, n_boo
 
 def _fmt_steps(value: float, steps: int) -> str:
     return f"not reached in {steps}" if not math.isfinite(value) else f"{value:g}"
+
+
+def _entropy(row: dict) -> str:
+    if not math.isfinite(row["step1_entropy"]):
+        return "– (noise at step 1)"
+    low, high = row["step1_entropy_ci"]
+    return f"{row['step1_entropy']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def _pct(x: float) -> str:
@@ -336,8 +344,7 @@ def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: in
                 f"{_pct(r['accuracy_ci'][1])}] | {r['auc']:.3f} [{r['auc_ci'][0]:.3f}, {r['auc_ci'][1]:.3f}] | "
                 f"{r['learned']}/{r['seeds']} [{_pct(r['learned_ci'][0])}, {_pct(r['learned_ci'][1])}] | "
                 f"{_fmt_steps(r['steps_to_threshold_median'], r['steps'])} [{_fmt_steps(lo, r['steps'])}, "
-                f"{_fmt_steps(hi, r['steps'])}] | {r['step1_entropy']:.3f} [{r['step1_entropy_ci'][0]:.3f}, "
-                f"{r['step1_entropy_ci'][1]:.3f}] |")
+                f"{_fmt_steps(hi, r['steps'])}] | {_entropy(r)} |")
         lines.append("")
         lines.append(f"![reward per step, {task}](reward_{task}.png) ![held-out accuracy, {task}](accuracy_{task}.png)\n")
     if entropies:
@@ -349,9 +356,8 @@ def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: in
             lines.append(f"| {e['task']} | {e['scheme']} | {e['entropy']:.3f} | {e['completions']} | {e['tokens']} |")
         lines.append("")
         lines.append("The step-1 entropy column above is the same quantity measured on each seed's first training "
-                     "batch (arms without noise at step 1: "
-                     + ", ".join(sorted(NO_NOISE_AT_STEP_1 & set(arms))) + "; the AQN arms' first rollouts may carry "
-                     "noise), so its interval is over seeds.\n")
+                     "batch, where that batch carried no AQN noise (σ = 0 at step 1; else –), so its interval is over "
+                     "seeds and prompts.\n")
     lines.append("**The paper's claims** (paired by seed; difference = arm − reference; p: sign-flip permutation, "
                  "Holm-adjusted within the task):\n")
     lines.append("| task | claim | arm | reference | metric | seeds | difference [95% CI] | p (Holm) | verdict |")

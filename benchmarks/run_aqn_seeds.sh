@@ -11,31 +11,32 @@
 # benchmarks/aqn_seeds.py (5 arms x SEEDS seeds x 2 tasks, JOBS workers sharing the GPU) until BUDGET seconds after
 # its start, then packs every run's raw results into $OUT/aqn-seeds.tar.gz and runs the analysis (if matplotlib is
 # there). Runs left undone are listed in status.json; a later call with the tarball at .carry-b/aqn-seeds.tar.gz
-# trains only those. Knobs (environment): SEEDS=20 STEPS=24 JOBS=14 BUDGET=520 WORKER_GIB=4.5.
+# trains only those. Knobs (environment): SEEDS=20 STEPS=24 JOBS=14 BUDGET=520 WORKER_GIB=4.5, and EXTRA_ARGS (more
+# driver arguments, e.g. "--arms bf16-lora nvfp4 -S eval.n=4" for a CPU rehearsal).
 set -uo pipefail
 START=$(date +%s)
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false QERL_CACHE=/tmp/qerl-cache
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false QERL_CACHE=${QERL_CACHE:-/tmp/qerl-cache}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/aqn-out}; mkdir -p "$OUT"
 if [ "${1:-}" = stage ]; then
   exec python3 benchmarks/smollm2_parts.py stage
 fi
 SEEDS=${SEEDS:-20} STEPS=${STEPS:-24} JOBS=${JOBS:-14} BUDGET=${BUDGET:-520} WORKER_GIB=${WORKER_GIB:-4.5}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${SITE:=/tmp/site}" \
   .carry-b/wheels/*.whl || exit 4
-export PYTHONPATH=$PWD:/tmp/site
+export PYTHONPATH=$PWD:$SITE
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, bitsandbytes; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'bitsandbytes', bitsandbytes.__version__, 'cuda', torch.cuda.is_available())"
 python3 benchmarks/smollm2_parts.py assemble --cache "$QERL_CACHE" || exit 3
-RES=/tmp/aqn-seeds
+RES=${RES:-/tmp/aqn-seeds}
 if [ -f .carry-b/aqn-seeds.tar.gz ]; then  # a previous call's results: only the missing runs train
   mkdir -p "$RES" && tar -xzf .carry-b/aqn-seeds.tar.gz -C "$RES" && echo "resuming from .carry-b/aqn-seeds.tar.gz"
 fi
 echo "set-up took $(( $(date +%s) - START )) s"
 python3 benchmarks/aqn_seeds.py --out "$RES" --seeds "$SEEDS" --jobs "$JOBS" --per-gpu auto \
   --worker-gib "$WORKER_GIB" --deadline $(( START + BUDGET )) --first-estimate-s 60 \
-  -S train.steps="$STEPS" -S grpo.micro_batch_size=64 2>&1 | tee "$OUT/driver.log" | grep -v "^\[worker"
+  -S train.steps="$STEPS" -S grpo.micro_batch_size=64 ${EXTRA_ARGS:-} 2>&1 | tee "$OUT/driver.log" | grep -v "^\[worker"
 echo "finished runs: $(ls "$RES"/*/*/seed-*/result.json 2>/dev/null | wc -l); packing"
 # Raw results only: metrics, params, evaluations, results, errors, status (no checkpoints, no lock files).
 (cd "$RES" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' \) ! -name '.*' -print0 \

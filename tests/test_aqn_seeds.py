@@ -133,7 +133,7 @@ def _synthetic(root: Path) -> None:
                 (folder / "job.json").write_text("{}")
                 rows = [{"step": s, "reward_mean": float(np.clip(slope * s + rng.normal(0, 0.05), 0, 1)),
                          "entropy": float(1.5 + rng.normal(0, 0.1)) if s > 1 else (1.8 if arm == "bf16-lora" else 1.6),
-                         "sigma": 0.0} for s in range(1, STEPS + 1)]
+                         "sigma": 0.01 if arm == "nvfp4-aqn-entropy" else 0.0} for s in range(1, STEPS + 1)]
                 (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2')
                 (folder / "result.json").write_text(json.dumps(
                     {"task": task, "arm": arm, "seed": seed, "eval": {"accuracy": float(acc + rng.normal(0, 0.05))},
@@ -166,6 +166,7 @@ def test_the_analysis_finds_the_planted_effects_and_no_effect_where_there_is_non
     assert int(rows[("add2", "nvfp4-aqn")]["learned"]) == SEEDS  # reaches 0.3 by step ~9
     assert int(rows[("add2", "nvfp4-aqn-entropy")]["learned"]) == 0  # tops out at ~0.1
     assert float(rows[("add2", "bf16-lora")]["step1_entropy"]) == pytest.approx(1.8)
+    assert math.isnan(float(rows[("add2", "nvfp4-aqn-entropy")]["step1_entropy"]))  # noisy first rollouts: not the base's
     assert math.isinf(float(rows[("add2", "nvfp4-aqn-entropy")]["steps_to_threshold_median"]))
     text = fragment.read_text()
     assert "| add2 | bf16 | 1.790 |" in text and "1 unfinished" in text and "not reached in 20" in text
