@@ -98,8 +98,9 @@ def check_and_record(jobs: list[Job]) -> None:
     folder started with other settings (a rerun would silently skip or resume it)."""
     from qerl.config import ConfigError, load_settings
 
-    for job in jobs:
-        fingerprint = load_settings(job.params, job.overrides).fingerprint()
+    for job in jobs:  # the folder's own path is left out: results unpacked elsewhere still resume
+        fingerprint = load_settings(job.params, [o for o in job.overrides if not o.startswith(
+            ("train.out_dir=", "eval.out_dir="))]).fingerprint()
         earlier = read_json(job.folder / JOB)
         if earlier is not None and earlier.get("fingerprint") != fingerprint:
             raise ConfigError(f"{job.folder} holds a run started with other settings: rerun with the same ones, "
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(jobs)} jobs ({sum(not (j.folder / DONE).is_file() for j in jobs)} to do), {args.jobs} worker(s) on "
           f"{sorted({e.get('CUDA_VISIBLE_DEVICES', 'cpu') for e in envs})}, deadline "
           f"{'none' if deadline is None else f'in {deadline - time.time():.0f}s'}", flush=True)
-    slots = supervise(command, envs, restarts=args.restarts,
+    todo = [j for j in jobs if not (j.folder / DONE).is_file()]
+    slots = [] if not todo else supervise(command, envs[:len(todo)], restarts=args.restarts,
                       deadline=None if deadline is None else deadline + 15.0,  # the workers stop first
                       grace_s=5.0, log=lambda m: print(m, flush=True))
     report = {**status(jobs, out, started), "worker_exit_codes": [s.codes for s in slots],
