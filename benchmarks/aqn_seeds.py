@@ -186,6 +186,13 @@ def work(jobs: list[Job], out: Path, deadline: float | None, first_estimate_s: f
     return 0
 
 
+def progress(jobs: list[Job], out: Path, started: float) -> str:
+    done = sum((j.folder / DONE).is_file() for j in jobs)
+    seconds = run_seconds(out)
+    median = f"{statistics.median(seconds):.0f}s" if seconds else "-"
+    return f"[{time.time() - started:.0f}s] {done} of {len(jobs)} jobs done, median run {median}"
+
+
 def _release_memory() -> None:
     """Give the finished run's GPU memory back (the caching allocator keeps it): workers share the GPU."""
     import gc
@@ -265,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [j for j in jobs if not (j.folder / DONE).is_file()]
     slots = [] if not todo else supervise(command, envs[:len(todo)], restarts=args.restarts,
                       deadline=None if deadline is None else deadline + 15.0,  # the workers stop first
-                      grace_s=5.0, log=lambda m: print(m, flush=True))
+                      grace_s=5.0, log=lambda m: print(m, flush=True),
+                      progress=lambda: progress(jobs, out, started), progress_every_s=30.0)
     report = {**status(jobs, out, started), "worker_exit_codes": [s.codes for s in slots],
               "command": sys.argv, "seeds": args.seeds, "tasks": args.tasks, "arms": arms}
     write_json(out / "status.json", report)

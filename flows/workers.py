@@ -175,12 +175,14 @@ def _stop(slots: list[Slot], grace_s: float) -> None:
 
 def supervise(command: Sequence[str], envs: Sequence[dict[str, str]], restarts: int = 2,
               deadline: float | None = None, grace_s: float = 10.0, poll_s: float = 0.2,
-              log: Callable[[str], None] = print, cwd: str | None = None) -> list[Slot]:
+              log: Callable[[str], None] = print, cwd: str | None = None,
+              progress: Callable[[], str] | None = None, progress_every_s: float = 60.0) -> list[Slot]:
     """Run `command` once per environment and wait for all. A worker that exits with an error is replaced (the same
     command, same slot) up to `restarts` times per slot. At `deadline` (time.time()), the workers still running are
-    stopped. Returns the slots with every exit code; the caller decides what a failure means (the runs say what is
-    finished)."""
+    stopped. `progress()`, if given, is logged every `progress_every_s`. Returns the slots with every exit code; the
+    caller decides what a failure means (the runs say what is finished)."""
     slots = [Slot(dict(env)) for env in envs]
+    next_progress = time.monotonic() + progress_every_s
 
     def start(i: int, slot: Slot) -> None:
         slot.process = subprocess.Popen(list(command), env=slot.env, cwd=cwd)
@@ -203,6 +205,9 @@ def supervise(command: Sequence[str], envs: Sequence[dict[str, str]], restarts: 
                 start(i, slot)
             elif code != 0:
                 log(f"worker {i} exited with code {code}: no restarts left in this slot")
+        if progress is not None and time.monotonic() >= next_progress:
+            log(progress())
+            next_progress = time.monotonic() + progress_every_s
         time.sleep(poll_s)
     return slots
 

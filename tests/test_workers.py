@@ -164,3 +164,15 @@ def test_stop_ends_the_claims_before_the_next_one(tmp_path):
         got.append(folder.name)
     assert got == ["run-00", "run-01"]
     assert [attempts(root / f"run-{i:02d}") for i in range(4)] == [1, 1, 0, 0]  # the unclaimed ones were not counted
+
+
+def test_the_supervisor_logs_progress_while_workers_run(tmp_path):
+    messages, calls = [], []
+
+    def progress():
+        calls.append(1)
+        return f"tick {len(calls)}"
+
+    supervise([sys.executable, "-c", "import time; time.sleep(1.5)"], [_env()], log=messages.append,
+              progress=progress, progress_every_s=0.4)
+    assert 2 <= len(calls) <= 5 and messages[:2] == ["tick 1", "tick 2"]
