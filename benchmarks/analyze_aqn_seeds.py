@@ -371,9 +371,14 @@ def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: in
     against = [c for c in comparisons if c.verdict == "contradicted"]
     open_ = [c for c in comparisons if c.verdict in ("not resolved", "too few seeds")]
     lines.append(f"In short: {len(held)} comparison(s) support a claim, {len(against)} contradict one, and "
-                 f"{len(open_)} are not resolved"
-                 + (f" (the widest interval among those spans {max(c.high - c.low for c in open_):.3f} in its units: "
-                    "an effect of that size or smaller cannot be ruled out)" if open_ else "") + ".")
+                 f"{len(open_)} are not resolved.")
+    for metric, unit in (("auc", "reward AUC"), ("accuracy", "held-out accuracy points")):
+        unresolved = [c for c in open_ if c.metric == metric and math.isfinite(c.low)]
+        if unresolved:
+            scale = 100 if metric == "accuracy" else 1
+            lines.append(f"Where unresolved ({metric}), the intervals still allow differences from "
+                         f"{scale * min(c.low for c in unresolved):+.3g} to {scale * max(c.high for c in unresolved):+.3g}"
+                         f" {unit}: effects inside that range cannot be ruled out by these seeds.")
     if unfinished or status.get("remaining") or status.get("failed"):
         lines.append(f"\nNot finished: {len(status.get('remaining', unfinished))} job(s) not run, "
                      f"{len(status.get('failed', []))} failed (see `status.json`).")
