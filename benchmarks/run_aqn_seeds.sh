@@ -3,15 +3,15 @@
 # (the embedded model's 98 MB GGUF cannot travel in one 64-MiB call: benchmarks/smollm2_parts.py):
 #
 #   here, once:  pip download --no-deps --only-binary=:all: gguf==0.19.0 -d .whl-extra
-#                python benchmarks/smollm2_parts.py split          # .carry-a (50 MiB), .carry-b (~48 MiB)
+#                python benchmarks/smollm2_parts.py split          # .carry-a (50 MiB), .carry-b (52 MiB)
 #   call 1:      bash benchmarks/run_aqn_seeds.sh stage            carry [".carry-a"]          (seconds)
 #   call 2:      bash benchmarks/run_aqn_seeds.sh                  carry [".carry-b"]  within 30 s of call 1
 #
 # Call 2 installs the carried wheels, assembles the model (SHA-256 checked against the CPU's conversion), runs
 # benchmarks/aqn_seeds.py (5 arms x SEEDS seeds x 2 tasks, JOBS workers sharing the GPU) until BUDGET seconds after
 # its start, then packs every run's raw results into $OUT/aqn-seeds.tar.gz and runs the analysis (if matplotlib is
-# there). Runs left undone are listed in status.json; a later call with the tarball at .carry-b/aqn-seeds.tar.gz
-# trains only those. Knobs (environment): SEEDS=20 STEPS=24 JOBS=14 BUDGET=520 WORKER_GIB=4.5, and EXTRA_ARGS (more
+# there). Runs left undone are listed in status.json; a later pair of calls with the returned aqn-seeds.tar.gz copied
+# to .carry-b/ trains only those. Knobs (environment): SEEDS=20 STEPS=24 JOBS=14 BUDGET=520 WORKER_GIB=4.5, and EXTRA_ARGS (more
 # driver arguments, e.g. "--arms bf16-lora nvfp4 -S eval.n=4" for a CPU rehearsal).
 set -uo pipefail
 START=$(date +%s)
@@ -41,10 +41,12 @@ python3 benchmarks/aqn_seeds.py --out "$RES" --seeds "$SEEDS" --jobs "$JOBS" --p
   --worker-gib "$WORKER_GIB" --deadline $(( START + BUDGET )) --first-estimate-s 60 \
   -S train.steps="$STEPS" -S grpo.micro_batch_size=64 ${EXTRA_ARGS:-} 2>&1 | tee "$OUT/driver.log" | grep -v "^\[worker"
 echo "finished runs: $(ls "$RES"/*/*/seed-*/result.json 2>/dev/null | wc -l); packing"
-# Raw results only: metrics, params, evaluations, results, errors, status (no checkpoints, no lock files).
-(cd "$RES" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' \) ! -name '.*' -print0 \
-  | tar --null -czf "$OUT/aqn-seeds.tar.gz" -T -)
-# At most 8 files come back from $OUT: driver.log, aqn-seeds.tar.gz, and the report (report.md + report.tar.gz).
+# Raw results only: metrics, params, evaluation metrics, results, errors, status (no checkpoints, no lock files);
+# the evaluations' samples apart (~6 MB packed), so that aqn-seeds.tar.gz (~2 MB) fits beside .carry-b in a resume.
+(cd "$RES" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' \) ! -name '.*' \
+  ! -name samples.jsonl -print0 | tar --null -czf "$OUT/aqn-seeds.tar.gz" -T -)
+(cd "$RES" && find . -type f -name samples.jsonl -print0 | tar --null -czf "$OUT/aqn-samples.tar.gz" -T -)
+# At most 8 files come back from $OUT: driver.log, the two tarballs, the report (report.md + report.tar.gz).
 if python3 -c "import matplotlib" 2>/dev/null && [ $(( $(date +%s) - START )) -lt 565 ]; then
   timeout $(( 585 - ($(date +%s) - START) )) python3 benchmarks/analyze_aqn_seeds.py --results "$RES" \
     --report /tmp/aqn-report --bootstrap 2000 > /tmp/aqn-report.log 2>&1 \
