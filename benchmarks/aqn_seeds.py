@@ -45,7 +45,8 @@ TASKS: dict[str, tuple[str, list[str]]] = {
     "add3": ("params/compare_add3.yaml", []),
 }
 DEFAULT_ARMS = ["bf16-lora", "qlora-bnb", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
-# For every run: no tracking server, a checkpoint every 10 steps (a crashed worker's run resumes from there).
+# For every run, before the -S overrides: no tracking server, a checkpoint every 10 steps (a crashed worker's run
+# resumes from there).
 RUN_OVERRIDES = ["tracking.backend=none", "train.save_every=10"]
 DONE, ERROR, JOB = "result.json", "error.json", "job.json"
 MAX_ATTEMPTS = 2
@@ -80,16 +81,16 @@ def plan(out: Path, tasks: list[str], arms: dict[str, list[str]], seeds: list[in
         for scheme in schemes:
             folder = out / task / "base_entropy" / scheme
             jobs.append(Job("entropy", task, scheme, 0, folder, params,
-                            [*task_overrides, *common, f"quant.scheme={scheme}", "aqn.enabled=false",
-                             f"train.out_dir={folder}", *RUN_OVERRIDES]))
+                            [*task_overrides, *RUN_OVERRIDES, *common, f"quant.scheme={scheme}",
+                             "aqn.enabled=false", f"train.out_dir={folder}"]))
     for seed in seeds:
         for arm, arm_overrides in arms.items():
             for task in tasks:
                 params, task_overrides = TASKS[task]
                 folder = out / task / arm / f"seed-{seed:02d}"
                 jobs.append(Job("run", task, arm, seed, folder, params,
-                                [*task_overrides, *common, *arm_overrides, f"train.seed={seed}", f"aqn.seed={seed}",
-                                 f"train.out_dir={folder}", f"eval.out_dir={folder / 'eval'}", *RUN_OVERRIDES]))
+                                [*task_overrides, *RUN_OVERRIDES, *common, *arm_overrides, f"train.seed={seed}",
+                                 f"aqn.seed={seed}", f"train.out_dir={folder}", f"eval.out_dir={folder / 'eval'}"]))
     return jobs
 
 
