@@ -370,8 +370,8 @@ def decode_tokens_against_fp32(engine: RolloutEngine, exact, ps: list[list[int]]
 
 def as_close_to_fp32_as_bf16_forward(r: dict) -> bool:
     """`decode_tokens_against_fp32`'s verdict: the engine's tokens are fp32's argmax as often as the bf16 forward's
-    (to 3 points of 1,024 tokens), its log-probs as near to fp32's (to 1.5x)."""
-    return (r["fp32 argmax = decoded token"] >= r["fp32 argmax = bf16 forward argmax"] - 0.03
+    (to 5 points of 1,024 tokens: a window error costs 20 or more), its log-probs as near to fp32's (to 1.5x)."""
+    return (r["fp32 argmax = decoded token"] >= r["fp32 argmax = bf16 forward argmax"] - 0.05
             and r["mean |logp - fp32 logp|, engine"] <= 1.5 * r["mean |logp - fp32 logp|, bf16 forward"] + 0.01)
 
 
