@@ -77,3 +77,25 @@ def stop_started_by(mark: str, grace_s: float = 10.0) -> list[str]:
     _signal(alive, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=grace_s)
     return described
+
+
+def kill_9(proc, timeout: float) -> list[str]:
+    """`kill -9` one process (not its group) and wait for it; then give what it had started (the grader's worker)
+    `timeout` seconds to exit by itself, as it must once its parent is gone. Returns those still alive afterwards, as
+    'PID command' lines (an empty list: nothing outlived the killed process)."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout)
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    described = []
+    for child in alive:
+        try:
+            described.append(f"{child.pid} {' '.join(child.cmdline())[:160]}")
+        except psutil.Error:
+            continue
+    return described

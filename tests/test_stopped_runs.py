@@ -4,24 +4,21 @@ stopped by a full disk (a real process filling a real filesystem). Each resumed 
 uninterrupted one.
 
 The kills and the full disk happen in processes of their own; the runs that only start, resume or stop run in this
-process (`finish_here`): they read and write nothing but the run folder, so a child would only add an interpreter's
-start-up (torch, the grader's worker: most of a tiny run's time) to each."""
+process (conftest's `finish_here`): they read and write nothing but the run folder, so a child would only add an
+interpreter's start-up (torch, the grader's worker: most of a tiny run's time) to each."""
 
 import json
-import logging
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests import tiny_trainer_process
+from tests.patience import patience
+from tests.processes import kill_9
 from tests.test_checkpoints import adapter, finished  # noqa: F401 - finished: the uninterrupted run, a fixture
 from tests.test_run_folder import steps, tiny_process, wait_for
-
-IN_A_CHILD_ONLY = ("--stall-at-checkpoint", "--stall-at-export", "--fill-disk-at-checkpoint", "--hold-until")
 
 
 def assert_same_adapter(a: Path, b: Path) -> None:
@@ -29,41 +26,10 @@ def assert_same_adapter(a: Path, b: Path) -> None:
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
-@pytest.fixture
-def here(caplog, capsys):
-    """`here(*args)`: the tiny trainer's `main` in this process; (exit code, what its stderr would hold: the log lines
-    as the child formats them, then its error line)."""
-
-    def run(*args) -> tuple[int, str]:
-        argv = [str(a) for a in args]
-        assert not set(argv) & set(IN_A_CHILD_ONLY), "these patch qerl for good: only in a process of their own"
-        caplog.clear()
-        capsys.readouterr()
-        with caplog.at_level(logging.INFO):
-            code = tiny_trainer_process.main(argv)
-        lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records]
-        return code, "\n".join([*lines, *capsys.readouterr().err.splitlines()])
-
-    return run
-
-
-@pytest.fixture
-def finish_here(here):
-    """`finish_here(*args)`: the tiny trainer run to its end in this process; what its stderr would hold."""
-
-    def run(*args) -> str:
-        code, err = here(*args)
-        assert code == 0, err
-        return err
-
-    return run
-
-
 def kill_at(marker: Path, *args) -> subprocess.Popen:
     proc = tiny_process(*args, "--marker", marker)
     wait_for(marker, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+    assert not kill_9(proc, patience(30)), "outlived the killed trainer"  # its grader's worker exits with it
     return proc
 
 
