@@ -42,8 +42,13 @@ def started_by(mark: str) -> list:
 
 def _exits_with_us(proc) -> bool:
     """multiprocessing's resource tracker (started by torch.multiprocessing's spawn) lives as long as this process
-    and then exits by itself: not something a test left running."""
-    return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    and then exits by itself: not something a test left running. Nor are the grader's math-verify workers of this
+    process (qerl.grading: one per grader, kept for the process's life; its atexit hook kills them, and they exit when
+    their stdin, a pipe from this process, closes). A worker whose parent is gone is still reported."""
+    command = " ".join(proc.cmdline())
+    if "multiprocessing.resource_tracker" in command:
+        return True
+    return "qerl.grading.mathverify_worker" in command and proc.ppid() == os.getpid()
 
 
 def _signal(procs: list, sig: int) -> None:
