@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see qerl/__init__.py
@@ -81,3 +82,40 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer):
     model.save_pretrained(folder)
     smollm2_tokenizer.save_pretrained(folder)
     return folder
+
+
+# The tiny trainer (tests/tiny_trainer_process.py) in the test's own process, for runs that need no process of their
+# own (a start, a resume, a stop: everything goes through the run folder); a child costs an interpreter's and a grader
+# worker's start-up, most of a tiny run's time. Kills, stalls and full disks still run in a child.
+IN_A_CHILD_ONLY = ("--stall-at-checkpoint", "--stall-at-export", "--fill-disk-at-checkpoint", "--hold-until")
+
+
+@pytest.fixture
+def here(caplog, capsys):
+    """`here(*args)`: the tiny trainer's `main` in this process; (exit code, what its stderr would hold: the log lines
+    as the child formats them, then its error line)."""
+    from tests import tiny_trainer_process
+
+    def run(*args) -> tuple[int, str]:
+        argv = [str(a) for a in args]
+        assert not set(argv) & set(IN_A_CHILD_ONLY), "these patch qerl for good: only in a process of their own"
+        caplog.clear()
+        capsys.readouterr()
+        with caplog.at_level(logging.INFO):
+            code = tiny_trainer_process.main(argv)
+        lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records]
+        return code, "\n".join([*lines, *capsys.readouterr().err.splitlines()])
+
+    return run
+
+
+@pytest.fixture
+def finish_here(here):
+    """`finish_here(*args)`: the tiny trainer run to its end in this process; what its stderr would hold."""
+
+    def run(*args) -> str:
+        code, err = here(*args)
+        assert code == 0, err
+        return err
+
+    return run

@@ -42,8 +42,13 @@ def started_by(mark: str) -> list:
 
 def _exits_with_us(proc) -> bool:
     """multiprocessing's resource tracker (started by torch.multiprocessing's spawn) lives as long as this process
-    and then exits by itself: not something a test left running."""
-    return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    and then exits by itself: not something a test left running. Nor are the grader's math-verify workers of this
+    process (qerl.grading: one per grader, kept for the process's life; its atexit hook kills them, and they exit when
+    their stdin, a pipe from this process, closes). A worker whose parent is gone is still reported."""
+    command = " ".join(proc.cmdline())
+    if "multiprocessing.resource_tracker" in command:
+        return True
+    return "qerl.grading.mathverify_worker" in command and proc.ppid() == os.getpid()
 
 
 def _signal(procs: list, sig: int) -> None:
@@ -76,4 +81,26 @@ def stop_started_by(mark: str, grace_s: float = 10.0) -> list[str]:
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     _signal(alive, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=grace_s)
+    return described
+
+
+def kill_9(proc, timeout: float) -> list[str]:
+    """`kill -9` one process (not its group) and wait for it; then give what it had started (the grader's worker)
+    `timeout` seconds to exit by itself, as it must once its parent is gone. Returns those still alive afterwards, as
+    'PID command' lines (an empty list: nothing outlived the killed process)."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout)
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    described = []
+    for child in alive:
+        try:
+            described.append(f"{child.pid} {' '.join(child.cmdline())[:160]}")
+        except psutil.Error:
+            continue
     return described

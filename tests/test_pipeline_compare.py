@@ -1,5 +1,10 @@
 """The experiment flow on params/tiny.yaml with real Prefect and a real MLflow store: 2 arms x 1 seed x 1 step, the
-nested runs, the report files, then a rerun that skips the finished run and resumes the "crashed" one."""
+nested runs, the report files, then a rerun that skips the finished run and resumes the "crashed" one.
+
+The base is the tests' tiny random Llama (conftest's `tiny_llama_dir`, with SmolLM2's tokenizer), not SmolLM2-135M:
+what is checked here is the flow's bookkeeping (plan, nesting, skip and resume, workers, report), which does not
+depend on the model; loading, quantizing and training SmolLM2 four times per test only made it slow. The real model
+runs through the same `train_and_evaluate` in the deployment test (test_pipeline_prefect.py) and the DVC test."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from tests.patience import patience
 pytest.importorskip("prefect")
 pytest.importorskip("mlflow")
 
-pytestmark = pytest.mark.slow  # loads SmolLM2-135M four times (two base entropies, two runs) and starts Prefect twice
+pytestmark = pytest.mark.slow  # Prefect's temporary server, and for --jobs two worker processes with their own
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "params" / "tiny.yaml")
@@ -27,7 +32,8 @@ def nested_runs(client, experiment_id, parent_id):
     return client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
 
 
-def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_rerun(tmp_path, monkeypatch):
+def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_rerun(tmp_path, monkeypatch,
+                                                                                     tiny_llama_dir):
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
@@ -35,8 +41,9 @@ def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_re
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.delenv("PREFECT_API_URL", raising=False)  # Prefect's temporary local server, in a temporary home
-    quick = ["train.steps=1", "eval.n=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
-             "aqn.target_entropy=1.0", f"tracking.tracking_uri={uri}", "tracking.experiment=compare-test"]
+    quick = [f"model.path={tiny_llama_dir}", "train.steps=1", "eval.n=2", "rollout.max_new_tokens=8",
+             "eval.max_new_tokens=8", "aqn.target_entropy=1.0", f"tracking.tracking_uri={uri}",
+             "tracking.experiment=compare-test"]
     out = tmp_path / "exp"
 
     def run():
@@ -88,7 +95,8 @@ def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_re
     from qerl.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"seed-0 holds a run started with other settings .* another --out$"):
-        plan_runs(TINY, [*quick[1:], "train.steps=2"], {arm: BUILT_IN[arm] for arm in ARMS}, 1, out)
+        plan_runs(TINY, [*(o for o in quick if o != "train.steps=1"), "train.steps=2"],
+                  {arm: BUILT_IN[arm] for arm in ARMS}, 1, out)
     assert len(plan_runs(TINY, quick, {arm: BUILT_IN[arm] for arm in ARMS}, 2, out)) == 4  # seed 1 is new: fine
 
 
@@ -103,7 +111,7 @@ def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
     assert not (tmp_path / "exp").exists()
 
 
-def test_jobs_train_the_runs_in_worker_processes(tmp_path, monkeypatch):
+def test_jobs_train_the_runs_in_worker_processes(tmp_path, monkeypatch, tiny_llama_dir):
     """--jobs 2: two worker processes share the plan through per-run claim locks; the flow only reads their results
     back (it cannot train here: its own training is disabled), reports both arms and nests both MLflow runs."""
     from mlflow import MlflowClient
@@ -118,8 +126,8 @@ def test_jobs_train_the_runs_in_worker_processes(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    quick = ["train.steps=1", "eval.n=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
-             f"tracking.tracking_uri={uri}", "tracking.experiment=compare-jobs-test"]
+    quick = [f"model.path={tiny_llama_dir}", "train.steps=1", "eval.n=2", "rollout.max_new_tokens=8",
+             "eval.max_new_tokens=8", f"tracking.tracking_uri={uri}", "tracking.experiment=compare-jobs-test"]
     out = tmp_path / "exp"
     arms = ["bf16-lora", "nvfp4"]
     with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):

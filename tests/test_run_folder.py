@@ -3,7 +3,6 @@ previous run is never overwritten without --resume or --overwrite."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from qerl.runlock import FolderLocked, run_folder_lock
 from tests.patience import patience
+from tests.processes import kill_9
 from tests.test_trainer import make_trainer, tiny_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,8 +65,7 @@ def test_a_lock_dies_with_its_process(tmp_path):
     wait_for(run / "metrics.jsonl", holder)
     with pytest.raises(FolderLocked, match=f"PID {holder.pid} on host"):
         run_folder_lock(run).acquire()
-    holder.send_signal(signal.SIGKILL)
-    holder.wait(patience(30))
+    assert not kill_9(holder, patience(30)), "outlived the killed trainer"
     assert (run / ".qerl.lock").exists()  # left behind by the killed holder, and no obstacle
     run_folder_lock(run).acquire().release()
 
@@ -80,8 +79,8 @@ def test_qerl_train_on_a_folder_in_use_is_one_line_naming_the_holder(tmp_path):
         second = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
                                  str(run)], cwd=REPO, capture_output=True, text=True, timeout=patience(120))
     finally:
-        first.kill()
-        first.wait(patience(30))
+        left = kill_9(first, patience(30))
+    assert not left, "outlived the killed trainer"
     assert second.returncode == 2
     assert second.stderr.splitlines() == [
         f"qerl: error: run folder {run} is in use by PID {first.pid} on host {socket.gethostname()} "

@@ -11,6 +11,10 @@ the final adapter export (its weights written into the temp folder, not yet rena
 --fill-disk-at-checkpoint: just before writing that step's checkpoint, fill the filesystem by writing FILE until no
 space is left (as another process might), so the write runs out of space.
 Errors end in one line, as in the `qerl` command (exit 2 for bad input).
+
+`main(argv)` also runs in the test's own process (tests/test_stopped_runs.py `finish_here`), for the runs that need no
+process of their own: a resume or a stop reads everything from the run folder, and a second interpreter's start-up
+(torch, the grader's worker) cost more than the tiny run.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from pathlib import Path
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--resume", action="store_true")
@@ -33,7 +37,7 @@ def main() -> int:
     parser.add_argument("--stall-at-export", action="store_true")
     parser.add_argument("--fill-disk-at-checkpoint", nargs=2, default=None, metavar=("STEP", "FILE"))
     parser.add_argument("--marker", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     import yaml
