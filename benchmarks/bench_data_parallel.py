@@ -1,4 +1,4 @@
-"""GRPO step throughput over N GPUs vs 1, on the same total batch (data parallel as `qerl.trainer` runs it).
+"""GRPO step throughput over N GPUs vs 1, on the same total batch (data parallel as `qerl.rl.trainer` runs it).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 benchmarks/bench_data_parallel.py --model 7b --out DIR
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_data_parallel.py --model 7b --out DIR
@@ -6,7 +6,7 @@
 
 Each rank takes its share of `--prompts` x `--group` rows (whole groups, as the trainer shards a step), rolls them out
 on its own `RolloutEngine` with AQN noise, then runs the micro-batched DAPO update with the step's global token count
-as normalizer and sums the LoRA gradients over ranks (`qerl.distributed.Group.sum_gradients`, the trainer's call)
+as normalizer and sums the LoRA gradients over ranks (`qerl.rl.distributed.Group.sum_gradients`, the trainer's call)
 before the AdamW step. Step time is the slowest rank's; throughput is the step's total rows x new tokens per second.
 One warm-up step (graph capture, allocator) is run first and not counted. NVLink multicast (NVLS) stays off.
 Results: DIR/data_parallel.jsonl, one line per world size.
@@ -25,10 +25,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_rollout import build_model, random_prompts  # noqa: E402
-from qerl import grpo  # noqa: E402
-from qerl.aqn import NoiseInjector  # noqa: E402
-from qerl.distributed import process_group  # noqa: E402
-from qerl.engine import RolloutEngine  # noqa: E402
+from qerl.model.aqn import NoiseInjector  # noqa: E402
+from qerl.rl import grpo  # noqa: E402
+from qerl.rl.distributed import process_group  # noqa: E402
+from qerl.rollout.engine import RolloutEngine  # noqa: E402
 
 
 def sync_time() -> float:

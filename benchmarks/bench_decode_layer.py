@@ -8,7 +8,7 @@ of the published shape with LoRA r=16 on every linear, three CUDA-graph timings 
   step   the engine's captured `Transformer.decode_step` (batch bucket, KV window), as a rollout replays it;
   gemms  a graph of only the base GEMMs that step runs (same layers, same shapes, same backends) plus lm_head;
   fixed  (step - gemms) / layers: norms, RoPE + KV write, attention, SiLU·up, the LoRA GEMMs, launch gaps.
-And the eager sampling of one token (`qerl.generate.sample_tokens`, temperature 1) that runs between replays.
+And the eager sampling of one token (`qerl.rollout.generate.sample_tokens`, temperature 1) that runs between replays.
 Results: DIR/decode_layer.jsonl and a markdown table on stdout.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rollout import build_model, free_cuda  # noqa: E402
-from qerl import fusion  # noqa: E402
-from qerl.engine import RolloutEngine  # noqa: E402
-from qerl.generate import sample_tokens  # noqa: E402
-from qerl.lora import LoraLinear  # noqa: E402
+from qerl.model import fusion  # noqa: E402
+from qerl.model.lora import LoraLinear  # noqa: E402
+from qerl.rollout.engine import RolloutEngine  # noqa: E402
+from qerl.rollout.generate import sample_tokens  # noqa: E402
 
 
 def base(m):

@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qerl import grading  # noqa: E402
-from qerl.data import arithmetic_task  # noqa: E402
+from qerl.data.problems import arithmetic_task  # noqa: E402
 from tests.grading_cases import completion_cases, math_verify_suite  # noqa: E402
 from tests.test_grading import HOSTILE  # noqa: E402
 
 
 def old_grader(ref: str):
-    """qerl.rewards.score as it was at git `ref` (a self-contained module then)."""
+    """qerl.data.rewards.score as it was at git `ref` (a self-contained module then)."""
     source = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:qerl/rewards.py"], capture_output=True,
                             text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "old_rewards.py"
@@ -96,7 +96,7 @@ def typical_step(seed: int = 0, prompts: int = 8, group: int = 8) -> list[tuple[
 
 def step_cost(pairs: list[tuple[str, str]], repeats: int = 5) -> None:
     """As `Trainer.score` grades a step: the accuracy over the worker pool (grade_all), then the reward mix."""
-    from qerl.rewards import combined_reward
+    from qerl.data.rewards import combined_reward
 
     reward_fn = combined_reward({"accuracy": 1.0})
     grading.start_worker(wait=True)
@@ -147,7 +147,7 @@ def main() -> None:
         rows = [json.loads(line) for line in Path(args.samples).read_text().splitlines()]
         pairs = [(r["completion"], r["gold"]) for r in rows][:64]
     if args.math500:
-        from qerl.data import load_jsonl
+        from qerl.data.problems import load_jsonl
 
         path = ROOT / "data" / "math500" / "test.jsonl"
         solutions = [json.loads(line)["answer"] for line in path.read_text().splitlines()[:args.math500 + 1]]

@@ -1,4 +1,4 @@
-"""The GRPO step a user runs, `qerl.trainer.Trainer.train`, on random-weight Qwen2.5 shapes: seconds per phase and
+"""The GRPO step a user runs, `qerl.rl.trainer.Trainer.train`, on random-weight Qwen2.5 shapes: seconds per phase and
 peak GPU memory, per base format.
 
     PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b,14b --schemes nvfp4,bf16,nf4-bnb --out DIR
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_rollout import SCHEMES, bnb_version, build_model, free_cuda  # noqa: E402
 from qerl.config import load_settings  # noqa: E402
-from qerl.trainer import Trainer  # noqa: E402
+from qerl.rl.trainer import Trainer  # noqa: E402
 
 GIB = 2**30
 END = "<|end|>"

@@ -15,7 +15,7 @@ nothing). Reported per arm: seconds per step (the median of the steps after the 
 first step, CPU seconds per step (user + system, all threads), and peak memory (the process's resident set on the
 CPU; the GPU's peak allocation on CUDA). The arms:
 
-* `qerl-nvfp4`, `qerl-bf16` (fp32 on the CPU), `qerl-nf4-bnb` (CUDA): `qerl.trainer.Trainer`, as `qerl train` runs;
+* `qerl-nvfp4`, `qerl-bf16` (fp32 on the CPU), `qerl-nf4-bnb` (CUDA): `qerl.rl.trainer.Trainer`, as `qerl train` runs;
   `qerl-nvfp4-ckpt`: the same with `model.gradient_checkpointing=true` (every block recomputed, as TRL does; the
   default `auto` keeps what free memory holds, so its peak grows with the card);
 * `trl`: TRL's GRPOTrainer + PEFT LoRA on the plain model, generation through `transformers.generate`;
@@ -117,7 +117,7 @@ def qerl_settings(w: dict, scheme: str, steps: int, extra: tuple[str, ...] = ())
 
 
 def qerl_arm(args, scheme: str, extra: tuple[str, ...] = ()) -> dict:
-    from qerl.trainer import Trainer
+    from qerl.rl.trainer import Trainer
 
     w = workload(args)
     steps = arm_steps(args)
@@ -191,7 +191,8 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from qerl import data, rewards
+    from qerl.data import problems as data
+    from qerl.data import rewards
 
     w = workload(args)
     steps = arm_steps(args)
@@ -199,7 +200,7 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
     tmp = tempfile.mkdtemp()
     t0 = time.perf_counter()
     if not gpu_work(args):
-        from qerl.loading import embedded_model_path
+        from qerl.model.loading import embedded_model_path
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder = embedded_model_path()

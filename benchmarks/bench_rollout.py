@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from qerl.engine import RolloutEngine  # noqa: E402
-from qerl.lora import LoraSettings, apply_lora  # noqa: E402
-from qerl.model import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: E402
+from qerl.model.lora import LoraSettings, apply_lora  # noqa: E402
+from qerl.model.transformer import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: E402
 from qerl.quant.bnb import quantize_model_bnb, require_bitsandbytes  # noqa: E402
 from qerl.quant.linear import quantize_model  # noqa: E402
+from qerl.rollout.engine import RolloutEngine  # noqa: E402
 
 # Published shapes (the config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct on the Hugging Face hub);
 # Qwen2 = bias on q/k/v, GQA, SwiGLU, rope theta 1e6.
@@ -43,7 +43,7 @@ SHAPES = {
                 num_key_value_heads=8, vocab_size=152064),
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8, vocab_size=152064),
-    # The other families (qerl.families), published config.json values written down from the model cards (no hub
+    # The other families (qerl.model.families), published config.json values written down from the model cards (no hub
     # here to check them against); each key overrides hf_config's Qwen2 defaults.
     # Mistral-7B-Instruct-v0.3: no sliding window (v0.2+), rope theta 1e6.
     "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -267,7 +267,7 @@ def main() -> None:
                 per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
                 for label, fused, configs_run in variants:
                     if label.endswith("separate projections"):
-                        from qerl.fusion import unfuse_projections
+                        from qerl.model.fusion import unfuse_projections
 
                         unfuse_projections(model)
                     engine = RolloutEngine(model, fused=fused)

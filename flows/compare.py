@@ -36,8 +36,8 @@ from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
 from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
 from flows.workers import CLAIM, claimed_runs, slot_environments, supervise
 from qerl.config import ConfigError, Settings, load_settings
-from qerl.report import RunRecord, write_report
-from qerl.tracking import JsonlWriter
+from qerl.evaluation.report import RunRecord, write_report
+from qerl.rl.tracking import JsonlWriter
 
 __all__ = ["ARMS", "DEFAULT_ARMS", "parse_arm", "compare", "plan_runs", "work"]
 DONE = "result.json"  # written last: a run folder without it is unfinished (never started, or crashed)
@@ -127,7 +127,7 @@ def train_arm_seed(params: str, overrides: list[str], arm: str, seed: int, run_d
 def base_entropy(settings: Settings, out: Path, num_prompts: int, quantized_root: str) -> dict:
     """The policy entropy of `settings.quant.scheme`'s base (fresh LoRA, AQN off) at step 0 on the first
     `num_prompts` held-out questions, sampled with the same seed for every format; cached in `out/<scheme>.json`."""
-    from qerl.evaluate import eval_examples
+    from qerl.evaluation.evaluate import eval_examples
     from tasks import build_trainer
 
     scheme = settings.quant.scheme

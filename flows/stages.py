@@ -14,18 +14,18 @@ import sys
 from pathlib import Path
 
 from flows import cli
-from qerl import atomic
 from qerl.config import Settings, load_settings
+from qerl.run import atomic
 
 
 def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
     """Materialize the training and evaluation sets named by `data` and `eval` as `train.jsonl` / `test.jsonl`.
 
-    Rows use the MATH hub layout (`problem` / `answer` = the bare gold), which `qerl.data.load_jsonl` reads back
-    exactly, so training on `-S data.name=<dir>/train.jsonl -S data.n=null` sees the same examples.
+    Rows use the MATH hub layout (`problem` / `answer` = the bare gold), which `qerl.data.problems.load_jsonl` reads
+    back exactly, so training on `-S data.name=<dir>/train.jsonl -S data.n=null` sees the same examples.
     """
-    from qerl import data
-    from qerl.evaluate import eval_examples
+    from qerl.data import problems as data
+    from qerl.evaluation.evaluate import eval_examples
 
     train = data.examples_for(settings.data)
     out = Path(out_dir)
@@ -40,12 +40,12 @@ def prepare(settings: Settings, out_dir: str | Path) -> dict[str, Path]:
 
 
 def fingerprint(settings: Settings, out_json: str | Path) -> Path:
-    """Write what identifies the training and evaluation data (`qerl.data.fingerprint`) as JSON.
+    """Write what identifies the training and evaluation data (`qerl.data.problems.fingerprint`) as JSON.
 
     DVC cannot see a hub dataset, or a file named only in the params, so its `fingerprint` stage runs this on every
     `dvc repro` and `prepare` depends on the result: data preparation reruns exactly when a fingerprint changes.
     """
-    from qerl import data
+    from qerl.data import problems as data
 
     prints = {"train": data.fingerprint(settings.data), "test": data.fingerprint(settings.eval, knobs=settings.data)}
     out = Path(out_json)

@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from qerl.config import Settings
-from qerl.tracking import NullTracker
+from qerl.rl.tracking import NullTracker
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _finite_floats(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class MlflowTracker:
-    """One MLflow run: implements `qerl.tracking.Tracker` and adds tables, tags and adapter registration.
+    """One MLflow run: implements `qerl.rl.tracking.Tracker` and adds tables, tags and adapter registration.
 
     Use as a context manager so the run ends FINISHED, or FAILED when the body raises.
     """

@@ -21,11 +21,11 @@ from prefect.utilities.annotations import quote
 from flows import cli
 from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
-from qerl.evaluate import eval_examples
-from qerl.phases import Phases
-from qerl.plots import REWARD_CURVE, TRAINING_CURVES
-from qerl.runlock import FolderLock, run_folder_lock
-from qerl.tracking import JsonlWriter, log_step
+from qerl.evaluation.evaluate import eval_examples
+from qerl.rl.phases import Phases
+from qerl.rl.plots import REWARD_CURVE, TRAINING_CURVES
+from qerl.rl.tracking import JsonlWriter, log_step
+from qerl.run.lock import FolderLock, run_folder_lock
 from tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
                    score_rewards, torchrun_train)
 from tasks.quantize import is_complete

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qerl.config import load_settings
 from qerl.errors import debug_requested, report
-from qerl.outdir import check_writable, removed_if_empty_on_failure
+from qerl.run.outdir import check_writable, removed_if_empty_on_failure
 
 
 def _add_debug(p: argparse.ArgumentParser, default) -> None:
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_eval(args) -> int:
-    from qerl.evaluate import run_eval
+    from qerl.evaluation.evaluate import run_eval
 
     settings = load_settings(args.params, args.overrides)
     out = check_writable(args.out or settings.eval.out_dir, "--out" if args.out else "eval.out_dir")
@@ -88,8 +88,8 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_quantize(args) -> int:
-    from qerl.evaluate import add_perplexity
-    from qerl.loading import resolve_model
+    from qerl.evaluation.evaluate import add_perplexity
+    from qerl.model.loading import resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint
 
     check_writable(args.out)
@@ -110,8 +110,8 @@ def _read_text(path: Path) -> str:
 
 
 def _cmd_train(args) -> int:
-    from qerl.distributed import DistributedError, process_group
-    from qerl.trainer import Trainer
+    from qerl.rl.distributed import DistributedError, process_group
+    from qerl.rl.trainer import Trainer
 
     settings = load_settings(args.params, args.overrides)
     if args.max_steps is not None and args.max_steps < 1:
@@ -136,7 +136,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from qerl.export import export_policy
+    from qerl.model.export import export_policy
 
     check_writable(args.out)
     result = export_policy(args.adapter, args.out, merge=args.merge, model=args.model, scheme=args.scheme)

@@ -56,7 +56,7 @@ class ModelSettings:
     gradient_checkpointing: Literal["auto", True, False] = "auto"
     # The blocks' RMSNorm / RoPE / SiLU·up on CUDA: auto (the measured fastest), eager (plain PyTorch), liger
     # (Liger-kernel's fused kernels; pip install liger-kernel), compile (torch.compile of the eager ops). The CPU
-    # always runs eager. qerl/training_ops.py.
+    # always runs eager. qerl/model/training_ops.py.
     training_kernels: Literal["auto", "eager", "liger", "compile"] = "auto"
     # The frozen base's GEMMs in the update (forward and dx at training sizes): bf16 (dequantize + cuBLAS), or fp8
     # (opt-in; Hopper, NVFP4 base in the Gluon layout: the weight dequantized straight into FP8 E4M3 with one scale
@@ -98,7 +98,7 @@ class QuantSettings:
 
 @dataclass
 class LoraSettings:
-    """LoRA hyperparameters (names as in PEFT's LoraConfig where they overlap); `qerl.lora` takes this type whole."""
+    """LoRA hyperparameters (names as in PEFT's LoraConfig where they overlap); `qerl.model.lora` takes it whole."""
 
     rank: int = field(default=16, metadata=_check(gt=0))
     alpha: float = field(default=32.0, metadata=_check(gt=0))
@@ -143,7 +143,7 @@ class RolloutSettings:
     top_k: int = field(default=0, metadata=_check(ge=0))  # 0 = off
     stop_strings: list[str] = field(default_factory=list)
     # The sampler of training and evaluation (qerl.rollout): engine = RolloutEngine (static KV cache, CUDA graphs),
-    # reference = qerl.generate.generate; auto = the engine on CUDA, the reference on the CPU.
+    # reference = qerl.rollout.generate.generate; auto = the engine on CUDA, the reference on the CPU.
     backend: Literal["auto", "engine", "reference"] = "auto"
 
 
@@ -173,7 +173,7 @@ class AQNSettings:
     seed: int = 0
     # geometric: the paper's stages (sigma_start -> sigma_end, the first stage noise-free). entropy: sigma starts at
     # sigma_start and is multiplied by sigma_rate after each step whose policy entropy was below target_entropy,
-    # divided by it otherwise, within [sigma_min, sigma_max] (qerl.aqn.EntropyTargetedSchedule).
+    # divided by it otherwise, within [sigma_min, sigma_max] (qerl.model.aqn.EntropyTargetedSchedule).
     schedule: Literal["geometric", "entropy"] = "geometric"
     target_entropy: Optional[float] = field(default=None, metadata=_check(gt=0))  # nats per completion token
     sigma_min: float = field(default=5e-4, metadata=_check(gt=0))
@@ -231,7 +231,7 @@ class TrainSettings:
     def validate(self) -> None:
         if not self.rewards:
             raise _RuleError("rewards", "rewards = {}: name at least one reward function (e.g. accuracy: 1.0)")
-        from qerl.rewards import get_reward_fn  # here: a misspelt name fails now, not after the model has loaded
+        from qerl.data.rewards import get_reward_fn  # here: a misspelt name fails now, not after the model has loaded
 
         for name in self.rewards:
             try:
@@ -257,7 +257,7 @@ class DataSettings:
     operators: str = "+-"
     steps: int = field(default=1, metadata=_check(ge=1, le=8))
     seed: int = 0
-    system_prompt: Optional[str] = None  # None = qerl.data.SYSTEM_PROMPT
+    system_prompt: Optional[str] = None  # None = qerl.data.problems.SYSTEM_PROMPT
     # A prompt longer than the model's context minus max_new_tokens: "error" names its file and line; "drop" leaves
     # such examples out (train and eval) and logs how many.
     overlong_prompts: Literal["error", "drop"] = "error"

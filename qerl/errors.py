@@ -15,12 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from qerl.runlock import FolderLocked
-
 DEBUG_ENV = "QERL_DEBUG"
 BAD_INPUT_EXIT = 2
 FAILURE_EXIT = 1
 
+
+class BadInput(Exception):
+    """Base of qerl's own errors that the user can cause or fix (exit 2), where no built-in type says so: a folder in
+    use (`qerl.run.lock.FolderLocked`). Defined here so that this module imports nothing of qerl."""
 
 
 class MissingExtra(ImportError):
@@ -51,9 +53,9 @@ def naming_a_full_disk(path: str | os.PathLike, hint: str = "") -> Iterator[None
 
 
 # ValueError covers ConfigError, the checkpoint and data errors, JSON and UTF-8 decode errors.
-# ConnectionError: a hub dataset neither cached nor reachable (qerl.tables says how to fetch it).
+# ConnectionError: a hub dataset neither cached nor reachable (qerl.data.tables says how to fetch it).
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
-             ConnectionError, FolderLocked, MissingExtra, DiskFull)
+             ConnectionError, BadInput, MissingExtra, DiskFull)
 
 
 def debug_requested(flag: bool = False) -> bool:

@@ -14,8 +14,9 @@ from tasks.retry import retry_transient
       cache_policy=NO_CACHE, persist_result=False)
 def evaluate(settings: Settings, adapter: str | None = None, out_dir: str | None = None, limit: int | None = None,
              model=None, tokenizer=None):
-    """`qerl.evaluate.run_eval`: greedy (or k-sample) accuracy; writes metrics.json + samples.jsonl to `out_dir`."""
-    from qerl.evaluate import run_eval
+    """`qerl.evaluation.evaluate.run_eval`: greedy (or k-sample) accuracy; writes metrics.json + samples.jsonl
+    to `out_dir`."""
+    from qerl.evaluation.evaluate import run_eval
 
     return run_eval(settings, adapter=adapter, out_dir=out_dir, limit=limit, model=model, tokenizer=tokenizer,
                     progress=False)

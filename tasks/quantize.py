@@ -36,7 +36,7 @@ def _source_identity(src: Path) -> str:
 
 def quantized_dir(model_path: str, scheme: str, out_root: str) -> Path:
     """Where this source+scheme+code version lands: `<out_root>/<model>-<scheme>-<key>`."""
-    from qerl.loading import resolve_model
+    from qerl.model.loading import resolve_model
 
     src = resolve_model(model_path).resolve()
     key = hashlib.sha256(f"{_source_identity(src)}|{scheme}|{code_version()}".encode()).hexdigest()[:16]
@@ -56,7 +56,7 @@ def is_complete(folder: str | Path) -> bool:
       cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True, result_serializer="json")
 def quantize_checkpoint(model_path: str, scheme: str, out_root: str = "runs/quantized") -> str:
     """Quantize `model_path`'s decoder linears to `scheme`; returns the folder (a `quant.quantized_path`)."""
-    from qerl.loading import resolve_model
+    from qerl.model.loading import resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint as quantize
 
     dst = quantized_dir(model_path, scheme, out_root)

@@ -15,7 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from qerl.config import Settings
-from qerl.tracking import Tracker
+from qerl.rl.tracking import Tracker
 from tasks.retry import retry_transient
 
 _IN_PROCESS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -26,8 +26,8 @@ def build_trainer(settings: Settings, out_dir: str, tracker: Tracker | None = No
                   init_adapter: str | None = None, overwrite: bool = False):
     """Load the (quantized) base, attach LoRA, and optionally start from an existing adapter's weights. The trainer
     holds the run folder's lock until the caller's `trainer.close()`."""
-    from qerl import lora
-    from qerl.trainer import Trainer
+    from qerl.model import lora
+    from qerl.rl.trainer import Trainer
 
     trainer = Trainer(settings, out_dir, tracker=tracker, resume=resume, overwrite=overwrite)
     if init_adapter is not None and trainer.step == 0:
@@ -71,6 +71,6 @@ def export_adapter(trainer) -> tuple[Path, list[Path]]:
 def torchrun_train(nproc: int, qerl_args: list[str]) -> None:
     """`qerl <qerl_args>` (a `train` command) over `nproc` processes with torchrun; its output goes to the run's log,
     and a non-zero exit fails the task with the ranks' last lines."""
-    from qerl.launch import run_qerl
+    from qerl.rl.launch import run_qerl
 
     run_qerl(nproc, qerl_args, get_run_logger().info)

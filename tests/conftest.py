@@ -53,7 +53,7 @@ def smollm2_dir():
     ~30 s the first time, instant afterwards)."""
     import torch
 
-    from qerl.loading import embedded_model_path
+    from qerl.model.loading import embedded_model_path
 
     try:
         return embedded_model_path()

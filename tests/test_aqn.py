@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from qerl.aqn import AQNSchedule, EntropyTargetedSchedule, NoiseInjector, build_schedule, norm_weights
 from qerl.config import AQNSettings
+from qerl.model.aqn import AQNSchedule, EntropyTargetedSchedule, NoiseInjector, build_schedule, norm_weights
 
 
 def reference_sigma(step: int, total_steps: int, start: float, end: float, num_stages: int) -> float:
@@ -95,7 +95,7 @@ def test_schedule_degenerate_stage_counts_and_validation():
 
 
 class RMSNorm(nn.Module):
-    """Stand-in with the same class-name convention as qerl.model.RMSNorm."""
+    """Stand-in with the same class-name convention as qerl.model.transformer.RMSNorm."""
 
     def __init__(self, dim: int):
         super().__init__()

@@ -1,4 +1,4 @@
-"""qerl.atomic: a crash between writing and renaming leaves the old content and no partial file in sight."""
+"""qerl.run.atomic: a crash between writing and renaming leaves the old content and no partial file in sight."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl import atomic
+from qerl.run import atomic
 
 
 def _crash_on_replace(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qerl.checkpoints import PICKLED_STATE as PICKLED
-from qerl.checkpoints import NoIntactCheckpoint, read_pickled_state
-from qerl.manifest import MANIFEST, ManifestMismatch, verify_manifest, write_manifest
+from qerl.run.checkpoints import PICKLED_STATE as PICKLED
+from qerl.run.checkpoints import NoIntactCheckpoint, read_pickled_state
+from qerl.run.manifest import MANIFEST, ManifestMismatch, verify_manifest, write_manifest
 from tests.patience import patience
 from tests.processes import kill_9
 from tests.test_run_folder import steps, tiny_process, wait_for
@@ -103,7 +103,7 @@ def test_a_checkpoint_whose_manifest_was_deleted_is_damaged(run, caplog):
 def as_pickled_checkpoint(folder: Path, manifest: bool) -> None:
     """Rewrite a checkpoint as older qerl wrote it: the trainer state pickled by torch.save (and, in the oldest
     versions, no manifest)."""
-    from qerl import safestate
+    from qerl.run import safestate
 
     state = safestate.load(folder / STATE, folder / TENSORS)
     (folder / STATE).unlink()
@@ -244,7 +244,7 @@ def test_the_state_format_keeps_every_kind_of_value_a_trainer_state_holds(tmp_pa
 
     import numpy as np
 
-    from qerl import safestate
+    from qerl.run import safestate
 
     tree = {"python_rng": random.Random(1).getstate(), "numpy_rng": np.random.RandomState(2).get_state(),
             "by_index": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}}, "floats": [0.1, math.inf],

@@ -79,7 +79,7 @@ def test_quantize_onto_a_non_empty_folder_is_one_line(tiny_llama_dir, tmp_path):
 
 
 def test_quantize_removes_what_a_killed_quantization_left_and_refuses_a_destination_in_use(tiny_llama_dir, tmp_path):
-    from qerl.runlock import output_lock
+    from qerl.run.lock import output_lock
 
     out = tmp_path / "q"
     leftover = tmp_path / ".q.tmp-k1ll3d"  # what mkdtemp named the folder of a quantization killed half-way

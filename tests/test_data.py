@@ -1,4 +1,4 @@
-"""qerl.data: generated arithmetic, GSM8K/MATH loaders, prompts, the resumable sampler."""
+"""qerl.data.problems: generated arithmetic, GSM8K/MATH loaders, prompts, the resumable sampler."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl.data import (
+from qerl.data.problems import (
     SYSTEM_PROMPT,
     Example,
     PromptSampler,
@@ -263,7 +263,7 @@ def test_sampler_resumes_exactly_across_epoch_boundaries():
 
 
 def test_arithmetic_without_n_takes_the_whole_small_split():
-    from qerl.data import load_dataset
+    from qerl.data.problems import load_dataset
 
     train = load_dataset("arithmetic", split="train", n=None, digits=1)
     test = load_dataset("arithmetic", split="test", n=None, digits=1)

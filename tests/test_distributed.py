@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qerl.distributed import DistributedError, Group
+from qerl.rl.distributed import DistributedError, Group
 from tests.patience import patience
 from tests.test_trainer import adapter_tensors, make_trainer, tiny_settings
 

@@ -1,4 +1,4 @@
-"""Rollout engine: same tokens/log-probs/stop reasons as `qerl.generate.generate`, live LoRA/AQN, graphs on CUDA.
+"""Rollout engine: same tokens/log-probs/stop reasons as `qerl.rollout.generate`, live LoRA/AQN, graphs on CUDA.
 
 CPU runs cover everything but the graphs: the fused decode path (module calls off CUDA), batch buckets with padding
 rows, compaction of finished rows, KV windows, stop-string checks every k steps. The Triton kernels are checked in
@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from qerl import fused_ops  # noqa: F401  (imports Triton now, compiled mode: see below)
-from qerl.aqn import NoiseInjector
-from qerl.engine import RolloutEngine, engine_for, generate_fast, release_engine
-from qerl.generate import Rollout, generate
-from qerl.lora import LoraSettings, adapters_disabled, apply_lora
-from qerl.model import ModelConfig, Transformer
+from qerl.model import fused_ops  # noqa: F401  (imports Triton now, compiled mode: see below)
+from qerl.model.aqn import NoiseInjector
+from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora
+from qerl.model.transformer import ModelConfig, Transformer
+from qerl.rollout.engine import RolloutEngine, engine_for, generate_fast, release_engine
+from qerl.rollout.generate import Rollout, generate
 from tests.patience import patience
 from tests.reference import policy_logprobs
 
@@ -80,7 +80,7 @@ def test_eos_rows_are_compacted_and_match_generate():
 
 
 def test_stop_strings_and_text_prompts_match_generate(tiny_llama_dir):
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
 
     model, tokenizer = load_model(tiny_llama_dir)
     texts = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "2 + 2 ="]
@@ -195,9 +195,10 @@ def test_triton_kernels_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch, torch.nn.functional as F
-        from qerl import engine as E, fused_ops as K
-        from qerl.model import RMSNorm, apply_rope
-        from qerl.generate import generate
+        from qerl.model import fused_ops as K
+        from qerl.model.transformer import RMSNorm, apply_rope
+        from qerl.rollout import engine as E
+        from qerl.rollout.generate import generate
         from tests.test_engine import tiny, prompts
         torch.manual_seed(0)
         x, r = torch.randn(3, 48), torch.randn(3, 48)
@@ -236,7 +237,7 @@ def test_triton_kernels_in_the_interpreter():
             ref = F.scaled_dot_product_attention(q.view(rows, Hkv, G, D), kc[:rows, :, :window], vc[:rows, :, :window],
                                                  attn_mask=mask[:, None, None, :]).reshape(rows, -1)
             assert (got - ref).abs().max() < 1e-4, (got - ref).abs().max()
-        from qerl.lora import LoraSettings, apply_lora
+        from qerl.model.lora import LoraSettings, apply_lora
         for model_type, fuse in (("qwen2", False), ("qwen3", False), ("qwen2", True), ("qwen3", True)):
             model, ps = tiny(model_type, layers=1), prompts(3)
             for p in apply_lora(model, LoraSettings(rank=4, alpha=8)):  # LoRA's addmm path runs too
@@ -262,8 +263,8 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from qerl import fused_ops as K
-        from qerl.generate import sample_tokens
+        from qerl.model import fused_ops as K
+        from qerl.rollout.generate import sample_tokens
         torch.manual_seed(0)
         t = 0.7
         base = torch.randn(37) * 1.5  # 37 entries, 16 per block: the online log-sum-exp crosses blocks
@@ -296,13 +297,13 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
         from triton.backends.nvidia.compiler import CUDABackend
         from triton.compiler import ASTSource
 
-        from qerl import fused_ops as K
+        from qerl.model import fused_ops as K
         target = GPUTarget("cuda", 90, 32)
         backend = CUDABackend(target)
     except Exception as e:  # internal API of another Triton version
         pytest.skip(f"Triton compiler internals unavailable: {e}")
     if K.triton is None:
-        pytest.skip("qerl.fused_ops imported without triton")
+        pytest.skip("qerl.model.fused_ops imported without triton")
 
     def lower(fn, signature, constexprs):
         options = backend.parse_options({"num_warps": 4})

@@ -11,8 +11,8 @@ import shlex
 import pytest
 import torch
 
-from qerl import lora
 from qerl.cli import main
+from qerl.model import lora
 
 pytest.importorskip("peft")
 pytest.importorskip("compressed_tensors")
@@ -24,7 +24,7 @@ QUESTION = "What is 17 + 25?"
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """qerl's policy as trained: the embedded model, NVFP4 in memory, a LoRA adapter with nonzero B (saved)."""
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
     from qerl.quant.linear import quantize_model
 
     model, tokenizer = load_model("embedded")
@@ -46,7 +46,7 @@ def prompt_ids(tokenizer) -> list[int]:
 
 
 def qerl_greedy(model, tokenizer) -> list[int]:
-    from qerl.generate import generate
+    from qerl.rollout.generate import generate
 
     return generate(model, tokenizer, [prompt_ids(tokenizer)], max_new_tokens=NEW_TOKENS,
                     temperature=0.0).completion_ids[0]
@@ -105,7 +105,7 @@ def test_unmerged_export_is_the_policy_in_transformers_and_peft(policy, tmp_path
 
 @pytest.mark.slow
 def test_merged_export_loads_in_transformers_with_qerls_greedy_tokens(policy, tmp_path):
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
 
     _, _, adapter = policy
     out = tmp_path / "merged"
@@ -120,7 +120,7 @@ def test_merged_export_loads_in_transformers_with_qerls_greedy_tokens(policy, tm
 
 
 def test_mismatched_adapter_and_bad_destinations_fail_in_one_line(tiny_llama_dir, tmp_path, capsys):
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
 
     model, _ = load_model(tiny_llama_dir)  # hidden size 64: its adapter cannot fit SmolLM2's 576
     settings = lora.LoraSettings(rank=4, alpha=8, target_modules=("q_proj",))

@@ -1,4 +1,4 @@
-"""Mistral, Phi-3 and Gemma 3 (qerl.families) through everything a family must run through, against transformers'
+"""Mistral, Phi-3 and Gemma 3 (qerl.model.families) through everything a family must run through, against transformers'
 own model of each, built tiny and saved by transformers itself: the config both ways, the decode step (the rollout
 engine's path, on the CPU) over sliding windows, the engine's tokens, PEFT adapters, and quantize -> train one step
 -> export -> transformers + PEFT reload with qerl's greedy tokens. Logits: tests/test_model.py's CASES."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qerl.engine import RolloutEngine
-from qerl.generate import generate
-from qerl.lora import LoraSettings, apply_lora, lora_layers, save_adapter
-from qerl.model import ModelConfig
+from qerl.model.lora import LoraSettings, apply_lora, lora_layers, save_adapter
+from qerl.model.transformer import ModelConfig
+from qerl.rollout.engine import RolloutEngine
+from qerl.rollout.generate import generate
 from tests.test_engine import prompts
 from tests.test_model import CASES, hf_model, left_pad, ours_from
 
@@ -112,7 +112,7 @@ def test_decode_step_equals_transformers_over_sliding_windows(case):
 @pytest.mark.parametrize("case", FAMILIES)
 def test_engine_greedy_tokens_are_the_reference_samplers(case, fused):
     """The rollout engine (its decode step, or graphs of `forward`; KV windows of 8 slots) against
-    `qerl.generate.generate`, 20 tokens past prompts of up to 8: every sliding window is crossed; then with rows
+    `qerl.rollout.generate.generate`, 20 tokens past prompts of up to 8: every sliding window is crossed; then with rows
     ending early, so the engine moves the live rows' caches into a smaller bucket mid-window."""
     _, model = hf_pair(case)
     ps = prompts(n=7, vocab=256, max_len=9)
@@ -185,7 +185,7 @@ def test_our_adapter_loads_in_peft_with_equal_logits(family_dir, tmp_path):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
 
     case, folder = family_dir
     model, _ = load_model(folder)
@@ -210,8 +210,8 @@ def test_quantize_train_export_reload_gives_qerls_greedy_tokens(family_dir, tmp_
     """NVFP4 base + LoRA, one optimizer step on a policy-gradient loss through the quantized layers, the adapter
     saved, `qerl export` (unmerged: compressed-tensors base + PEFT adapter; merged) reloaded by transformers: the
     greedy tokens qerl's policy gives."""
-    from qerl.export import export_policy
-    from qerl.loading import load_model
+    from qerl.model.export import export_policy
+    from qerl.model.loading import load_model
     from qerl.quant.linear import QuantLinear, quantize_model
 
     case, folder = family_dir
@@ -259,7 +259,7 @@ def test_fused_decode_step_per_family_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from qerl.lora import LoraSettings, apply_lora
+        from qerl.model.lora import LoraSettings, apply_lora
         from tests.test_families import FAMILIES, hf_pair
         from tests.test_model import left_pad
         ids, mask = left_pad([[5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12], [11, 12, 13, 14, 15, 16, 1]])
@@ -307,7 +307,7 @@ def gpu_family_model(family: str, scheme: str, seed: int = 0, device: str = "cud
     """A random bf16 model of the family on CUDA (decoder linears in NVFP4 for "nvfp4"), live non-zero LoRA,
     projections fused where the family keeps them separate, as `load_base_model` leaves it on CUDA. The same seed
     gives the same weights (`.float()` of a second one computes the very same model in fp32)."""
-    from qerl.model import Transformer
+    from qerl.model.transformer import Transformer
     from qerl.quant.linear import quantize_model
 
     cfg = ModelConfig.from_hf({"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,

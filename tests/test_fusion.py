@@ -1,13 +1,13 @@
-"""Fused q/k/v and gate/up projections (`qerl.fusion`): the same numbers as separate layers, one copy of the
+"""Fused q/k/v and gate/up projections (`qerl.model.fusion`): the same numbers as separate layers, one copy of the
 weights, state dicts and adapters unchanged, LoRA updates and moves followed. CPU (fp32); on CUDA the engine's graphs
 read the same groups (test_engine's GPU tests run the fused model through `load_base_model`)."""
 import pytest
 import torch
 
-from qerl import fusion
-from qerl.engine import RolloutEngine
-from qerl.lora import LoraSettings, adapters_disabled, apply_lora, lora_layers, merged_state_dict
+from qerl.model import fusion
+from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora, lora_layers, merged_state_dict
 from qerl.quant.linear import QuantLinear, quantize_model
+from qerl.rollout.engine import RolloutEngine
 from tests.test_engine import prompts, tiny
 
 
@@ -181,7 +181,7 @@ def test_gpu_layout_setting_reaches_every_nvfp4_layer(smollm2_dir):
     """quant.gpu_layout picks the layout each layer's GPU GEMM is built in (kernels.gemm.NVFP4Gemm's `layout`): the
     loader hands it to every quantized layer, and a fused projection inherits it from its members."""
     from qerl.config import ModelSettings, QuantSettings
-    from qerl.runtime import load_base_model
+    from qerl.model.runtime import load_base_model
 
     net, _ = load_base_model(ModelSettings(path=str(smollm2_dir), device="cpu", dtype="float32"),
                              QuantSettings(scheme="nvfp4", gpu_layout="gluon"))

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qerl.generate import Rollout, generate, sample_tokens
-from qerl.loading import load_model
+from qerl.model.loading import load_model
+from qerl.rollout.generate import Rollout, generate, sample_tokens
 from tests.reference import policy_logprobs
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "2 + 2 ="]
@@ -151,7 +151,7 @@ def test_smollm2_answers_and_stops_at_eos(smollm2_dir):
 def test_each_distinct_prompt_is_prefilled_once(tiny, monkeypatch):
     """GRPO's groups repeat every prompt: the prefill runs on the distinct prompts only and its KV rows are copied,
     giving the same samples and log-probs as a prefill of every row."""
-    from qerl import generate as gen
+    from qerl.rollout import generate as gen
 
     model, tokenizer = tiny
     group = [p for p in PROMPTS for _ in range(4)]

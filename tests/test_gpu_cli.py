@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from qerl.data import load_dataset  # the task's own prompts and answers train the tokenizer
+    from qerl.data.problems import load_dataset  # the task's own prompts and answers train the tokenizer
 
     folder = tmp_path_factory.mktemp("smollm2-shaped")
     corpus = [f"{e.question} {e.gold}" for e in load_dataset("arithmetic", n=400, digits=2, split="train")]

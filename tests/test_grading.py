@@ -176,8 +176,8 @@ class _ScriptedBackend:
 
 
 def test_evaluation_records_the_grader_and_each_extracted_answer(tmp_path) -> None:
-    from qerl.data import Example
-    from qerl.evaluate import evaluate
+    from qerl.data.problems import Example
+    from qerl.evaluation.evaluate import evaluate
 
     examples = [Example("a", "What is x if -x > -1?", "x<1", "math"), Example("b", "What is 6 * 7?", "42", "math")]
     replies = ["Flip the sign: $\\boxed{-x > -1}$.", "6 * 7 = 48, so the answer is 48."]
@@ -195,9 +195,9 @@ def test_trainer_counts_grader_timeouts_in_the_step(hanging_worker) -> None:
     """Trainer.score puts the step's timed-out gradings beside its scoring time (metrics key grader_timeouts)."""
     from types import SimpleNamespace
 
-    from qerl.data import Example
-    from qerl.rewards import combined_reward
-    from qerl.trainer import RolloutBatch, Trainer
+    from qerl.data.problems import Example
+    from qerl.data.rewards import combined_reward
+    from qerl.rl.trainer import RolloutBatch, Trainer
 
     hanging_worker.start()
     texts = ["$\\boxed{-x > -1}$", "\\boxed{x < 1}", "$\\boxed{-x > -2}$", "The answer is 1."]

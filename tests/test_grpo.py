@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from qerl.grpo import (
+from qerl.rl.grpo import (
     LossConfig,
     entropy_from_logits,
     head_log_probs,

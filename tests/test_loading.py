@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qerl.loading import CheckpointError, embedded_model_path, load_model, resolve_model
-from qerl.model import Transformer
+from qerl.model.loading import CheckpointError, embedded_model_path, load_model, resolve_model
+from qerl.model.transformer import Transformer
 
 
 def copy_folder(src, dst):
@@ -234,10 +234,10 @@ def test_unsupported_or_malformed_gguf_is_a_clear_error(tmp_path):
 
 def test_embedded_folder_is_converted_once_atomically(tiny_gguf, tmp_path, monkeypatch):
     """The embedded model's conversion (here of the tiny GGUF) leaves one complete folder, found by alias."""
-    import qerl.loading
+    import qerl.model.loading
 
     path, source = tiny_gguf
-    monkeypatch.setattr(qerl.loading, "embedded_gguf_path", lambda: path)
+    monkeypatch.setattr(qerl.model.loading, "embedded_gguf_path", lambda: path)
     monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
     folder = embedded_model_path()
     assert folder.parent == tmp_path / "cache" and resolve_model("smollm2") == folder == resolve_model("embedded")

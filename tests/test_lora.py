@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from qerl.export import merge_and_export
-from qerl.lora import (LoraLinear, LoraSettings, adapters_disabled, apply_lora, load_adapter, lora_layers,
+from qerl.model.export import merge_and_export
+from qerl.model.lora import (LoraLinear, LoraSettings, adapters_disabled, apply_lora, load_adapter, lora_layers,
                        lora_state_dict, save_adapter)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -46,7 +46,7 @@ def base_dir(tmp_path_factory):
 
 
 def load_ours(path):
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
 
     model, tokenizer = load_model(path)
     return model.float().eval(), tokenizer
@@ -330,7 +330,7 @@ def test_merged_export_of_quantized_base_matches_adapted_model(base_dir, tmp_pat
 
 
 def test_nvfp4_export_loads_as_quantized_model(base_dir, tmp_path):
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
     from qerl.quant.linear import QuantLinear, quantize_model
 
     model, tokenizer = load_ours(base_dir)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from qerl.model import ModelConfig, Transformer, rope_frequencies
+from qerl.model.transformer import ModelConfig, Transformer, rope_frequencies
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, attn_implementation="eager")
@@ -22,7 +22,7 @@ CASES = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
-    # Families past Llama/Qwen (qerl.families): windows shorter than the 24 tokens compared, so they slide.
+    # Families past Llama/Qwen (qerl.model.families): windows shorter than the 24 tokens compared, so they slide.
     "mistral-sliding": ("mistral", dict(sliding_window=5)),
     "mistral-head-dim": ("mistral", dict(sliding_window=None, head_dim=32, tie_word_embeddings=True)),
     "phi3": ("phi3", dict(sliding_window=None, **PHI3_IDS)),

@@ -90,7 +90,7 @@ def test_prefect_yaml_deployments():
 
 def test_prepare_writes_what_training_reads(tmp_path):
     from flows.stages import curves, prepare
-    from qerl import data
+    from qerl.data import problems as data
 
     settings = load_settings(ROOT / "params/tiny.yaml")
     written = prepare(settings, tmp_path)

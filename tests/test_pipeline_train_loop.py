@@ -136,7 +136,7 @@ def test_a_failed_job_fails_the_flow_with_its_last_lines(tmp_path, params_file, 
                                                          child_imports_this_checkout):
     """3 prompts per step do not split over 2 processes: every rank exits with that line, torchrun with 1."""
     from flows.train import train
-    from qerl.launch import LaunchFailed
+    from qerl.rl.launch import LaunchFailed
 
     with pytest.raises(LaunchFailed) as failed:
         train(params=str(params_file), overrides=["rollout.prompts_per_step=3"], out_dir=str(tmp_path / "dp2"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qerl.plots import plot_training_curves
+from qerl.rl.plots import plot_training_curves
 
 
 def records(accuracy_offset: float = 0.0) -> list[dict]:

@@ -18,8 +18,8 @@ INSTALL = 'pip install -e ".[qlora]"'
 
 def test_without_bitsandbytes_the_scheme_fails_in_one_line_saying_how_to_install(monkeypatch, capsys):
     from qerl import cli
+    from qerl.model.runtime import load_base_model
     from qerl.quant.bnb import require_bitsandbytes
-    from qerl.runtime import load_base_model
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: `import` raises ImportError
     expected = f"quant.scheme 'nf4-bnb' needs bitsandbytes, which is not installed: {INSTALL}"
@@ -107,10 +107,10 @@ def test_linear_matches_its_dequantized_weight_and_loads_into_bnb_linear4bit(bnb
 
 def test_trainer_and_engine_run_on_a_bnb_base(bnb, tmp_path):
     """The QLoRA baseline in the same stack: LoRA on it, the engine equals the reference, a GRPO step trains."""
-    from qerl.lora import LoraSettings, apply_lora
+    from qerl.model.lora import LoraSettings, apply_lora
     from qerl.quant.bnb import BnbLinear4bit, quantize_model_bnb
-    from qerl.rollout import EngineBackend, ReferenceBackend, Sampling
-    from qerl.trainer import Trainer
+    from qerl.rl.trainer import Trainer
+    from qerl.rollout.backends import EngineBackend, ReferenceBackend, Sampling
     from tests.test_trainer import char_tokenizer, tiny_model, tiny_settings
 
     model, ps = tiny("qwen2"), prompts()
@@ -144,7 +144,7 @@ def test_trainer_and_engine_run_on_a_bnb_base(bnb, tmp_path):
 def test_gpu_bnb_kernels_graphs_and_engine(bnb):
     """On CUDA: bnb's 4-bit GEMM (bf16) against its dequantized weight, and the engine's CUDA graphs replaying it."""
     from qerl.quant.bnb import BnbLinear4bit
-    from qerl.engine import RolloutEngine
+    from qerl.rollout.engine import RolloutEngine
     from tests.test_engine import gpu_model
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.evaluate import add_perplexity
+from qerl.evaluation.evaluate import add_perplexity
 from qerl.quant import nvfp4
 from qerl.quant.checkpoint import quantization_config, quantize_checkpoint, scheme_from_config
 from qerl.quant.formats import get_codec

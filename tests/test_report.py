@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from qerl.report import RunRecord, mean_ci, steps_to_threshold, summary_rows, write_report
+from qerl.evaluation.report import RunRecord, mean_ci, steps_to_threshold, summary_rows, write_report
 
 
 def test_mean_ci_is_the_student_t_interval():

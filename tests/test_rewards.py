@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl.rewards import (
+from qerl.data.rewards import (
     REWARDS,
     combined_reward,
     extract_answer,

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from qerl.aqn import NoiseInjector
-from qerl.evaluate import evaluate
-from qerl.generate import generate
-from qerl.lora import LoraSettings, apply_lora
-from qerl.rollout import EngineBackend, ReferenceBackend, Sampling, make_backend
+from qerl.evaluation.evaluate import evaluate
+from qerl.model.aqn import NoiseInjector
+from qerl.model.lora import LoraSettings, apply_lora
+from qerl.rollout.backends import EngineBackend, ReferenceBackend, Sampling, make_backend
+from qerl.rollout.generate import generate
 from tests.test_engine import assert_same, prompts, tiny
 from tests.test_trainer import make_trainer, tiny_settings
 
@@ -49,8 +49,8 @@ def test_both_backends_sample_the_synced_noisy_policy_and_restore_it():
 
 
 def test_evaluate_samples_through_the_given_backend(tiny_llama_dir):
-    from qerl import data
-    from qerl.loading import load_model
+    from qerl.data import problems as data
+    from qerl.model.loading import load_model
 
     model, tokenizer = load_model(tiny_llama_dir)
     examples = data.load_dataset("arithmetic", split="test", n=5, seed=0, digits=1)

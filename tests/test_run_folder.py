@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl.runlock import FolderLocked, run_folder_lock
+from qerl.run.lock import FolderLocked, run_folder_lock
 from tests.patience import patience
 from tests.processes import kill_9
 from tests.test_trainer import make_trainer, tiny_settings

@@ -74,7 +74,8 @@ def test_settings_changed_on_resume_are_named_in_one_line(finished, tmp_path, he
     shutil.copytree(finished, run)
     err = finish_here(run, "--resume", "-S", "train.steps=5", "-S", "optim.lr=0.01")
     warned = [line for line in err.splitlines() if "settings changed" in line]
-    assert warned == [f"WARNING qerl.runfolder: --resume: settings changed since {run / 'checkpoints' / 'step-000004'} "
+    assert warned == [f"WARNING qerl.run.folder: --resume: settings changed since "
+                      f"{run / 'checkpoints' / 'step-000004'} "
                       "(optim.lr 0.03 -> 0.01, train.steps 4 -> 5): the run continues with the new values"], err
     assert steps(run) == [1, 2, 3, 4, 5]
 
@@ -96,7 +97,7 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_naming_the_file(fini
     (run / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:32])
     err = finish_here(run, "--resume")
     warned = [line for line in err.splitlines() if "cut short" in line]
-    assert len(warned) == 1 and warned[0].startswith(f"WARNING qerl.tracking: {run / 'metrics.jsonl'}: dropped its "
+    assert len(warned) == 1 and warned[0].startswith(f"WARNING qerl.rl.tracking: {run / 'metrics.jsonl'}: dropped its "
                                                      "last line, cut short by a write that was killed or ran out of "
                                                      "disk space ("), err
     assert steps(run) == [1, 2, 3, 4]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qerl.config import load_settings
-from qerl.data import fingerprint, load_dataset
+from qerl.data.problems import fingerprint, load_dataset
 from tests.patience import patience
 
 datasets = pytest.importorskip("datasets")
@@ -161,7 +161,7 @@ def test_files_without_rows_are_one_line_naming_the_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from qerl.tables import open_table
+    from qerl.data.tables import open_table
 
     files = {"empty.jsonl": "", "blank.jsonl": "\n \n", "empty.csv": "", "header.csv": "question,answer\n"}
     for name, text in files.items():
@@ -178,7 +178,7 @@ def test_files_without_rows_are_one_line_naming_the_file(tmp_path):
 
 
 def test_a_broken_csv_names_the_parsers_reason_not_the_wrapper(tmp_path):
-    from qerl.tables import open_table
+    from qerl.data.tables import open_table
 
     table = tmp_path / "broken.csv"
     table.write_text('question,answer\n"What is 1 + 1?,2\n')

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from qerl.config import settings_from_dict
-from qerl.model import ModelConfig, Transformer
-from qerl.trainer import Trainer, lr_lambda
+from qerl.model.transformer import ModelConfig, Transformer
+from qerl.rl.trainer import Trainer, lr_lambda
 
 CHARS = list("0123456789+-*= ?Wthaisx\\{}")
 

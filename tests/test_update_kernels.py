@@ -1,5 +1,5 @@
 """The update's speed paths compute what the plain ops compute: LoRA's update in the GEMM epilogue (`add_low_rank`),
-the fused elementwise ops (`qerl.training_ops`), and recomputing only some blocks (`qerl.recompute`).
+the fused elementwise ops (`qerl.model.training_ops`), and recomputing only some blocks (`qerl.model.recompute`).
 
 The one-GEMM LoRA path runs on CUDA only in the product; here it is switched on for the CPU (fp32) to check its
 forward and gradients against the separate ops. The fused kernels are checked on the GPU (Liger's and inductor's
@@ -7,8 +7,10 @@ kernels, bf16)."""
 import pytest
 import torch
 
-from qerl import lora, recompute, training_ops
 from qerl.config import load_settings
+from qerl.model import lora
+from qerl.model import recompute
+from qerl.model import training_ops
 from tests.test_fusion import lora_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -30,7 +32,7 @@ def test_lora_update_in_the_gemm_epilogue_gives_the_same_output_and_gradients(mo
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
     ref_out, ref_grads = _loss_and_grads(model, ids)
     monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr("qerl.fusion.ONE_GEMM_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr("qerl.model.fusion.ONE_GEMM_DEVICES", {"cuda", "cpu"})
     out, grads = _loss_and_grads(model, ids)
     assert torch.allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref_grads.keys() and len(grads) == 7 * 2 * 2

@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import yaml
 
-    import qerl.lora
-    import qerl.trainer
+    import qerl.model.lora
+    import qerl.rl.trainer
     from qerl.errors import report
     from tests.test_trainer import make_trainer, tiny_settings
 
     if args.stall_at_checkpoint is not None:
-        write_manifest = qerl.trainer.write_manifest
+        write_manifest = qerl.rl.trainer.write_manifest
 
         def stalling(folder: Path):
             if Path(folder).name.startswith(f".tmp-step-{args.stall_at_checkpoint:06d}-"):
@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(600)
             return write_manifest(folder)
 
-        qerl.trainer.write_manifest = stalling
+        qerl.rl.trainer.write_manifest = stalling
     if args.stall_at_export:
-        save_file = qerl.lora.save_file
+        save_file = qerl.model.lora.save_file
 
         def stalling_export(tensors, path, **kwargs):
             save_file(tensors, path, **kwargs)
@@ -67,17 +67,17 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.marker).write_text("exporting")
                 time.sleep(600)
 
-        qerl.lora.save_file = stalling_export
+        qerl.model.lora.save_file = stalling_export
     if args.fill_disk_at_checkpoint:
         fill_step, filler = int(args.fill_disk_at_checkpoint[0]), Path(args.fill_disk_at_checkpoint[1])
-        save_checkpoint = qerl.trainer.Trainer.save_checkpoint
+        save_checkpoint = qerl.rl.trainer.Trainer.save_checkpoint
 
         def filling(self, *a, **kw):
             if self.step == fill_step:
                 fill(filler)
             return save_checkpoint(self, *a, **kw)
 
-        qerl.trainer.Trainer.save_checkpoint = filling
+        qerl.rl.trainer.Trainer.save_checkpoint = filling
     sections: dict = {}
     for item in args.overrides:
         key, _, value = item.partition("=")

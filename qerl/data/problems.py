@@ -9,11 +9,11 @@ import hashlib
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from qerl.rewards import extract_answer
+from qerl.data.example import Example
+from qerl.data.rewards import extract_answer
 
 __all__ = [
     "Example",
@@ -24,16 +24,6 @@ __all__ = [
     "build_prompt",
     "PromptSampler",
 ]
-
-
-@dataclass(frozen=True)
-class Example:
-    """One problem. `gold` is the bare final answer (e.g. "42", "\\frac{14}{3}"), `source` names its grader family."""
-
-    id: str
-    question: str
-    gold: str
-    source: str
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,7 +238,7 @@ def load_dataset(
     **task_kwargs: Any,
 ) -> list[Example]:
     """Load problems by name: "arithmetic" (generated, n defaults to 1000), or a table read by Hugging Face
-    `datasets` (see `qerl.tables`): a hub id (`config` and `split` as in `datasets.load_dataset`), a local
+    `datasets` (see `qerl.data.tables`): a hub id (`config` and `split` as in `datasets.load_dataset`), a local
     jsonl/json/parquet/csv file, or a folder of them. "gsm8k" / "math500" are short for their hub ids, or for the
     local copy at `path`. `question_field` / `answer_field` name the columns (default: the usual GSM8K / MATH
     names) and `answer_format` how the gold is written ("gsm8k" `#### 42`, "math" `\\boxed{}`, "plain"; "auto").
@@ -267,7 +257,7 @@ def load_dataset(
         return arithmetic_task(split, 1000 if n is None else n, seed=seed, strict=n is not None,
                                **task_kwargs)  # type: ignore[arg-type]
 
-    from qerl import tables
+    from qerl.data import tables
 
     name, config, answer_format = _resolve_table(name, path, config, answer_format)
     table = tables.open_table(name, config, split)
@@ -327,7 +317,7 @@ def fingerprint(source: Any, knobs: Any = None) -> dict[str, Any]:
                                 operators=knobs.operators, steps=knobs.steps)
         digest = hashlib.sha256(json.dumps([[e.id, e.question, e.gold] for e in examples]).encode()).hexdigest()
         return {"name": "arithmetic", "split": source.split, "rows": len(examples), "fingerprint": digest[:16]}
-    from qerl import tables
+    from qerl.data import tables
 
     name, config, _ = _resolve_table(source.name, source.path, source.config, source.answer_format)
     table = tables.open_table(name, config, source.split)

@@ -2,7 +2,7 @@
 when the KV cache for an oversized batch fails to allocate.
 
 A prompt is measured as the policy sees it: the question inside the chat template and system prompt, tokenized as
-`qerl.generate` tokenizes it. Too long is an error naming the example's file and line (the default, as vLLM rejects
+`qerl.rollout` tokenizes it. Too long is an error naming the example's file and line (the default, as vLLM rejects
 such a request), or, with `data.overlong_prompts: drop`, the example is left out and the count is logged (as TRL's
 `max_prompt_length` filters do).
 """
@@ -13,7 +13,7 @@ import logging
 import re
 from typing import Any, Literal, Sequence
 
-from qerl.data import Example, build_prompt
+from qerl.data.problems import Example, build_prompt
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qerl.rewards import extract_answer
+from qerl.data.example import Example
+from qerl.data.rewards import extract_answer
 
 if TYPE_CHECKING:  # the core imports `datasets` only when a table is actually read
     import datasets
-
-    from qerl.data import Example
 
 __all__ = ["ANSWER_FORMATS", "FILE_LOADERS", "open_table", "table_examples", "table_label"]
 
@@ -227,8 +226,6 @@ def table_examples(table: Any, label: str, question_field: str | None = None, an
                    answer_format: str = "auto", id_prefix: str | None = None) -> list[Example]:
     """Every row of `table` as an Example: ids `id_prefix:row` (default the label; rows count from 1), `source` the
     answer format. Errors name `label` and the row."""
-    from qerl.data import Example
-
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}")
     question_col = _column(table, label, question_field, "question_field", QUESTION_COLUMNS)

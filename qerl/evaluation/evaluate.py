@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from qerl import atomic
 from qerl.config import Settings
-from qerl.rollout import RolloutBackend, Sampling, make_backend
+from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
+from qerl.run import atomic
 
 if TYPE_CHECKING:
     from qerl.quant.checkpoint import QuantizeReport
@@ -43,7 +43,7 @@ class EvalResult:
 def perplexity(folder: str | Path, text: str, device: torch.device | str | None = None,
                max_tokens: int = 2048) -> float:
     """exp(mean next-token NLL) of `text` (first `max_tokens` tokens) under the model in `folder`."""
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = load_model(folder, device=device)
@@ -94,7 +94,8 @@ def evaluate(
     """Generate `num_samples` completions per example and score them against the gold answers.
 
     `backend` samples (default: `make_backend(model, tokenizer)`, the engine on CUDA, the reference on the CPU)."""
-    from qerl import data, grading
+    from qerl import grading
+    from qerl.data import problems as data
 
     timeouts = grading.stats()["timeouts"]
     system_prompt = system_prompt if system_prompt is not None else data.SYSTEM_PROMPT
@@ -148,7 +149,7 @@ def _summarize(records: list[dict], k: int, tokens: int, seconds: float) -> dict
 
 def eval_examples(settings: Settings, limit: int | None = None) -> list:
     """The evaluation split named by `settings.eval` (arithmetic knobs shared with `settings.data`)."""
-    from qerl import data
+    from qerl.data import problems as data
 
     return data.examples_for(settings.eval, knobs=settings.data, n=limit or settings.eval.n,
                              key="--limit" if limit else "eval.n")
@@ -160,9 +161,9 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
     """Load the policy (base + optional adapter) and evaluate it as `settings.eval` says; save if `out_dir`.
 
     Samples with `backend` (e.g. the trainer's), else with `settings.rollout.backend` built for the model."""
-    from qerl.data import SYSTEM_PROMPT
-    from qerl.prompt_length import fit_prompts, model_context
-    from qerl.runtime import load_policy, load_tokenizer_and_context
+    from qerl.data.problems import SYSTEM_PROMPT
+    from qerl.data.prompt_length import fit_prompts, model_context
+    from qerl.model.runtime import load_policy, load_tokenizer_and_context
 
     e = settings.eval
     examples = eval_examples(settings, limit)  # before the model: bad data fails in a second, not after a load

@@ -11,7 +11,10 @@ r"""Grading a model's answer against a gold answer: qerl's extraction, qerl's fa
      (`(p,q)=(3,2)`), equations of curves, sets vs inequalities, and whatever LaTeX qerl's parser does not read.
 
 The answer is right if step 2 or step 3 finds it equal. A completion whose grading misses the deadline (hostile text,
-an expression sympy cannot finish) is scored 0 and counted in `stats()["timeouts"]`.
+an expression sympy cannot finish) is scored 0 and counted in `stats()["timeouts"]`. This package owns the rule
+of what counts as the same answer; `qerl.data.rewards` and `qerl.evaluation` score with it.
+
+May import: qerl (its version only).
 """
 
 from __future__ import annotations

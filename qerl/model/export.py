@@ -24,13 +24,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from qerl import lora
-from qerl.atomic import atomic_dir, remove_killed_writes
-from qerl.loading import convert_gguf, quant_scheme, read_config, resolve_model
-from qerl.model import ModelConfig, Transformer
+from qerl.model import lora
+from qerl.model.loading import convert_gguf, quant_scheme, read_config, resolve_model
+from qerl.model.transformer import ModelConfig, Transformer
 from qerl.quant.checkpoint import quantize_checkpoint
 from qerl.quant.formats import SERVABLE_SCHEMES, get_codec
-from qerl.runlock import output_lock
+from qerl.run.atomic import atomic_dir, remove_killed_writes
+from qerl.run.lock import output_lock
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def _check_adapter_fits(source: Path, adapter: Path) -> None:
     """Load the adapter into the base's architecture built on the meta device: names and shapes are checked
     exactly as for the real model, with no weights read (a 32B base checks in a second)."""
     if source.is_file():  # a GGUF file: its config is in the file
-        from qerl.loading import read_gguf
+        from qerl.model.loading import read_gguf
 
         config = read_gguf(source)[0]
     else:
@@ -169,7 +169,7 @@ def _write_unmerged(source: Path, stored: str | None, adapter: Path, scheme: str
 
 
 def _write_merged(source: Path, adapter: Path, scheme: str, folder: Path) -> None:
-    from qerl.loading import load_model
+    from qerl.model.loading import load_model
     from qerl.quant.linear import QuantLinear, quantize_model
 
     model, tokenizer = load_model(source)

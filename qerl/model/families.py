@@ -1,4 +1,4 @@
-"""What each supported model family changes in the one decoder (`qerl.model`); everything not listed is Llama's.
+"""What each supported model family changes in the one decoder (`transformer.py`); everything not listed is Llama's.
 
 One `Family` per Hugging Face `model_type`: the decoder, the config reader and writer (`ModelConfig.from_hf` /
 `to_hf`) and LoRA's target names read their differences from here, so adding a family is one entry (plus tests).

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
-from qerl.model import GROUP_ATTR  # on the block module (Attention, MLP); a plain attribute, not a submodule
+from qerl.model.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
 from qerl.quant.linear import QuantLinear
+
+GROUP_ATTR = "projection_group"  # on the block module (Attention, MLP): its ProjectionGroup; a plain attribute
 
 __all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "signature", "sync", "GROUP_ATTR"]
 

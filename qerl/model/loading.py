@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qerl.atomic import atomic_dir
-from qerl.model import ModelConfig, Transformer
+from qerl.model.transformer import ModelConfig, Transformer
+from qerl.run.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
 

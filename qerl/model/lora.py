@@ -1,6 +1,6 @@
 """LoRA adapters on a frozen (possibly NVFP4) base: apply, disable, PEFT-format save/load, merged weights.
 
-Writing a merged model folder (`merge_and_export`) lives in qerl.export, next to the checkpoint writer it uses.
+Writing a merged model folder (`merge_and_export`) lives in qerl.model.export, next to the checkpoint writer it uses.
 
 Module names follow Hugging Face, so the PEFT key of a LoRA factor is just
 `base_model.model.<module name>.lora_A.weight`; adapters saved here load with `peft.PeftModel.from_pretrained`
@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from qerl.atomic import atomic_dir
 from qerl.config import LoraSettings  # the one LoRA settings type (also the params file's `lora` section)
+from qerl.run.atomic import atomic_dir
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -141,7 +141,7 @@ def _matches(name: str, targets: tuple[str, ...] | list[str]) -> bool:
 
 def resolve_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) -> list[str]:
     """target_modules in the model family's own module names, each once: Phi-3 stores q/k/v as one `qkv_proj` and
-    gate/up as one `gate_up_proj` (`qerl.families`), so there q_proj, k_proj and v_proj all mean qkv_proj, as in
+    gate/up as one `gate_up_proj` (`qerl.model.families`), so there q_proj, k_proj and v_proj all mean qkv_proj, as in
     PEFT adapters of Phi-3. Adapters are saved under the resolved names, which PEFT and vLLM look for."""
     family = getattr(getattr(model, "config", None), "family", None)
     aliases = getattr(family, "lora_target_aliases", {})

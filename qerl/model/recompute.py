@@ -20,7 +20,7 @@ GIB = 2**30
 
 def block_activation_bytes(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> int:
     """Bytes one block keeps alive for backward (saved tensors + its output) on this micro-batch, measured."""
-    from qerl.model import _positions_and_mask  # here: qerl.model imports nothing of this module
+    from qerl.model.transformer import _positions_and_mask  # here: transformer imports nothing of this module
 
     batch, seq = input_ids.shape
     was_training = decoder.training

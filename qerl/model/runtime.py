@@ -9,8 +9,8 @@ import time
 import numpy as np
 import torch
 
-from qerl import training_ops
 from qerl.config import ModelSettings, QuantSettings, Settings
+from qerl.model import training_ops
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def seed_everything(seed: int) -> None:
 
 def load_base_model(model: ModelSettings, quant: QuantSettings):
     """The frozen base: a pre-quantized folder if given, else the source checkpoint quantized in memory."""
-    from qerl.loading import load_model, resolve_model
+    from qerl.model.loading import load_model, resolve_model
     from qerl.quant import bnb
     from qerl.quant.linear import QuantLinear, quantize_model
 
@@ -60,7 +60,7 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
             m.gpu_layout = quant.gpu_layout  # fused projections (next) inherit it
     if device.type == "cuda":  # q/k/v and gate/up as one GEMM each (CPU runs keep their exact, measured numbers)
         net.fuse_projections()
-    # auto is planned per update by the trainer (qerl.recompute); until then nothing recomputes.
+    # auto is planned per update by the trainer (qerl.model.recompute); until then nothing recomputes.
     net.gradient_checkpointing = model.gradient_checkpointing if isinstance(model.gradient_checkpointing, bool) \
         else False
     training_ops.set_backend(model.training_kernels if device.type == "cuda" else "eager")
@@ -70,7 +70,7 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
 
 def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
     """The base's tokenizer and context length, read without its weights: enough to check prompts before the load."""
-    from qerl.loading import context_length, load_tokenizer, resolve_model
+    from qerl.model.loading import context_length, load_tokenizer, resolve_model
     from qerl.quant import bnb
 
     if quant.scheme == bnb.SCHEME:
@@ -81,7 +81,7 @@ def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
 
 def load_policy(settings: Settings, adapter: str | None = None):
     """The base model, plus the adapter in `adapter` (a PEFT folder) if given; without one, the bare base model."""
-    from qerl import lora
+    from qerl.model import lora
 
     if adapter:
         lora.read_adapter_config(adapter)  # a wrong adapter fails now, not after the model load

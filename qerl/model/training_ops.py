@@ -5,7 +5,7 @@ like Hugging Face's reference code, which our rollouts must match), and autograd
 Over a GRPO update of a 7B model that is ~2 s of pure memory traffic (the profile in BENCHMARKS.md, "aten::mul").
 
 Backends (`model.training_kernels`):
-* `eager`   the plain PyTorch ops of `qerl.model` (what the CPU always runs: its numbers stay exactly as they were);
+* `eager`   the plain PyTorch ops of `transformer.py` (what the CPU always runs: its numbers stay exactly as they were);
 * `liger`   Liger-kernel's fused Triton forward/backward kernels (`pip install liger-kernel`), the field's choice;
 * `compile` `torch.compile` of the eager functions themselves (inductor fuses each into one kernel per direction);
 * `auto`    on CUDA, liger where installed, else compile; eager off CUDA. Measured on the 7B update (H200,
@@ -15,7 +15,7 @@ Backends (`model.training_kernels`):
 Each fused backend computes the same function with the same roundings (fp32 statistics, a round to the activation
 dtype before RMSNorm's weight, RoPE in fp32); only fp32 summation order may differ, i.e. well under one bf16 ulp.
 They apply to CUDA tensors outside CUDA-graph capture (the rollout engine's decode graphs keep their own kernels,
-`qerl.fused_ops`), so prefill and the update run the same kernels and the CPU runs the reference ops.
+`qerl.model.fused_ops`), so prefill and the update run the same kernels and the CPU runs the reference ops.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """One decoder for the Llama, Qwen2/3, Mistral, Phi-3 and Gemma 3 families, with Hugging Face's module names.
 
 Parameter names match transformers' `*ForCausalLM` of each family exactly, so checkpoints load as a plain state
-dict and PEFT adapter keys line up; what each family changes is described once, in `qerl.families`. One forward
+dict and PEFT adapter keys line up; what each family changes is described once, in `qerl.model.families`. One forward
 serves training (no cache) and rollout (static KV cache): both compute the same numbers, which the policy-gradient
 ratio relies on.
 
 `Transformer.decode_step` is the one-token step of a rollout engine over caches the engine owns: the same blocks,
-with the Triton kernels of `qerl.fused_ops` where they run (`fused=True`). Each block calls its input projections
+with the Triton kernels of `qerl.model.fused_ops` where they run (`fused=True`). Each block calls its input projections
 through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA
-where the model is loaded) those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.fusion`); Phi-3
+where the model is loaded) those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.model.fusion`); Phi-3
 stores them stacked (`qkv_proj`, `gate_up_proj`), so it runs one GEMM each as loaded. Where a kernel's rounding is
 not the family's (Gemma's (1 + w) norms, GeGLU) the decode step runs those ops in plain PyTorch.
 """
@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from qerl import training_ops
-from qerl.families import FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types, unsupported
+from qerl.model import fusion, training_ops
+from qerl.model.families import FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types, unsupported
+from qerl.model.fusion import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
 
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-GROUP_ATTR = "projection_group"  # a block's fused q/k/v or gate/up (qerl.fusion.ProjectionGroup), when made
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str | None = None  # dtype the checkpoint was saved in
-    # Families past Llama/Qwen (qerl.families); the defaults are Llama's.
+    # Families past Llama/Qwen (qerl.model.families); the defaults are Llama's.
     hidden_act: str = "silu"  # MLP activation: SwiGLU ("silu") or GeGLU ("gelu_pytorch_tanh")
     sliding_window: int | None = None  # keys a sliding layer attends to (itself included); None = no sliding layer
     layer_types: list[str] | None = None  # per layer FULL or SLIDING attention; None = all full
@@ -172,7 +172,7 @@ class ModelConfig:
 
     @property
     def family(self) -> Family:
-        """What this architecture changes in the shared decoder (`qerl.families`)."""
+        """What this architecture changes in the shared decoder (`qerl.model.families`)."""
         return family(self.model_type)
 
     def is_sliding(self, layer: int) -> bool:
@@ -291,7 +291,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.unit_offset:  # Gemma's rounding: the training kernels (qerl.training_ops) norm as Llama does
+        if self.unit_offset:  # Gemma's rounding: the training kernels (qerl.model.training_ops) norm as Llama does
             xf = x.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -301,7 +301,7 @@ class RMSNorm(nn.Module):
         """(x + residual, norm(x + residual)) for [rows, dim]; fused: one kernel that adds into x in place (Llama's
         rounding only: a unit-offset norm takes the plain path)."""
         if fused and not self.unit_offset:
-            from qerl import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
+            from qerl.model import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
 
             return fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
         x = x if residual is None else x + residual
@@ -411,7 +411,7 @@ class Attention(nn.Module):
         window = mask.shape[-1]
         q, k, v = self.project_qkv(h, fused)
         if fused:
-            from qerl import fused_ops
+            from qerl.model import fused_ops
 
             norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
             if self.qk_norm and self.q_norm.unit_offset:  # the kernel norms as Llama rounds: Gemma's q/k norm here
@@ -472,14 +472,14 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
         if self.act is F.silu:
-            return self.down_proj(training_ops.silu_mul(gate, up))  # one kernel on CUDA (qerl.training_ops)
+            return self.down_proj(training_ops.silu_mul(gate, up))  # one kernel on CUDA (qerl.model.training_ops)
         return self.down_proj(self.act(gate) * up)
 
     def decode_step(self, h: Tensor, fused: bool = False) -> Tensor:
         """forward for [rows, hidden]; fused: SiLU(gate) * up in one kernel (GeGLU: the plain ops, no kernel)."""
         gate, up = self.gate_up(h, fused)
         if fused and self.act is F.silu:
-            from qerl import fused_ops
+            from qerl.model import fused_ops
 
             act = fused_ops.fused_silu_mul(gate, up)
         else:
@@ -708,10 +708,8 @@ class Transformer(nn.Module):
         self.model.gradient_checkpointing = enabled
 
     def fuse_projections(self) -> int:
-        """Compute each block's q/k/v and gate/up as one GEMM each (weights concatenated once; `qerl.fusion`);
+        """Compute each block's q/k/v and gate/up as one GEMM each (weights concatenated once; `qerl.model.fusion`);
         returns how many groups were fused. Module names, state dict and adapters are unchanged."""
-        from qerl import fusion
-
         return fusion.fuse_projections(self)
 
     def sync_projections(self) -> tuple[int, ...]:
@@ -719,8 +717,6 @@ class Transformer(nn.Module):
         `decode_step`: the graphs read copies of the LoRA factors); returns the addresses those graphs read."""
         if not any(GROUP_ATTR in m.__dict__ for m in self.modules()):
             return ()
-        from qerl import fusion
-
         return fusion.sync(self)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
@@ -757,7 +753,7 @@ class Transformer(nn.Module):
     def fused_decode_supported(self) -> bool:
         """Whether `decode_step(fused=True)` can run here: the Triton kernels run on the model's device (CUDA, or
         the CPU interpreter) and the RoPE kernel's block, head_dim / 2, is a power of two."""
-        from qerl import fused_ops
+        from qerl.model import fused_ops
 
         half = self.config.head_dim // 2
         return self.config.head_dim % 2 == 0 and half & (half - 1) == 0 \

@@ -2,6 +2,9 @@
 
 ``qerl.quant.nvfp4`` / ``mxfp4`` / ``nf4`` own the byte layouts; ``formats.get_codec`` puts them behind one
 interface; ``linear.QuantLinear`` computes with them; ``checkpoint.quantize_checkpoint`` writes folders.
+This package owns the bytes of a quantized weight; ``bnb`` holds QLoRA's base through bitsandbytes.
+
+May import: qerl.errors, qerl.run, kernels.
 """
 
 from qerl.quant.formats import SCHEMES, Codec, get_codec

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from qerl.atomic import atomic_dir, remove_killed_writes
 from qerl.quant.formats import Codec, get_codec, scheme_for_compressed_tensors
 from qerl.quant.linear import DECODER_LINEAR_PATTERN, fused_group_key
-from qerl.runlock import output_lock
+from qerl.run.atomic import atomic_dir, remove_killed_writes
+from qerl.run.lock import output_lock
 
 __all__ = ["quantize_checkpoint", "QuantizeReport", "quantization_config", "scheme_from_config",
            "is_quantizable_weight", "COMPRESSED_TENSORS_VERSION"]

@@ -1,34 +1,98 @@
 """How `Trainer.train` runs the phases of its loop: `Phases` calls each one directly (the `qerl train` command line);
 an orchestrator subclasses it to wrap each phase (the Prefect training flow runs each as a task) while the loop itself,
-its DAPO resampling rounds, its checkpoints and its evaluation points, stays the trainer's.
+its DAPO resampling rounds, its checkpoints and its evaluation points, stays the trainer's. What passes between the
+phases is a `RolloutBatch`; what they call is a `Loop` (the trainer is one), so this module needs nothing of it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from qerl.trainer import RolloutBatch, Trainer
+import torch
+from torch import Tensor
+
+from qerl.data.example import Example
+from qerl.rollout.generate import Rollout
+
+
+@dataclass
+class RolloutBatch:
+    """One step's samples: `group_size` completions per example, flattened group by group, and what the trainer
+    adds to the sampler's `Rollout`: the AQN noise they were drawn under, their scores and timings."""
+
+    examples: list[Example]
+    group_size: int
+    samples: Rollout  # one row per completion: `group_size` rows per example, in order
+    sigma: float
+    noise_seed: int
+    seconds: float
+    rewards: Tensor | None = None
+    accuracy: Tensor | None = None
+    score_seconds: float = 0.0
+    grader_timeouts: int = 0  # completions scored 0 because grading missed its deadline (qerl.grading)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples.texts)
+
+    def select_groups(self, keep: list[int]) -> "RolloutBatch":
+        """The batch restricted to the groups (examples) at indices `keep`."""
+        rows = [i * self.group_size + j for i in keep for j in range(self.group_size)]
+        return replace(
+            self, examples=[self.examples[i] for i in keep], samples=self.samples.select(rows),
+            rewards=None if self.rewards is None else self.rewards[rows],
+            accuracy=None if self.accuracy is None else self.accuracy[rows], extra=dict(self.extra))
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """The batches one after the other; sigma and noise seed are the first's, times are summed, extras dropped."""
+        first = batches[0]
+        return RolloutBatch(
+            examples=[ex for b in batches for ex in b.examples], group_size=first.group_size,
+            samples=Rollout.concat([b.samples for b in batches]), sigma=first.sigma, noise_seed=first.noise_seed,
+            seconds=sum(b.seconds for b in batches),
+            rewards=torch.cat([b.rewards for b in batches]) if first.rewards is not None else None,
+            accuracy=torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
+            score_seconds=sum(b.score_seconds for b in batches),
+            grader_timeouts=sum(b.grader_timeouts for b in batches))
+
+
+class Loop(Protocol):
+    """What the phases call: the trainer's phase methods and its run folder."""
+
+    out: Path
+
+    def rollout(self, examples: list[Example] | None = None, round_: int = 0) -> RolloutBatch: ...
+
+    def score(self, batch: RolloutBatch) -> RolloutBatch: ...
+
+    def finish_step(self, batch: RolloutBatch) -> dict[str, float]: ...
+
+    def export_adapter(self, out_dir: str | Path) -> Path: ...
+
+    def write_plots(self) -> list[Path]: ...
+
 
 
 class Phases:
-    def rollout(self, trainer: Trainer, round_: int) -> RolloutBatch:
+    def rollout(self, trainer: Loop, round_: int) -> RolloutBatch:
         """Sample the step's completions (`round_` > 0: a DAPO resampling round of the same step)."""
         return trainer.rollout(round_=round_)
 
-    def score(self, trainer: Trainer, batch: RolloutBatch) -> RolloutBatch:
+    def score(self, trainer: Loop, batch: RolloutBatch) -> RolloutBatch:
         return trainer.score(batch)
 
-    def finish_step(self, trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
+    def finish_step(self, trainer: Loop, batch: RolloutBatch) -> dict[str, float]:
         """The update, the step's metrics and its checkpoint when due."""
         return trainer.finish_step(batch)
 
-    def evaluate(self, trainer: Trainer) -> None:
+    def evaluate(self, trainer: Loop) -> None:
         """An evaluation due after this step (every `train.eval_every` steps, the run's last step excepted: what
         follows training evaluates that one). None here: the command line trains only; the flows evaluate."""
 
-    def export(self, trainer: Trainer) -> Path:
+    def export(self, trainer: Loop) -> Path:
         """The run's outputs once the loop is done (rank 0 only): the final adapter folder and the plots."""
         adapter = trainer.export_adapter(trainer.out / "adapter")
         trainer.write_plots()

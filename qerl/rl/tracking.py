@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from qerl import atomic
 from qerl.errors import naming_a_full_disk
+from qerl.run import atomic
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import resource
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,69 +25,30 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qerl import atomic
-from qerl import (checkpoints, data, distributed, grading, grpo, lora, recompute, rewards, runfolder, safestate,
-                  training_ops)
-from qerl.aqn import build_schedule
+from qerl import grading
 from qerl.config import Settings
+from qerl.data import problems as data
+from qerl.data import rewards
+from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
-from qerl.generate import Rollout
-from qerl.manifest import write_manifest
-from qerl.phases import Phases
-from qerl.prompt_length import fit_prompts, model_context
+from qerl.model import lora, recompute, training_ops
+from qerl.model.aqn import build_schedule
+from qerl.model.runtime import load_base_model, load_tokenizer_and_context, seed_everything
 from qerl.quant.linear import update_precision
-from qerl.rollout import RolloutBackend, Sampling, make_backend
-from qerl.runlock import run_folder_lock
-from qerl.runtime import load_base_model, load_tokenizer_and_context, seed_everything
-from qerl.tracking import JsonlWriter, NullTracker, Tracker, log_step
+from qerl.rl import distributed, grpo
+from qerl.rl.phases import Phases, RolloutBatch
+from qerl.rl.tracking import JsonlWriter, NullTracker, Tracker, log_step
+from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
+from qerl.run import atomic, checkpoints, safestate
+from qerl.run import folder as runfolder
+from qerl.run.lock import run_folder_lock
+from qerl.run.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"  # the trainer state's structure and plain values (qerl.safestate)
+STATE_FILE = "trainer_state.json"  # the trainer state's structure and plain values (qerl.run.safestate)
 STATE_TENSORS = "trainer_state.safetensors"  # its tensors
-
-
-@dataclass
-class RolloutBatch:
-    """One step's samples: `group_size` completions per example, flattened group by group, and what the trainer
-    adds to the sampler's `Rollout`: the AQN noise they were drawn under, their scores and timings."""
-
-    examples: list[data.Example]
-    group_size: int
-    samples: Rollout  # one row per completion: `group_size` rows per example, in order
-    sigma: float
-    noise_seed: int
-    seconds: float
-    rewards: Tensor | None = None
-    accuracy: Tensor | None = None
-    score_seconds: float = 0.0
-    grader_timeouts: int = 0  # completions scored 0 because grading missed its deadline (qerl.grading)
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.samples.texts)
-
-    def select_groups(self, keep: list[int]) -> "RolloutBatch":
-        """The batch restricted to the groups (examples) at indices `keep`."""
-        rows = [i * self.group_size + j for i in keep for j in range(self.group_size)]
-        return replace(
-            self, examples=[self.examples[i] for i in keep], samples=self.samples.select(rows),
-            rewards=None if self.rewards is None else self.rewards[rows],
-            accuracy=None if self.accuracy is None else self.accuracy[rows], extra=dict(self.extra))
-
-    @staticmethod
-    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
-        """The batches one after the other; sigma and noise seed are the first's, times are summed, extras dropped."""
-        first = batches[0]
-        return RolloutBatch(
-            examples=[ex for b in batches for ex in b.examples], group_size=first.group_size,
-            samples=Rollout.concat([b.samples for b in batches]), sigma=first.sigma, noise_seed=first.noise_seed,
-            seconds=sum(b.seconds for b in batches),
-            rewards=torch.cat([b.rewards for b in batches]) if first.rewards is not None else None,
-            accuracy=torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
-            score_seconds=sum(b.score_seconds for b in batches),
-            grader_timeouts=sum(b.grader_timeouts for b in batches))
 
 
 @dataclass
@@ -561,7 +522,7 @@ class Trainer:
             log.info("step %d/%d %s", metrics["step"], self.settings.train.steps, shown)
 
     def write_plots(self) -> list[Path]:
-        from qerl.plots import plot_training_curves
+        from qerl.rl.plots import plot_training_curves
 
         with naming_a_full_disk(self.out):
             return plot_training_curves(self.metrics_log.read(), self.out)
@@ -629,7 +590,7 @@ class Trainer:
     def read_checkpoint(path: Path) -> dict[str, Any]:
         """A checkpoint's trainer state, its adapter file checked readable; raises `CheckpointCorrupt` naming the
         file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched. Nothing in the files is
-        executed: JSON and safetensors (`qerl.safestate`), or an older qerl's pickle read by
+        executed: JSON and safetensors (`qerl.run.safestate`), or an older qerl's pickle read by
         `checkpoints.read_pickled_state`, which refuses anything but tensors, numbers and arrays."""
         from safetensors import safe_open
 

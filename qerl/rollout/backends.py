@@ -7,11 +7,11 @@ model and used by everything that samples from the policy:
     with backend.sync(sigma, noise_seed):      # before a step: the current LoRA, plus this step's AQN noise
         out = backend.generate(prompts, Sampling(max_new_tokens=256, temperature=1.0, seed=0))
 
-Both backends return a `qerl.generate.Rollout` and read the model's own tensors, so syncing LoRA copies nothing (the
+Both backends return a `generate.Rollout` and read the model's own tensors, so syncing LoRA copies nothing (the
 optimizer steps the factors in place; the engine re-captures its graphs if a tensor moved), and AQN noise is
 written into the RMSNorm weights in place for the block and removed bit-exactly after it.
 
-* `ReferenceBackend`: `qerl.generate.generate`, the exact oracle (any device, no graphs).
+* `ReferenceBackend`: `qerl.rollout.generate.generate`, the exact oracle (any device, no graphs).
 * `EngineBackend`: the model's `RolloutEngine` (static KV cache kept across calls, CUDA graphs, compaction).
   Trainer and evaluation on one model share its engine (`engine_for`), so they share its graphs and cache.
 
@@ -30,8 +30,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from qerl.aqn import NoiseInjector
-from qerl.generate import Rollout, generate
+from qerl.model.aqn import NoiseInjector
+from qerl.rollout.generate import Rollout, generate
 
 __all__ = ["Sampling", "RolloutBackend", "ReferenceBackend", "EngineBackend", "make_backend", "BACKENDS"]
 
@@ -40,7 +40,7 @@ BACKENDS = ("auto", "engine", "reference")
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to sample (the keyword arguments of `qerl.generate.generate`); temperature 0 is greedy."""
+    """How to sample (the keyword arguments of `qerl.rollout.generate.generate`); temperature 0 is greedy."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -103,7 +103,7 @@ class RolloutBackend:
 
 
 class ReferenceBackend(RolloutBackend):
-    """`qerl.generate.generate`: the simple, exact sampler every other backend is tested against."""
+    """`qerl.rollout.generate.generate`: the simple, exact sampler every other backend is tested against."""
 
     name = "reference"
 
@@ -112,12 +112,12 @@ class ReferenceBackend(RolloutBackend):
 
 
 class EngineBackend(RolloutBackend):
-    """The model's `qerl.engine.RolloutEngine` (one per model, kept across calls and shared with other backends)."""
+    """The model's `engine.RolloutEngine` (one per model, kept across calls and shared with other backends)."""
 
     name = "engine"
 
     def __init__(self, model: nn.Module, tokenizer: Any, **engine_kwargs):
-        from qerl.engine import engine_for
+        from qerl.rollout.engine import engine_for
 
         super().__init__(model, tokenizer)
         self.engine = engine_for(model, **engine_kwargs)

@@ -1,6 +1,6 @@
 """Fast rollout engine: static KV cache, CUDA-graph decode steps, sampling on the GPU, compaction of finished rows.
 
-Same contract as `qerl.generate.generate` (a `Rollout`; log-probs = log_softmax(logits / T) of the sampled token;
+Same contract as `generate.generate` (a `Rollout`; log-probs = log_softmax(logits / T) of the sampled token;
 stop reasons eos/stop/length), built like gpt-fast:
 
 * One static KV cache per layer, [rows, kv_heads, slots, head_dim], owned by the engine and kept across calls, so
@@ -9,21 +9,21 @@ stop reasons eos/stop/length), built like gpt-fast:
   (batch bucket, KV window): attention reads only the first `window` slots that can hold tokens yet, not the
   whole cache, so early steps of a long rollout do not pay for its end.
 * The decode step (`fused=True`) is the model's own `Transformer.decode_step` over the engine's caches: with the
-  fused Triton kernels of `qerl.fused_ops` (residual-add + RMSNorm, RoPE + KV write, SiLU*up) and LoRA as
+  fused Triton kernels of `qerl.model.fused_ops` (residual-add + RMSNorm, RoPE + KV write, SiLU*up) and LoRA as
   `base(x)` then one `addmm_` where they run. That takes a layer from ~75 kernels to ~30; in a graph each tiny
   kernel still costs a few µs, which at decode sizes is the same order as reading the (NVFP4) weights. Off CUDA
   it runs the plain PyTorch ops, so CPU runs compute what `Transformer.forward` computes. `fused=False` graphs
   `Transformer.forward` itself (the reference). The engine never reaches into attention, MLP or LoRA: it owns
   the caches, which rows and slots are live, graph capture and compaction.
-* Sampling (`qerl.generate.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization per
+* Sampling (`qerl.rollout.generate.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization per
   token. Every `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows
   to the front of a smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
 * Graphs read LoRA factors, RMSNorm weights (AQN writes noise into them in place) and quantized buffers by
   address: optimizer steps and `NoiseInjector` are in place, so graphs stay valid across RL steps. If any
   parameter or buffer moved (e.g. `adapters_disabled` swaps `.data`, a reload), the graphs are recaptured.
 
-`qerl.rollout.EngineBackend` drives it for the trainer and evaluation (`generate_fast` keeps one per model). The KV cache stays
-allocated between calls (vLLM-style): call `free()` / `release_engine(model)` to hand its memory back.
+`backends.EngineBackend` drives it for the trainer and evaluation (`generate_fast` keeps one per model). The KV cache
+stays allocated between calls (vLLM-style): call `free()` / `release_engine(model)` to hand its memory back.
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from qerl.generate import (Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids,
+from qerl.model import fusion
+from qerl.model.lora import LoraLinear
+from qerl.model.transformer import Transformer
+from qerl.rollout.generate import (Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids,
                            distinct_rows, sample_tokens)
-from qerl import fusion
-from qerl.lora import LoraLinear
-from qerl.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ _ENGINE_ATTR = "_qerl_rollout_engine"
 
 
 class _EngineCache(nn.Module):
-    """One layer's engine-owned KV cache, duck-typed as `qerl.model.KVCache` for the model's own forward.
+    """One layer's engine-owned KV cache, duck-typed as `qerl.model.transformer.KVCache` for the model's own forward.
 
     `window` caps the slots attention reads (the model takes the key length from `k_cache.shape[2]`); `row0`
     offsets the rows a row-chunked prefill writes.
@@ -107,7 +107,7 @@ class RolloutEngine:
                  check_every: int = 16, window: int = 256, min_bucket: int | None = None,
                  prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0):
         if not isinstance(model, Transformer):
-            raise TypeError(f"RolloutEngine needs a qerl.model.Transformer, got {type(model).__name__}")
+            raise TypeError(f"RolloutEngine needs a qerl.model.transformer.Transformer, got {type(model).__name__}")
         if check_every < 1 or window < 1:
             raise ValueError("check_every and window must be >= 1")
         self.model = model
@@ -277,7 +277,7 @@ class RolloutEngine:
     def _prefill_once_per_prompt(self, ids: Tensor, valid: Tensor, rows: int, prompt_len: int) -> None:
         """Prefill each distinct row of `ids` once and copy its cache rows and logits to the rows that repeat it:
         GRPO samples every prompt group_size times (1/group_size of the prefill; what vLLM's prefix cache does for a
-        group; as qerl.generate.prefill_once_per_prompt, which the reference sampler runs). Padding rows (filler)
+        group; as generate.prefill_once_per_prompt, which the reference sampler runs). Padding rows (filler)
         are one more distinct row. self.valid[:rows] is `valid` afterwards."""
         unique, inverse = distinct_rows(ids)
         if len(unique) == rows:
@@ -328,7 +328,7 @@ class RolloutEngine:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
-        """As `qerl.generate.generate(model, tokenizer, ...)`, on this engine's model."""
+        """As `qerl.rollout.generate.generate(model, tokenizer, ...)`, on this engine's model."""
         stop_strings = check_sampling_args(max_new_tokens, temperature, top_p, top_k, stop_strings, tokenizer,
                                            seed, generator)
 
@@ -489,7 +489,7 @@ def generate_fast(model: Any, tokenizer: Any, prompts: list[str] | list[list[int
                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
                   eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                   generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
-    """`qerl.generate.generate` on the model's `RolloutEngine` (graphs and KV cache kept between calls)."""
+    """`qerl.rollout.generate.generate` on the model's `RolloutEngine` (graphs and KV cache kept between calls)."""
     return engine_for(model).generate(tokenizer, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, stop_strings=stop_strings, eos_token_ids=eos_token_ids, seed=seed,
                                       generator=generator, progress=progress)

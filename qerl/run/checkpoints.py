@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from qerl.manifest import MANIFEST, ManifestMismatch, has_manifest, verify_manifest
+from qerl.run.manifest import MANIFEST, ManifestMismatch, has_manifest, verify_manifest
 
 log = logging.getLogger(__name__)
 

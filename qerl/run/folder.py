@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qerl import atomic
+from qerl.run import atomic
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ FIXED_ON_RESUME = ("model.path", "quant.scheme", "lora.rank", "lora.alpha", "lor
 
 def remove_killed_writes(folder: Path) -> None:
     """Delete the temp files and folders that killed writes of the run's outputs left (the final adapter export, the
-    metrics rewrite, ...). Call only while holding the run's lock. Checkpoints sweep their own (`qerl.checkpoints`)."""
+    metrics rewrite, ...). Call only while holding the run's lock. Checkpoints sweep their own (`checkpoints`)."""
     for name in OUTPUTS:
         atomic.remove_killed_writes(folder / name)
 

@@ -14,8 +14,10 @@ import socket
 import time
 from pathlib import Path
 
+from qerl.errors import BadInput
 
-class FolderLocked(RuntimeError):
+
+class FolderLocked(BadInput, RuntimeError):
     """Another process holds the lock; the message names it (PID and host) in one line."""
 
 
