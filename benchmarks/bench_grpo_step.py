@@ -92,7 +92,7 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer) as trainer:
             trainer.train()
             r["kv_gib"] = trainer.rollout_backend.engine.memory_bytes() / GIB
-            rows = trainer.metrics_log.read()
+            rows = trainer.run.metrics.read()
             trainer.rollout_backend.free()
     first, last = rows[0], rows[-1]
     r.update(steps=steps, rollout_s=last["seconds_rollout"], update_s=last["seconds_update"],

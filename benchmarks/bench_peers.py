@@ -147,7 +147,7 @@ def qerl_arm(args, scheme: str, extra: tuple[str, ...] = ()) -> dict:
                 times.append(time.perf_counter() - t0)
                 cpu.append(_cpu_seconds() - c0)
                 _reached(args, steps_done=len(times), step_s=[round(t, 2) for t in times])
-            rows = trainer.metrics_log.read()
+            rows = trainer.run.metrics.read()
     last = rows[-1]
     return {"times": times, "cpu": cpu, "generate_s": last["seconds_rollout"], "update_s": last["seconds_update"],
             "reward_mean": [r["reward_mean"] for r in rows]}

@@ -37,7 +37,7 @@ from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quant
 from flows.workers import CLAIM, claimed_runs, slot_environments, supervise
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.report import RunRecord, write_report
-from qerl.rl.tracking import JsonlWriter
+from qerl.run.metrics import MetricsLog
 
 __all__ = ["ARMS", "DEFAULT_ARMS", "parse_arm", "compare", "plan_runs", "work"]
 DONE = "result.json"  # written last: a run folder without it is unfinished (never started, or crashed)
@@ -94,7 +94,7 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _record(run_dir: Path, result: dict) -> RunRecord:
-    return RunRecord(result["arm"], result["seed"], JsonlWriter(run_dir / "metrics.jsonl").read(), result["eval"])
+    return RunRecord(result["arm"], result["seed"], MetricsLog(run_dir / "metrics.jsonl").read(), result["eval"])
 
 
 @flow(name="qerl-compare-run", flow_run_name="{arm}-seed{seed}", log_prints=True)

@@ -24,8 +24,9 @@ from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.evaluate import eval_examples
 from qerl.rl.phases import Phases
 from qerl.rl.plots import REWARD_CURVE, TRAINING_CURVES
-from qerl.rl.tracking import JsonlWriter, log_step
+from qerl.rl.tracking import log_step
 from qerl.run.lock import FolderLock, run_folder_lock
+from qerl.run.metrics import MetricsLog
 from tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
                    score_rewards, torchrun_train)
 from tasks.quantize import is_complete
@@ -152,7 +153,7 @@ def train_over_processes(settings: Settings, params: str, overrides: list[str], 
                                  "final one", settings.train.eval_every, nproc)
     torchrun_train(nproc, qerl_train_args(settings, params, overrides, out_dir, max_steps, resume, overwrite))
     out = Path(out_dir)
-    records = JsonlWriter(out / "metrics.jsonl").read()
+    records = MetricsLog(out / "metrics.jsonl").read()
     tracker.log_params(settings.to_flat_dict())
     for record in records:
         log_step(tracker, record)

@@ -10,7 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
+from qerl.run.checkpoints import NoIntactCheckpoint
+from qerl.run.folder import RunFolder
 from qerl.run.lock import FolderLocked, run_folder_lock
 from tests.patience import patience
 from tests.processes import kill_9
@@ -148,3 +152,64 @@ def test_qerl_train_refuses_a_previous_run_in_one_line_before_loading_anything(f
                                         "pass --resume to continue it, --overwrite to replace it (its outputs are "
                                         "deleted), or choose another --out"]
     assert time.perf_counter() - start < 60
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run folder on its own: what the trainer hands it and gets back, without a model.
+# ---------------------------------------------------------------------------------------------------------------------
+
+SETTINGS = {"model": {"path": "m"}, "optim": {"lr": 0.1}}
+
+
+def state(step: int) -> dict:
+    return {"step": step, "weights": torch.full((3,), float(step)), "rng": (1, 2.5, None)}
+
+
+def beside(folder: Path) -> None:  # what a trainer writes into a checkpoint next to its state (an adapter)
+    (folder / "adapter").mkdir()
+    save_file({"w": torch.ones(2)}, str(folder / "adapter" / "w.safetensors"))
+
+
+def test_the_run_folder_keeps_states_and_hands_back_the_newest(tmp_path):
+    run = tmp_path / "run"
+    with RunFolder(run) as folder:
+        assert (run / ".qerl.lock").exists()
+        assert folder.checkpoint_to_resume(SETTINGS) is None  # a fresh start
+        for step in (1, 2, 3):
+            folder.metrics.write({"step": step})
+            folder.save_checkpoint({**state(step), "settings": SETTINGS}, beside)
+        folder.metrics.write({"step": 4})  # a step past the last checkpoint, lost with a kill
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]  # keep=2
+    assert not (run / ".qerl.lock").exists()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        RunFolder(run)
+    assert not (run / ".qerl.lock").exists()  # a refused start lets go of the folder
+    with RunFolder(run, resume=True) as folder:
+        resumed = folder.checkpoint_to_resume(SETTINGS, required=("weights",))
+        assert resumed.step == 3 and resumed.path == run / "checkpoints" / "step-000003"
+        assert torch.equal(resumed.state["weights"], torch.full((3,), 3.0)) and resumed.state["rng"] == (1, 2.5, None)
+        assert (resumed.path / "adapter" / "w.safetensors").is_file()
+        assert [r["step"] for r in folder.metrics.read()] == [1, 2, 3]  # cut back to the checkpoint
+
+
+def test_the_run_folder_refuses_a_state_without_what_the_trainer_needs_and_other_fixed_settings(tmp_path):
+    run = tmp_path / "run"
+    with RunFolder(run) as folder:
+        folder.save_checkpoint({**state(1), "settings": SETTINGS})
+    with RunFolder(run, resume=True) as folder, pytest.raises(NoIntactCheckpoint, match="lacks optimizer"):
+        folder.checkpoint_to_resume(SETTINGS, required=("optimizer",))
+    other = {**SETTINGS, "model": {"path": "another"}}
+    with RunFolder(run, resume=True) as folder, pytest.raises(ValueError, match="other model.path"):
+        folder.checkpoint_to_resume(other)
+
+
+def test_only_the_main_rank_locks_or_writes(tmp_path):
+    run = tmp_path / "run"
+    with RunFolder(run) as folder:
+        folder.metrics.write({"step": 1})
+        folder.save_checkpoint(state(1))
+        folder.metrics.write({"step": 2})
+        with RunFolder(run, resume=True, main=False) as other:  # another rank of the same job: no lock, no rules
+            assert other.lock is None and other.checkpoint_to_resume(SETTINGS).step == 1
+            other.write_params("x: 1\n")
+        assert [r["step"] for r in folder.metrics.read()] == [1, 2] and not (run / "params.yaml").exists()

@@ -97,7 +97,7 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_naming_the_file(fini
     (run / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:32])
     err = finish_here(run, "--resume")
     warned = [line for line in err.splitlines() if "cut short" in line]
-    assert len(warned) == 1 and warned[0].startswith(f"WARNING qerl.rl.tracking: {run / 'metrics.jsonl'}: dropped its "
+    assert len(warned) == 1 and warned[0].startswith(f"WARNING qerl.run.metrics: {run / 'metrics.jsonl'}: dropped its "
                                                      "last line, cut short by a write that was killed or ran out of "
                                                      "disk space ("), err
     assert steps(run) == [1, 2, 3, 4]

@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import qerl.model.lora
     import qerl.rl.trainer
+    import qerl.run.folder
     from qerl.errors import report
     from tests.test_trainer import make_trainer, tiny_settings
 
     if args.stall_at_checkpoint is not None:
-        write_manifest = qerl.rl.trainer.write_manifest
+        write_manifest = qerl.run.folder.write_manifest
 
         def stalling(folder: Path):
             if Path(folder).name.startswith(f".tmp-step-{args.stall_at_checkpoint:06d}-"):
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(600)
             return write_manifest(folder)
 
-        qerl.rl.trainer.write_manifest = stalling
+        qerl.run.folder.write_manifest = stalling
     if args.stall_at_export:
         save_file = qerl.model.lora.save_file
 

@@ -3,15 +3,8 @@ the pipeline shell (flows/), so the core runs where MLflow is not installed."""
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 from typing import Any, Protocol
-
-from qerl.errors import naming_a_full_disk
-from qerl.run import atomic
-
-log = logging.getLogger(__name__)
 
 
 class Tracker(Protocol):
@@ -28,7 +21,7 @@ def log_step(tracker: Tracker, metrics: dict[str, Any]) -> None:
 
 
 class NullTracker:
-    """Logs nothing (the trainer still writes metrics.jsonl itself)."""
+    """Logs nothing (the run folder still keeps metrics.jsonl: `qerl.run.metrics`)."""
 
     def log_params(self, params: dict[str, Any]) -> None:
         pass
@@ -38,40 +31,3 @@ class NullTracker:
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         pass
-
-
-class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a killed run keeps every finished step."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        with naming_a_full_disk(self.path), self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def read(self) -> list[dict[str, Any]]:
-        """The records; a last line cut short (a write killed, or out of disk space) is dropped with a warning."""
-        if not self.path.exists():
-            return []
-        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-        records = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError as e:
-                if number == len(lines):
-                    log.warning("%s: dropped its last line, cut short by a write that was killed or ran out of disk "
-                                "space (%r)", self.path, line[:60])
-                    break
-                raise ValueError(f"{self.path}:{number}: not a JSON record ({e})") from None
-        return records
-
-    def truncate_after(self, step: int) -> None:
-        """Drop records past `step` (a resumed run rewrites the steps after its checkpoint)."""
-        kept = [r for r in self.read() if r.get("step", 0) <= step]
-        with naming_a_full_disk(self.path):
-            atomic.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

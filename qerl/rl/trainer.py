@@ -10,16 +10,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import platform
 import random
 import resource
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,18 +34,13 @@ from qerl.model.runtime import load_base_model, load_tokenizer_and_context, seed
 from qerl.quant.linear import update_precision
 from qerl.rl import distributed, grpo
 from qerl.rl.phases import Phases, RolloutBatch
-from qerl.rl.tracking import JsonlWriter, NullTracker, Tracker, log_step
+from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
-from qerl.run import atomic, checkpoints, safestate
-from qerl.run import folder as runfolder
-from qerl.run.lock import run_folder_lock
-from qerl.run.manifest import write_manifest
+from qerl.run.folder import Checkpoint, RunFolder
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"  # the trainer state's structure and plain values (qerl.run.safestate)
-STATE_TENSORS = "trainer_state.safetensors"  # its tensors
+STATE_KEYS = ("step", "optimizer", "scheduler", "sampler", "rng")  # what a checkpoint's state must hold
 
 
 @dataclass
@@ -113,29 +105,26 @@ class Trainer:
 
     `train()` runs the whole loop; `rollout()`, `score()`, `finish_step()` are its phases, and a `Phases` passed to
     `train()` decides how each is called (the Prefect flow runs each as a task).
-    State lives in `out_dir`: params.yaml, metrics.jsonl, checkpoints/, adapter/.
-    The trainer holds an exclusive lock on `out_dir` from construction until `close()` (or the end of a `with`
-    block, or the process): a second trainer on the same folder fails at once.
+    Its run folder (`qerl.run.folder.RunFolder`, opened on `out_dir`) keeps the state: the trainer asks it for the
+    checkpoint to resume and hands it the states to save. The folder is locked from construction until `close()`
+    (or the end of a `with` block, or the process): a second trainer on the same folder fails at once.
     """
 
     def __init__(self, settings: Settings, out_dir: str | Path, tracker: Tracker | None = None, resume: bool = False,
                  model=None, tokenizer=None, progress: bool = True, overwrite: bool = False,
                  rollout_backend: RolloutBackend | None = None):
-        self.out = Path(out_dir)
-        # Locked before anything looks at the folder, so two racing trainers cannot both find it free. Under
-        # torchrun, rank 0 holds it for the whole job (the other ranks write nothing there).
-        main = distributed.current().is_main
-        self.lock = run_folder_lock(self.out).acquire() if main else None
+        # Under torchrun, rank 0 holds the folder for the whole job (the other ranks write nothing there).
+        self.run = RunFolder(out_dir, resume=resume, overwrite=overwrite, main=distributed.current().is_main)
+        self.out = self.run.path
         try:
-            self._start(settings, tracker, resume, overwrite, model, tokenizer, progress, rollout_backend)
+            self._start(settings, tracker, model, tokenizer, progress, rollout_backend)
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
         """Release the run folder (idempotent)."""
-        if self.lock is not None:
-            self.lock.release()
+        self.run.close()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -143,18 +132,12 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, settings: Settings, tracker: Tracker | None, resume: bool, overwrite: bool, model, tokenizer,
-               progress: bool, rollout_backend: RolloutBackend | None) -> None:
+    def _start(self, settings: Settings, tracker: Tracker | None, model, tokenizer, progress: bool,
+               rollout_backend: RolloutBackend | None) -> None:
         self.settings = s = settings
         self.tracker = tracker or NullTracker()
         self.progress = progress
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
-        if self.dist.is_main:
-            # We hold the lock: no live writer owns what killed writes left.
-            checkpoints.remove_killed_writes(self.out / CHECKPOINTS)
-            runfolder.remove_killed_writes(self.out)
-            runfolder.check_start(self.out, resume, overwrite, has_checkpoint=bool(checkpoints.finished(
-                self.out / CHECKPOINTS)))
         seed_everything(s.train.seed)
         self.dist.shard(range(s.rollout.prompts_per_step))  # fail now, not at step 1, if the prompts do not split
 
@@ -192,18 +175,15 @@ class Trainer:
         self.loss_cfg = grpo.LossConfig.from_settings(s.grpo, max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
-        self.metrics_log = JsonlWriter(self.out / "metrics.jsonl")
         # Rank 0 resolves damaged checkpoints (it moves them aside) before the other ranks read the same folder.
-        resumed = None
-        if resume and self.dist.is_main:
-            resumed = self.resume_from_newest_intact()
+        resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS) if self.dist.is_main else None
         self.dist.barrier()
-        if resume and not self.dist.is_main:
-            resumed = self.resume_from_newest_intact()
-        if resumed is None and self.dist.is_main:
-            self.metrics_log.truncate_after(0)
+        if not self.dist.is_main:
+            resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS)
+        if resumed is not None:
+            self.apply_checkpoint(resumed)
+        self.run.write_params(s.to_yaml())
         if self.dist.is_main:
-            (self.out / "params.yaml").write_text(s.to_yaml())
             self.tracker.log_params(s.to_flat_dict())
 
     # ------------------------------------------------------------------------------------------------ phases
@@ -511,7 +491,7 @@ class Trainer:
     def log_metrics(self, metrics: dict[str, float]) -> None:
         if not self.dist.is_main:  # the metrics are already the whole step's: one rank writes them
             return
-        self.metrics_log.write(metrics)
+        self.run.metrics.write(metrics)
         log_step(self.tracker, metrics)
         if self.progress:
             keys = ("reward_mean", "accuracy", "entropy", "clip_ratio/region", "response_length", "sigma",
@@ -525,7 +505,7 @@ class Trainer:
         from qerl.rl.plots import plot_training_curves
 
         with naming_a_full_disk(self.out):
-            return plot_training_curves(self.metrics_log.read(), self.out)
+            return plot_training_curves(self.run.metrics.read(), self.out)
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -534,35 +514,9 @@ class Trainer:
         with naming_a_full_disk(out_dir):
             return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
 
-    def latest_checkpoint(self) -> Path | None:
-        """The newest finished checkpoint folder (intact or not: `resume_from_newest_intact` checks)."""
-        done = checkpoints.finished(self.out / CHECKPOINTS)
-        return done[-1] if done else None
-
     def save_checkpoint(self, keep: int = 2) -> Path:
-        """Adapter + optimizer + scheduler + RNG + data position, written to a temp dir with a manifest (sizes and
-        hashes, written last) and renamed (atomic). The `keep` newest are kept, so a damaged newest one has a
-        predecessor to fall back to."""
-        root = self.out / CHECKPOINTS
-        final = root / f"{checkpoints.PREFIX}{self.step:06d}"
-        tmp = checkpoints.temp_folder(root, self.step, os.getpid())
-        try:
-            with naming_a_full_disk(final, "the older checkpoints are intact: free space, then --resume"):
-                root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-                self._write_checkpoint(tmp)
-                atomic.replace_dir(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, at once (a kill leaves it to the next start)
-            raise
-        for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint %s", final)
-        return final
-
-    def _write_checkpoint(self, tmp: Path) -> None:
-        self.export_adapter(tmp / "adapter")
+        """Adapter + optimizer + scheduler + RNG + data position, handed to the run folder (atomic, with a manifest);
+        its `keep` newest stay."""
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
@@ -573,59 +527,13 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "settings": self.settings.to_dict(),
         }
-        safestate.save(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
-        write_manifest(tmp)
+        return self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"), keep=keep)
 
-    def resume_from_newest_intact(self) -> Path | None:
-        """Load the newest intact checkpoint, falling back past damaged ones (each reported in one line); None if
-        the run has none."""
-        found = checkpoints.newest_intact(self.out / CHECKPOINTS, self.read_checkpoint)
-        if found is None:
-            return None
-        path, state = found
-        self.apply_checkpoint(path, state)
-        return path
-
-    @staticmethod
-    def read_checkpoint(path: Path) -> dict[str, Any]:
-        """A checkpoint's trainer state, its adapter file checked readable; raises `CheckpointCorrupt` naming the
-        file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched. Nothing in the files is
-        executed: JSON and safetensors (`qerl.run.safestate`), or an older qerl's pickle read by
-        `checkpoints.read_pickled_state`, which refuses anything but tensors, numbers and arrays."""
-        from safetensors import safe_open
-
-        file = path / STATE_FILE
-        try:
-            if not file.exists() and (path / checkpoints.PICKLED_STATE).exists():
-                file = path / checkpoints.PICKLED_STATE
-                state = checkpoints.read_pickled_state(file)
-            else:
-                state = safestate.load(file, path / STATE_TENSORS)
-            if not isinstance(state, dict):
-                raise TypeError(f"holds a {type(state).__name__}, not a trainer state")
-            missing = {"step", "optimizer", "scheduler", "sampler", "rng"} - set(state)
-            if missing:
-                raise KeyError(f"lacks {', '.join(sorted(missing))}")
-            file = path / "adapter" / lora.ADAPTER_WEIGHTS
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    f.get_tensor(key)
-        except checkpoints.CheckpointCorrupt:  # already names the file (an older pickle refused)
-            raise
-        except safestate.StateFormatError as e:
-            raise checkpoints.CheckpointCorrupt(f"{e.file}: unreadable ({e.reason})") from None
-        except Exception as e:  # noqa: BLE001 - safetensors and torch each raise their own types
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else "empty or truncated"
-            raise checkpoints.CheckpointCorrupt(f"{file}: unreadable ({type(e).__name__}: {reason})") from None
-        return state
-
-    def load_checkpoint(self, path: Path) -> None:
-        self.apply_checkpoint(path, self.read_checkpoint(path))
-
-    def apply_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        if self.dist.is_main:
-            runfolder.check_resumed_settings(path, state.get("settings"), self.settings.to_dict())
-        lora.load_adapter(self.model, path / "adapter")
+    def apply_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Continue from `checkpoint` (the run folder's `checkpoint_to_resume`): adapter, optimizer, scheduler, data
+        position, AQN schedule, RNG states and step."""
+        state = checkpoint.state
+        lora.load_adapter(self.model, checkpoint.path / "adapter")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -637,7 +545,4 @@ class Trainer:
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.step = state["step"]
-        if self.dist.is_main:
-            self.metrics_log.truncate_after(self.step)
-        log.info("resuming from %s (step %d)", path, self.step)
+        self.step = checkpoint.step

@@ -1,29 +1,180 @@
-"""What a training run may do with its folder: start fresh, continue (`--resume`) or replace (`--overwrite`) a previous
-run, and never replace one silently.
+"""A training run's folder as one object, `RunFolder`: what a run may do with it and how its state is kept there.
 
-As in TRL (`overwrite_output_dir`) and DVC (`--force`), replacing work is an explicit choice. A folder holds a previous
-run when any of its outputs is there: metrics, the adapter, checkpoints (even damaged ones; a finished run whose
-checkpoints were deleted to save space still counts).
+It holds the folder's lock for the run's whole life (`qerl.run.lock`), sweeps up what killed writes left, and applies
+the start rules: start fresh, continue (`--resume`) or replace (`--overwrite`) a previous run, never replace one
+silently. As in TRL (`overwrite_output_dir`) and DVC (`--force`), replacing work is an explicit choice. A folder holds
+a previous run when any of its outputs is there: metrics, the adapter, checkpoints (even damaged ones; a finished run
+whose checkpoints were deleted to save space still counts).
+
+The trainer asks it for the state to resume (`checkpoint_to_resume`: the newest intact checkpoint, verified against
+its manifest, its settings compared with the run's, the metrics log cut back to its step) and hands it states to
+save (`save_checkpoint`: written into a temp folder, manifest last, renamed into place). What a state holds is the
+trainer's business; here it is a tree of tensors and plain values (`qerl.run.safestate`: nothing executable) plus
+whatever files the trainer writes beside it (the adapter).
+
+Layout: `params.yaml`, `metrics.jsonl` (`qerl.run.metrics`), `checkpoints/step-NNNNNN/` (`qerl.run.checkpoints`),
+`adapter/` and the curves (written by the trainer's export), `.qerl.lock` while a run holds the folder.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl.run import atomic
+from qerl.errors import naming_a_full_disk
+from qerl.run import atomic, checkpoints, safestate
+from qerl.run.lock import FolderLock, run_folder_lock
+from qerl.run.manifest import write_manifest
+from qerl.run.metrics import MetricsLog
 
 log = logging.getLogger(__name__)
 
-TRACES = ("metrics.jsonl", "adapter", "checkpoints")  # what marks a folder as holding a run
-OUTPUTS = TRACES + ("params.yaml", "reward_curve.png", "training_curves.png")  # what a run writes (and --overwrite removes)
-
+METRICS, PARAMS, CHECKPOINTS = "metrics.jsonl", "params.yaml", "checkpoints"
+TRACES = (METRICS, "adapter", CHECKPOINTS)  # what marks a folder as holding a run
+OUTPUTS = TRACES + (PARAMS, "reward_curve.png", "training_curves.png")  # what a run writes (and --overwrite removes)
+STATE_FILE = "trainer_state.json"  # a checkpoint's state: its structure and plain values (qerl.run.safestate)
+STATE_TENSORS = "trainer_state.safetensors"  # its tensors
 
 # What a checkpoint's adapter and optimizer state belong to: resuming it under other values would be another run.
 FIXED_ON_RESUME = ("model.path", "quant.scheme", "lora.rank", "lora.alpha", "lora.target_modules", "lora.use_rslora",
                    "lora.train_norms")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint read back: its folder (with the files the trainer wrote into it) and its state."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+class RunFolder:
+    """`with RunFolder(out, resume=..., overwrite=...) as run:` ... `run.save_checkpoint(state, write_files)`.
+
+    Opening it takes the folder's lock (a second run on it fails at once, naming the holder), removes what killed
+    writes left and applies the start rules; `close()` (or the end of the `with` block, or of the process) lets go.
+    Under torchrun only the main rank (`main=True`) owns the folder: the others read the checkpoint it resolved and
+    write nothing.
+    """
+
+    def __init__(self, path: str | Path, resume: bool = False, overwrite: bool = False, main: bool = True):
+        self.path = Path(path)
+        self.resume, self.main = resume, main
+        # Locked before anything looks at the folder, so two racing runs cannot both find it free.
+        self.lock: FolderLock | None = run_folder_lock(self.path).acquire() if main else None
+        try:
+            if main:  # we hold the lock: no live writer owns what killed writes left
+                checkpoints.remove_killed_writes(self.path / CHECKPOINTS)
+                remove_killed_writes(self.path)
+                check_start(self.path, resume, overwrite, has_checkpoint=bool(checkpoints.finished(
+                    self.path / CHECKPOINTS)))
+            self.metrics = MetricsLog(self.path / METRICS)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the folder (idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def checkpoint_to_resume(self, settings: dict[str, Any], required: Iterable[str] = ()) -> Checkpoint | None:
+        """With `resume`, the newest intact checkpoint (damaged newer ones are named and moved aside) whose state holds
+        `required`; else, or if the run has none, None. The main rank also names the `settings` (a `to_dict()`) that
+        differ from the checkpoint's, refusing `FIXED_ON_RESUME`, and cuts the metrics log back to the checkpoint's
+        step (to nothing for a fresh start). Other ranks call it after the main one has (a barrier between)."""
+        found = None
+        if self.resume:
+            found = checkpoints.newest_intact(self.path / CHECKPOINTS, lambda p: read_checkpoint(p, required))
+        resumed = Checkpoint(*found) if found is not None else None
+        if self.main:
+            if resumed is not None:
+                check_resumed_settings(resumed.path, resumed.state.get("settings"), settings)
+            self.metrics.truncate_after(resumed.step if resumed is not None else 0)
+        if resumed is not None:
+            log.info("resuming from %s (step %d)", resumed.path, resumed.step)
+        return resumed
+
+    def save_checkpoint(self, state: dict[str, Any], write_files: Callable[[Path], Any] | None = None,
+                        keep: int = 2) -> Path:
+        """`state` (its `step` names the checkpoint) and what `write_files(folder)` writes beside it (the adapter),
+        written to a temp folder with a manifest (sizes and hashes, written last) and renamed into place (atomic).
+        The `keep` newest are kept, so a damaged newest one has a predecessor to fall back to."""
+        root = self.path / CHECKPOINTS
+        step = int(state["step"])
+        final = root / f"{checkpoints.PREFIX}{step:06d}"
+        tmp = checkpoints.temp_folder(root, step, os.getpid())
+        try:
+            with naming_a_full_disk(final, "the older checkpoints are intact: free space, then --resume"):
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                if write_files is not None:
+                    write_files(tmp)
+                safestate.save(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
+                write_manifest(tmp)
+                atomic.replace_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, at once (a kill leaves it to the next start)
+            raise
+        for old in [p for p in checkpoints.finished(root) if p != final][:-max(keep - 1, 0) or None]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s", final)
+        return final
+
+    def write_params(self, text: str) -> None:
+        """The run's resolved parameters, `params.yaml` (main rank only)."""
+        if self.main:
+            with naming_a_full_disk(self.path / PARAMS):
+                atomic.write_text(self.path / PARAMS, text)
+
+
+def read_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
+    """A checkpoint's state, every safetensors file beside it checked readable; raises `CheckpointCorrupt` naming the
+    file. Nothing is applied yet, so a damaged checkpoint leaves the trainer untouched. Nothing in the files is
+    executed: JSON and safetensors (`qerl.run.safestate`), or an older qerl's pickle read by
+    `checkpoints.read_pickled_state`, which refuses anything but tensors, numbers and arrays."""
+    from safetensors import safe_open
+
+    file = path / STATE_FILE
+    try:
+        if not file.exists() and (path / checkpoints.PICKLED_STATE).exists():
+            file = path / checkpoints.PICKLED_STATE
+            state = checkpoints.read_pickled_state(file)
+        else:
+            state = safestate.load(file, path / STATE_TENSORS)
+        if not isinstance(state, dict):
+            raise TypeError(f"holds a {type(state).__name__}, not a trainer state")
+        missing = ({"step"} | set(required)) - set(state)
+        if missing:
+            raise KeyError(f"lacks {', '.join(sorted(missing))}")
+        for file in sorted(p for p in path.rglob("*.safetensors") if p != path / STATE_TENSORS):
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    f.get_tensor(key)
+    except checkpoints.CheckpointCorrupt:  # already names the file (an older pickle refused)
+        raise
+    except safestate.StateFormatError as e:
+        raise checkpoints.CheckpointCorrupt(f"{e.file}: unreadable ({e.reason})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors and torch each raise their own types
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else "empty or truncated"
+        raise checkpoints.CheckpointCorrupt(f"{file}: unreadable ({type(e).__name__}: {reason})") from None
+    return state
 
 
 def remove_killed_writes(folder: Path) -> None:
