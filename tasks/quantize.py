@@ -23,7 +23,7 @@ def code_version() -> str:
     import qerl
 
     h = hashlib.sha256(qerl.__version__.encode())
-    for path in sorted([*(_CODE / "quant").rglob("*.py"), _CODE / "loading.py"]):
+    for path in sorted([*(_CODE / "quant").rglob("*.py"), _CODE / "model" / "loading.py"]):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:12]
 
