@@ -160,8 +160,8 @@ def smooth_nvfp4_model():
     the benchmarks' random 7B is: a rounding error stays a small error through its layers. (The decode tests' models,
     twice that gain, are chaotic on purpose: a 1% perturbation grows to whole nats there, whatever its source.)
     Decoder linears in NVFP4 (the Gluon layout on Hopper), LoRA r = 8 live, projections fused."""
-    from qerl.lora import LoraSettings, apply_lora
-    from qerl.model import ModelConfig, Transformer
+    from qerl.model.lora import LoraSettings, apply_lora
+    from qerl.model.transformer import ModelConfig, Transformer
     from qerl.quant.linear import quantize_model
 
     cfg = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,
