@@ -119,7 +119,7 @@ def run_seconds(out: Path) -> list[float]:
 
 def lean_phases():
     """Trainer phases without the final adapter export and plots (the evaluation runs on the in-process model)."""
-    from qerl.phases import Phases
+    from qerl.rl.phases import Phases
 
     class Lean(Phases):
         def export(self, trainer):
@@ -132,8 +132,8 @@ def run_job(job: Job, entropy_prompts: int) -> dict:
     import torch
 
     from qerl.config import load_settings
-    from qerl.evaluate import eval_examples, run_eval
-    from qerl.trainer import Trainer
+    from qerl.evaluation.evaluate import eval_examples, run_eval
+    from qerl.rl.trainer import Trainer
 
     settings = load_settings(job.params, job.overrides)
     start = time.time()
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         return work(jobs, out, deadline, args.first_estimate_s, args.entropy_prompts)
 
     check_and_record(jobs)
-    from qerl.loading import embedded_model_path
+    from qerl.model.loading import embedded_model_path
 
     embedded_model_path()  # converted once here, not raced by every worker
     per_gpu = args.per_gpu if args.per_gpu == "auto" else int(args.per_gpu)

@@ -7,9 +7,9 @@ included). So the GGUF travels in two parts, each in its own call on the same wa
     # call 1 carries .carry-a (the machine keeps ignored folders while warm: 30 s), call 2 carries .carry-b and runs
     python benchmarks/smollm2_parts.py assemble --cache /tmp/qerl-cache     # there (benchmarks/run_aqn_seeds.sh)
 
-`assemble` joins the parts (SHA-256 checked), converts the GGUF's weights exactly as `qerl.loading.convert_gguf`
-does, and writes the Hugging Face folder `qerl.loading.embedded_model_path()` looks for under $QERL_CACHE, with the
-config and tokenizer files made here (so the GPU machine's transformers never parses a GGUF tokenizer), then checks
+`assemble` joins the parts (SHA-256 checked), converts the GGUF's weights exactly as `qerl.model.loading.convert_gguf`
+does, and writes the Hugging Face folder `qerl.model.loading.embedded_model_path()` looks for under $QERL_CACHE, with
+the config and tokenizer files made here (so the GPU machine's transformers never parses a GGUF tokenizer), then checks
 the SHA-256 of model.safetensors against this machine's conversion: the GPU runs the very same weights.
 
 `.carry-b/wheels/` also holds what the GPU image lacks: `gguf` (the GGUF reader), a bitsandbytes wheel slimmed to
@@ -65,7 +65,7 @@ def slim_wheel(source: Path, target_dir: Path) -> Path:
 
 
 def split(args) -> int:
-    from qerl.loading import embedded_gguf_path, embedded_model_path
+    from qerl.model.loading import embedded_gguf_path, embedded_model_path
 
     gguf = embedded_gguf_path()
     folder = embedded_model_path()  # this machine's conversion: the reference the GPU's must equal
@@ -108,8 +108,8 @@ def find_part(name: str, places: list[Path]) -> Path | None:
 def assemble(args) -> int:
     from safetensors.torch import save_file
 
-    from qerl.atomic import atomic_dir
-    from qerl.loading import EMBEDDED_NAME, read_gguf
+    from qerl.model.loading import EMBEDDED_NAME, read_gguf
+    from qerl.run.atomic import atomic_dir
 
     places = [ROOT / PART_A, ROOT / PART_B, Path(args.stage)]
     manifest_file = find_part(MANIFEST, places)
@@ -135,7 +135,7 @@ def assemble(args) -> int:
         print(f"smollm2_parts: {gguf}: SHA-256 differs from the manifest's (parts from different splits?)",
               file=sys.stderr)
         return 3
-    config, tensors = read_gguf(gguf)  # as qerl.loading.convert_gguf, minus the tokenizer (made on the CPU)
+    config, tensors = read_gguf(gguf)  # as qerl.model.loading.convert_gguf, minus the tokenizer (made on the CPU)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     files = (part2.parent / "smollm2-files")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qerl.config import ConfigError
-from qerl.runlock import FolderLock, FolderLocked
+from qerl.run.lock import FolderLock, FolderLocked
 
 CLAIM = ".compare-claim.lock"  # held by the worker training a run (the trainer's own lock is .qerl.lock)
 ATTEMPTS = ".attempts"  # how many times a worker took this run (a finished run stops counting)

@@ -110,7 +110,7 @@ def test_the_deadline_stops_a_worker_that_does_not_end(tmp_path):
 
 
 def test_claims_skip_finished_and_held_runs(tmp_path):
-    from qerl.runlock import FolderLock
+    from qerl.run.lock import FolderLock
 
     root = _plan(tmp_path, 3)
     (root / "run-00" / "result.json").write_text("{}")
