@@ -30,20 +30,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from qerl.run.manifest import sha256  # noqa: E402
 
 PART_A, PART_B = ".carry-a", ".carry-b"
 MANIFEST = "smollm2-manifest.json"
 GGUF_PART = "smollm2.gguf.part"
 SPLIT_AT = 50 * 2**20  # part 1: 50 MiB (+ the ~7 MiB tree); part 2: the rest (~44 MiB), the tokenizer and ~4 MiB of wheels
 KEEP_LIBS = ("libbitsandbytes_cuda130.so", "libbitsandbytes_cpu.so")  # torch 2.11+cu130 there, the CPU fallback
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def slim_wheel(source: Path, target_dir: Path) -> Path:

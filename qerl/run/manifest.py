@@ -25,7 +25,8 @@ class ManifestMismatch(ValueError):
         self.reason = reason
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """A file's SHA-256 (hex), read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -44,7 +45,7 @@ def write_manifest(folder: str | Path) -> Path:
     for path in _files(folder):
         with path.open("rb") as f:
             os.fsync(f.fileno())
-        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": sha256(path)}
     target = folder / MANIFEST
     with target.open("w") as f:
         json.dump({"format": _FORMAT, "files": files}, f, indent=1, sort_keys=True)
@@ -72,5 +73,5 @@ def verify_manifest(folder: str | Path) -> None:
         actual = path.stat().st_size
         if actual != size:
             raise ManifestMismatch(path, f"{actual} bytes, the manifest says {size}")
-        if _sha256(path) != digest:
+        if sha256(path) != digest:
             raise ManifestMismatch(path, "content differs from the manifest (SHA-256 mismatch)")
