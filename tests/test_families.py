@@ -308,7 +308,6 @@ def gpu_family_model(family: str, scheme: str, seed: int = 0, device: str = "cud
     projections fused where the family keeps them separate, as `load_base_model` leaves it on CUDA. The same seed
     gives the same weights (`.float()` of a second one computes the very same model in fp32)."""
     from qerl.model.transformer import Transformer
-    from qerl.quant.linear import quantize_model
 
     cfg = ModelConfig.from_hf({"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
                                "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024,
@@ -322,6 +321,14 @@ def gpu_family_model(family: str, scheme: str, seed: int = 0, device: str = "cud
                 p.normal_(0, 2.0 / p.shape[1] ** 0.5)
             elif "norm" in name:
                 p.normal_(0 if cfg.family.unit_offset_norms else 1.0, 0.1)
+    return frozen_with_live_lora(model, scheme)
+
+
+def frozen_with_live_lora(model, scheme: str):
+    """`model` frozen, its decoder linears in NVFP4 for "nvfp4", LoRA r = 8 with non-zero factors (a live update in
+    every projection), and its projections fused, as `load_base_model` + the trainer leave it on CUDA."""
+    from qerl.quant.linear import quantize_model
+
     model.requires_grad_(False)
     if scheme == "nvfp4":
         quantize_model(model, "nvfp4")

@@ -160,9 +160,8 @@ def smooth_nvfp4_model():
     the benchmarks' random 7B is: a rounding error stays a small error through its layers. (The decode tests' models,
     twice that gain, are chaotic on purpose: a 1% perturbation grows to whole nats there, whatever its source.)
     Decoder linears in NVFP4 (the Gluon layout on Hopper), LoRA r = 8 live, projections fused."""
-    from qerl.model.lora import LoraSettings, apply_lora
     from qerl.model.transformer import ModelConfig, Transformer
-    from qerl.quant.linear import quantize_model
+    from tests.test_families import frozen_with_live_lora
 
     cfg = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,
                                "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -177,13 +176,7 @@ def smooth_nvfp4_model():
                 p.normal_(0, 0.58 / p.shape[1] ** 0.5)
             else:
                 p.fill_(1.0)
-    model.requires_grad_(False)
-    quantize_model(model, "nvfp4")
-    with torch.no_grad():
-        for p in apply_lora(model, LoraSettings(rank=8, alpha=16), dtype=torch.bfloat16):
-            p.normal_(0, 0.02)
-    model.fuse_projections()
-    return model
+    return frozen_with_live_lora(model, "nvfp4")
 
 
 @needs_gluon
