@@ -2,7 +2,8 @@
 
 Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM),
 "gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our one-pass dequantize into a reused
-scratch buffer, then cuBLAS) and, in the FP8 update only, "dequant_fp8" (the same into FP8, then `_scaled_mm`). Which of them a layer can use depends on the layout its one weight copy is in.
+scratch buffer, then cuBLAS) and, in the FP8 update only, "dequant_fp8" (the same into FP8, then `_scaled_mm`).
+Which of them a layer can use depends on the layout its one weight copy is in.
 Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
 CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in `cache_path()`,
 keyed by GPU name and library versions, so a process pays for each measurement once per machine. A corrupt or

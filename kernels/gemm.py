@@ -61,16 +61,6 @@ def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _fp8_rows_compiled = None
 
 
-def _rows_of_16(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_scaled_mm` takes rows in multiples of 16: a training micro-batch's token count rarely is one (prompts of
-    any length), so pad with zero rows (their outputs are sliced off)."""
-    pad = -q.shape[0] % 16
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
-        s = torch.cat([s, s.new_ones(pad, 1)])
-    return q, s
-
-
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448: each row's largest value lands on E4M3's largest.
     Through torch.compile on CUDA: one read of x and one write (as eager ops, five passes cost 1 ms for the 7B's
@@ -81,6 +71,18 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _fp8_rows_compiled is None:
         _fp8_rows_compiled = torch.compile(_fp8_rows, dynamic=True)
     return _fp8_rows_compiled(x)
+
+
+def _rows_of_16(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_scaled_mm` takes rows in multiples of 16: a training micro-batch's token count rarely is one (prompts of
+    any length), so pad with zero rows (their outputs are sliced off)."""
+    pad = -q.shape[0] % 16
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+        s = torch.cat([s, s.new_ones(pad, 1)])
+    return q, s
+
+
 _warned: set[str] = set()
 
 
@@ -124,6 +126,7 @@ class NVFP4Gemm:
         self.humming: humming_nvfp4.HummingWeight | None = None
         self.tensors: dict[str, torch.Tensor] | None = None
         self.gluon: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._fp8_cache: tuple[torch.Tensor, ...] | None = None  # _fp8_scales(), made on first use
         if prefer is None and gluon_nvfp4.available() and gluon_nvfp4.fits(self.n, self.k):
             prefer = "gluon"  # the Hopper default (module docstring)
         if prefer == "gluon":
@@ -203,26 +206,28 @@ class NVFP4Gemm:
         """Per output row of W (n) and of W^T (k): the FP8 scale (max |W| over the row / 448) and its inverse, from
         the block scales alone (a block's largest code is 6 by construction of NVFP4: max |W| = 6 * its scale / gs).
         Computed once per layer."""
-        if getattr(self, "_fp8_cache", None) is None:
+        if self._fp8_cache is None:
             scale = self.canonical()["weight_scale"].float() * (6.0 / self.gluon[2].float())  # [N, K/16]
             row = scale.amax(1).clamp_min(1e-30) / FP8_MAX
             col = scale.amax(0).clamp_min(1e-30).repeat_interleave(16) / FP8_MAX
             self._fp8_cache = (row, 1.0 / row, col, 1.0 / col)
         return self._fp8_cache
 
-    def _forward_fp8(self, x2: torch.Tensor) -> torch.Tensor:
-        s_n, inv_n, _, _ = self._fp8_scales()
-        w = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, inv_scale=inv_n,
+    def _fp8_product(self, a: torch.Tensor, transposed: bool) -> torch.Tensor:
+        """a @ W^T (forward: a = x [M, K]) or, transposed, a @ W (dx: a = dy [M, N]) in FP8: the weight dequantized
+        into the FP8 scratch with one scale per row of what is written (W's n, or W^T's k), `a` scaled per row."""
+        s_n, inv_n, s_k, inv_k = self._fp8_scales()
+        scale, inv = (s_k, inv_k) if transposed else (s_n, inv_n)
+        w = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, transposed=transposed, inv_scale=inv,
                                    out=scratch(self.n * self.k, torch.float8_e4m3fn, self.device))
-        xq, s_x = _rows_of_16(*fp8_rows(x2))
-        return torch._scaled_mm(xq, w.t(), scale_a=s_x, scale_b=s_n[None, :], out_dtype=x2.dtype)[:x2.shape[0]]
+        aq, s_a = _rows_of_16(*fp8_rows(a))
+        return torch._scaled_mm(aq, w.t(), scale_a=s_a, scale_b=scale[None, :], out_dtype=a.dtype)[:a.shape[0]]
+
+    def _forward_fp8(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._fp8_product(x2, transposed=False)
 
     def _grad_input_fp8(self, dy2: torch.Tensor) -> torch.Tensor:
-        _, _, s_k, inv_k = self._fp8_scales()
-        wt = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, transposed=True, inv_scale=inv_k,
-                                    out=scratch(self.n * self.k, torch.float8_e4m3fn, self.device))  # W^T [K, N]
-        dyq, s_dy = _rows_of_16(*fp8_rows(dy2))
-        return torch._scaled_mm(dyq, wt.t(), scale_a=s_dy, scale_b=s_k[None, :], out_dtype=dy2.dtype)[:dy2.shape[0]]
+        return self._fp8_product(dy2, transposed=True)
 
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
         if backend == "dequant_fp8":

@@ -280,8 +280,8 @@ if IMPORT_ERROR is None:
                       R: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
         """acc [64 W rows, MP tokens] + lora_scale * B[rows, :] @ h[tokens, :]^T, in fp32: LoRA's second product
         (h = x A^T [M, R], B [N, R], both bf16 and contiguous) in the epilogue, so the adapter costs no launch of
-        its own. A thread's 8 consecutive rows of B are 8 R contiguous elements (vector loads); R is taken RC at a
-        time (the products [8, tokens, RC] per thread stay in registers)."""
+        its own. R is taken RC at a time (the products [8, tokens, RC] per thread stay in registers). A thread's 8
+        rows sit at stride R in B: scalar loads, one reason this path measured slower (kernels/gemm.py)."""
         l3: gl.constexpr = gl.BlockedLayout([8, 1, RC], [8 * W, 32 // (8 * W), 1], [1, num_warps, 1], [2, 0, 1])
         l2: gl.constexpr = gl.SliceLayout(2, l3)
         rows = tile * (_ROWS * W) + gl.arange(0, _ROWS * W, layout=gl.SliceLayout(1, l2))
@@ -293,7 +293,7 @@ if IMPORT_ERROR is None:
             rr = c * RC + gl.arange(0, RC, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
             rr3 = gl.expand_dims(gl.expand_dims(rr, 0), 0)
             b = gl.load(b_ptr + rows3 * R + rr3).to(gl.float32)  # [64 W, 1, RC]
-            h = gl.load(h_ptr + toks3 * R + rr3, mask=(toks3 < M) & (rr3 < R), other=0.0).to(gl.float32)
+            h = gl.load(h_ptr + toks3 * R + rr3, mask=toks3 < M, other=0.0).to(gl.float32)
             lo += gl.sum(b * h, axis=2)
         return acc + gl.convert_layout(lo, acc.type.layout) * lora_scale
 
@@ -551,7 +551,7 @@ def low_rank_chunk(rank: int, mp: int) -> int:
     thread's B chunk and products (8 rows x its tokens x chunk) in registers (a thread holds MP / 16 tokens, at
     least one): 4 at M <= 16, 2 at 32, 1 at 64 (measured free of spills with `compile_sm90`)."""
     most = max(1, 4 // max(1, mp // 16))
-    return next(c for c in (8, 4, 2, 1) if c <= most and rank % c == 0)
+    return next(c for c in (4, 2, 1) if c <= most and rank % c == 0)
 
 
 def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,

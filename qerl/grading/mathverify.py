@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import queue
 import select
 import subprocess
 import sys
@@ -241,8 +242,6 @@ class MathVerifyPool:
     as MathVerify; verdicts are cached here, whichever worker gave them."""
 
     def __init__(self, size: int | None = None, members: list | None = None) -> None:
-        import queue
-
         self.members = members or [MathVerify() for _ in range(size or pool_size())]
         self._idle: queue.Queue[MathVerify] = queue.Queue()
         for m in self.members:
@@ -273,8 +272,6 @@ class MathVerifyPool:
         self.members[0].start(wait)
 
     def equal(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
-        import queue
-
         with self._lock:
             if (gold, pred) in self._cache:
                 self._cache.move_to_end((gold, pred))

@@ -335,18 +335,21 @@ class QuantLinear(nn.Module):
         if self._rows_of is not None:  # alone (its group computes all members at once): the fused layer's rows
             fused, start = self._rows_of
             return fused(x)[..., start:start + self.out_features]
-        if self.use_kernel and x.is_cuda and self.codec.gpu_kernel and (gemm := _gpu_gemm()) is not None \
-                and x.dtype in (torch.bfloat16, torch.float16):
-            return gemm.linear(x, self.cuda_gemm(), self.bias)
+        if self._on_gpu_kernel(x):
+            return _gpu_gemm().linear(x, self.cuda_gemm(), self.bias)
         out = _DequantizedLinear.apply(x, self)
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _on_gpu_kernel(self, x: torch.Tensor) -> bool:
+        """Whether x goes through kernels.gemm (a CUDA input in bf16/fp16 to a codec with a GPU kernel, installed)."""
+        return self.use_kernel and x.is_cuda and self.codec.gpu_kernel \
+            and x.dtype in (torch.bfloat16, torch.float16) and _gpu_gemm() is not None
 
     def plus_low_rank(self, x: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """self(x) + scale * h @ b^T for 2-D x (inference: LoRA's update, h = x A^T, b = B): on the GPU kernel's
         path through kernels.gemm.NVFP4Gemm.forward_low_rank (into the GEMM's epilogue where enabled), else one
         addmm."""
-        if self._rows_of is None and self.use_kernel and x.is_cuda and self.codec.gpu_kernel \
-                and x.dtype in (torch.bfloat16, torch.float16) and (gemm := _gpu_gemm()) is not None:
+        if self._rows_of is None and self._on_gpu_kernel(x):
             x2 = x if x.stride(-1) == 1 else x.contiguous()
             y = self.cuda_gemm().forward_low_rank(x2, h, b, scale)
             return y if self.bias is None else y + self.bias.to(y.dtype)
