@@ -39,6 +39,7 @@ from qerl.rl.trainer import Trainer  # noqa: E402
 
 GIB = 2**30
 END = "<|end|>"
+PAD = "<|pad|>"
 
 
 def hash_reward(completion: str, gold: str) -> float:
@@ -46,16 +47,21 @@ def hash_reward(completion: str, gold: str) -> float:
     return zlib.crc32(completion.encode()) % 1000 / 1000
 
 
-def numbered_tokenizer(vocab: int):
+def numbered_tokenizer(vocab: int, distinct_pad: bool = False):
     """A word-level tokenizer over the model's whole vocabulary ("t0" ... , the last id the end token) whose chat
-    template is the bare message contents: N words of a prompt are N tokens, and every id the policy samples decodes."""
+    template is the bare message contents: N words of a prompt are N tokens, and every id the policy samples decodes.
+    Padding is the end token, or with `distinct_pad` a token of its own (PAD, the id before the end token) for tools
+    that refuse a pad equal to EOS (Unsloth's fix_pad_token)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = {f"t{i}": i for i in range(vocab - 1)} | {END: vocab - 1}
+    last_word = vocab - 2 if distinct_pad else vocab - 1
+    words = {f"t{i}": i for i in range(last_word)} | {END: vocab - 1}
+    if distinct_pad:
+        words[PAD] = vocab - 2
     core = Tokenizer(models.WordLevel(words, unk_token="t0"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=END, pad_token=END)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=END, pad_token=PAD if distinct_pad else END)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return tokenizer
 

@@ -299,12 +299,16 @@ def peer_model(args, tmp: str, quantized: bool, unsloth: bool):
 
     shape = hf_config(args.model)
     vocab = shape["vocab_size"]
-    end = vocab - 1  # numbered_tokenizer's end-of-sequence (and padding) token
-    tokenizer = g.numbered_tokenizer(vocab)
+    end = vocab - 1  # numbered_tokenizer's end-of-sequence token
+    # Padding is the end token, except for Unsloth: its fix_pad_token refuses a pad equal to EOS (it would add a new
+    # token past the embedding and stop), so its arm pads with a token of its own. Every completion is full length
+    # and prompts are left-padded under the attention mask, so the pad id changes no work.
+    pad = end - 1 if unsloth else end
+    tokenizer = g.numbered_tokenizer(vocab, distinct_pad=unsloth)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 
     def build():
-        cfg = AutoConfig.for_model(**shape, eos_token_id=end, pad_token_id=end, bos_token_id=None)
+        cfg = AutoConfig.for_model(**shape, eos_token_id=end, pad_token_id=pad, bos_token_id=None)
         torch.manual_seed(0)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -314,14 +318,14 @@ def peer_model(args, tmp: str, quantized: bool, unsloth: bool):
         finally:
             torch.set_default_dtype(previous)
         dense.generation_config.eos_token_id = end
-        dense.generation_config.pad_token_id = end
+        dense.generation_config.pad_token_id = pad
         return dense
 
     if not quantized and not unsloth:
         return build(), tokenizer
     # The checkpoint, once per run (PEERS_MODEL_DIR, set by run_peers.sh): the QLoRA and Unsloth arms load the same
     # files, and the second skips the build and the 15 GB write.
-    folder = Path(os.environ.get("PEERS_MODEL_DIR") or tmp) / f"random-{args.model}-seed0"
+    folder = Path(os.environ.get("PEERS_MODEL_DIR") or tmp) / f"random-{args.model}-seed0{'-pad' if unsloth else ''}"
     if not (folder / "saved.ok").exists():
         dense = build()
         dense.save_pretrained(folder)
