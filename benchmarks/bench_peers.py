@@ -139,6 +139,7 @@ def qerl_arm(args, scheme: str, extra: tuple[str, ...] = ()) -> dict:
             s.data.system_prompt = random_system_prompt(model.config.vocab_size, w["prompt_len"])
             s.train.rewards = {"bench_grpo_step:hash_reward": 1.0}
         _reached(args, model_loaded_s=round(time.perf_counter() - t0, 1))
+        load_peak = _peak_gib(args.device)  # the trainer's steps measure their own peaks from here
         times, cpu = [], []
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer, progress=False) as trainer:
             for _ in range(steps):
@@ -149,8 +150,14 @@ def qerl_arm(args, scheme: str, extra: tuple[str, ...] = ()) -> dict:
                 _reached(args, steps_done=len(times), step_s=[round(t, 2) for t in times])
             rows = trainer.run.metrics.read()
     last = rows[-1]
-    return {"times": times, "cpu": cpu, "generate_s": last["seconds_rollout"], "update_s": last["seconds_update"],
-            "reward_mean": [r["reward_mean"] for r in rows]}
+    r = {"times": times, "cpu": cpu, "generate_s": last["seconds_rollout"], "update_s": last["seconds_update"],
+         "reward_mean": [r["reward_mean"] for r in rows]}
+    if args.device == "cuda":
+        # The trainer's own figure: PyTorch's allocations plus the engine's KV cache, which lives outside PyTorch's
+        # allocator (mapped during rollouts, handed back for updates), so max_memory_allocated alone would miss it.
+        r["peak_gib"] = max([load_peak] + [row["peak_memory_gb"] for row in rows])
+        r["peak_rollout_update_gib"] = [row["peak_memory_gb"] for row in rows]
+    return r
 
 
 def arm_steps(args) -> int:
@@ -408,7 +415,8 @@ def one_arm(args) -> int:
     steady = r["times"][1:] or r["times"]
     row = {"arm": arm, "device": args.device, "steps": len(r["times"]), "step_s": statistics.median(steady),
            "first_step_s": r["times"][0], "cpu_s_per_step": statistics.median(r["cpu"][1:] or r["cpu"]),
-           "peak_gib": _peak_gib(args.device), **{k: v for k, v in r.items() if k not in ("times", "cpu")},
+           "peak_gib": r.get("peak_gib", _peak_gib(args.device)),
+           **{k: v for k, v in r.items() if k not in ("times", "cpu", "peak_gib")},
            "times": r["times"]}
     if args.device == "cuda":
         import torch

@@ -145,6 +145,9 @@ class RolloutSettings:
     # The sampler of training and evaluation (qerl.rollout): engine = RolloutEngine (static KV cache, CUDA graphs),
     # reference = qerl.rollout.generate.generate; auto = the engine on CUDA, the reference on the CPU.
     backend: Literal["auto", "engine", "reference"] = "auto"
+    # After each rollout the engine's KV cache hands its GPU memory back for the update and takes it again before the
+    # next rollout, at the same addresses (no graph recapture): the update has that memory to keep activations in.
+    release_kv_cache: bool = True
 
 
 @dataclass

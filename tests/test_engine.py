@@ -422,6 +422,56 @@ def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme, fuse):
 
 
 @gpu
+def test_gpu_releasable_buffer_hands_its_memory_back_and_returns_at_the_same_address():
+    from qerl.rollout.releasable import ReleasableBuffer, mapped_bytes
+
+    size, others = 512 << 20, mapped_bytes(0)  # other tests' engines may hold caches of their own
+    buf = ReleasableBuffer(size, torch.device("cuda"))
+    try:
+        address, view = buf.tensor.data_ptr(), buf.tensor.view(torch.float32)
+        view.fill_(3.0)
+        assert view.sum().item() == 3.0 * view.numel() and mapped_bytes(0) == others + size
+        before = torch.cuda.mem_get_info()[0]
+        buf.release()
+        assert torch.cuda.mem_get_info()[0] - before >= size and not buf.mapped and mapped_bytes(0) == others
+        # PyTorch's allocator can use it now, and the buffer still maps again (its blocks go back to the driver).
+        taken = torch.empty(size, dtype=torch.uint8, device="cuda")
+        del taken
+        buf.restore()
+        assert buf.tensor.data_ptr() == address and buf.mapped
+        view.fill_(1.0)
+        assert view.sum().item() == view.numel()
+    finally:
+        buf.close()
+    assert mapped_bytes(0) == others
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
+def test_gpu_a_sleeping_kv_cache_frees_its_memory_and_keeps_the_graphs(scheme):
+    """The trainer puts the engine's KV cache to sleep for the update: its memory goes back, and the next rollout
+    replays the same graphs (no recapture) and samples what it sampled before it slept."""
+    model, _ = gpu_model(scheme, fuse=True)
+    ps = prompts(16, vocab=1024, seed=4, max_len=30)
+    sleeper = RolloutEngine(model)
+    ref = sleeper.generate(None, ps, 40, temperature=1.0, seed=7, eos_token_ids=[])
+    captures, held = sleeper.stats["captures"], sleeper.memory_bytes()
+    cache_bytes = sum(t.numel() * t.element_size() for c in sleeper.caches for t in (c.k, c.v))
+    free_before = torch.cuda.mem_get_info()[0]
+    sleeper.sleep()
+    assert torch.cuda.mem_get_info()[0] - free_before >= cache_bytes
+    assert sleeper.memory_bytes() == held - cache_bytes
+    with torch.no_grad():  # the update's allocations land where the cache was; the next rollout must not care
+        junk = torch.full((cache_bytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del junk
+    again = sleeper.generate(None, ps, 40, temperature=1.0, seed=7, eos_token_ids=[])
+    assert sleeper.stats["captures"] == captures
+    assert again.completion_ids == ref.completion_ids
+    torch.testing.assert_close(torch.cat(again.logprobs), torch.cat(ref.logprobs), atol=0, rtol=0)
+    sleeper.free()
+
+
+@gpu
 @pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
 def test_gpu_a_second_rollout_replays_the_first_ones_graphs(scheme):
     """During the first rollout a quantized layer's first GPU call repacks its weight for the GEMM backend (its own

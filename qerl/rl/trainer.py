@@ -35,6 +35,7 @@ from qerl.quant.linear import update_precision
 from qerl.rl import distributed, grpo
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
+from qerl.rollout import releasable
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
 from qerl.run.folder import Checkpoint, RunFolder
 
@@ -79,9 +80,17 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 
 def peak_memory_gb(device: torch.device) -> float:
+    """The peak since the last `reset_peak_memory`: on CUDA, PyTorch's allocations plus the rollout engine's KV
+    cache where it lives outside PyTorch's allocator (mapped for the whole phase measured, or not at all); on the
+    CPU the process's peak resident set."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return (torch.cuda.max_memory_allocated(device) + releasable.mapped_bytes(device)) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def return_large_frees_to_the_os() -> None:
@@ -172,6 +181,7 @@ class Trainer:
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend)
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
+        self._phase_peaks: list[float] = []  # this step's rollout peaks (GiB), measured before the KV cache sleeps
         self.loss_cfg = grpo.LossConfig.from_settings(s.grpo, max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
@@ -211,9 +221,16 @@ class Trainer:
                             stop_strings=tuple(r.stop_strings), seed=self._seed(self.step, round_, 2, first),
                             row_seeds=tuple(row_seeds))
         start = time.perf_counter()
+        reset_peak_memory(self.device)
         with self.rollout_backend.sync(sigma, noise_seed):
             out = self.rollout_backend.generate(prompts, sampling,
                                                 progress=self.progress and sys.stderr.isatty())  # a live bar in a terminal
+        # The rollout's peak with its KV cache mapped; then the update gets that memory (graphs kept) and its own
+        # peak is measured from here.
+        self._phase_peaks.append(peak_memory_gb(self.device))
+        if r.release_kv_cache:
+            self.rollout_backend.sleep()
+        reset_peak_memory(self.device)
         seconds = time.perf_counter() - start
         if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
@@ -418,8 +435,10 @@ class Trainer:
         lengths = torch.tensor(self.dist.gather([len(c) for c in batch.samples.completion_ids]), dtype=torch.float32)
         truncated = torch.tensor(self.dist.gather(truncated.tolist()))
         accuracy = torch.tensor(self.dist.gather(batch.accuracy.tolist()), dtype=torch.float32)
+        step_peak = max([*self._phase_peaks, peak_memory_gb(self.device)])  # its rollouts', then scoring + update
+        self._phase_peaks.clear()
         seconds_rollout, seconds_scoring, seconds_update, peak_memory = self.dist.max(
-            [batch.seconds, batch.score_seconds, seconds_update, peak_memory_gb(self.device)])
+            [batch.seconds, batch.score_seconds, seconds_update, step_peak])
         metrics = {
             "step": self.step,
             "reward_mean": float(step_rewards.mean()),

@@ -98,6 +98,10 @@ class RolloutBackend:
     def free(self) -> None:
         """Hand back memory held between calls (the engine's KV cache and graphs)."""
 
+    def sleep(self) -> None:
+        """Hand back what memory can be given back until the next call without losing graphs (the engine's KV
+        cache on CUDA); the next `generate` takes it again."""
+
     def __repr__(self) -> str:
         return f"<{self.name} rollout backend>"
 
@@ -127,6 +131,9 @@ class EngineBackend(RolloutBackend):
 
     def free(self) -> None:
         self.engine.free()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
 
 
 def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine", "reference"] = "auto",

@@ -24,10 +24,14 @@ stop reasons eos/stop/length), built like gpt-fast:
 
 `backends.EngineBackend` drives it for the trainer and evaluation (`generate_fast` keeps one per model). The KV cache
 stays allocated between calls (vLLM-style): call `free()` / `release_engine(model)` to hand its memory back.
+On CUDA the cache lives in one `releasable.ReleasableBuffer`: `sleep()` hands its physical memory to the driver
+while the addresses stay reserved (the trainer does so for the update), and the next call maps it again, zeroed, at
+the same addresses, so no graph is recaptured (vLLM's sleep mode, for the KV cache).
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +42,7 @@ from tqdm.auto import tqdm
 from qerl.model import fusion
 from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
+from qerl.rollout import releasable
 from qerl.rollout.generate import (Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids,
                            distinct_rows, sample_tokens)
 
@@ -123,6 +128,7 @@ class RolloutEngine:
         self.prefill_tokens = prefill_tokens
         self.reserve = (max_batch_size, max_seq_len)
         self.caches: list[_EngineCache] | None = None
+        self._kv_memory: releasable.ReleasableBuffer | None = None  # the caches' memory where it can sleep
         self.kv: list[tuple[Tensor, Tensor]] | None = None
         self.cap_rows = self.cap_slots = 0
         self.graphs: dict[tuple[int, int], Any] = {}
@@ -142,8 +148,8 @@ class RolloutEngine:
         c, m = self.model.config, self.model
         dtype, dev = m.model.embed_tokens.weight.dtype, self.device
         shape = (rows, c.num_key_value_heads, slots, c.head_dim)
-        self.caches = [_EngineCache(torch.zeros(shape, dtype=dtype, device=dev),
-                                    torch.zeros(shape, dtype=dtype, device=dev)) for _ in m.model.layers]
+        tensors = self._kv_tensors(shape, dtype, 2 * len(m.model.layers))
+        self.caches = [_EngineCache(k, v) for k, v in zip(tensors[0::2], tensors[1::2])]
         self.kv = [(c.k, c.v) for c in self.caches]  # what `Transformer.decode_step` reads and writes
         self.cap_rows, self.cap_slots = rows, slots
         self.tok_in = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -155,11 +161,43 @@ class RolloutEngine:
         self.row_map = torch.zeros(rows, dtype=torch.long, device=dev)
         self.logits_buf = torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev)
 
+    def _kv_tensors(self, shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[Tensor]:
+        """`count` zeroed cache tensors: views of one releasable buffer on CUDA (so `sleep` can hand it back), or
+        ordinary allocations where the driver cannot map one (and on the CPU)."""
+        numel = math.prod(shape)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self.device.type == "cuda":
+            try:
+                self._kv_memory = releasable.ReleasableBuffer(count * nbytes, self.device)
+            except releasable.Unsupported as e:
+                log.info("KV cache in ordinary memory (it cannot sleep): %s", e)
+            else:
+                flat = self._kv_memory.tensor.view(dtype).zero_()
+                return [flat[i * numel:(i + 1) * numel].view(shape) for i in range(count)]
+        return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(count)]
+
+    def sleep(self) -> None:
+        """Hand the KV cache's physical memory back to the driver until the next call (graphs stay valid: the next
+        call maps it at the same addresses). Nothing to do where the cache is ordinary memory or not allocated."""
+        if self._kv_memory is not None:
+            self._kv_memory.release()
+
+    def _wake(self) -> None:
+        if self._kv_memory is not None and not self._kv_memory.mapped:
+            self._kv_memory.restore()
+            self._kv_memory.tensor.zero_()  # fresh pages may hold NaN patterns: masked slots are multiplied by 0
+
     def free(self) -> None:
-        """Drop the KV cache, static buffers and graphs (their memory returns to the allocator)."""
+        """Drop the KV cache, static buffers and graphs (their memory returns to the allocator or the driver)."""
         self.graphs.clear()
         self._pool = None
+        if self.caches is not None:
+            for layer in self.model.model.layers:
+                layer.self_attn.kv_cache = None
         self.caches = self.kv = None
+        if self._kv_memory is not None:
+            self._kv_memory.close()  # after the graphs and every view of it are gone
+            self._kv_memory = None
         self.cap_rows = self.cap_slots = 0
         for name in ("tok_in", "pos_in", "slot", "valid", "key_slots", "done", "row_map", "logits_buf"):
             self.__dict__.pop(name, None)
@@ -168,7 +206,8 @@ class RolloutEngine:
         """Bytes held by the KV cache and static buffers (graph pools not counted)."""
         if self.caches is None:
             return 0
-        tensors = [t for c in self.caches for t in (c.k, c.v)]
+        asleep = self._kv_memory is not None and not self._kv_memory.mapped
+        tensors = [] if asleep else [t for c in self.caches for t in (c.k, c.v)]
         tensors += [self.tok_in, self.pos_in, self.valid, self.done, self.row_map, self.logits_buf]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -185,6 +224,7 @@ class RolloutEngine:
         need_slots = _round_up(max(slots, self.reserve[1]), self.window)
         if self.caches is None or need_rows > self.cap_rows or need_slots > self.cap_slots:
             self._allocate(max(need_rows, self.cap_rows), max(need_slots, self.cap_slots))
+        self._wake()
         for layer in self.model.model.layers:
             layer.self_attn.kv_cache = None  # ours are installed below; the signature must not see a model cache
         signature = self._signature()
