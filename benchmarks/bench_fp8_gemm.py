@@ -55,5 +55,39 @@ def main() -> None:
               f"{flop / t['mm16'] / 1e12:.0f} / {flop / t['mm8'] / 1e12:.0f} |", flush=True)
 
 
+def bf16_base(m: int) -> None:
+    """The bf16 base's FP8 update (qerl/quant/fp8.py): cuBLAS bf16 against W quantized per call + x per row +
+    `_scaled_mm`, forward and dx, and each part alone."""
+    from qerl.quant import fp8
+
+    print(f"\nbf16 base (qerl.quant.fp8), M = {m}")
+    print("| layer | N x K | fwd bf16 µs | fwd fp8 µs | dx bf16 | dx fp8 | W to fp8 | Wᵀ to fp8 | x to fp8 | "
+          "_scaled_mm fwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        s_n, inv_n, s_k, inv_k = fp8._scales(linear)
+        w = linear.weight
+        w8 = fp8.weight_fp8(w, inv_n, False)
+        fp8.weight_fp8(w, inv_k, True)
+        xq, s_x = gemm.fp8_rows(x)
+        t = {
+            "fwd16": graph_time(lambda: x @ w.t()),
+            "fwd8": graph_time(lambda: fp8._product(x, fp8.weight_fp8(w, inv_n, False), s_n)),
+            "dx16": graph_time(lambda: dy @ w),
+            "dx8": graph_time(lambda: fp8._product(dy, fp8.weight_fp8(w, inv_k, True), s_k)),
+            "w8": graph_time(lambda: fp8.weight_fp8(w, inv_n, False)),
+            "wt8": graph_time(lambda: fp8.weight_fp8(w, inv_k, True)),
+            "x8": graph_time(lambda: gemm.fp8_rows(x)),
+            "mm8": graph_time(lambda: torch._scaled_mm(xq, w8.t(), scale_a=s_x, scale_b=s_n[None, :],
+                                                       out_dtype=torch.bfloat16)),
+        }
+        print(f"| {name} | {n}x{k} | " + " | ".join(f"{t[key] * 1e6:.0f}" for key in t) + " |", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    bf16_base(int(os.environ.get("FP8_M", "5120")))

@@ -155,11 +155,11 @@ needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.g
                                  reason="the FP8 update needs a Hopper GPU (the Gluon layout)")
 
 
-def smooth_nvfp4_model():
+def smooth_model(scheme: str = "nvfp4"):
     """A random Llama-shaped model (hidden 512, 4 layers) initialized as nn.Linear does (std ~0.58/sqrt(fan-in)), as
     the benchmarks' random 7B is: a rounding error stays a small error through its layers. (The decode tests' models,
     twice that gain, are chaotic on purpose: a 1% perturbation grows to whole nats there, whatever its source.)
-    Decoder linears in NVFP4 (the Gluon layout on Hopper), LoRA r = 8 live, projections fused."""
+    Decoder linears in NVFP4 (the Gluon layout on Hopper) or bf16, LoRA r = 8 live, projections fused."""
     from qerl.model.transformer import ModelConfig, Transformer
     from tests.test_families import frozen_with_live_lora
 
@@ -176,24 +176,33 @@ def smooth_nvfp4_model():
                 p.normal_(0, 0.58 / p.shape[1] ** 0.5)
             else:
                 p.fill_(1.0)
-    return frozen_with_live_lora(model, "nvfp4")
+    return frozen_with_live_lora(model, scheme)
 
 
 @needs_gluon
-def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch):
-    """model.base_gemm = fp8: the update's forward and dx GEMMs of the NVFP4 base in FP8. The evidence a user needs:
-    per-token log-probs close to the bf16 update's, LoRA gradients pointing the same way, and the FP8 GEMMs really
-    ran (forward and backward of every layer)."""
+@pytest.mark.parametrize("scheme", ["nvfp4", "bf16"])
+def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
+    """model.base_gemm = fp8: the update's forward and dx GEMMs of the frozen base (NVFP4, or bf16) in FP8. The
+    evidence a user needs: per-token log-probs close to the bf16 update's, LoRA gradients pointing the same way, and
+    the FP8 GEMMs really ran (forward and backward of every layer)."""
     from kernels import gemm
+    from qerl.quant import fp8
     from qerl.quant.linear import update_precision
 
     calls = {"fwd": 0, "bwd": 0}
-    fwd, bwd = gemm.NVFP4Gemm._forward_fp8, gemm.NVFP4Gemm._grad_input_fp8
-    monkeypatch.setattr(gemm.NVFP4Gemm, "_forward_fp8",
-                        lambda s, x: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(s, x))
-    monkeypatch.setattr(gemm.NVFP4Gemm, "_grad_input_fp8",
-                        lambda s, d: calls.__setitem__("bwd", calls["bwd"] + 1) or bwd(s, d))
-    model = smooth_nvfp4_model()
+    if scheme == "nvfp4":
+        fwd, bwd = gemm.NVFP4Gemm._forward_fp8, gemm.NVFP4Gemm._grad_input_fp8
+        monkeypatch.setattr(gemm.NVFP4Gemm, "_forward_fp8",
+                            lambda s, x: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(s, x))
+        monkeypatch.setattr(gemm.NVFP4Gemm, "_grad_input_fp8",
+                            lambda s, d: calls.__setitem__("bwd", calls["bwd"] + 1) or bwd(s, d))
+    else:  # count the frozen bf16 linears' FP8 autograd calls
+        forward, backward = fp8._FP8Linear.forward, fp8._FP8Linear.backward
+        monkeypatch.setattr(fp8._FP8Linear, "forward", staticmethod(
+            lambda ctx, *a: calls.__setitem__("fwd", calls["fwd"] + 1) or forward(ctx, *a)))
+        monkeypatch.setattr(fp8._FP8Linear, "backward", staticmethod(
+            lambda ctx, *a: calls.__setitem__("bwd", calls["bwd"] + 1) or backward(ctx, *a)))
+    model = smooth_model(scheme)
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, 1024, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
@@ -216,3 +225,16 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch):
     cos = torch.nn.functional.cosine_similarity(g8, g16, dim=0).item()
     print(f"fp8 vs bf16 update: |logp gap| mean {gap.mean():.4f} max {gap.max():.4f}, LoRA grad cosine {cos:.5f}")
     assert gap.mean() <= 0.02 and cos >= 0.99
+
+
+def test_the_fp8_update_leaves_cpu_linears_exact():
+    """Off CUDA (and outside the FP8 update) a frozen linear is computed as it always was: `frozen_linear` is the
+    hook every base projection goes through, so it must be the identity wherever FP8 does not apply."""
+    from qerl.quant import fp8
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 48, dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(5, 7, 32, dtype=torch.bfloat16)
+    with fp8.active():
+        assert torch.equal(fp8.frozen_linear(linear, x), linear(x))
+    assert torch.equal(fp8.frozen_linear(linear, x), linear(x))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl.model.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
+from qerl.quant.fp8 import frozen_linear
 from qerl.quant.linear import QuantLinear
 
 GROUP_ATTR = "projection_group"  # on the block module (Attention, MLP): its ProjectionGroup; a plain attribute
@@ -152,7 +153,7 @@ class ProjectionGroup:
             return [m(x) for m in members]
         if fused and x.dim() == 2 and not torch.is_grad_enabled():
             return self._decode(x, members)
-        out = self.fused(x)
+        out = frozen_linear(self.fused, x)  # in FP8 inside the FP8 update (model.base_gemm) for a bf16 base
         outs = list(out.split(self.sizes, dim=-1))
         loras = self._active_lora(members)
         if not loras:

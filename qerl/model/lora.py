@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from qerl.config import LoraSettings  # the one LoRA settings type (also the params file's `lora` section)
+from qerl.quant.fp8 import frozen_linear
 from qerl.run.atomic import atomic_dir
 
 PEFT_PREFIX = "base_model.model."
@@ -93,7 +94,7 @@ class LoraLinear(nn.Module):
         self.enabled = True
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.base(x)
+        out = frozen_linear(self.base, x)  # in FP8 inside the FP8 update (model.base_gemm) for a bf16 base
         if not self.enabled:
             return out
         h = self.dropout(x.to(self.lora_A.dtype))

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from qerl.model import fusion, training_ops
 from qerl.model.families import FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types, unsupported
 from qerl.model.fusion import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
+from qerl.quant.fp8 import frozen_linear
 
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -312,7 +313,7 @@ def project(linear: nn.Module, x: Tensor, fused: bool = False) -> Tensor:
     """linear(x); in a fused decode step, a layer's `fused_forward` where it has one (LoRA: base(x) then one addmm
     of the low-rank update into it, instead of GEMM + scale + add)."""
     fast = getattr(linear, "fused_forward", None) if fused else None
-    return linear(x) if fast is None else fast(x)
+    return frozen_linear(linear, x) if fast is None else fast(x)  # a frozen bf16 linear: FP8 in the FP8 update
 
 
 class KVCache(nn.Module):

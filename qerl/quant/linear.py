@@ -60,16 +60,28 @@ def _gpu_gemm() -> ModuleType | None:
 
 
 def update_precision(precision: str) -> contextlib.AbstractContextManager:
-    """A block whose frozen-base GEMMs at training sizes run in `precision` (model.base_gemm: bf16 or fp8; see
-    kernels.gemm.update_precision). fp8 applies on Hopper to NVFP4 layers in the Gluon layout; elsewhere (no GPU
-    kernels, other layouts) the block runs as bf16, said once."""
-    gemm = _gpu_gemm() if torch.cuda.is_available() else None
-    if precision != "bf16" and gemm is None:
-        warnings.warn(f"model.base_gemm = {precision} needs the NVFP4 GPU kernels on a CUDA GPU; the update runs "
-                      "bf16 here", stacklevel=2)
-    if gemm is None or precision == "bf16":
+    """A block whose frozen-base GEMMs at training sizes run in `precision` (model.base_gemm: bf16 or fp8). fp8
+    applies on a CUDA GPU with FP8 tensor cores (compute capability 8.9 or more) to NVFP4 layers in the Gluon layout
+    (kernels.gemm.update_precision) and to frozen bf16 linears (`qerl.quant.fp8`); elsewhere the block runs as
+    bf16, said once."""
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"unknown update precision {precision!r}: expected bf16 or fp8")
+    if precision == "bf16":
         return contextlib.nullcontext()
-    return gemm.update_precision(precision)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        warnings.warn(f"model.base_gemm = {precision} needs a CUDA GPU with FP8 tensor cores (Ada, Hopper or "
+                      "newer); the update runs bf16 here", stacklevel=2)
+        return contextlib.nullcontext()
+    return _fp8_update()
+
+
+@contextlib.contextmanager
+def _fp8_update():
+    from qerl.quant import fp8
+
+    gemm = _gpu_gemm()
+    with fp8.active(), (gemm.update_precision("fp8") if gemm is not None else contextlib.nullcontext()):
+        yield
 
 
 class _DequantizedLinear(torch.autograd.Function):
