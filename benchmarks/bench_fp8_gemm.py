@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=5120)
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | M = {args.m}")
-    print("| layer | N x K | bf16 path µs | fp8 path µs | dequant bf16 | dequant fp8 | x to fp8 | mm bf16 | "
+    compiled_rows = torch.compile(gemm._fp8_rows, dynamic=True)  # what fp8_rows was before its Triton kernel
+    print("| layer | N x K | bf16 path µs | fp8 path µs | dequant bf16 | dequant fp8 | x to fp8 (torch.compile) | mm bf16 | "
           "_scaled_mm | TFLOP/s bf16 / fp8 mm |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, (n, k) in SHAPES.items():
@@ -45,13 +46,15 @@ def main() -> None:
             "deq8": graph_time(lambda: gluon_nvfp4.dequantize(*layer.gluon, torch.float8_e4m3fn, inv_scale=inv_n,
                                                               out=w8)),
             "x8": graph_time(lambda: gemm.fp8_rows(x)),
+            "x8c": graph_time(lambda: compiled_rows(x)),
             "mm16": graph_time(lambda: x @ w16.t()),
             "mm8": graph_time(lambda: torch._scaled_mm(xq, w8.t(), scale_a=s_x, scale_b=s_n[None, :],
                                                        out_dtype=torch.bfloat16)),
         }
         flop = 2 * args.m * n * k
         print(f"| {name} | {n}x{k} | {t['bf16'] * 1e6:.0f} | {t['fp8'] * 1e6:.0f} | {t['deq16'] * 1e6:.0f} | "
-              f"{t['deq8'] * 1e6:.0f} | {t['x8'] * 1e6:.0f} | {t['mm16'] * 1e6:.0f} | {t['mm8'] * 1e6:.0f} | "
+              f"{t['deq8'] * 1e6:.0f} | {t['x8'] * 1e6:.0f} ({t['x8c'] * 1e6:.0f}) | {t['mm16'] * 1e6:.0f} | "
+              f"{t['mm8'] * 1e6:.0f} | "
               f"{flop / t['mm16'] / 1e12:.0f} / {flop / t['mm8'] / 1e12:.0f} |", flush=True)
 
 

@@ -54,28 +54,20 @@ def update_precision(precision: str):
 
 
 def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: (x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448."""
     s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
     return (x.float() / s).to(torch.float8_e4m3fn), s
 
 
-_fp8_rows_compiled = None
-
-
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448: each row's largest value lands on E4M3's largest.
-    Through torch.compile on CUDA: one read of x and one write (as eager ops, five passes cost 1 ms for the 7B's
-    down projection at M = 5,120, more than the FP8 GEMM saves; bench_fp8_gemm.py)."""
-    global _fp8_rows_compiled
-    if not x.is_cuda:
-        return _fp8_rows(x)
-    if _fp8_rows_compiled is None:
-        _fp8_rows_compiled = torch.compile(_fp8_rows, dynamic=True)
-    return _fp8_rows_compiled(x)
+    """(x / s in E4M3, s [M', 1] fp32) with s = max|row| / 448 (each row's largest value lands on E4M3's largest),
+    rows padded with zeros to M' = a multiple of 16, which `_scaled_mm` takes (a micro-batch's token count rarely is
+    one; the padded rows' outputs are sliced off). On CUDA one Triton kernel (kernels/fp8_rows.py)."""
+    if x.is_cuda:
+        from kernels.fp8_rows import fp8_rows as triton_rows
 
-
-def _rows_of_16(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_scaled_mm` takes rows in multiples of 16: a training micro-batch's token count rarely is one (prompts of
-    any length), so pad with zero rows (their outputs are sliced off)."""
+        return triton_rows(x)
+    q, s = _fp8_rows(x)
     pad = -q.shape[0] % 16
     if pad:
         q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
@@ -220,7 +212,7 @@ class NVFP4Gemm:
         scale, inv = (s_k, inv_k) if transposed else (s_n, inv_n)
         w = gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, transposed=transposed, inv_scale=inv,
                                    out=scratch(self.n * self.k, torch.float8_e4m3fn, self.device))
-        aq, s_a = _rows_of_16(*fp8_rows(a))
+        aq, s_a = fp8_rows(a)
         return torch._scaled_mm(aq, w.t(), scale_a=s_a, scale_b=scale[None, :], out_dtype=a.dtype)[:a.shape[0]]
 
     def _forward_fp8(self, x2: torch.Tensor) -> torch.Tensor:

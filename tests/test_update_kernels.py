@@ -238,3 +238,28 @@ def test_the_fp8_update_leaves_cpu_linears_exact():
     with fp8.active():
         assert torch.equal(fp8.frozen_linear(linear, x), linear(x))
     assert torch.equal(fp8.frozen_linear(linear, x), linear(x))
+
+
+@needs_gluon
+@pytest.mark.parametrize("m, k", [(5, 96), (37, 3584), (64, 18944)])
+def test_gpu_fp8_quantize_kernels_equal_their_references(m, k):
+    """The FP8 update's Triton kernels (rows of activations; W and Wᵀ of a bf16 weight) write exactly what the
+    PyTorch expressions they replace write, padding rows to 16 for `_scaled_mm`."""
+    from kernels import fp8_rows as kern
+    from kernels.gemm import _fp8_rows
+    from qerl.quant import fp8
+
+    g = torch.Generator("cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    q, s = kern.fp8_rows(x)
+    rq, rs = _fp8_rows(x)
+    assert q.shape[0] % 16 == 0 and q.shape[0] - m < 16
+    assert torch.equal(s[:m], rs) and torch.equal(q[:m].view(torch.uint8), rq.view(torch.uint8))
+    assert not q[m:].float().any() and (s[m:] == 1).all()
+    w = torch.randn(k // 2 + 16, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    linear = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    linear.weight.copy_(w)
+    _, inv_n, _, inv_k = fp8._scales(linear)
+    for inv, transposed in ((inv_n, False), (inv_k, True)):
+        got, ref = kern.weight_fp8(w, inv, transposed), fp8._weight_fp8(w, inv, transposed)
+        assert got.shape == ref.shape and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))

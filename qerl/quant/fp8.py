@@ -65,27 +65,25 @@ def _scales(linear: nn.Linear) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _weight_fp8(w: Tensor, inv: Tensor, transposed: bool) -> Tensor:
-    """W (or Wᵀ) scaled per row of the result, in E4M3, contiguous."""
+    """The reference: W (or Wᵀ) scaled per row of the result, in E4M3, contiguous."""
     x = w.t() if transposed else w
     return (x.float() * inv[:, None]).to(torch.float8_e4m3fn).contiguous()
 
 
-_weight_fp8_compiled = None
-
-
 def weight_fp8(w: Tensor, inv: Tensor, transposed: bool) -> Tensor:
-    """`_weight_fp8` through torch.compile: one read of W and one (transposing) write."""
-    global _weight_fp8_compiled
-    if _weight_fp8_compiled is None:
-        _weight_fp8_compiled = torch.compile(_weight_fp8, dynamic=True)
-    return _weight_fp8_compiled(w, inv, transposed)
+    """`_weight_fp8` in one Triton kernel on CUDA (kernels/fp8_rows.py): one read of W, one (transposing) write."""
+    if not w.is_cuda:
+        return _weight_fp8(w, inv, transposed)
+    from kernels.fp8_rows import weight_fp8 as triton_weight
+
+    return triton_weight(w.contiguous(), inv, transposed)
 
 
 def _product(a: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
     """a [M, C] @ w8ᵀ with w8 [D, C] in E4M3 scaled per row by w_scale [D]: [M, D] in a's dtype."""
-    from kernels.gemm import _rows_of_16, fp8_rows
+    from kernels.gemm import fp8_rows
 
-    aq, s_a = _rows_of_16(*fp8_rows(a))
+    aq, s_a = fp8_rows(a)
     return torch._scaled_mm(aq, w8.t(), scale_a=s_a, scale_b=w_scale[None, :], out_dtype=a.dtype)[:a.shape[0]]
 
 
