@@ -133,6 +133,25 @@ def test_same_seed_same_run(tmp_path):
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+def test_shared_prompts_update_is_the_plain_update(tmp_path):
+    """On the CPU the update runs each group's prompt once (micro-batches of 3 cut across the groups of 4 here):
+    the same losses, entropies, gradient norms and adapter as running every row's prompt, to fp32 rounding."""
+    runs = {}
+    for shared in (True, False):
+        trainer = make_trainer(tiny_settings(tmp_path, train={"steps": 2}), tmp_path / str(shared))
+        assert trainer.share_prompts  # the CPU's default
+        trainer.share_prompts = shared
+        trainer.train()
+        runs[shared] = ([json.loads(x) for x in (tmp_path / str(shared) / "metrics.jsonl").read_text().splitlines()],
+                        adapter_tensors(tmp_path / str(shared)))
+    (shared_rows, shared_adapter), (plain_rows, plain_adapter) = runs[True], runs[False]
+    for a, b in zip(shared_rows, plain_rows):
+        assert a["reward_mean"] == b["reward_mean"]
+        for key in ("loss", "entropy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert all(torch.allclose(shared_adapter[k], plain_adapter[k], atol=1e-5) for k in plain_adapter)
+
+
 def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path):
     settings = tiny_settings(tmp_path)
     full = make_trainer(settings, tmp_path / "full")

@@ -158,6 +158,11 @@ class Trainer:
         training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
+        # On the CPU a micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
+        # (`Decoder.forward_shared_prompts`): same log-probs and gradients to float rounding, the embedded default's
+        # update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA dropout, whose masks would be
+        # shared by the rows; not yet on CUDA (its training kernels were not measured on the packed layout).
+        self.share_prompts = self.device.type == "cpu" and not s.lora.dropout
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
@@ -296,7 +301,11 @@ class Trainer:
         # Only the C positions that predict completion tokens go through the LM head, and `head_log_probs` runs it
         # a chunk of tokens at a time: the [B, C, V] float32 logits (and their gradient) are never built.
         predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
-        hidden = self.model.model(ids, attention_mask=attn)[:, predicting]
+        decoder = self.model.model
+        if self.share_prompts and hasattr(decoder, "forward_shared_prompts"):
+            hidden = decoder.forward_shared_prompts(ids, attn, P)[:, predicting]
+        else:
+            hidden = decoder(ids, attention_mask=attn)[:, predicting]
         head, temperature = self.model.lm_head, self.settings.rollout.temperature
         if type(head) is torch.nn.Linear and head.bias is None:
             return grpo.head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
