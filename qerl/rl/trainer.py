@@ -85,19 +85,20 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def return_large_frees_to_the_os() -> None:
-    """Have glibc serve every allocation of 4 MiB or more from its own mmap, unmapped again when freed.
+    """Have glibc serve every allocation of 1 MiB or more from its own mmap, unmapped again when freed.
 
     By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, so a training step's
-    activations (tens of MiB per layer on the CPU) soon come from the heap, which keeps their pages after the step:
-    the embedded default's 3-step run held 9.5 GB of resident memory. A fixed threshold also turns the adjustment
-    off. The value trades memory for the kernel's page zeroing (BENCHMARKS.md "Beside TRL on the CPU", the embedded
-    default's step): 1 MiB 95 CPU-s a step at 3.9 GiB peak, 4 MiB 80 s at 4.4 GiB, 16 MiB 63 s at 8.5 GiB (TRL:
-    91 s, 8.1 GiB). No-op where the C library is not glibc.
+    activations (MiBs per layer on the CPU) soon come from the heap, which keeps their pages after the step and
+    fragments within it: the embedded default's update peaked at 4.3-4.5 GiB resident with a 4 MiB or a 64 MiB
+    threshold (a `malloc_trim` at the step's end included) for 2.7 GiB of live tensors. A fixed threshold also
+    turns the adjustment off. The value trades memory for the kernel's page zeroing (BENCHMARKS.md "Beside TRL on
+    the CPU", the embedded default's step, prompts shared in the update): 1 MiB ~28 CPU-s an update at 2.9 GiB
+    peak, 4 MiB ~24 s at 4.4 GiB, 64 MiB ~22 s at 4.5 GiB. No-op where the C library is not glibc.
     """
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return
     m_mmap_threshold = -3  # from glibc's malloc.h
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 4 << 20)
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20)
 
 
 class Trainer:
