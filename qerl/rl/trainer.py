@@ -164,6 +164,10 @@ class Trainer:
         # update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA dropout, whose masks would be
         # shared by the rows; not yet on CUDA (its training kernels were not measured on the packed layout).
         self.share_prompts = self.device.type == "cpu" and not s.lora.dropout
+        # On the CPU rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss
+        # token) run their forward without autograd; the loss and its metrics still see every row. Only without
+        # the KL term (beta = 0), which gives every row a gradient. Not yet on CUDA (unmeasured there).
+        self.skip_idle_rows = self.device.type == "cpu" and s.grpo.beta == 0
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
@@ -315,6 +319,26 @@ class Trainer:
         entropy = grpo.entropy_from_logits(logits.detach()) if want_entropy else None
         return grpo.selective_log_softmax(logits, ids[:, P:]), entropy
 
+    def _micro_logp(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool,
+                    live: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """`_logp_and_entropy` of a micro-batch, with autograd only for the `live` rows (bool [B]; None: all): the
+        others' log-probs come from a forward without a graph, so they cost no backward and keep no activations."""
+        if live is None or bool(live.all()):
+            return self._logp_and_entropy(ids, attn, P, want_entropy)
+        idle_rows, live_rows = (~live).nonzero().squeeze(1), live.nonzero().squeeze(1)
+        with torch.no_grad():
+            idle_logp, idle_entropy = self._logp_and_entropy(ids[idle_rows], attn[idle_rows], P, want_entropy)
+        if not len(live_rows):
+            return idle_logp, idle_entropy
+        live_logp, live_entropy = self._logp_and_entropy(ids[live_rows], attn[live_rows], P, want_entropy)
+        logp = idle_logp.new_empty((len(ids), idle_logp.shape[1])).index_copy(0, idle_rows, idle_logp) \
+            .index_copy(0, live_rows, live_logp)
+        entropy = None
+        if want_entropy:
+            entropy = idle_entropy.new_empty(logp.shape).index_copy_(0, idle_rows, idle_entropy) \
+                .index_copy_(0, live_rows, live_entropy)
+        return logp, entropy
+
     @torch.no_grad()
     def measure_entropy(self, examples: list[data.Example]) -> dict[str, float]:
         """The policy's mean per-token entropy on its own completions to `examples` (`group_size` each), as the
@@ -393,6 +417,8 @@ class Trainer:
         self.model.gradient_checkpointing = totals.recomputed_blocks = recompute.plan(
             self.model.model, t["ids"][first], t["attn"][first], s.model.gradient_checkpointing)
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
+        # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
+        live = advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
         # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
         token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
         totals.token_count = max(token_count, 1.0)
@@ -401,7 +427,8 @@ class Trainer:
             totals.loss = 0.0
             for m in micro:
                 with self.noise.noisy(sigma_train, batch.noise_seed):
-                    logp, entropy = self._logp_and_entropy(t["ids"][m], t["attn"][m], P, want_entropy=iteration == 0)
+                    logp, entropy = self._micro_logp(t["ids"][m], t["attn"][m], P, iteration == 0,
+                                                     live[m] if self.skip_idle_rows else None)
                     loss, metrics = grpo.policy_loss(
                         logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
                         self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
@@ -409,8 +436,12 @@ class Trainer:
                         token_normalizer=totals.token_count)
                     if self.loss_cfg.loss_type != "dapo":  # per-micro-batch means: weight by the micro-batch's share
                         loss = loss * (m.stop - m.start) / step_rows
-                    loss.backward()
+                    if loss.requires_grad:  # not when every row of the micro-batch is idle
+                        loss.backward()
                 totals.add(loss.item(), metrics, weight=float(mask[m].sum()), entropy=entropy, mask=t["mask"][m])
+            for p in self.params:  # idle rows only: a zero gradient, as their backward would have left (AdamW
+                if p.grad is None:  # still steps on its moments)
+                    p.grad = torch.zeros_like(p)
             self.dist.sum_gradients(self.params)
             totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
             self.optimizer.step()
