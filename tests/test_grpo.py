@@ -222,26 +222,34 @@ def test_selective_log_softmax_matches_log_softmax_gather(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_head_log_probs_match_the_full_logits_path(dtype, temperature):
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["head-trained", "head-frozen"])
+@pytest.mark.parametrize("want_entropy", [True, False])
+def test_head_log_probs_match_the_full_logits_path(dtype, temperature, frozen_head, want_entropy):
+    """Both backward paths: a trained head (logits recomputed in backward) and the trainer's frozen head (each
+    token's derivative taken in forward), with and without the entropies."""
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 8, dtype=torch.float64).to(dtype).requires_grad_(True)
-    weight = torch.randn(50, 8, dtype=torch.float64).to(dtype).requires_grad_(True)
+    weight = torch.randn(50, 8, dtype=torch.float64).to(dtype).requires_grad_(not frozen_head)
     ids = torch.randint(0, 50, (2, 5))
     upstream = torch.randn(2, 5, dtype=torch.float64)
+    inputs = (hidden,) if frozen_head else (hidden, weight)
 
     # chunk_size 3 does not divide the 10 tokens: the last chunk is short
-    logp, entropy = head_log_probs(hidden, weight, ids, temperature, want_entropy=True, chunk_size=3)
-    grads = torch.autograd.grad((logp.double() * upstream).sum(), (hidden, weight))
+    logp, entropy = head_log_probs(hidden, weight, ids, temperature, want_entropy=want_entropy, chunk_size=3)
+    grads = torch.autograd.grad((logp.double() * upstream).sum(), inputs)
 
     logits = torch.nn.functional.linear(hidden, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     ref = selective_log_softmax(logits, ids)
-    ref_grads = torch.autograd.grad((ref.double() * upstream).sum(), (hidden, weight))
+    ref_grads = torch.autograd.grad((ref.double() * upstream).sum(), inputs)
 
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(logp, ref, rtol=0, atol=tol)
     p = logits.detach().double().softmax(-1)
-    torch.testing.assert_close(entropy.double(), -(p * p.log()).sum(-1), rtol=0, atol=max(tol, 1e-5))
+    if want_entropy:
+        torch.testing.assert_close(entropy.double(), -(p * p.log()).sum(-1), rtol=0, atol=max(tol, 1e-5))
+    else:
+        assert entropy is None
     for grad, ref_grad in zip(grads, ref_grads):
         assert grad.dtype == dtype
         torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=tol, atol=tol)

@@ -198,6 +198,62 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_pair):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+def grouped_rows(prompt_len=9, completion_len=7, groups=3, size=4, vocab=200, seed=0):
+    """`groups` left-padded prompts of different lengths, each repeated for `size` rows with its own right-padded
+    completion (a GRPO micro-batch), the rows shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(groups * size, prompt_len + completion_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i in range(groups):
+        n = int(torch.randint(2, prompt_len + 1, (1,), generator=g))
+        prompt = torch.randint(0, vocab, (n,), generator=g)
+        for r in range(i * size, (i + 1) * size):
+            c = int(torch.randint(1, completion_len + 1, (1,), generator=g))
+            ids[r, prompt_len - n:prompt_len] = prompt
+            ids[r, prompt_len:prompt_len + c] = torch.randint(0, vocab, (c,), generator=g)
+            mask[r, prompt_len - n:prompt_len + c] = 1
+    order = torch.randperm(len(ids), generator=g)
+    return ids[order], mask[order], prompt_len
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
+    """The CPU update runs each distinct prompt of a micro-batch once (`forward_shared_prompts`): every real token's
+    hidden state and the LoRA gradients are `forward`'s, in fp32, whatever the family (sliding windows shorter than
+    the prompt, Gemma's sandwich norms, Qwen3's q/k norms, Phi-3's stacked projections)."""
+    from qerl.model.lora import LoraSettings, apply_lora
+
+    family, overrides = CASES[case]
+    model = ours_from(hf_model(family, **overrides)).train()
+    model.requires_grad_(False)
+    params = apply_lora(model, LoraSettings(rank=4, alpha=8), dtype=torch.float32)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05)
+    ids, mask, prompt_len = grouped_rows()
+    weights = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    weights *= mask[..., None]  # padded positions compute something finite that nothing reads
+    results = []
+    for shared in (False, True):
+        for p in params:
+            p.grad = None
+        hidden = model.model.forward_shared_prompts(ids, mask, prompt_len) if shared \
+            else model.model(ids, attention_mask=mask)
+        (hidden * weights).sum().backward()
+        results.append((hidden.detach() * mask[..., None], torch.cat([p.grad.flatten() for p in params])))
+    (plain, plain_grad), (shared, shared_grad) = results
+    assert (plain - shared).abs().max() < 2e-5 * plain.abs().max()
+    assert (plain_grad - shared_grad).abs().max() < 2e-5 * plain_grad.abs().max()
+
+
+def test_shared_prompts_forward_of_distinct_prompts_is_forward(tiny_pair):
+    _, model = tiny_pair
+    ids, mask, prompt_len = grouped_rows(groups=3, size=1)
+    with torch.no_grad():
+        assert torch.equal(model.model.forward_shared_prompts(ids, mask, prompt_len),
+                           model.model(ids, attention_mask=mask))
+
+
 def test_norm_weights_are_read_every_forward(tiny_pair):
     """AQN adds noise to RMSNorm weights in place; the next forward must see it."""
     hf, _ = tiny_pair

@@ -55,6 +55,11 @@ def even_gold_reward(completion: str, gold: str) -> float:
     return float(int(gold) % 2 == 0)
 
 
+def odd_gold_ones_reward(completion: str, gold: str) -> float:
+    """ones_reward for odd answers, 0 for even ones: some groups carry a signal, the others none."""
+    return ones_reward(completion, gold) if int(gold) % 2 else 0.0
+
+
 def tiny_settings(tmp_path, **sections):
     raw = {
         "quant": {"scheme": "nvfp4"},
@@ -131,6 +136,47 @@ def test_same_seed_same_run(tmp_path):
     ta, tb = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b")
     assert ta.keys() == tb.keys()
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_shared_prompts_update_is_the_plain_update(tmp_path):
+    """On the CPU the update runs each group's prompt once (micro-batches of 3 cut across the groups of 4 here):
+    the same losses, entropies, gradient norms and adapter as running every row's prompt, to fp32 rounding."""
+    runs = {}
+    for shared in (True, False):
+        trainer = make_trainer(tiny_settings(tmp_path, train={"steps": 2}), tmp_path / str(shared))
+        assert trainer.share_prompts  # the CPU's default
+        trainer.share_prompts = shared
+        trainer.train()
+        runs[shared] = ([json.loads(x) for x in (tmp_path / str(shared) / "metrics.jsonl").read_text().splitlines()],
+                        adapter_tensors(tmp_path / str(shared)))
+    (shared_rows, shared_adapter), (plain_rows, plain_adapter) = runs[True], runs[False]
+    for a, b in zip(shared_rows, plain_rows):
+        assert a["reward_mean"] == b["reward_mean"]
+        for key in ("loss", "entropy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert all(torch.allclose(shared_adapter[k], plain_adapter[k], atol=1e-5) for k in plain_adapter)
+
+
+@pytest.mark.parametrize("reward", ["odd_gold_ones_reward", "even_gold_reward"])
+def test_idle_rows_without_autograd_give_the_plain_update(tmp_path, reward):
+    """On the CPU rows of zero advantage run their forward without autograd (and a micro-batch of only such rows no
+    backward: its zero gradient still steps AdamW's moments): the same metrics and adapter as the plain update."""
+    runs = {}
+    for skip in (True, False):
+        settings = tiny_settings(tmp_path, train={"steps": 3, "rewards": {f"tests.test_trainer:{reward}": 1.0}},
+                                 optim={"weight_decay": 0.1})
+        trainer = make_trainer(settings, tmp_path / str(skip))
+        assert trainer.skip_idle_rows  # the CPU's default at beta = 0
+        trainer.skip_idle_rows = skip
+        trainer.train()
+        runs[skip] = ([json.loads(x) for x in (tmp_path / str(skip) / "metrics.jsonl").read_text().splitlines()],
+                      adapter_tensors(tmp_path / str(skip)))
+    (skip_rows, skip_adapter), (plain_rows, plain_adapter) = runs[True], runs[False]
+    for a, b in zip(skip_rows, plain_rows):
+        assert a["reward_mean"] == b["reward_mean"]
+        for key in ("loss", "entropy", "grad_norm", "clip_ratio/region", "rollout_logp_gap/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert all(torch.allclose(skip_adapter[k], plain_adapter[k], atol=1e-5) for k in plain_adapter)
 
 
 def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path):

@@ -92,6 +92,24 @@ def test_the_cpu_always_runs_the_eager_ops():
         training_ops.set_backend("eager")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_silu_mul_keeps_two_inputs_and_gives_eagers_bits(dtype):
+    """Off the fused kernels, SiLU(gate) * up saves gate and up only (not SiLU(gate) too), and its output and
+    gradients are bitwise those of the plain ops: the CPU's numbers do not move."""
+    g = torch.Generator().manual_seed(0)
+    gate, up, w = (torch.randn(50, 24, generator=g).to(dtype) for _ in range(3))
+    gate.requires_grad_(True)
+    up.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = training_ops.silu_mul(gate, up)
+    assert len(saved) == 2
+    grads = torch.autograd.grad((out * w).sum(), (gate, up))
+    ref = torch.nn.functional.silu(gate) * up
+    ref_grads = torch.autograd.grad((ref * w).sum(), (gate, up))
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
 # ---------------------------------------------------------------------------------------------------------- GPU
 
 

@@ -398,6 +398,44 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **self._scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def forward_shared(self, x: Tensor, shared: "SharedPrompts", sliding: bool = False) -> Tensor:
+        """`forward` over a micro-batch packed by `SharedPrompts`: x [tokens, hidden] holds each distinct prompt's
+        tokens once, then every row's completion tokens. The prompts attend within themselves; each completion
+        attends to its own prompt's keys and values (gathered per row) and causally to its own tokens: what every
+        row computes in `forward`, without repeating a prompt for each completion that shares it."""
+        q, k, v = self.project_qkv(x)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        (cos_p, sin_p, mask_p), (cos_c, sin_c, mask_c) = shared.tables[sliding]
+        n, prompts, rows = shared.prompt_tokens, shared.prompts, shared.rows
+
+        def prompt_part(t: Tensor) -> Tensor:  # [prompts, heads, P, dim]
+            return t[:n].view(prompts, -1, t.shape[1], dim).transpose(1, 2)
+
+        def completion_part(t: Tensor) -> Tensor:  # [rows, heads, C, dim]
+            return t[n:].view(rows, -1, t.shape[1], dim).transpose(1, 2)
+
+        q_p, k_p = apply_rope(prompt_part(q), cos_p, sin_p), apply_rope(prompt_part(k), cos_p, sin_p)
+        q_c, k_c = apply_rope(completion_part(q), cos_c, sin_c), apply_rope(completion_part(k), cos_c, sin_c)
+        v_p, v_c = prompt_part(v), completion_part(v)
+        # Each row's keys and values: its prompt's, then its completion's.
+        k_c = torch.cat([k_p[shared.owner], k_c], dim=2)
+        v_c = torch.cat([v_p[shared.owner], v_c], dim=2)
+        groups, options = heads // kv_heads, dict(self._scale)
+        if groups > 1 and x.device.type == "cpu":
+            # SDPA's own GQA on the CPU: the same numbers as repeated keys and values (bitwise, torch 2.13), with a
+            # third of them saved for backward and half the time (SmolLM2: 9 query heads on 3 kv heads).
+            options["enable_gqa"] = True
+        elif groups > 1:
+            k_p, v_p = k_p.repeat_interleave(groups, dim=1), v_p.repeat_interleave(groups, dim=1)
+            k_c, v_c = k_c.repeat_interleave(groups, dim=1), v_c.repeat_interleave(groups, dim=1)
+        out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask_p, **options)
+        out_c = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask_c, **options)
+        out = torch.cat([out_p.transpose(1, 2).reshape(n, -1), out_c.transpose(1, 2).reshape(x.shape[0] - n, -1)])
+        return self.o_proj(out)
+
     @property
     def _scale(self) -> dict[str, float]:
         """SDPA's `scale` argument where the family sets one (Gemma's query_pre_attn_scalar)."""
@@ -508,11 +546,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 cache_position: Tensor | None) -> Tensor:
+        return self._block(x, lambda h: self.self_attn(h, cos, sin, mask, cache_position))
+
+    def forward_shared(self, x: Tensor, shared: "SharedPrompts") -> Tensor:
+        """`forward` over a micro-batch packed by `SharedPrompts` (x [tokens, hidden]; see `Attention.forward_shared`):
+        every op but attention works token by token, so it runs on the packed tokens as they are."""
+        return self._block(x, lambda h: self.self_attn.forward_shared(h, shared, self.sliding))
+
+    def _block(self, x: Tensor, attend) -> Tensor:
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask,
-                                                                 cache_position))
+            x = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_position)
+        x = x + attend(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode_step(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor,
@@ -575,6 +620,36 @@ def _sliding_mask(mask: Tensor | None, seq: int, cache_position: Tensor | None, 
     if mask is None:
         mask = (key_slots[None, :] <= query_slots[:, None])[None, None]
     return mask & (key_slots[None, :] > query_slots[:, None] - window)
+
+
+@dataclass
+class SharedPrompts:
+    """A training micro-batch whose rows repeat a few prompts (a GRPO group's completions share theirs), packed so
+    that each distinct prompt runs through the blocks once (`Decoder.forward_shared_prompts`): the tokens are each
+    distinct prompt's, then every row's completion's. `tables[sliding]` holds the RoPE tables and attention masks
+    of the prompt part ([prompts, 1, P, ...]) and of the completion part ([rows, 1, C, ...], over all T keys), sliced
+    from what `forward` builds for the whole micro-batch, so both compute the same positions and masks."""
+
+    prompts: int  # distinct prompts
+    rows: int
+    prompt_len: int
+    owner: Tensor  # [rows]: each row's distinct prompt
+    tables: dict[bool, tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prompts * self.prompt_len
+
+
+def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
+    """(owner [B]: each row's distinct prompt, first [U]: the first row holding each) of the first `prompt_len`
+    columns (token ids and mask both)."""
+    batch = input_ids.shape[0]
+    prompt = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
+    distinct, owner = torch.unique(prompt, dim=0, return_inverse=True)
+    rows = torch.arange(batch, device=input_ids.device)
+    first = torch.full((len(distinct),), batch, dtype=torch.long, device=input_ids.device)
+    return owner, first.scatter_reduce_(0, owner, rows, "amin")
 
 
 class Decoder(nn.Module):
@@ -640,6 +715,38 @@ class Decoder(nn.Module):
             else:
                 x = layer(x, cos, sin, mask, cache_position)
         return self.norm(x)
+
+    def forward_shared_prompts(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+        """`forward(input_ids, attention_mask=attention_mask)` for rows that are a prompt in the first `prompt_len`
+        columns (left-padded) and a completion after it, computing each distinct prompt once however many rows
+        repeat it: a GRPO micro-batch of G-sample groups runs its prompt tokens 1/G as often. Each row's prompt
+        positions hold its prompt's hidden states. Same hidden states and gradients as `forward` (the GEMMs' shapes
+        differ, so to float rounding). Rows that all differ: `forward` itself."""
+        batch, seq = input_ids.shape
+        owner, first = distinct_prompts(input_ids, attention_mask, prompt_len)
+        if len(first) == batch or prompt_len == 0 or prompt_len >= seq:
+            return self(input_ids, attention_mask=attention_mask)
+        device, p = input_ids.device, prompt_len
+        position_ids, mask = _positions_and_mask(batch, seq, attention_mask, None, None, None, device)
+        masks = {False: mask}
+        if self.sliding_window is not None:
+            masks[True] = _sliding_mask(mask, seq, None, seq, self.sliding_window, device)
+        tables = {kind: ((cos[first, :p][:, None], sin[first, :p][:, None], masks[kind][first][:, :, :p, :p]),
+                         (cos[:, p:][:, None], sin[:, p:][:, None], masks[kind][:, :, p:]))
+                  for kind, (cos, sin) in self._rope(position_ids).items() if kind in masks}
+        shared = SharedPrompts(len(first), batch, p, owner, tables)
+        x = self.embed(torch.cat([input_ids[first, :p].reshape(-1), input_ids[:, p:].reshape(-1)]))
+        plan = self.gradient_checkpointing
+        recompute = (len(self.layers) if plan is True else int(plan)) if self.training and torch.is_grad_enabled() \
+            else 0
+        for i, layer in enumerate(self.layers):
+            if i < recompute:
+                x = checkpoint(layer.forward_shared, x, shared, use_reentrant=False)
+            else:
+                x = layer.forward_shared(x, shared)
+        x = self.norm(x)
+        n = shared.prompt_tokens
+        return torch.cat([x[:n].view(shared.prompts, p, -1)[owner], x[n:].view(batch, seq - p, -1)], dim=1)
 
     def decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,
                     kv_caches: Sequence[tuple[Tensor, Tensor]], fused: bool = False) -> Tensor:

@@ -120,25 +120,39 @@ def selective_log_softmax(logits: Tensor, ids: Tensor) -> Tensor:
 class _HeadLogProbs(torch.autograd.Function):
     """log_softmax(linear(hidden, weight) / temperature)[ids], computed ``chunk_size`` tokens at a time.
 
-    The [B, T, V] logits never exist: forward keeps only the [N] logsumexps, backward recomputes each chunk's
-    logits from the saved hidden states (the head's GEMM is cheap next to the model) and turns them into the
-    chunk's gradient at once. So the largest vocabulary-sized temporary is one ``[chunk_size, V]`` float32 block.
+    The [B, T, V] logits never exist. Where only ``hidden`` needs a gradient (a frozen head: the trainer's case),
+    forward also takes each token's derivative d logp_t / d hidden_t = (W[id_t] - softmax_t @ W) / temperature, an
+    [H] vector (logp_t depends on hidden_t alone), so backward is one scale of those by the upstream gradient: the
+    head's logits are computed once per update, not again in backward. Where ``weight`` needs one too, forward keeps
+    only the [N] logsumexps and backward recomputes each chunk's logits from the saved hidden states. Either way the
+    largest vocabulary-sized temporary is one ``[chunk_size, V]`` float32 block.
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk_size: int,
                 want_entropy: bool) -> tuple[Tensor, Tensor]:
         flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
-        logps, lses, entropies = [], [], []
+        # Only hidden needs a gradient: its per-token derivative now, from the chunk's softmax at hand.
+        per_token = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
+        logps, lses, entropies, derivatives = [], [], [], []
         for h, i in zip(flat_hidden.split(chunk_size), flat_ids.split(chunk_size)):
             logits = _tempered_logits(h, weight, temperature)
             lse = torch.logsumexp(logits, dim=-1)
             logps.append(logits.gather(-1, i.unsqueeze(-1)).squeeze(-1) - lse)
             lses.append(lse)
-            if want_entropy:
+            if want_entropy or per_token:
                 logp_all = logits.sub_(lse.unsqueeze(-1))  # in place: the chunk's logits are not needed again
-                entropies.append(-(logp_all.exp() * logp_all).sum(dim=-1))
-        ctx.save_for_backward(hidden, weight, ids, torch.cat(lses))
+                probs = logp_all.exp()
+                if want_entropy:
+                    entropies.append(-(probs * logp_all).sum(dim=-1))
+                if per_token:  # the head's GEMM in its dtype, as nn.Linear's backward (bf16 tensor cores on a GPU)
+                    expected = (probs.to(weight.dtype) @ weight).to(lse.dtype)
+                    derivatives.append(weight[i].to(lse.dtype).sub_(expected).div_(temperature))
+        if per_token:
+            ctx.save_for_backward(torch.cat(derivatives))
+        else:
+            ctx.save_for_backward(hidden, weight, ids, torch.cat(lses))
+        ctx.per_token, ctx.hidden_shape, ctx.hidden_dtype = per_token, hidden.shape, hidden.dtype
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         entropy = torch.cat(entropies).view(ids.shape) if want_entropy else torch.empty(0)
         ctx.mark_non_differentiable(entropy)
@@ -146,6 +160,10 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor | None):
+        if ctx.per_token:
+            (derivatives,) = ctx.saved_tensors
+            grad_hidden = derivatives * grad_logp.reshape(-1, 1).to(derivatives.dtype)
+            return grad_hidden.to(ctx.hidden_dtype).view(ctx.hidden_shape), None, None, None, None, None
         hidden, weight, ids, lse = ctx.saved_tensors
         flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
         grad_out = grad_logp.reshape(-1)

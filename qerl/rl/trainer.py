@@ -94,19 +94,20 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def return_large_frees_to_the_os() -> None:
-    """Have glibc serve every allocation of 4 MiB or more from its own mmap, unmapped again when freed.
+    """Have glibc serve every allocation of 1 MiB or more from its own mmap, unmapped again when freed.
 
     By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, so a training step's
-    activations (tens of MiB per layer on the CPU) soon come from the heap, which keeps their pages after the step:
-    the embedded default's 3-step run held 9.5 GB of resident memory. A fixed threshold also turns the adjustment
-    off. The value trades memory for the kernel's page zeroing (BENCHMARKS.md "Beside TRL on the CPU", the embedded
-    default's step): 1 MiB 95 CPU-s a step at 3.9 GiB peak, 4 MiB 80 s at 4.4 GiB, 16 MiB 63 s at 8.5 GiB (TRL:
-    91 s, 8.1 GiB). No-op where the C library is not glibc.
+    activations (MiBs per layer on the CPU) soon come from the heap, which keeps their pages after the step and
+    fragments within it: the embedded default's update peaked at 4.3-4.5 GiB resident with a 4 MiB or a 64 MiB
+    threshold (a `malloc_trim` at the step's end included) for 2.7 GiB of live tensors. A fixed threshold also
+    turns the adjustment off. The value trades memory for the kernel's page zeroing (BENCHMARKS.md "Beside TRL on
+    the CPU", the embedded default's step, prompts shared in the update): 1 MiB ~28 CPU-s an update at 2.9 GiB
+    peak, 4 MiB ~24 s at 4.4 GiB, 64 MiB ~22 s at 4.5 GiB. No-op where the C library is not glibc.
     """
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return
     m_mmap_threshold = -3  # from glibc's malloc.h
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 4 << 20)
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20)
 
 
 class Trainer:
@@ -167,6 +168,15 @@ class Trainer:
         training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
+        # On the CPU a micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
+        # (`Decoder.forward_shared_prompts`): same log-probs and gradients to float rounding, the embedded default's
+        # update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA dropout, whose masks would be
+        # shared by the rows; not yet on CUDA (its training kernels were not measured on the packed layout).
+        self.share_prompts = self.device.type == "cpu" and not s.lora.dropout
+        # On the CPU rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss
+        # token) run their forward without autograd; the loss and its metrics still see every row. Only without
+        # the KL term (beta = 0), which gives every row a gradient. Not yet on CUDA (unmeasured there).
+        self.skip_idle_rows = self.device.type == "cpu" and s.grpo.beta == 0
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
@@ -313,7 +323,11 @@ class Trainer:
         # Only the C positions that predict completion tokens go through the LM head, and `head_log_probs` runs it
         # a chunk of tokens at a time: the [B, C, V] float32 logits (and their gradient) are never built.
         predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
-        hidden = self.model.model(ids, attention_mask=attn)[:, predicting]
+        decoder = self.model.model
+        if self.share_prompts and hasattr(decoder, "forward_shared_prompts"):
+            hidden = decoder.forward_shared_prompts(ids, attn, P)[:, predicting]
+        else:
+            hidden = decoder(ids, attention_mask=attn)[:, predicting]
         head, temperature = self.model.lm_head, self.settings.rollout.temperature
         if type(head) is torch.nn.Linear and head.bias is None:
             return grpo.head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
@@ -321,6 +335,26 @@ class Trainer:
         logits = head(hidden).float().div_(temperature)
         entropy = grpo.entropy_from_logits(logits.detach()) if want_entropy else None
         return grpo.selective_log_softmax(logits, ids[:, P:]), entropy
+
+    def _micro_logp(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool,
+                    live: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """`_logp_and_entropy` of a micro-batch, with autograd only for the `live` rows (bool [B]; None: all): the
+        others' log-probs come from a forward without a graph, so they cost no backward and keep no activations."""
+        if live is None or bool(live.all()):
+            return self._logp_and_entropy(ids, attn, P, want_entropy)
+        idle_rows, live_rows = (~live).nonzero().squeeze(1), live.nonzero().squeeze(1)
+        with torch.no_grad():
+            idle_logp, idle_entropy = self._logp_and_entropy(ids[idle_rows], attn[idle_rows], P, want_entropy)
+        if not len(live_rows):
+            return idle_logp, idle_entropy
+        live_logp, live_entropy = self._logp_and_entropy(ids[live_rows], attn[live_rows], P, want_entropy)
+        logp = idle_logp.new_empty((len(ids), idle_logp.shape[1])).index_copy(0, idle_rows, idle_logp) \
+            .index_copy(0, live_rows, live_logp)
+        entropy = None
+        if want_entropy:
+            entropy = idle_entropy.new_empty(logp.shape).index_copy_(0, idle_rows, idle_entropy) \
+                .index_copy_(0, live_rows, live_entropy)
+        return logp, entropy
 
     @torch.no_grad()
     def measure_entropy(self, examples: list[data.Example]) -> dict[str, float]:
@@ -400,6 +434,8 @@ class Trainer:
         self.model.gradient_checkpointing = totals.recomputed_blocks = recompute.plan(
             self.model.model, t["ids"][first], t["attn"][first], s.model.gradient_checkpointing)
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
+        # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
+        live = advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
         # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
         token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
         totals.token_count = max(token_count, 1.0)
@@ -408,7 +444,8 @@ class Trainer:
             totals.loss = 0.0
             for m in micro:
                 with self.noise.noisy(sigma_train, batch.noise_seed):
-                    logp, entropy = self._logp_and_entropy(t["ids"][m], t["attn"][m], P, want_entropy=iteration == 0)
+                    logp, entropy = self._micro_logp(t["ids"][m], t["attn"][m], P, iteration == 0,
+                                                     live[m] if self.skip_idle_rows else None)
                     loss, metrics = grpo.policy_loss(
                         logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
                         self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
@@ -416,8 +453,12 @@ class Trainer:
                         token_normalizer=totals.token_count)
                     if self.loss_cfg.loss_type != "dapo":  # per-micro-batch means: weight by the micro-batch's share
                         loss = loss * (m.stop - m.start) / step_rows
-                    loss.backward()
+                    if loss.requires_grad:  # not when every row of the micro-batch is idle
+                        loss.backward()
                 totals.add(loss.item(), metrics, weight=float(mask[m].sum()), entropy=entropy, mask=t["mask"][m])
+            for p in self.params:  # idle rows only: a zero gradient, as their backward would have left (AdamW
+                if p.grad is None:  # still steps on its moments)
+                    p.grad = torch.zeros_like(p)
             self.dist.sum_gradients(self.params)
             totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
             self.optimizer.step()
