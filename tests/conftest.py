@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see qerl/__init__.py
 # Prefect's temporary server gets 20 s to answer by default; on 2 shared cores under load it took longer, and the
@@ -105,6 +106,27 @@ def here(caplog, capsys):
             code = tiny_trainer_process.main(argv)
         lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records]
         return code, "\n".join([*lines, *capsys.readouterr().err.splitlines()])
+
+    return run
+
+
+@pytest.fixture
+def qerl_here(caplog, capsys, monkeypatch):
+    """`qerl_here(*args)`: the `qerl` command's `main` in this process, from the repository root as a `qerl` child
+    would run; (exit code, its stdout, what its stderr would hold: the log lines, then what it printed there). For
+    what fails before or after a tiny model's load, a child's interpreter and imports cost more than the test."""
+    from qerl.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+
+    def run(*args) -> tuple[int, str, str]:
+        caplog.clear()
+        capsys.readouterr()
+        with caplog.at_level(logging.INFO):
+            code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records]
+        return code, out, "\n".join([*lines, *err.splitlines()])
 
     return run
 
