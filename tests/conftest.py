@@ -111,24 +111,41 @@ def here(caplog, capsys):
 
 
 @pytest.fixture
-def qerl_here(caplog, capsys, monkeypatch):
-    """`qerl_here(*args)`: the `qerl` command's `main` in this process, from the repository root as a `qerl` child
-    would run; (exit code, its stdout, what its stderr would hold: the log lines, then what it printed there). For
-    what fails before or after a tiny model's load, a child's interpreter and imports cost more than the test."""
-    from qerl.cli import main
-
+def main_here(caplog, capsys, monkeypatch):
+    """`main_here(main, *args)`: a command's `main(argv)` (qerl.cli's, a flow module's) in this process, from the
+    repository root as its child would run; (exit code, its stdout, what its stderr would hold: the log lines, then
+    what it printed there). For what fails before or after a tiny model's load, a child's interpreter and imports
+    (~4 s of CPU) cost more than the test."""
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
 
-    def run(*args) -> tuple[int, str, str]:
+    def run(main, *args) -> tuple[int, str, str]:
         caplog.clear()
         capsys.readouterr()
-        with caplog.at_level(logging.INFO):
-            code = main([str(a) for a in args])
+        # Only pytest's own handlers on the root logger meanwhile: a child has none of what imports in this process
+        # added (Prefect's console handler, on a stream an earlier test's capture closed, adds "--- Logging error ---").
+        root = logging.getLogger()
+        foreign = [h for h in root.handlers if not type(h).__module__.startswith("_pytest")]
+        for handler in foreign:
+            root.removeHandler(handler)
+        try:
+            with caplog.at_level(logging.INFO):
+                code = main([str(a) for a in args])
+        finally:
+            for handler in foreign:
+                root.addHandler(handler)
         out, err = capsys.readouterr()
         lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records]
         return code, out, "\n".join([*lines, *err.splitlines()])
 
     return run
+
+
+@pytest.fixture
+def qerl_here(main_here):
+    """`qerl_here(*args)`: `main_here` for the `qerl` command."""
+    from qerl.cli import main
+
+    return lambda *args: main_here(main, *args)
 
 
 @pytest.fixture

@@ -54,7 +54,8 @@ def test_missing_model_is_one_clear_error(tmp_path, qerl_here):
 
 
 def test_missing_adapter_fails_in_one_line_before_the_model_loads(tmp_path, qerl_here):
-    code, _, err = qerl_here("eval", "--params", REPO / "params" / "default.yaml", "--adapter", tmp_path / "nonexistent")
+    code, _, err = qerl_here("eval", "--params", REPO / "params" / "default.yaml",
+                             "--adapter", tmp_path / "nonexistent")
     assert code == 2  # bad input
     assert err.splitlines() == [f"qerl: error: adapter folder {tmp_path / 'nonexistent'} does not exist"]
 

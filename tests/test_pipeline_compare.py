@@ -9,13 +9,10 @@ runs through the same `train_and_evaluate` in the deployment test (test_pipeline
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.patience import patience
 
 pytest.importorskip("prefect")
 pytest.importorskip("mlflow")
@@ -100,12 +97,12 @@ def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_re
     assert len(plan_runs(TINY, quick, {arm: BUILT_IN[arm] for arm in ARMS}, 2, out)) == 4  # seed 1 is new: fine
 
 
-def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "flows.compare", "--params", TINY, "--arms", "fp8-lora",
-                           "--out", str(tmp_path / "exp")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=patience(120))
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path, main_here):
+    from flows.compare import main
+
+    code, _, err = main_here(main, "--params", TINY, "--arms", "fp8-lora", "--out", tmp_path / "exp")
+    assert code == 2
+    assert err.strip().splitlines() == [
         "python -m flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
         "nvfp4-aqn, nvfp4-aqn-entropy, qlora-bnb; or define one as NAME:section.key=value,...)"]
     assert not (tmp_path / "exp").exists()
