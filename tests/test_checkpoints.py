@@ -5,8 +5,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -221,21 +219,19 @@ def test_kill_9_during_a_checkpoint_write_then_resume(finished, tmp_path, finish
     assert all(torch.equal(a[k], b[k]) for k in a)  # bit for bit the uninterrupted run's
 
 
-def test_qerl_train_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
+def test_qerl_train_resume_with_every_checkpoint_damaged_is_one_line(tmp_path, qerl_here):
     """The same through the `qerl` command on the embedded model: exit 2 and one line, no traceback."""
     run = tmp_path / "run"
     (run / "checkpoints" / "step-000002").mkdir(parents=True)
     (run / "checkpoints" / "step-000002" / STATE).write_bytes(b"")
     write_manifest(run / "checkpoints" / "step-000002")
     (run / "checkpoints" / "step-000002" / STATE).write_bytes(b"garbage")
-    proc = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out", str(run),
-                           "--resume"], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                          timeout=patience(300))
-    assert proc.returncode == 2
-    last = proc.stderr.strip().splitlines()[-1]
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", run, "--resume")
+    assert code == 2
+    last = err.strip().splitlines()[-1]
     assert last == (f"qerl: error: no intact checkpoint in {run / 'checkpoints'}: {run / 'checkpoints' / 'step-000002'}"
                     f"/{STATE}: 7 bytes, the manifest says 0 (pass --overwrite to start the run over)")
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in err
 
 
 def test_the_state_format_keeps_every_kind_of_value_a_trainer_state_holds(tmp_path):

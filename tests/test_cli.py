@@ -1,4 +1,6 @@
-"""The `qerl` command line end to end: quantize a checkpoint, then evaluate the quantized model from it."""
+"""The `qerl` command line end to end: quantize a checkpoint, then evaluate the quantized model from it (a `qerl`
+child process, as a user runs it); then the command's one-line errors, from its `main` in this process (conftest's
+`qerl_here`: the same argument parsing, error reporting and exit codes, without a child's interpreter and imports)."""
 
 import json
 import subprocess
@@ -44,41 +46,44 @@ def test_quantize_then_eval_the_quantized_folder(tiny_llama_dir, tmp_path):
     assert {"prompt", "completion", "extracted", "gold_answer", "gold", "score", "graded_by"} <= set(rows[0])
 
 
-def test_missing_model_is_one_clear_error(tmp_path):
-    proc = qerl("quantize", "--model", tmp_path / "nope", "--out", tmp_path / "out")
-    assert proc.returncode == 2  # bad input
-    assert proc.stderr.startswith("qerl: error:") and "nope" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_missing_model_is_one_clear_error(tmp_path, qerl_here):
+    code, _, err = qerl_here("quantize", "--model", tmp_path / "nope", "--out", tmp_path / "out")
+    assert code == 2  # bad input
+    assert err.startswith("qerl: error:") and "nope" in err
+    assert "Traceback" not in err
 
 
-def test_missing_adapter_fails_in_one_line_before_the_model_loads(tmp_path):
-    proc = qerl("eval", "--params", REPO / "params" / "default.yaml", "--adapter", tmp_path / "nonexistent")
-    assert proc.returncode == 2  # bad input
-    assert proc.stderr.splitlines() == [f"qerl: error: adapter folder {tmp_path / 'nonexistent'} does not exist"]
+def test_missing_adapter_fails_in_one_line_before_the_model_loads(tmp_path, qerl_here):
+    code, _, err = qerl_here("eval", "--params", REPO / "params" / "default.yaml",
+                             "--adapter", tmp_path / "nonexistent")
+    assert code == 2  # bad input
+    assert err.splitlines() == [f"qerl: error: adapter folder {tmp_path / 'nonexistent'} does not exist"]
 
 
-def test_malformed_data_row_names_file_and_line(tmp_path):
+def test_malformed_data_row_names_file_and_line(tmp_path, qerl_here):
     rows = tmp_path / "gsm.jsonl"
     rows.write_text('{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "2+2?"}\n')
     params = tmp_path / "p.yaml"
     params.write_text(yaml.safe_dump({"eval": {"name": str(rows), "n": 1}}))
-    proc = qerl("eval", "--params", params)
-    assert proc.returncode == 2  # bad input
-    assert f"{rows}:2" in proc.stderr and "answer" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = qerl_here("eval", "--params", params)
+    assert code == 2  # bad input
+    assert f"{rows}:2" in err and "answer" in err
+    assert "Traceback" not in err
 
 
-def test_quantize_onto_a_non_empty_folder_is_one_line(tiny_llama_dir, tmp_path):
+def test_quantize_onto_a_non_empty_folder_is_one_line(tiny_llama_dir, tmp_path, qerl_here):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    proc = qerl("quantize", "--model", tiny_llama_dir, "--out", out)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"qerl: error: destination {out} already exists and is not an empty folder"]
+    code, _, err = qerl_here("quantize", "--model", tiny_llama_dir, "--out", out)
+    assert code == 2
+    assert err.splitlines() == [f"qerl: error: destination {out} already exists and is not an empty folder"]
     assert (out / "keep.txt").read_text() == "mine"
 
 
-def test_quantize_removes_what_a_killed_quantization_left_and_refuses_a_destination_in_use(tiny_llama_dir, tmp_path):
+def test_quantize_removes_what_a_killed_quantization_left_and_refuses_a_destination_in_use(tiny_llama_dir, tmp_path,
+                                                                                           qerl_here):
+    """The lock is held here, the quantization runs here too: flock locks of two open files conflict in one process."""
     from qerl.run.lock import output_lock
 
     out = tmp_path / "q"
@@ -86,17 +91,18 @@ def test_quantize_removes_what_a_killed_quantization_left_and_refuses_a_destinat
     leftover.mkdir()
     (leftover / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
     with output_lock(out):
-        proc = qerl("quantize", "--model", tiny_llama_dir, "--out", out)
-        assert proc.returncode == 2
-        assert proc.stderr.startswith(f"qerl: error: output folder {out} is in use by PID ")
+        code, _, err = qerl_here("quantize", "--model", tiny_llama_dir, "--out", out)
+        assert code == 2
+        assert err.startswith(f"qerl: error: output folder {out} is in use by PID ")
         assert leftover.exists()  # a writer may own it while the lock is held
-    proc = qerl("quantize", "--model", tiny_llama_dir, "--out", out)
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = qerl_here("quantize", "--model", tiny_llama_dir, "--out", out)
+    assert code == 0, err
     assert not leftover.exists() and (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp folder, no lock file left
 
 
-def test_a_damaged_adapter_is_one_line_and_debug_shows_the_traceback(tiny_llama_dir, tmp_path):
+def test_a_damaged_adapter_is_one_line_and_debug_shows_the_traceback(tiny_llama_dir, tmp_path, qerl_here,
+                                                                     monkeypatch):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({
@@ -106,18 +112,16 @@ def test_a_damaged_adapter_is_one_line_and_debug_shows_the_traceback(tiny_llama_
     params.write_text(yaml.safe_dump({"model": {"path": str(tiny_llama_dir)}, "quant": {"scheme": "bf16"},
                                       "eval": {"n": 1, "max_new_tokens": 2}}))
     args = ("eval", "--params", params, "--adapter", adapter, "--out", tmp_path / "eval")
-    proc = qerl(*args)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(
+    code, _, err = qerl_here(*args)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith(
         f"qerl: error: {adapter / 'adapter_model.safetensors'}: cannot read safetensors (")
-    assert "Traceback" not in proc.stderr
-    debug = qerl(*args, "--debug")
-    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
-    import os
-
-    env_debug = subprocess.run([sys.executable, "-m", "qerl.cli", *map(str, args)], capture_output=True, text=True,
-                               cwd=REPO, timeout=patience(600), env={**os.environ, "QERL_DEBUG": "1"})
-    assert env_debug.returncode == 2 and "Traceback (most recent call last)" in env_debug.stderr
+    assert "Traceback" not in err
+    code, _, err = qerl_here(*args, "--debug")
+    assert code == 2 and "Traceback (most recent call last)" in err
+    monkeypatch.setenv("QERL_DEBUG", "1")
+    code, _, err = qerl_here(*args)
+    assert code == 2 and "Traceback (most recent call last)" in err
 
 
 def test_an_unexpected_error_is_one_line_with_exit_1_and_a_hint(capsys):
@@ -131,53 +135,53 @@ def test_an_unexpected_error_is_one_line_with_exit_1_and_a_hint(capsys):
     assert report("qerl", KeyboardInterrupt()) == 130
 
 
-def test_a_non_utf8_data_file_is_one_line_naming_file_and_line(tmp_path):
+def test_a_non_utf8_data_file_is_one_line_naming_file_and_line(tmp_path, qerl_here):
     rows = tmp_path / "rows.jsonl"
     rows.write_bytes(b'{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "\xff", "answer": "2 #### 2"}\n')
-    proc = qerl("eval", "-S", f"eval.name={rows}", "-S", "eval.n=null")
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"qerl: error: {rows}:2: not UTF-8 (byte 0xff at byte 15 of the line)"]
+    code, _, err = qerl_here("eval", "-S", f"eval.name={rows}", "-S", "eval.n=null")
+    assert code == 2
+    assert err.splitlines() == [f"qerl: error: {rows}:2: not UTF-8 (byte 0xff at byte 15 of the line)"]
 
 
-def test_an_empty_params_file_is_one_line_not_a_run_with_every_default(tmp_path):
+def test_an_empty_params_file_is_one_line_not_a_run_with_every_default(tmp_path, qerl_here):
     params = tmp_path / "empty.yaml"
     params.write_text("# nothing yet\n")
-    proc = qerl("train", "--params", params, "--out", tmp_path / "run")
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"qerl: error: {params}: the params file is empty (no sections); start from "
+    code, _, err = qerl_here("train", "--params", params, "--out", tmp_path / "run")
+    assert code == 2
+    assert err.splitlines() == [f"qerl: error: {params}: the params file is empty (no sections); start from "
                                         "params/default.yaml"]
     assert not (tmp_path / "run").exists()
 
 
-def test_an_unknown_reward_name_fails_with_the_other_settings(tmp_path):
+def test_an_unknown_reward_name_fails_with_the_other_settings(tmp_path, qerl_here):
     """Before anything loads: the model path does not even exist."""
-    proc = qerl("train", "-S", "model.path=/nonexistent", "-S", "train.rewards={accuarcy: 1.0}", "--out",
-                tmp_path / "run")
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [
+    code, _, err = qerl_here("train", "-S", "model.path=/nonexistent", "-S", "train.rewards={accuarcy: 1.0}", "--out",
+                             tmp_path / "run")
+    assert code == 2
+    assert err.splitlines() == [
         "qerl: error: -S train.rewards={accuarcy: 1.0}: train.rewards = {'accuarcy': 1.0}: unknown reward "
         "'accuarcy': use one of ['accuracy', 'format'] or 'package.module:function'"]
 
 
-def test_n_beyond_the_dataset_names_the_key_and_the_file_before_the_model_loads(tmp_path):
+def test_n_beyond_the_dataset_names_the_key_and_the_file_before_the_model_loads(tmp_path, qerl_here):
     """The model path does not exist: the error comes from the data, checked first."""
     table = tmp_path / "problems.csv"
     table.write_text("question,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
-    proc = qerl("eval", "-S", "model.path=/nonexistent", "-S", f"eval.name={table}", "-S", "eval.n=5")
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"qerl: error: eval.n = 5: {table} has only 2 examples (lower eval.n, or set "
+    code, _, err = qerl_here("eval", "-S", "model.path=/nonexistent", "-S", f"eval.name={table}", "-S", "eval.n=5")
+    assert code == 2
+    assert err.splitlines() == [f"qerl: error: eval.n = 5: {table} has only 2 examples (lower eval.n, or set "
                                         "it to null for all of them)"]
-    proc = qerl("train", "-S", "model.path=/nonexistent", "-S", f"data.name={table}", "-S", "data.n=3", "--out",
-                tmp_path / "run")
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == (f"qerl: error: data.n = 3: {table} has only 2 examples (lower data.n, or "
+    code, _, err = qerl_here("train", "-S", "model.path=/nonexistent", "-S", f"data.name={table}", "-S", "data.n=3",
+                             "--out", tmp_path / "run")
+    assert code == 2
+    assert err.splitlines()[-1] == (f"qerl: error: data.n = 3: {table} has only 2 examples (lower data.n, or "
                                             "set it to null for all of them)")
 
 
-def test_a_damaged_parquet_file_is_one_line_without_the_datasets_librarys_own_lines(tmp_path):
+def test_a_damaged_parquet_file_is_one_line_without_the_datasets_librarys_own_lines(tmp_path, qerl_here):
     table = tmp_path / "bad.parquet"
     table.write_bytes(b"PAR1 not really")
-    proc = qerl("eval", "-S", "model.path=/nonexistent", "-S", f"eval.name={table}", "-S", "eval.n=null")
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"qerl: error: {table}: Parquet magic bytes not found in footer. Either the "
+    code, _, err = qerl_here("eval", "-S", "model.path=/nonexistent", "-S", f"eval.name={table}", "-S", "eval.n=null")
+    assert code == 2
+    assert err.splitlines() == [f"qerl: error: {table}: Parquet magic bytes not found in footer. Either the "
                                         "file is corrupted or this is not a parquet file."]

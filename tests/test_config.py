@@ -119,17 +119,17 @@ def test_flat_dict_and_fingerprint_for_trackers_and_caches():
     assert settings_from_dict(__import__("yaml").safe_load(a.to_yaml())) == a
 
 
-def test_cli_rejects_bad_params_with_one_line_and_nonzero_exit(tmp_path):
+def test_cli_rejects_bad_params_with_one_line_and_nonzero_exit(tmp_path, qerl_here):
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora:\n  rnk: 4\n")
-    proc = subprocess.run([sys.executable, "-m", "qerl.cli", "eval", "--params", str(bad)],
-                          capture_output=True, text=True, cwd=REPO, timeout=patience(120))
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"qerl: error: {bad}:2: unknown key 'lora.rnk' (did you mean 'rank'?)"
-    assert "Traceback" not in proc.stderr
+    code, _, err = qerl_here("eval", "--params", bad)
+    assert code == 2
+    assert err.strip() == f"qerl: error: {bad}:2: unknown key 'lora.rnk' (did you mean 'rank'?)"
+    assert "Traceback" not in err
 
 
 def test_cli_params_prints_resolved_yaml():
+    """A `qerl` child process: the console entry point itself (`python -m qerl.cli`), its exit code and stdout."""
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", "params", "-S", "lora.rank=4"],
                           capture_output=True, text=True, cwd=REPO, timeout=patience(120))
     assert proc.returncode == 0, proc.stderr

@@ -46,9 +46,21 @@ def rank_main(rank: int, world: int, port: int, tmp_path, out, max_steps, resume
         torch.distributed.destroy_process_group()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def forkserver():
+    """The ranks are forked from one server process that imported this module (torch, qerl, the tests' trainer) once,
+    instead of each paying an interpreter's start-up and those imports (~4 s of CPU each, 8 ranks in this file); the
+    server has run nothing (no threads, no gloo), so a fork of it is as clean as a spawn. Stopped after the module."""
+    from multiprocessing import forkserver as server
+
+    server.set_forkserver_preload([__name__])
+    yield
+    server._forkserver._stop()  # CPython's own tests stop it so; without it the session's sweep would name it
+
+
 def run_ranks(tmp_path, out, world=2, max_steps=None, resume=False, die_at_update=False, timeout=patience(240),
               **sections):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, world, port, tmp_path, out, max_steps, resume, die_at_update,
                                                  sections)) for r in range(world)]

@@ -1,5 +1,6 @@
-"""The experiment flow on params/tiny.yaml with real Prefect and a real MLflow store: 2 arms x 1 seed x 1 step, the
-nested runs, the report files, then a rerun that skips the finished run and resumes the "crashed" one.
+"""The experiment flow on params/tiny.yaml with real Prefect and a real MLflow store: 2 arms x 1 seed x 1 step trained
+by two worker processes (--jobs 2), the nested runs, the report files, then a rerun in this process that skips the
+finished run and resumes the "crashed" one.
 
 The base is the tests' tiny random Llama (conftest's `tiny_llama_dir`, with SmolLM2's tokenizer), not SmolLM2-135M:
 what is checked here is the flow's bookkeeping (plan, nesting, skip and resume, workers, report), which does not
@@ -9,13 +10,9 @@ runs through the same `train_and_evaluate` in the deployment test (test_pipeline
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests.patience import patience
 
 pytest.importorskip("prefect")
 pytest.importorskip("mlflow")
@@ -32,27 +29,43 @@ def nested_runs(client, experiment_id, parent_id):
     return client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
 
 
-def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_rerun(tmp_path, monkeypatch,
-                                                                                     tiny_llama_dir):
+def test_compare_flow_trains_in_workers_nests_runs_writes_the_report_and_skips_finished_runs_on_rerun(
+        tmp_path, monkeypatch, tiny_llama_dir):
+    """--jobs 2: two worker processes share the plan through per-run claim locks; the flow only reads their results
+    back (it cannot train here: its own training is disabled), reports both arms and nests both MLflow runs. Then a
+    rerun in this process (--jobs 1, training enabled) skips the finished run and resumes the "crashed" one.
+
+    (One test for what were two, the in-process run and the --jobs run, each paying for a whole comparison: the rerun
+    goes through the in-process path, the first run through the workers.)"""
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-    from flows.compare import compare
+    import flows.compare as compare_flow
+
+    def no_training_here(*args, **kwargs):
+        raise AssertionError("the flow process trained a run itself")
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.delenv("PREFECT_API_URL", raising=False)  # Prefect's temporary local server, in a temporary home
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the workers import this checkout
     quick = [f"model.path={tiny_llama_dir}", "train.steps=1", "eval.n=2", "rollout.max_new_tokens=8",
              "eval.max_new_tokens=8", "aqn.target_entropy=1.0", f"tracking.tracking_uri={uri}",
              "tracking.experiment=compare-test"]
     out = tmp_path / "exp"
 
-    def run():
-        return compare(params=TINY, arms=ARMS, seeds=1, overrides=quick, out_dir=str(out),
-                       quantized_root=str(tmp_path / "quantized"), reward_threshold=0.5, entropy_prompts=2)
+    def run(jobs: int):
+        return compare_flow.compare(params=TINY, arms=ARMS, seeds=1, overrides=quick, out_dir=str(out),
+                                    quantized_root=str(tmp_path / "quantized"), reward_threshold=0.5,
+                                    entropy_prompts=2, jobs=jobs)
 
     with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):
-        first = run()
+        with monkeypatch.context() as patched:
+            patched.setattr(compare_flow, "train_and_evaluate", no_training_here)
+            first = run(jobs=2)
 
+        assert sorted(r["arm"] for r in first["runs"]) == sorted(ARMS)
+        assert all((out / "runs" / arm / "seed-0" / "result.json").is_file() for arm in ARMS)
+        assert not list(out.glob("runs/*/seed-0/" + compare_flow.CLAIM))  # claims released
         client = MlflowClient(uri)
         parent = client.get_run(first["parent_run_id"])
         assert parent.info.status == "FINISHED" and parent.data.tags["qerl.flow"] == "compare"
@@ -79,7 +92,7 @@ def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_re
         untouched = {p: p.stat().st_mtime_ns for p in [finished / "metrics.jsonl", finished / "result.json",
                                                        out / "base_entropy" / "bf16.json"]}
         (crashed / "result.json").unlink()
-        second = run()
+        second = run(jobs=1)
 
     assert second["parent_run_id"] == first["parent_run_id"]
     assert {p: p.stat().st_mtime_ns for p in untouched} == untouched
@@ -100,48 +113,15 @@ def test_compare_flow_nests_runs_writes_the_report_and_skips_finished_runs_on_re
     assert len(plan_runs(TINY, quick, {arm: BUILT_IN[arm] for arm in ARMS}, 2, out)) == 4  # seed 1 is new: fine
 
 
-def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "flows.compare", "--params", TINY, "--arms", "fp8-lora",
-                           "--out", str(tmp_path / "exp")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=patience(120))
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path, main_here):
+    from flows.compare import main
+
+    code, _, err = main_here(main, "--params", TINY, "--arms", "fp8-lora", "--out", tmp_path / "exp")
+    assert code == 2
+    assert err.strip().splitlines() == [
         "python -m flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
         "nvfp4-aqn, nvfp4-aqn-entropy, qlora-bnb; or define one as NAME:section.key=value,...)"]
     assert not (tmp_path / "exp").exists()
-
-
-def test_jobs_train_the_runs_in_worker_processes(tmp_path, monkeypatch, tiny_llama_dir):
-    """--jobs 2: two worker processes share the plan through per-run claim locks; the flow only reads their results
-    back (it cannot train here: its own training is disabled), reports both arms and nests both MLflow runs."""
-    from mlflow import MlflowClient
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
-    import flows.compare as compare_flow
-
-    def no_training_here(*args, **kwargs):
-        raise AssertionError("the flow process trained a run itself")
-
-    monkeypatch.setattr(compare_flow, "train_and_evaluate", no_training_here)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    quick = [f"model.path={tiny_llama_dir}", "train.steps=1", "eval.n=2", "rollout.max_new_tokens=8",
-             "eval.max_new_tokens=8", f"tracking.tracking_uri={uri}", "tracking.experiment=compare-jobs-test"]
-    out = tmp_path / "exp"
-    arms = ["bf16-lora", "nvfp4"]
-    with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):
-        result = compare_flow.compare(params=TINY, arms=arms, seeds=1, overrides=quick, out_dir=str(out),
-                                      quantized_root=str(tmp_path / "quantized"), reward_threshold=0.5,
-                                      entropy_prompts=2, jobs=2)
-    assert sorted(r["arm"] for r in result["runs"]) == arms
-    assert all((out / "runs" / arm / "seed-0" / "result.json").is_file() for arm in arms)
-    assert not list(out.glob("runs/*/seed-0/" + compare_flow.CLAIM))  # claims released
-    assert [r["arm"] for r in csv.DictReader((out / "report" / "summary.csv").open())] == arms
-    client = MlflowClient(uri)
-    parent = client.get_run(result["parent_run_id"])
-    children = nested_runs(client, parent.info.experiment_id, parent.info.run_id)
-    assert sorted(r.data.tags["arm"] for r in children) == arms and all(r.info.status == "FINISHED" for r in children)
 
 
 def test_jobs_must_be_positive(tmp_path):

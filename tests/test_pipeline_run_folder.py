@@ -48,9 +48,13 @@ def long_params(tmp_path, tiny_llama_dir) -> Path:
     return path
 
 
-def test_a_second_training_flow_on_a_folder_fails_before_mlflow_and_prefect_start(tmp_path, long_params):
+def test_a_second_training_flow_on_a_folder_fails_before_mlflow_and_prefect_start(tmp_path, long_params, main_here,
+                                                                                   monkeypatch):
+    """The first flow is a `python -m flows.train` child; the second, the same command's main, runs here."""
     pytest.importorskip("prefect")
     pytest.importorskip("mlflow")
+    from flows.train import main
+
     fresh = tmp_path / "fresh"  # no MLflow database yet: its set-up is where the loser used to die
     fresh.mkdir()
     run = fresh / "run"
@@ -58,17 +62,19 @@ def test_a_second_training_flow_on_a_folder_fails_before_mlflow_and_prefect_star
            "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "flows.train", "--params", str(long_params), "-S", "tracking.backend=mlflow",
-           "--out", str(run)]
-    first = start(cmd, fresh, env, tmp_path / "first.log")
+    args = ["--params", str(long_params), "-S", "tracking.backend=mlflow", "--out", str(run)]
+    first = start([sys.executable, "-m", "flows.train", *args], fresh, env, tmp_path / "first.log")
     try:
         wait_for(run / ".qerl.lock", first)
-        second = subprocess.run(cmd, cwd=fresh, env=env, capture_output=True, text=True, timeout=300)
+        monkeypatch.chdir(fresh)
+        for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+            monkeypatch.delenv(key, raising=False)
+        code, out, err = main_here(main, *args)
     finally:
         stop(first)
-    assert second.returncode == 2
-    assert second.stdout == ""  # no Prefect start-up output
-    assert second.stderr.splitlines() == [
+    assert code == 2
+    assert out == ""  # no Prefect start-up output
+    assert err.splitlines() == [
         f"python -m flows.train: error: run folder {run} is in use by PID {first.pid} on host {socket.gethostname()} "
         f"(lock file {run / '.qerl.lock'}); wait for it to finish or stop it, or choose another folder"]
 

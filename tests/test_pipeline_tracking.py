@@ -17,7 +17,6 @@ pytest.importorskip("mlflow")
 from flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry, TrackingUnavailable,  # noqa: E402
                             open_tracker, probe, resolve_tracking_uri)
 from qerl.config import load_settings  # noqa: E402
-from tests.patience import patience  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,16 +125,19 @@ def test_unreachable_server_is_a_fast_one_line_error():
         probe("sqlite:////nonexistent-dir/mlflow.db")
 
 
-def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path):
-    """`python -m flows.train` with a dead tracking server: exit 1, one line on stderr, no run folder, no model."""
+def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path, main_here, monkeypatch):
+    """`python -m flows.train` (its main, here) with a dead tracking server: exit 1, one line on stderr, no run
+    folder, no model."""
+    from flows.train import main
+
     out = tmp_path / "run"
     uri = f"http://127.0.0.1:{closed_port()}"
-    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never reached: the probe comes first
-    proc = subprocess.run([sys.executable, "-m", "flows.train", "--params", "params/tiny.yaml", "--out", str(out),
-                           "-S", f"tracking.tracking_uri={uri}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=patience(120))
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # never reached: the probe comes first
+    code, stdout, err = main_here(main, "--params", "params/tiny.yaml", "--out", out,
+                                  "-S", f"tracking.tracking_uri={uri}")
+    assert code == 1, err
+    assert stdout == ""
+    lines = err.strip().splitlines()
     assert lines == [f"python -m flows.train: error: MLflow tracking server {uri} is unreachable "
                      f"{lines[0].split('unreachable ', 1)[1]}"]
     assert not out.exists()

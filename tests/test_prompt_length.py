@@ -2,14 +2,11 @@
 
 import json
 import logging
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.patience import patience
 from tests.test_trainer import make_trainer, tiny_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,16 +47,15 @@ def test_max_new_tokens_filling_the_context_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "eval"])
-def test_a_huge_question_fails_in_one_line_before_the_model_loads(tmp_path, command):
+def test_a_huge_question_fails_in_one_line_before_the_model_loads(tmp_path, command, qerl_here):
     rows = write_rows(tmp_path / "big.jsonl", ["What is 1 + 1?", "What is " + "9 + " * 150_000 + "1?"])  # 600 KB
     key = "data" if command == "train" else "eval"
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "qerl.cli", command, "--params", "params/tiny.yaml",
-                           "--out", str(tmp_path / "out"), "-S", f"{key}.name={rows}", "-S", f"{key}.n=null"],
-                          cwd=REPO, capture_output=True, text=True, timeout=patience(300))
-    assert proc.returncode == 2, proc.stderr
-    line = proc.stderr.strip().splitlines()[-1]
+    code, _, err = qerl_here(command, "--params", "params/tiny.yaml", "--out", tmp_path / "out",
+                             "-S", f"{key}.name={rows}", "-S", f"{key}.n=null")
+    assert code == 2, err
+    line = err.strip().splitlines()[-1]
     assert line.startswith(f"qerl: error: {rows}:2: prompt is ") and "longer than the " in line
     assert ("rollout" if command == "train" else "eval") + ".max_new_tokens = 16" in line
-    assert "loaded" not in proc.stderr  # the model never loaded
+    assert "loaded" not in err  # the model never loaded
     assert time.perf_counter() - start < 120

@@ -74,19 +74,19 @@ def test_a_lock_dies_with_its_process(tmp_path):
     run_folder_lock(run).acquire().release()
 
 
-def test_qerl_train_on_a_folder_in_use_is_one_line_naming_the_holder(tmp_path):
+def test_qerl_train_on_a_folder_in_use_is_one_line_naming_the_holder(tmp_path, qerl_here):
+    """The holder is a `qerl train` child; the second `qerl train` runs here (conftest's `qerl_here`)."""
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
                               str(run)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(run / ".qerl.lock", first)
-        second = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
-                                 str(run)], cwd=REPO, capture_output=True, text=True, timeout=patience(120))
+        code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", run)
     finally:
         left = kill_9(first, patience(30))
     assert not left, "outlived the killed trainer"
-    assert second.returncode == 2
-    assert second.stderr.splitlines() == [
+    assert code == 2
+    assert err.splitlines() == [
         f"qerl: error: run folder {run} is in use by PID {first.pid} on host {socket.gethostname()} "
         f"(lock file {run / '.qerl.lock'}); wait for it to finish or stop it, or choose another folder"]
 
@@ -143,12 +143,11 @@ def test_resume_on_an_empty_folder_starts_at_step_zero(tmp_path):
         assert trainer.step == 0
 
 
-def test_qerl_train_refuses_a_previous_run_in_one_line_before_loading_anything(finished_run):
+def test_qerl_train_refuses_a_previous_run_in_one_line_before_loading_anything(finished_run, qerl_here):
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "qerl.cli", "train", "--params", "params/tiny.yaml", "--out",
-                           str(finished_run)], cwd=REPO, capture_output=True, text=True, timeout=patience(120))
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"qerl: error: {finished_run} already holds a run (metrics.jsonl, adapter/): "
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", finished_run)
+    assert code == 2
+    assert err.splitlines() == [f"qerl: error: {finished_run} already holds a run (metrics.jsonl, adapter/): "
                                         "pass --resume to continue it, --overwrite to replace it (its outputs are "
                                         "deleted), or choose another --out"]
     assert time.perf_counter() - start < 60
