@@ -329,10 +329,11 @@ class Trainer:
         else:
             hidden = decoder(ids, attention_mask=attn)[:, predicting]
         head, temperature = self.model.lm_head, self.settings.rollout.temperature
-        if type(head) is torch.nn.Linear and head.bias is None:
+        if type(head) is torch.nn.Linear and head.bias is None and self.model.config.final_logit_softcapping is None:
             return grpo.head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
-        # A head that is not a plain linear (LoRA named lm_head): its logits, once, in float32.
-        logits = head(hidden).float().div_(temperature)
+        # A head that is not a plain linear (LoRA named lm_head), or logits softcapped as the sampler's are (Gemma's
+        # final_logit_softcapping): its logits, once, in float32.
+        logits = self.model.softcap(head(hidden).float()).div_(temperature)
         entropy = grpo.entropy_from_logits(logits.detach()) if want_entropy else None
         return grpo.selective_log_softmax(logits, ids[:, P:]), entropy
 
