@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from . import dispatch, gluon_nvfp4, humming_nvfp4
+from . import fp8_rows as fp8_kernels
 from . import nvfp4 as triton_nvfp4
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,7 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows padded with zeros to M' = a multiple of 16, which `_scaled_mm` takes (a micro-batch's token count rarely is
     one; the padded rows' outputs are sliced off). On CUDA one Triton kernel (kernels/fp8_rows.py)."""
     if x.is_cuda:
-        from kernels.fp8_rows import fp8_rows as triton_rows
-
-        return triton_rows(x)
+        return fp8_kernels.fp8_rows(x)
     q, s = _fp8_rows(x)
     pad = -q.shape[0] % 16
     if pad:

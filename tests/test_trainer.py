@@ -138,18 +138,25 @@ def test_same_seed_same_run(tmp_path):
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+def runs_with_and_without(settings, tmp_path, switch: str) -> list[tuple[list[dict], dict]]:
+    """(metrics rows, adapter tensors) of a run with the trainer's `switch` on (the CPU's default, asserted), then
+    of the same run with it off."""
+    runs = []
+    for on in (True, False):
+        trainer = make_trainer(settings, tmp_path / str(on))
+        assert getattr(trainer, switch)
+        setattr(trainer, switch, on)
+        trainer.train()
+        runs.append(([json.loads(x) for x in (tmp_path / str(on) / "metrics.jsonl").read_text().splitlines()],
+                     adapter_tensors(tmp_path / str(on))))
+    return runs
+
+
 def test_shared_prompts_update_is_the_plain_update(tmp_path):
     """On the CPU the update runs each group's prompt once (micro-batches of 3 cut across the groups of 4 here):
     the same losses, entropies, gradient norms and adapter as running every row's prompt, to fp32 rounding."""
-    runs = {}
-    for shared in (True, False):
-        trainer = make_trainer(tiny_settings(tmp_path, train={"steps": 2}), tmp_path / str(shared))
-        assert trainer.share_prompts  # the CPU's default
-        trainer.share_prompts = shared
-        trainer.train()
-        runs[shared] = ([json.loads(x) for x in (tmp_path / str(shared) / "metrics.jsonl").read_text().splitlines()],
-                        adapter_tensors(tmp_path / str(shared)))
-    (shared_rows, shared_adapter), (plain_rows, plain_adapter) = runs[True], runs[False]
+    (shared_rows, shared_adapter), (plain_rows, plain_adapter) = runs_with_and_without(
+        tiny_settings(tmp_path, train={"steps": 2}), tmp_path, "share_prompts")
     for a, b in zip(shared_rows, plain_rows):
         assert a["reward_mean"] == b["reward_mean"]
         for key in ("loss", "entropy", "grad_norm"):
@@ -161,17 +168,10 @@ def test_shared_prompts_update_is_the_plain_update(tmp_path):
 def test_idle_rows_without_autograd_give_the_plain_update(tmp_path, reward):
     """On the CPU rows of zero advantage run their forward without autograd (and a micro-batch of only such rows no
     backward: its zero gradient still steps AdamW's moments): the same metrics and adapter as the plain update."""
-    runs = {}
-    for skip in (True, False):
-        settings = tiny_settings(tmp_path, train={"steps": 3, "rewards": {f"tests.test_trainer:{reward}": 1.0}},
-                                 optim={"weight_decay": 0.1})
-        trainer = make_trainer(settings, tmp_path / str(skip))
-        assert trainer.skip_idle_rows  # the CPU's default at beta = 0
-        trainer.skip_idle_rows = skip
-        trainer.train()
-        runs[skip] = ([json.loads(x) for x in (tmp_path / str(skip) / "metrics.jsonl").read_text().splitlines()],
-                      adapter_tensors(tmp_path / str(skip)))
-    (skip_rows, skip_adapter), (plain_rows, plain_adapter) = runs[True], runs[False]
+    settings = tiny_settings(tmp_path, train={"steps": 3, "rewards": {f"tests.test_trainer:{reward}": 1.0}},
+                             optim={"weight_decay": 0.1})
+    (skip_rows, skip_adapter), (plain_rows, plain_adapter) = runs_with_and_without(settings, tmp_path,
+                                                                                   "skip_idle_rows")
     for a, b in zip(skip_rows, plain_rows):
         assert a["reward_mean"] == b["reward_mean"]
         for key in ("loss", "entropy", "grad_norm", "clip_ratio/region", "rollout_logp_gap/mean"):

@@ -436,7 +436,8 @@ class Trainer:
             self.model.model, t["ids"][first], t["attn"][first], s.model.gradient_checkpointing)
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
         # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
-        live = advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
+        live = (advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
+                if self.skip_idle_rows else None)
         # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
         token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
         totals.token_count = max(token_count, 1.0)
@@ -446,7 +447,7 @@ class Trainer:
             for m in micro:
                 with self.noise.noisy(sigma_train, batch.noise_seed):
                     logp, entropy = self._micro_logp(t["ids"][m], t["attn"][m], P, iteration == 0,
-                                                     live[m] if self.skip_idle_rows else None)
+                                                     None if live is None else live[m])
                     loss, metrics = grpo.policy_loss(
                         logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
                         self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
