@@ -23,7 +23,7 @@ stamp="$(python -c 'import sys; print(sys.prefix)')/.qerl-pyproject.sha256"
 wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] \
    || ! python -c "import importlib.metadata as m; m.version('qerl')" 2>/dev/null \
-   || ! present prefect mlflow dvc pytest peft compressed_tensors 2>/dev/null; then
+   || ! present prefect mlflow dvc pytest xdist peft compressed_tensors 2>/dev/null; then
   pip install -e ".[pipeline,test]"
   { echo "$wanted" > "$stamp"; } 2>/dev/null || true  # a read-only prefix (QERL_SKIP_VENV=1) only skips the shortcut
 fi

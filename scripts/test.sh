@@ -11,8 +11,14 @@ bash scripts/setup.sh
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/qerl-test.XXXXXX")"
 if [ "${QERL_KEEP_TMP:-0}" = "1" ]; then echo "temp folder kept: $scratch"; else trap 'rm -rf "$scratch"' EXIT; fi
 export TMPDIR="$scratch"
+# Two workers (pytest-xdist), one per CI core: the suite is mostly single-threaded Python and subprocesses, so one
+# process used ~84% of one core. --dist loadfile keeps each file in one worker (its module fixtures built once);
+# the files' durations balance within ~40 s of the ideal split. QERL_TEST_WORKERS=0 runs in this process.
+workers="${QERL_TEST_WORKERS:-2}"
+xdist=()
+[ "$workers" = "0" ] || xdist=(-n "$workers" --dist loadfile)
 set +e
-python -m pytest "$@"
+python -m pytest "${xdist[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi  # exit 5: nothing collected, not a failure

@@ -39,6 +39,21 @@ def pytest_sessionfinish(session):
                             yellow=True)
 
 
+@pytest.fixture(autouse=True)
+def seeded_generators():
+    """Every test starts from the same global random state, whichever tests ran before it in its process: with
+    pytest-xdist (scripts/test.sh runs two workers) a file's neighbours differ from run to run, and a draw from the
+    global generator (LoRA's A initialization, an unseeded randn) would differ with them."""
+    import random
+    import sys
+
+    random.seed(0)
+    if "torch" in sys.modules:  # not imported yet: torch starts from its fixed default seed
+        sys.modules["torch"].manual_seed(0)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(0)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     """The real SmolLM2-135M-Instruct tokenizer with its chat template (no download): from the embedded model's
