@@ -64,6 +64,10 @@ class ModelSettings:
     # scaled per row, torch._scaled_mm at twice bf16's tensor-core rate). Rollouts are unaffected. Its agreement
     # with bf16: BENCHMARKS.md, "An FP8 update".
     base_gemm: Literal["bf16", "fp8"] = "bf16"
+    # The update runs each distinct prompt of a micro-batch through the blocks once, however many of its rows (a
+    # GRPO group's completions) repeat it (Decoder.forward_shared_prompts): the same log-probs and gradients to
+    # float rounding, with 1/G of the prompt tokens. Not with LoRA dropout, whose masks the rows would share.
+    share_prompts: bool = True
 
 
 def quant_schemes() -> tuple[str, ...]:

@@ -168,11 +168,11 @@ class Trainer:
         training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
-        # On the CPU a micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
-        # (`Decoder.forward_shared_prompts`): same log-probs and gradients to float rounding, the embedded default's
-        # update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA dropout, whose masks would be
-        # shared by the rows; not yet on CUDA (its training kernels were not measured on the packed layout).
-        self.share_prompts = self.device.type == "cpu" and not s.lora.dropout
+        # A micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
+        # (`model.share_prompts`, `Decoder.forward_shared_prompts`): same log-probs and gradients to float rounding,
+        # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
+        # dropout, whose masks would be shared by the rows.
+        self.share_prompts = s.model.share_prompts and not s.lora.dropout
         # On the CPU rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss
         # token) run their forward without autograd; the loss and its metrics still see every row. Only without
         # the KL term (beta = 0), which gives every row a gradient. Not yet on CUDA (unmeasured there).
