@@ -47,6 +47,12 @@ def hash_reward(completion: str, gold: str) -> float:
     return zlib.crc32(completion.encode()) % 1000 / 1000
 
 
+def sparse_reward(completion: str, gold: str) -> float:
+    """A stand-in for an early run's binary reward: 1 for about one completion in 8 (by hash), so about a third of
+    the 8-sample groups score all zeros, whose rows have no gradient (advantage 0)."""
+    return float(zlib.crc32(completion.encode()) % 8 == 0)
+
+
 def numbered_tokenizer(vocab: int, distinct_pad: bool = False):
     """A word-level tokenizer over the model's whole vocabulary ("t0" ... , the last id the end token) whose chat
     template is the bare message contents: N words of a prompt are N tokens, and every id the policy samples decodes.
@@ -93,7 +99,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         s.data.system_prompt = system
         # "hash": a stand-in that costs nothing; "accuracy": the product's default reward, the math grader (math-verify
         # in a worker process where installed) on these completions: what grading costs in a step
-        s.train.rewards = {"bench_grpo_step:hash_reward" if reward == "hash" else reward: 1.0}  # folder on sys.path
+        stand_in = reward in ("hash", "sparse")  # this folder is on sys.path
+        s.train.rewards = {f"bench_grpo_step:{reward}_reward" if stand_in else reward: 1.0}
         r["reward"] = reward
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer) as trainer:
             trainer.train()
@@ -184,8 +191,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--sigma", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=2, help="steps per arm; the last is reported (step 1 pays one-offs)")
-    ap.add_argument("--reward", default="hash", choices=["hash", "accuracy"],
-                    help="hash: a free stand-in; accuracy: the default math grader (its cost is the scoring column)")
+    ap.add_argument("--reward", default="hash", choices=["hash", "sparse", "accuracy"],
+                    help="hash: a free stand-in; sparse: 1 for ~1 completion in 8 (groups of all zeros); accuracy: the default math grader (its cost is the scoring column)")
     ap.add_argument("--out", default="outputs/bench")
     ap.add_argument("--variants", default="", help="arms of settings, e.g. 'ckpt:model.gradient_checkpointing=true;"
                     "auto:' (label:key=value,...; each arm runs every scheme); default: the product's defaults")

@@ -68,6 +68,10 @@ class ModelSettings:
     # GRPO group's completions) repeat it (Decoder.forward_shared_prompts): the same log-probs and gradients to
     # float rounding, with 1/G of the prompt tokens. Not with LoRA dropout, whose masks the rows would share.
     share_prompts: bool = True
+    # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run their
+    # forward without autograd: no backward, no kept activations; the loss and its metrics still see them. Only
+    # without the KL term (grpo.beta = 0), which gives every row a gradient.
+    skip_idle_rows: bool = True
 
 
 def quant_schemes() -> tuple[str, ...]:

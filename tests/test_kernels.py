@@ -422,3 +422,20 @@ def test_split_k_in_cuda_graph(gpu_weights):
         graph.replay()
         assert torch.equal(first, y)
         assert rel_err(y, x.double() @ w64.T) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("inter", [24, 1030])  # one partial column block; two, the second ragged
+def test_swiglu_on_fused_halves_interp(interp, inter):
+    """kernels/swiglu.py in the interpreter (fp32): silu(gate) * up read from a fused [rows, 2I] gate/up output, and
+    its gradient written into that layout, as eager autograd computes them on the two halves."""
+    from kernels import swiglu
+
+    g = torch.Generator().manual_seed(inter)
+    fused = torch.randn(3, 2, 2 * inter, generator=g).requires_grad_()
+    weight = torch.randn(3, 2, inter, generator=g)
+    out = swiglu.SiluMulFused.apply(fused)
+    (grad,) = torch.autograd.grad((out * weight).sum(), fused)
+    gate, up = fused.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    (ref_grad,) = torch.autograd.grad((ref * weight).sum(), fused)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6) and torch.allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)

@@ -110,7 +110,58 @@ def test_eager_silu_mul_keeps_two_inputs_and_gives_eagers_bits(dtype):
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
+def test_fused_gate_up_halves_are_found_and_nothing_else():
+    """The SwiGLU kernel reads a fused gate/up output in place: its halves as the fused group (or Phi-3's chunk)
+    split them, 2-D and 3-D, are found; separate tensors, other splits and strided halves are not."""
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(12, 2 * 40, generator=g)
+    gate, up = flat.split([40, 40], dim=-1)
+    assert training_ops._fused_halves(gate, up) is not None
+    assert training_ops._fused_halves(gate, up).data_ptr() == flat.data_ptr()
+    gate3, up3 = flat.view(3, 4, 80).chunk(2, dim=-1)  # add_low_rank's view of a 2-D addmm, then split
+    fused = training_ops._fused_halves(gate3, up3)
+    assert fused is not None and fused.shape == (3, 4, 80) and torch.equal(fused[..., 40:], up3)
+    assert training_ops._fused_halves(up, gate) is None  # up first: not the gate-then-up layout
+    assert training_ops._fused_halves(gate.clone(), up.clone()) is None
+    a, b, _ = torch.randn(12, 120, generator=g).split([40, 40, 40], dim=-1)  # two thirds of a wider tensor
+    assert training_ops._fused_halves(a, b) is None
+    assert training_ops._fused_halves(*flat[::2].split([40, 40], dim=-1)) is None  # every other row: not contiguous
+
+
 # ---------------------------------------------------------------------------------------------------------- GPU
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(5, 96), (2, 37, 18944)])
+def test_gpu_swiglu_on_fused_halves_matches_liger_and_writes_the_fused_gradient(shape):
+    """Our SwiGLU on a fused gate/up output (kernels/swiglu.py, what training_ops.silu_mul runs for such halves)
+    gives Liger's forward and gradients, with the gradient in the fused tensor's layout and no copy of the halves."""
+    from kernels import swiglu
+
+    if training_ops._liger() is None:
+        pytest.skip("liger-kernel is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    *rows, inter = shape
+    fused = torch.randn(*rows, 2 * inter, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    weight = torch.randn(*rows, inter, device="cuda", dtype=torch.bfloat16, generator=g)
+    ours = swiglu.SiluMulFused.apply(fused)
+    (grad,) = torch.autograd.grad((ours.float() * weight).sum(), fused)
+    gate, up = fused.detach().chunk(2, dim=-1)
+    gate, up = gate.contiguous().requires_grad_(), up.contiguous().requires_grad_()
+    ref = training_ops._liger().LigerSiLUMulFunction.apply(gate, up)
+    ref_grads = torch.autograd.grad((ref.float() * weight).sum(), (gate, up))
+    assert grad.shape == fused.shape and grad.is_contiguous()
+    for a, b in ((ours, ref), (grad[..., :inter], ref_grads[0]), (grad[..., inter:], ref_grads[1])):
+        ulp = (a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-3)
+        assert (ulp > 2 ** -7).float().mean() < 1e-3, (ulp > 2 ** -7).float().mean()  # a rare 1-ulp tie apart
+    training_ops.set_backend("liger")
+    try:
+        gate_v, up_v = fused.split(inter, dim=-1)
+        assert torch.equal(training_ops.silu_mul(gate_v, up_v), ours)  # the views take our kernel
+    finally:
+        training_ops.set_backend("eager")
+
+
 
 
 @needs_cuda

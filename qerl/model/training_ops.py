@@ -116,9 +116,27 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return _SiluMul.apply(gate, up)
         return silu_mul_eager(gate, up)
+    fused = _fused_halves(gate, up)
+    if fused is not None:  # the halves of one gate/up GEMM output: our kernel reads them where they lie
+        from kernels.swiglu import SiluMulFused
+
+        return SiluMulFused.apply(fused)
     if _backend == "liger":
         return _liger().LigerSiLUMulFunction.apply(gate, up)
     return _compiled("silu_mul")(gate, up)
+
+
+def _fused_halves(gate: Tensor, up: Tensor) -> Tensor | None:
+    """The [..., 2I] tensor whose first and second halves (of the last dimension) `gate` and `up` are, as a fused
+    gate/up projection's split leaves them; None for separate tensors. Liger's SwiGLU copied such halves out (and
+    autograd concatenated their gradients back): 0.2-0.3 s of a 7B update (BENCHMARKS.md, "The update's SwiGLU")."""
+    base, inter = gate._base, gate.shape[-1]
+    if base is None or up._base is not base or not base.is_contiguous() or base.shape[-1] != 2 * inter \
+            or up.shape != gate.shape or base.numel() != 2 * gate.numel() or gate.stride(-1) != 1 \
+            or (gate.dim() > 1 and gate.stride(-2) != 2 * inter) \
+            or gate.data_ptr() != base.data_ptr() or up.data_ptr() != base.data_ptr() + inter * base.element_size():
+        return None
+    return base.view(*gate.shape[:-1], 2 * inter)
 
 
 _EAGER = {"rms_norm": rms_norm_eager, "rope": rope_eager, "silu_mul": silu_mul_eager}

@@ -173,10 +173,10 @@ class Trainer:
         # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
         # dropout, whose masks would be shared by the rows.
         self.share_prompts = s.model.share_prompts and not s.lora.dropout
-        # On the CPU rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss
-        # token) run their forward without autograd; the loss and its metrics still see every row. Only without
-        # the KL term (beta = 0), which gives every row a gradient. Not yet on CUDA (unmeasured there).
-        self.skip_idle_rows = self.device.type == "cpu" and s.grpo.beta == 0
+        # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run
+        # their forward without autograd (`model.skip_idle_rows`); the loss and its metrics still see every row.
+        # Only without the KL term (beta = 0), which gives every row a gradient.
+        self.skip_idle_rows = s.model.skip_idle_rows and s.grpo.beta == 0
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
