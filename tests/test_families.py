@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qerl.model.lora import LoraSettings, apply_lora, lora_layers, save_adapter
+from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora, lora_layers, save_adapter
 from qerl.model.transformer import ModelConfig
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.generate import generate
@@ -233,15 +233,38 @@ def test_quantize_train_export_reload_gives_qerls_greedy_tokens(family_dir, tmp_
     expected = generate(model, None, [PROMPT], 12, temperature=0, eos_token_ids=[]).completion_ids[0]
 
     unmerged = export_policy(adapter, tmp_path / "export").out
-    assert hf_greedy(hf_from(unmerged / "base", unmerged / "adapter", quantized=True), PROMPT, 12) == expected
+    assert_same_greedy_policy(hf_from(unmerged / "base", unmerged / "adapter", quantized=True), model, expected)
 
     # Merged and re-quantized: not the policy exactly, but one checkpoint both loaders must read alike.
     # (transformers' compressed-tensors path dequantizes into bf16 even for an fp32 model, qerl into the compute
     # dtype: the two runs differ by bf16 weight rounding, which greedy tokens of these peaked models survive.)
     merged = export_policy(adapter, tmp_path / "merged", merge=True).out
     ours, _ = load_model(merged, dtype=torch.float32)
-    assert hf_greedy(hf_from(merged, quantized=True), PROMPT, 12) == \
-        generate(ours, None, [PROMPT], 12, temperature=0, eos_token_ids=[]).completion_ids[0]
+    assert_same_greedy_policy(hf_from(merged, quantized=True), ours,
+                              generate(ours, None, [PROMPT], 12, temperature=0, eos_token_ids=[]).completion_ids[0])
+
+
+def assert_same_greedy_policy(hf_model, model, tokens: list[int]) -> None:
+    """transformers' `hf_model` is qerl's `model`: the same logits along PROMPT + qerl's greedy `tokens` (to the
+    bf16 rounding of weights transformers' compressed-tensors path may add), so the same greedy token at every step
+    whose two best logits are further apart than the two computations are. Not "the same 12 greedy tokens": on 2
+    loaded cores a near-tie (once, in Gemma 3's tiny model) flipped, and every later token with it."""
+    ids = torch.tensor([PROMPT + tokens])
+    steps = slice(len(PROMPT) - 1, ids.shape[1] - 1)
+    with torch.no_grad():
+        ours, theirs = model(ids)[0, steps].float(), hf_model(ids).logits[0, steps].float()
+    gap, scale = (ours - theirs).abs().max().item(), ours.abs().max().item()
+    top = ours.topk(2, dim=-1).values
+    clear = top[:, 0] - top[:, 1] > 2 * gap  # no difference this small can reorder these two
+    print(f"max |logit gap| {gap:.2e} of max |logit| {scale:.2f}; clear steps {int(clear.sum())}/{len(clear)}")
+    assert gap <= 0.05 * scale  # bf16 weight rounding on one side, at most (Gemma 3's tiny model: 3.6%)
+    if lora_layers(model):  # and the adapter is in it: it moves qerl's logits further than the two sides differ
+        with adapters_disabled(model), torch.no_grad():
+            effect = (model(ids)[0, steps].float() - ours).abs().max().item()
+        print(f"adapter's effect {effect:.2e}")
+        assert effect > 4 * gap
+    assert clear.sum() >= len(clear) // 2  # the comparison says something
+    assert torch.equal(theirs.argmax(-1)[clear], torch.tensor(tokens)[clear])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the GPU tests cover the kernels (and Triton "
