@@ -23,10 +23,14 @@ def _loss_and_grads(model, ids):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("fuse", [False, True, "mixed-scaling"])
 @pytest.mark.parametrize("scheme", [None, "nvfp4"])
 def test_lora_update_in_the_gemm_epilogue_gives_the_same_output_and_gradients(monkeypatch, fuse, scheme):
+    """The one-GEMM LoRA path (its scaling in the GEMM's alpha where a fused group's adapters share one, in a
+    scaled copy of each B where they differ) computes the separate ops' output and gradients."""
     model = lora_model("qwen2", scheme, seed=1)
+    if fuse == "mixed-scaling":
+        model.model.layers[0].self_attn.k_proj.scaling *= 3
     if fuse:
         model.fuse_projections()
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
@@ -37,7 +41,7 @@ def test_lora_update_in_the_gemm_epilogue_gives_the_same_output_and_gradients(mo
     assert torch.allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref_grads.keys() and len(grads) == 7 * 2 * 2
     for name, g in grads.items():
-        assert torch.allclose(g, ref_grads[name], atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(g, ref_grads[name], atol=1e-5, rtol=1e-4), name  # fp32 sums in other orders
 
 
 def test_one_gemm_path_is_taken_where_enabled(monkeypatch):
