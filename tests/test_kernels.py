@@ -439,3 +439,24 @@ def test_swiglu_on_fused_halves_interp(interp, inter):
     ref = torch.nn.functional.silu(gate) * up
     (ref_grad,) = torch.autograd.grad((ref * weight).sum(), fused)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6) and torch.allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tables", ["per-row", "shared"])
+def test_rope_forward_and_backward_interp(interp, tables):
+    """kernels/rope.py in the interpreter (fp32): the rotation of a transposed [B, H, T, D] view (as the update's
+    q and k are) and its gradient, as eager autograd computes them on the eager expression."""
+    from kernels import rope
+    from qerl.model.training_ops import rope_eager
+
+    g = torch.Generator().manual_seed(7)
+    b, h, t, d = 2, 3, 5, 16
+    x = torch.randn(b, t, h, d, generator=g).transpose(1, 2).requires_grad_()
+    angles = torch.randn(b if tables == "per-row" else 1, 1, t, d // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    weight = torch.randn(b, h, t, d, generator=g)
+    assert rope.supports(x, cos)
+    out = rope.Rope.apply(x, cos, sin)
+    (grad,) = torch.autograd.grad((out * weight).sum(), x)
+    ref = rope_eager(x, cos, sin)
+    (ref_grad,) = torch.autograd.grad((ref * weight).sum(), x)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6) and torch.allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,9 @@ Over a GRPO update of a 7B model that is ~2 s of pure memory traffic (the profil
 
 Backends (`model.training_kernels`):
 * `eager`   the plain PyTorch ops of `transformer.py` (what the CPU always runs: its numbers stay exactly as they were);
-* `liger`   Liger-kernel's fused Triton forward/backward kernels (`pip install liger-kernel`), the field's choice;
+* `liger`   Liger-kernel's fused Triton forward/backward kernels (`pip install liger-kernel`), the field's choice,
+            for RMSNorm; our Triton kernels for RoPE (kernels/rope.py) and for SiLU·up of a fused gate/up output
+            (kernels/swiglu.py), which Liger's take only as separate contiguous tensors;
 * `compile` `torch.compile` of the eager functions themselves (inductor fuses each into one kernel per direction);
 * `auto`    on CUDA, liger where installed, else compile; eager off CUDA. Measured on the 7B update (H200,
             BENCHMARKS.md "The update"): eager 7.2 s, compile 6.3 s, liger 6.4 s (RoPE compiled); liger's first
@@ -86,9 +88,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # Liger's RoPE rotates q and k together from [B, T, D] tables; ours rotates one tensor with broadcast tables
-    # (GQA shapes differ between q and k). torch.compile fuses it to one kernel either way.
+    # (GQA shapes differ between q and k). With `liger`, our Triton kernel (kernels/rope.py: no Dynamo guards per
+    # call, no inductor compilation per process); `compile` and shapes it does not take: torch.compile's kernel.
     if not _fast(x):
         return rope_eager(x, cos, sin)
+    if _backend == "liger":
+        from kernels import rope as rope_kernel
+
+        if rope_kernel.supports(x, cos):
+            return rope_kernel.Rope.apply(x, cos, sin)
     return _compiled("rope")(x, cos, sin)
 
 
