@@ -32,7 +32,20 @@ def pytest_sessionfinish(session):
     if "qerl.grading" in sys.modules:  # the grader's math-verify workers: closed as its atexit hook would, now
         sys.modules["qerl.grading"]._mathverify.close()
     left = processes.stop_started_by(SESSION_MARK)
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the controller reports (below)
+        session.config.workeroutput["qerl_stopped"] = left
+        return
+    report_stopped(session.config, left)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: none without it (e.g. the GPU machines)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: what a worker's session had to stop, reported as the worker's own would be."""
+    report_stopped(node.config, getattr(node, "workeroutput", {}).get("qerl_stopped", []))
+
+
+def report_stopped(config, left: list[str]) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
     if left and reporter is not None:
         reporter.line("")  # after the progress dots
         reporter.write_line(f"stopped {len(left)} process(es) the tests left running: " + "; ".join(left),
