@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see qerl/__init__.py
@@ -65,6 +66,27 @@ def seeded_generators():
         sys.modules["torch"].manual_seed(0)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def log_streams_open():
+    """No log handler writes to a stream an earlier test closed. Prefect sets up its console handlers once per
+    process, on the stderr of whichever test first ran a flow in it: pytest's capture of that test, closed when it
+    ended. Every later log line through them printed "--- Logging error --- ValueError: I/O operation on closed
+    file." into the next test's stderr (and failed tests that compare it). With pytest-xdist which test comes first
+    in a worker varies, so such a handler now points at the running test's stderr, as a child process's would."""
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if not isinstance(handler, logging.StreamHandler):
+                continue
+            console = getattr(handler, "console", None)  # Prefect's handler prints through a rich Console of its own
+            with handler.lock:  # not setStream: it flushes the closed stream first
+                if getattr(handler.stream, "closed", False):
+                    handler.stream = sys.stderr
+                if console is not None and getattr(console.file, "closed", False):
+                    console.file = sys.stderr
 
 
 @pytest.fixture(scope="session")
