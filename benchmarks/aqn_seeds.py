@@ -24,7 +24,6 @@ Checkpoints are deleted once a run is evaluated (they are ~30 MB each and only s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket

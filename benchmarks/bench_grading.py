@@ -73,7 +73,7 @@ def accuracy_table(old_ref: str) -> None:
                 times[g].append(time.perf_counter() - start)
         cells = [f"{right[g]} ({100 * right[g] / len(cases):.0f}%)" for g in graders]
         print(f"| {name} | {len(cases)} | " + " | ".join(cells) + " |")
-        print(f"| time per case | | " + " | ".join(
+        print("| time per case | | " + " | ".join(
             f"median {1e3 * statistics.median(t):.2f} ms, max {1e3 * max(t):.0f} ms" for t in times.values()) + " |")
     print(f"grader timeouts over both tables: {grading.stats()['timeouts']}")
 

@@ -19,7 +19,6 @@ its CUDA 13.0 and CPU libraries (the full one is 42 MB: 14 CUDA/ROCm builds), an
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import json
 import os

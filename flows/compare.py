@@ -34,7 +34,7 @@ from flows import cli
 from flows.arms import ARMS, DEFAULT_ARMS, parse_arm
 from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
 from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
-from flows.workers import CLAIM, claimed_runs, slot_environments, supervise
+from flows.workers import CLAIM, claimed_runs, slot_environments, supervise  # noqa: F401 (CLAIM: for callers)
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.report import RunRecord, write_report
 from qerl.run.metrics import MetricsLog

@@ -21,7 +21,6 @@ pytest.importorskip("mlflow")
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "params" / "tiny.yaml")
 POOL = "qerl-process"  # the work pool prefect.yaml names
 # The flows after the deployment run need no more than one short step and two eval examples to show their logic.
