@@ -97,8 +97,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
             "tracking.backend=none", *overrides])
         s.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         s.data.system_prompt = system
-        # "hash": a stand-in that costs nothing; "accuracy": the product's default reward, the math grader (math-verify
-        # in a worker process where installed) on these completions: what grading costs in a step
+        # "hash" / "sparse": stand-ins that cost nothing; "accuracy": the product's default reward, the math grader
+        # (math-verify in a worker process where installed) on these completions: what grading costs in a step
         stand_in = reward in ("hash", "sparse")  # this folder is on sys.path
         s.train.rewards = {f"bench_grpo_step:{reward}_reward" if stand_in else reward: 1.0}
         r["reward"] = reward
@@ -194,7 +194,8 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=2, help="steps per arm; the last is reported (step 1 pays one-offs)")
     ap.add_argument("--reward", default="hash", choices=["hash", "sparse", "accuracy"],
-                    help="hash: a free stand-in; sparse: 1 for ~1 completion in 8 (groups of all zeros); accuracy: the default math grader (its cost is the scoring column)")
+                    help="hash: a free stand-in; sparse: 1 for ~1 completion in 8 (groups of all zeros); "
+                    "accuracy: the default math grader (its cost is the scoring column)")
     ap.add_argument("--out", default="outputs/bench")
     ap.add_argument("--variants", default="", help="arms of settings, e.g. 'ckpt:model.gradient_checkpointing=true;"
                     "auto:' (label:key=value,...; each arm runs every scheme); default: the product's defaults")

@@ -29,7 +29,6 @@ def pytest_sessionfinish(session):
     every process still carrying the session's mark is stopped with its process group (e.g. a temporary server whose
     start-up timed out, whose handle Prefect then dropped)."""
     stop_temporary_servers()
-    import sys
     if "qerl.grading" in sys.modules:  # the grader's math-verify workers: closed as its atexit hook would, now
         sys.modules["qerl.grading"]._mathverify.close()
     left = processes.stop_started_by(SESSION_MARK)
@@ -59,7 +58,6 @@ def seeded_generators():
     pytest-xdist (scripts/test.sh runs two workers) a file's neighbours differ from run to run, and a draw from the
     global generator (LoRA's A initialization, an unseeded randn) would differ with them."""
     import random
-    import sys
 
     random.seed(0)
     if "torch" in sys.modules:  # not imported yet: torch starts from its fixed default seed

@@ -137,7 +137,8 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 def _fused_halves(gate: Tensor, up: Tensor) -> Tensor | None:
     """The [..., 2I] tensor whose first and second halves (of the last dimension) `gate` and `up` are, as a fused
     gate/up projection's split leaves them; None for separate tensors. Liger's SwiGLU copied such halves out (and
-    autograd concatenated their gradients back): 0.2-0.3 s of a 7B update (BENCHMARKS.md, "The update's SwiGLU")."""
+    autograd concatenated their gradients back): 0.4 s of a 7B update (BENCHMARKS.md, "The update: prompts once,
+    SwiGLU and RoPE kernels")."""
     base, inter = gate._base, gate.shape[-1]
     if base is None or up._base is not base or not base.is_contiguous() or base.shape[-1] != 2 * inter \
             or up.shape != gate.shape or base.numel() != 2 * gate.numel() or gate.stride(-1) != 1 \
