@@ -67,11 +67,13 @@ def _weight_kernel(w_ptr, inv_ptr, q_ptr, N, K, TRANSPOSED: tl.constexpr, BN: tl
         tl.store(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def weight_fp8(w: torch.Tensor, inv: torch.Tensor, transposed: bool) -> torch.Tensor:
+def weight_fp8(w: torch.Tensor, inv: torch.Tensor, transposed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] (contiguous) times `inv` per row (inv [N]), or Wᵀ [K, N] times `inv` per row of Wᵀ (inv [K]), in
-    E4M3, contiguous: the operand `_scaled_mm` takes for y = x Wᵀ, or for dx = dy W."""
+    E4M3, contiguous: the operand `_scaled_mm` takes for y = x Wᵀ, or for dx = dy W. Into `out` (N * K E4M3
+    elements) if given."""
     n, k = w.shape
-    q = torch.empty((k, n) if transposed else (n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    shape = (k, n) if transposed else (n, k)
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=w.device) if out is None else out.view(shape)
     grid = (triton.cdiv(n, 64), triton.cdiv(k, 64))
     _weight_kernel[grid](w, inv, q, n, k, TRANSPOSED=transposed, BN=64, BK=64, num_warps=4)
     return q

@@ -54,6 +54,11 @@ class ModelSettings:
     # Recompute blocks in backward to save activation memory: auto (as many as the free GPU memory needs, measured
     # per update, often none; never on the CPU), true (all), false (none). The number is logged per step.
     gradient_checkpointing: Literal["auto", True, False] = "auto"
+    # The update's dequantized base weights (NVFP4 on the GPU kernels; bf16 bases' FP8 copies under base_gemm: fp8):
+    # auto (kept from their first use to the update's end in the memory the kept activations leave, so each weight
+    # is dequantized once per update, not twice per micro-batch; activations come first), true (all kept, whatever
+    # the memory), false (dequantized per GEMM into one shared buffer: the least memory). Logged per step.
+    keep_dequantized: Literal["auto", True, False] = "auto"
     # The blocks' RMSNorm / RoPE / SiLU·up on CUDA: auto (the measured fastest), eager (plain PyTorch), liger
     # (Liger-kernel's fused kernels; pip install liger-kernel), compile (torch.compile of the eager ops). The CPU
     # always runs eager. qerl/model/training_ops.py.

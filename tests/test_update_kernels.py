@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qerl.config import load_settings
+from qerl.model import fusion
 from qerl.model import lora
 from qerl.model import recompute
 from qerl.model import training_ops
@@ -74,9 +75,9 @@ def test_recompute_plan_follows_the_setting_and_recomputes_nothing_on_the_cpu():
     model = lora_model("llama", None, seed=2)
     ids, attn = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
     layers = len(model.model.layers)
-    assert recompute.plan(model.model, ids, attn, True) == layers
-    assert recompute.plan(model.model, ids, attn, False) == 0
-    assert recompute.plan(model.model, ids, attn, "auto") == 0
+    assert recompute.plan(model.model, ids, attn, True) == recompute.MemoryPlan(layers, 0)
+    assert recompute.plan(model.model, ids, attn, False) == recompute.MemoryPlan(0, 0)
+    assert recompute.plan(model.model, ids, attn, "auto") == recompute.MemoryPlan(0, 0)  # and holds no weights
 
 
 def test_settings_take_auto_true_false_and_name_the_choices():
@@ -217,11 +218,17 @@ def test_gpu_recompute_plan_keeps_what_fits_and_recomputes_the_rest():
     assert per_block > 4 * 256 * 512 * 2, per_block  # at least the block's output, bf16
     layers = len(model.model.layers)
     planned = recompute.plan(model.model, ids, attn, "auto")
-    assert planned == 0, planned  # a small model on a large card keeps everything
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert planned.recomputed_blocks == 0, planned  # a small model on a large card keeps everything
+    # ... and what the kept activations and the margin (8% of the card + 1 GiB + 3 blocks) leave is spare
+    kept = free - layers * per_block
+    assert kept - 0.07 * total - 2**30 > planned.spare_bytes > kept - 0.09 * total - 2**30 - 4 * per_block, planned
     # A margin leaving room for about 1.5 blocks: all but one block recomputes (the measurement may vary by a bit)
     planned = recompute.plan(model.model, ids, attn, "auto", margin_bytes=free - int(1.5 * per_block))
-    assert planned in (layers - 1, layers - 2), (planned, per_block, free)
+    assert planned.recomputed_blocks in (layers - 1, layers - 2), (planned, per_block, free)
+    assert planned.spare_bytes < per_block
+    assert recompute.plan(model.model, ids, attn, True, margin_bytes=free // 2).spare_bytes > free // 3
 
 
 needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -372,3 +379,75 @@ def test_gpu_shared_prompts_forward_agrees_with_forward(scheme, precision):
     cos = torch.nn.functional.cosine_similarity(plain_grad, shared_grad, dim=0).item()
     print(f"shared vs plain forward ({scheme}, {precision}): hidden rel. gap {rel:.5f}, LoRA grad cosine {cos:.6f}")
     assert rel <= 5e-3 and cos >= 0.999
+
+
+def test_held_weights_are_written_once_within_the_budget_and_freed_after():
+    """kernels.gemm.weight_copy: outside `held_weights` every call writes the shared scratch; inside, each owner's
+    copy is written once and read after, while the budget lasts (beyond it, the scratch as before); on exit nothing
+    is held."""
+    from kernels import gemm
+
+    cpu, writes = torch.device("cpu"), []
+    a, b, c = object(), object(), object()
+
+    def copy(owner, value):
+        return gemm.weight_copy(owner, ("w",), 8, torch.float32, cpu,
+                                lambda flat: writes.append(owner) or flat.fill_(value).view(2, 4))
+
+    scratch_ptr = gemm.scratch(8, torch.float32, cpu).data_ptr()
+    assert copy(a, 1.0).data_ptr() == scratch_ptr and writes == [a]
+    with gemm.held_weights(2 * 8 * 4) as held:  # room for two copies
+        wa, wb, wc = copy(a, 1.0), copy(b, 2.0), copy(c, 3.0)
+        assert held() == 64 and wc.data_ptr() == scratch_ptr and scratch_ptr not in (wa.data_ptr(), wb.data_ptr())
+        writes.clear()
+        assert copy(a, 9.0) is wa and copy(b, 9.0) is wb and writes == []  # kept: not written again
+        assert wa.eq(1.0).all() and wb.eq(2.0).all()
+        copy(c, 3.0)
+        assert writes == [c]  # the one beyond the budget is written at every call
+    assert gemm._held is None
+    writes.clear()
+    assert copy(a, 1.0).data_ptr() == scratch_ptr and writes == [a]
+
+
+@needs_gluon
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_held_weights_give_the_same_update_and_dequantize_each_weight_once(monkeypatch, precision):
+    """The trainer's update with the dequantized NVFP4 weights kept (model.keep_dequantized): bit for bit the
+    gradients of dequantizing per GEMM, over two micro-batches, with each weight dequantized once (per direction in
+    FP8, whose forward and dx copies are scaled along different dimensions)."""
+    from kernels import gemm, gluon_nvfp4
+    from qerl.quant.linear import held_weights, update_precision
+
+    calls = []
+    real = gluon_nvfp4.dequantize
+    monkeypatch.setattr(gluon_nvfp4, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = smooth_model("nvfp4").train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator("cuda").manual_seed(0)
+    micro_batches = [torch.randint(0, 1024, (4, 256), device="cuda", generator=gen) for _ in range(2)]
+
+    def grads(budget):
+        calls.clear()
+        for p in params:
+            p.grad = None
+        with update_precision(precision), held_weights(budget) as held:
+            for ids in micro_batches:
+                logits = model(ids)[:, :-1].float()
+                (-torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).mean()).backward()
+            return torch.cat([p.grad.flatten() for p in params]), len(calls), held()
+
+    per_call, dequantized, held = grads(0)
+    layers = len(model.model.layers)
+    assert held == 0 and dequantized == 2 * (2 * 4 * layers - 1)  # forward and dx per micro-batch
+    kept, dequantized, held = grads(2**40)
+    assert torch.equal(kept, per_call)
+    # The GEMMs: each block's fused q/k/v and gate/up, its o and down.
+    modules = [*model.modules(), *(g.fused for g in fusion.groups(model))]
+    weights = {id(g): g.n * g.k for g in (getattr(m, "_gemm", None) for m in modules) if g is not None}
+    assert len(weights) == 4 * layers
+    first_qkv = fusion.groups(model)[0].fused._gemm  # nothing before it needs dx
+    if precision == "bf16":  # one bf16 Wᵀ serves forward and dx
+        assert dequantized == 4 * layers and held == 2 * sum(weights.values())
+    else:  # FP8: W scaled per row for the forward, Wᵀ per row for dx, one byte each
+        assert dequantized == 2 * 4 * layers - 1 and held == 2 * sum(weights.values()) - first_qkv.n * first_qkv.k
+    assert gemm._held is None

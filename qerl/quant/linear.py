@@ -75,6 +75,16 @@ def update_precision(precision: str) -> contextlib.AbstractContextManager:
     return _fp8_update()
 
 
+def held_weights(budget_bytes: int) -> contextlib.AbstractContextManager:
+    """A block in which frozen GPU layers keep their dequantized (bf16 or FP8) weight copies after first use, up to
+    `budget_bytes` (kernels.gemm.held_weights: NVFP4 layers on the GPU kernels' path and the FP8 update's bf16
+    linears). Yields a function giving the bytes held; without the GPU kernels, held nothing."""
+    gemm = _gpu_gemm()
+    if gemm is None or budget_bytes <= 0:
+        return contextlib.nullcontext(lambda: 0)
+    return gemm.held_weights(budget_bytes)
+
+
 @contextlib.contextmanager
 def _fp8_update():
     from qerl.quant import fp8

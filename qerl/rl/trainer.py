@@ -31,7 +31,7 @@ from qerl.errors import naming_a_full_disk
 from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
 from qerl.model.runtime import load_base_model, load_tokenizer_and_context, seed_everything
-from qerl.quant.linear import update_precision
+from qerl.quant.linear import held_weights, update_precision
 from qerl.rl import distributed, grpo
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
@@ -56,6 +56,7 @@ class _StepTotals:
     sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens
     peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
     recomputed_blocks: int = 0  # blocks that recomputed their forward in backward (model.gradient_checkpointing)
+    held_gib: float = 0.0  # dequantized base weights kept through the update (model.keep_dequantized)
 
     def add(self, loss: float, metrics: dict[str, float], weight: float, entropy: Tensor | None, mask: Tensor) -> None:
         self.loss += loss
@@ -388,10 +389,20 @@ class Trainer:
         mask = grpo.loss_mask(padded["mask"], self.loss_cfg, truncated)
         on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
         micro = self._micro_batches(len(batch))
-        with update_precision(self.settings.model.base_gemm):  # every forward of the update: the same GEMMs
-            old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
-            totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
-                                    ref_logp)
+        s = self.settings.model
+        with update_precision(s.base_gemm):  # every forward of the update: the same GEMMs
+            # Recompute only the blocks the free memory cannot keep (measured on this step's micro-batch shape);
+            # what is left after them holds dequantized base weights through the update.
+            first = micro[0]
+            memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
+                                    s.gradient_checkpointing)
+            self.model.gradient_checkpointing = memory.recomputed_blocks
+            budget = {True: 2**62, False: 0}.get(s.keep_dequantized, memory.spare_bytes)
+            with held_weights(budget) as held_bytes:
+                old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
+                totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
+                                        ref_logp)
+                totals.recomputed_blocks, totals.held_gib = memory.recomputed_blocks, held_bytes() / 2**30
         self.scheduler.step()
         self.step += 1
         return self._step_metrics(batch, step_rewards, truncated, totals, time.perf_counter() - start)
@@ -430,10 +441,6 @@ class Trainer:
         dev = self.device
         totals = _StepTotals()
         self.model.train()
-        # Recompute only the blocks the free memory cannot keep (measured on this step's micro-batch shape).
-        first = micro[0]
-        self.model.gradient_checkpointing = totals.recomputed_blocks = recompute.plan(
-            self.model.model, t["ids"][first], t["attn"][first], s.model.gradient_checkpointing)
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
         # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
         live = (advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
@@ -502,6 +509,7 @@ class Trainer:
             "seconds_update": seconds_update,
             "peak_memory_gb": peak_memory,
             "recomputed_blocks": totals.recomputed_blocks,
+            "held_weights_gib": totals.held_gib,
         }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
         metrics.update({k: v / totals.token_count for k, v in zip(keys, sums)})
         metrics.update(peaks)
