@@ -113,7 +113,7 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
              rollout_tok_s=last["rollout_tokens_per_s"], peak_gib=last["peak_memory_gb"],
              reserved_gib=torch.cuda.max_memory_reserved() / GIB, rollout_logp_gap=last["rollout_logp_gap/mean"],
              first_rollout_s=first["seconds_rollout"], first_update_s=first["seconds_update"],
-             recomputed_blocks=last["recomputed_blocks"],
+             recomputed_blocks=last["recomputed_blocks"], held_weights_gib=last["held_weights_gib"],
              rollout_s_by_step=[m["seconds_rollout"] for m in rows],  # step-to-step spread: ~±0.3 s of update
              update_s_by_step=[m["seconds_update"] for m in rows])
     r["step_s"], r["first_step_s"] = (m["seconds_rollout"] + m["seconds_scoring"] + m["seconds_update"]
