@@ -90,10 +90,11 @@ class _LowRankUpdate(torch.autograd.Function):
         h = x2 @ a.t()
         y = torch.addmm(out.reshape(-1, out.shape[-1]), h, b.t(), alpha=alpha)
         ctx.save_for_backward(x2, h)
+        ctx.x_shape, ctx.out_shape = x.shape, out.shape
         # a and b by reference: the group's stacked copies are refreshed in place only when an optimizer step changed
         # the factors, which happens after this backward.
         ctx.a, ctx.b, ctx.alpha, ctx.members = a, b, alpha, members
-        return y.view(out.shape)
+        return y  # 2-D: a view made here would have this graph-less y as its `_base` (training_ops reads `_base`)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -105,8 +106,8 @@ class _LowRankUpdate(torch.autograd.Function):
                 _accumulate(m.lora_A, dh[:, m.ranks].t(), x2, 1.0)
             if m.lora_B.requires_grad:
                 _accumulate(m.lora_B, dy2[:, m.outputs].t(), h[:, m.ranks], m.scaling)
-        dx = (dh @ ctx.a).view(*dy.shape[:-1], -1) if ctx.needs_input_grad[1] else None
-        return (dy, dx, None, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 6)
+        dx = (dh @ ctx.a).view(ctx.x_shape) if ctx.needs_input_grad[1] else None
+        return (dy.view(ctx.out_shape), dx, None, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 6)
 
 
 def _accumulate(param: Tensor, m1: Tensor, m2: Tensor, alpha: float) -> None:
@@ -122,7 +123,7 @@ def low_rank_update(out: Tensor, x: Tensor, a: Tensor, b: Tensor, alpha: float,
     """out + alpha * (x @ aᵀ) @ bᵀ with the members' gradients accumulated in place (`_LowRankUpdate`). For CUDA
     (ONE_GEMM_DEVICES) and adapters in the activations' dtype, without dropout."""
     factors = [t for m in members for t in (m.lora_A, m.lora_B)]
-    return _LowRankUpdate.apply(out, x, a, b, alpha, tuple(members), *factors)
+    return _LowRankUpdate.apply(out, x, a, b, alpha, tuple(members), *factors).view(out.shape)
 
 
 def _module_device(module: nn.Module) -> torch.device:

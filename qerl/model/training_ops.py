@@ -140,7 +140,9 @@ def _fused_halves(gate: Tensor, up: Tensor) -> Tensor | None:
     autograd concatenated their gradients back): 0.4 s of a 7B update (BENCHMARKS.md, "The update: prompts once,
     SwiGLU and RoPE kernels")."""
     base, inter = gate._base, gate.shape[-1]
-    if base is None or up._base is not base or not base.is_contiguous() or base.shape[-1] != 2 * inter \
+    # A `_base` outside the graph (made inside a custom Function's forward) would cut the gradient off.
+    if base is None or up._base is not base or base.requires_grad != gate.requires_grad \
+            or not base.is_contiguous() or base.shape[-1] != 2 * inter \
             or up.shape != gate.shape or base.numel() != 2 * gate.numel() or gate.stride(-1) != 1 \
             or (gate.dim() > 1 and gate.stride(-2) != 2 * inter) \
             or gate.data_ptr() != base.data_ptr() or up.data_ptr() != base.data_ptr() + inter * base.element_size():
