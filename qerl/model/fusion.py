@@ -12,10 +12,9 @@ block compute its q/k/v (and its gate/up) as
   block-diagonal Bᵀ into the fused output: 3 launches for q/k/v instead of 9, 3 for gate/up instead of 6.
 
 Nothing a user sees changes: module names, `state_dict` keys, PEFT adapters and `apply_lora` targets stay Hugging
-Face's; a member computed alone (e.g. a hook calls it) gives its rows of the fused output. The stacked LoRA
-factors are copies of the members' (refreshed by `sync(model)`, which the rollout engine calls before every rollout,
-so captured graphs read current factors, and in training whenever a factor's version counter moved, i.e. after an
-optimizer step); training's gradients go to the members' own parameters (`lora.low_rank_update`).
+Face's; a member computed alone (e.g. a hook calls it) gives its rows of the fused output. The decode step's
+stacked LoRA factors are copies of the members' (refreshed by `sync(model)`, which the rollout engine calls before
+every rollout, so captured graphs read current factors); training reads the members' own parameters.
 
 Moving or reloading a member gives it back a private copy (QuantLinear.own_rows; a moved nn.Linear weight is simply
 no longer a view); its group notices and rebuilds the concatenation at its next call.
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.model.lora import ONE_GEMM_DEVICES, LoraLinear, LowRankMember, add_low_rank, low_rank_update
+from qerl.model.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
 from qerl.quant.fp8 import frozen_linear
 from qerl.quant.linear import QuantLinear
 
@@ -164,23 +163,21 @@ class ProjectionGroup:
                 outs[i] = outs[i] + (F.linear(F.linear(m.dropout(x.to(m.lora_A.dtype)), m.lora_A), m.lora_B)
                                      * m.scaling).to(out.dtype)
             return outs
-        first = loras[0][1].lora_A
-        if out.device.type in ONE_GEMM_DEVICES and x.dtype == out.dtype == first.dtype:
-            # All members' updates in one GEMM into the fused output: Bᵀ block-diagonal over the members, scalings
-            # included (a member without an adapter is a block of no columns): the decode step's stacked copies,
-            # refreshed only when an optimizer step changed the factors. The gradients go straight into each
-            # member's factors (`low_rank_update`): no per-call stacking, block-diagonal or gradient adds, which
-            # were most of the 7B update's ~44,000 small launches.
-            a, b = self.stacked_lora()
-            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-            members, r0 = [], 0
-            for i, m in loras:
-                members.append(LowRankMember(m.lora_A, m.lora_B, slice(r0, r0 + m.rank),
-                                             slice(starts[i], starts[i] + self.sizes[i]), m.scaling))
-                r0 += m.rank
-            return list(low_rank_update(out, x, a, b, 1.0, members).split(self.sizes, dim=-1))
-        stacked = torch.cat([m.lora_A for _, m in loras]) if len(loras) > 1 else first
+        stacked = torch.cat([m.lora_A for _, m in loras]) if len(loras) > 1 else loras[0][1].lora_A
         h = F.linear(x.to(stacked.dtype), stacked)
+        if out.device.type in ONE_GEMM_DEVICES and h.dtype == out.dtype:
+            # All members' updates in one GEMM into the fused output: Bᵀ block-diagonal over the members (a member
+            # without an adapter is a block of no columns). The extra zero blocks cost nothing next to the
+            # elementwise passes they replace.
+            # One scaling shared by the adapters (one r and alpha, the usual case): it goes into the GEMM's alpha,
+            # not into a scaled copy of each B (a multiply forward and one backward per member per call: ~5,000
+            # of the 7B update's small launches, and the update is bound by its launch rate).
+            active = dict(loras)
+            shared = len({m.scaling for _, m in loras}) == 1
+            scaling = loras[0][1].scaling if shared else 1.0
+            blocks = [(active[i].lora_B if shared else active[i].lora_B * active[i].scaling) if i in active
+                      else out.new_zeros(size, 0) for i, size in enumerate(self.sizes)]
+            return list(add_low_rank(out, h, torch.block_diag(*blocks), scaling).split(self.sizes, dim=-1))
         for (i, m), hi in zip(loras, h.split([m.rank for _, m in loras], dim=-1)):
             outs[i] = add_low_rank(outs[i], hi, m.lora_B, m.scaling)
         return outs

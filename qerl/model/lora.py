@@ -15,8 +15,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Sequence
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -65,67 +64,6 @@ def add_low_rank(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> Tensor:
     return out + (nn.functional.linear(h, b) * scaling).to(out.dtype)
 
 
-class LowRankMember(NamedTuple):
-    """One adapter inside a `low_rank_update`: its factors, its rows of the stacked A (and columns of the stacked
-    B), its output columns, and its scaling."""
-    lora_A: Tensor
-    lora_B: Tensor
-    ranks: slice
-    outputs: slice
-    scaling: float
-
-
-class _LowRankUpdate(torch.autograd.Function):
-    """y = out + alpha * (x @ aᵀ) @ bᵀ for adapters whose factors are `a` [R, K] (stacked A) and `b` [N, R] (B, or
-    the block-diagonal of the members' B times their scalings), with the members' gradients accumulated by the
-    GEMMs that compute them: A.grad += dhᵀ x and B.grad += s dyᵀ h, each one addmm straight into the gradient.
-    Autograd's way costs, per adapter and micro-batch, a GEMM and an add per factor, plus the block-diagonal's and
-    the stacking's copies and their backward; the update is bound by its launch rate (issue #28). The factors are
-    inputs only so that the output requires a gradient; their gradients are returned as None (already written)."""
-
-    @staticmethod
-    def forward(ctx, out: Tensor, x: Tensor, a: Tensor, b: Tensor, alpha: float, members: tuple[LowRankMember, ...],
-                *factors: Tensor) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        h = x2 @ a.t()
-        y = torch.addmm(out.reshape(-1, out.shape[-1]), h, b.t(), alpha=alpha)
-        ctx.save_for_backward(x2, h)
-        ctx.x_shape, ctx.out_shape = x.shape, out.shape
-        # a and b by reference: the group's stacked copies are refreshed in place only when an optimizer step changed
-        # the factors, which happens after this backward.
-        ctx.a, ctx.b, ctx.alpha, ctx.members = a, b, alpha, members
-        return y  # 2-D: a view made here would have this graph-less y as its `_base` (training_ops reads `_base`)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x2, h = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dh = torch.addmm(h, dy2, ctx.b, beta=0, alpha=ctx.alpha)  # beta = 0: h is only the output's shape
-        for m in ctx.members:
-            if m.lora_A.requires_grad:
-                _accumulate(m.lora_A, dh[:, m.ranks].t(), x2, 1.0)
-            if m.lora_B.requires_grad:
-                _accumulate(m.lora_B, dy2[:, m.outputs].t(), h[:, m.ranks], m.scaling)
-        dx = (dh @ ctx.a).view(ctx.x_shape) if ctx.needs_input_grad[1] else None
-        return (dy.view(ctx.out_shape), dx, None, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 6)
-
-
-def _accumulate(param: Tensor, m1: Tensor, m2: Tensor, alpha: float) -> None:
-    """param.grad += alpha * m1 @ m2, one GEMM (the first one writes a fresh gradient)."""
-    if param.grad is None:
-        param.grad = torch.addmm(torch.empty_like(param), m1, m2, beta=0, alpha=alpha)
-    else:
-        param.grad.addmm_(m1, m2, alpha=alpha)
-
-
-def low_rank_update(out: Tensor, x: Tensor, a: Tensor, b: Tensor, alpha: float,
-                    members: Sequence[LowRankMember]) -> Tensor:
-    """out + alpha * (x @ aᵀ) @ bᵀ with the members' gradients accumulated in place (`_LowRankUpdate`). For CUDA
-    (ONE_GEMM_DEVICES) and adapters in the activations' dtype, without dropout."""
-    factors = [t for m in members for t in (m.lora_A, m.lora_B)]
-    return _LowRankUpdate.apply(out, x, a, b, alpha, tuple(members), *factors).view(out.shape)
-
-
 def _module_device(module: nn.Module) -> torch.device:
     if hasattr(module, "weight_device"):  # a QuantLinear whose weight is a fused layer's rows or a GPU backend's
         return module.weight_device()     # repacked copy holds no tensor of its own
@@ -159,10 +97,6 @@ class LoraLinear(nn.Module):
         out = frozen_linear(self.base, x)  # in FP8 inside the FP8 update (model.base_gemm) for a bf16 base
         if not self.enabled:
             return out
-        if out.device.type in ONE_GEMM_DEVICES and x.dtype == out.dtype == self.lora_A.dtype \
-                and not isinstance(self.dropout, nn.Dropout):
-            whole = LowRankMember(self.lora_A, self.lora_B, slice(None), slice(None), self.scaling)
-            return low_rank_update(out, x, self.lora_A, self.lora_B, self.scaling, [whole])
         h = self.dropout(x.to(self.lora_A.dtype))
         return add_low_rank(out, nn.functional.linear(h, self.lora_A), self.lora_B, self.scaling)
 
