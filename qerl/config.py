@@ -57,7 +57,8 @@ class ModelSettings:
     # The update's dequantized base weights (NVFP4 on the GPU kernels; bf16 bases' FP8 copies under base_gemm: fp8):
     # auto (kept from their first use to the update's end in the memory the kept activations leave, so each weight
     # is dequantized once per update, not twice per micro-batch; activations come first), true (all kept, whatever
-    # the memory), false (dequantized per GEMM into one shared buffer: the least memory). Logged per step.
+    # the memory), false (dequantized per GEMM into one shared buffer: the least memory). auto keeps none where
+    # gradient_checkpointing is true (a run that asked for memory first). Logged per step (held_weights_gib).
     keep_dequantized: Literal["auto", True, False] = "auto"
     # The blocks' RMSNorm / RoPE / SiLU·up on CUDA: auto (the measured fastest), eager (plain PyTorch), liger
     # (Liger-kernel's fused kernels; pip install liger-kernel), compile (torch.compile of the eager ops). The CPU

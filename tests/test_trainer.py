@@ -1,5 +1,6 @@
 """The RL loop on a tiny model: it learns, it is deterministic, and a killed run resumes to the same adapter."""
 
+import contextlib
 import json
 import shutil
 
@@ -263,3 +264,32 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     assert len(batch.examples) == 0
     metrics = trainer.train_step()
     assert metrics.get("skipped") == 1.0
+
+
+@pytest.mark.parametrize("keep, checkpointing, budget", [
+    ("auto", "auto", 5 * 2**30),  # the spare memory the plan leaves
+    ("auto", True, 0),  # a run that asked for memory first keeps none
+    (False, "auto", 0),
+    (True, True, 2**62),  # all, whatever the memory
+])
+def test_update_holds_dequantized_weights_in_the_memory_the_plan_leaves(tmp_path, monkeypatch, keep, checkpointing,
+                                                                         budget):
+    """model.keep_dequantized: the update's held-weights budget comes from the memory plan (faked here: the CPU
+    has no spare GPU memory) and the setting, and the step logs what was held."""
+    from qerl.model import recompute
+    from qerl.rl import trainer as trainer_module
+
+    budgets = []
+    monkeypatch.setattr(recompute, "plan", lambda *a, **k: recompute.MemoryPlan(0, 5 * 2**30))
+
+    @contextlib.contextmanager
+    def recording(b):
+        budgets.append(b)
+        yield lambda: 3 * 2**29
+
+    monkeypatch.setattr(trainer_module, "held_weights", recording)
+    settings = tiny_settings(tmp_path, train={"steps": 1},
+                             model={"keep_dequantized": keep, "gradient_checkpointing": checkpointing})
+    make_trainer(settings, tmp_path / "run").train()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert budgets == [budget] and row["held_weights_gib"] == 1.5

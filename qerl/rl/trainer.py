@@ -397,7 +397,10 @@ class Trainer:
             memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
                                     s.gradient_checkpointing)
             self.model.gradient_checkpointing = memory.recomputed_blocks
-            budget = {True: 2**62, False: 0}.get(s.keep_dequantized, memory.spare_bytes)
+            # auto spends spare memory on speed, except where the run asked for memory first (every block
+            # recomputed): there it holds nothing, so that run's peak stays the lowest qerl has.
+            budget = {True: 2**62, False: 0}.get(s.keep_dequantized,
+                                                 0 if s.gradient_checkpointing is True else memory.spare_bytes)
             with held_weights(budget) as held_bytes:
                 old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
                 totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
