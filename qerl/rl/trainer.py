@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from qerl import grading
-from qerl.config import Settings
+from qerl.config import ModelSettings, Settings
 from qerl.data import problems as data
 from qerl.data import rewards
 from qerl.data.prompt_length import fit_prompts, model_context
@@ -68,6 +68,17 @@ class _StepTotals:
         if entropy is not None:
             self.entropy_sum += float((entropy * mask).sum())
             self.entropy_count += float(mask.sum())
+
+
+def _held_weights_budget(model: ModelSettings, memory: recompute.MemoryPlan) -> int:
+    """Bytes of dequantized base weights the update may keep (model.keep_dequantized). auto spends the plan's spare
+    memory on speed, except where the run asked for memory first (every block recomputed): there it holds nothing,
+    so that run's peak stays the lowest qerl has."""
+    if model.keep_dequantized is True:
+        return 2**62
+    if model.keep_dequantized is False or model.gradient_checkpointing is True:
+        return 0
+    return memory.spare_bytes
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -397,15 +408,11 @@ class Trainer:
             memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
                                     s.gradient_checkpointing)
             self.model.gradient_checkpointing = memory.recomputed_blocks
-            # auto spends spare memory on speed, except where the run asked for memory first (every block
-            # recomputed): there it holds nothing, so that run's peak stays the lowest qerl has.
-            budget = {True: 2**62, False: 0}.get(s.keep_dequantized,
-                                                 0 if s.gradient_checkpointing is True else memory.spare_bytes)
-            with held_weights(budget) as held_bytes:
+            with held_weights(_held_weights_budget(s, memory)) as held_bytes:
                 old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
                 totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
                                         ref_logp)
-                totals.recomputed_blocks, totals.held_gib = memory.recomputed_blocks, held_bytes() / 2**30
+                totals.recomputed_blocks, totals.held_gib = memory.recomputed_blocks, held_bytes() / recompute.GIB
         self.scheduler.step()
         self.step += 1
         return self._step_metrics(batch, step_rewards, truncated, totals, time.perf_counter() - start)
