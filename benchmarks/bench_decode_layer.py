@@ -1,13 +1,14 @@
 """The fixed cost of a decode step per layer: what a layer costs beyond reading its base weights.
 
-    PYTHONPATH=. python3 benchmarks/bench_decode_layer.py --model 7b --batch 8 --window 512 \
-        [--schemes bf16,nvfp4] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/bench_decode_layer.py --model 7b --batch 8[,1,64] --window 512 \
+        [--schemes bf16,nvfp4] [--projections fused,separate] [--profile] [--out DIR]
 
 For each scheme, with q/k/v and gate/up fused (`Transformer.fuse_projections`) and then separate, on random weights
 of the published shape with LoRA r=16 on every linear, three CUDA-graph timings (median of 5 runs of 50 replays):
   step   the engine's captured `Transformer.decode_step` (batch bucket, KV window), as a rollout replays it;
   gemms  a graph of only the base GEMMs that step runs (same layers, same shapes, same backends) plus lm_head;
   fixed  (step - gemms) / layers: norms, RoPE + KV write, attention, SiLU·up, the LoRA GEMMs, launch gaps.
+With --profile, the replayed step's kernels by name (µs per step and per layer) and how much of the step they fill.
 And the eager sampling of one token (`qerl.rollout.generate.sample_tokens`, temperature 1) that runs between replays.
 Results: DIR/decode_layer.jsonl and a markdown table on stdout.
 """
@@ -89,6 +90,37 @@ def base_gemms(model, rows: int):
     return run
 
 
+def print_replay_profile(graph, steps: int, layers: int) -> None:
+    """Kernel time per decode step by kernel name (µs per step and per layer, launches per layer) for `steps`
+    replays of `graph`, and the busy fraction: how much of the replay's span kernels ran (the rest is launch gaps)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()]
+    if not kernels:
+        print("  (the profiler saw no kernels of the replay)", flush=True)
+        return
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    print(f"  replay profile: {len(kernels) / steps:.0f} kernels per step ({len(kernels) / steps / layers:.1f} per "
+          f"layer), busy {busy / steps:.0f} of {span / steps:.0f} µs per step ({100 * busy / span:.0f}%)")
+    print("  | kernel | µs per step | µs per layer | launches per layer | µs each |")
+    print("  |---|---|---|---|---|")
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:24]:
+        total = sum(times) / steps
+        print(f"  | {name[:90]} | {total:.0f} | {total / layers:.1f} | {len(times) / steps / layers:.2f} | "
+              f"{sum(times) / len(times):.1f} |", flush=True)
+
+
 @torch.no_grad()
 def measure(model, batch: int, window: int, profile: bool = False) -> dict:
     engine = RolloutEngine(model)
@@ -113,24 +145,12 @@ def measure(model, batch: int, window: int, profile: bool = False) -> dict:
     torch.cuda.synchronize()
     sample = (time.perf_counter() - t0) / 50 * 1e6
     layers = model.config.num_hidden_layers
-    if profile:  # kernel times of the eager step (a graph replays the same kernels, with shorter gaps)
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
+    if profile:  # the kernels of the replayed graph, per step, and the gaps between them
         engine._install(batch, window)
         try:
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    engine._decode_eager(rows, window)
-                torch.cuda.synchronize()
+            print_replay_profile(graph, steps=5, layers=model.config.num_hidden_layers)
         finally:
             engine._uninstall()
-        for key in ("self_device_time_total", "self_cuda_time_total"):
-            try:
-                print(prof.key_averages().table(sort_by=key, row_limit=24, max_name_column_width=70), flush=True)
-                break
-            except Exception:  # the key's name changed across torch versions
-                continue
     engine.free()
     return {"step_us": step, "gemms_us": gemms, "fixed_per_layer_us": (step - gemms) / layers,
             "sample_us": sample, "rows": rows, "window": window}
@@ -140,9 +160,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="7b")
     ap.add_argument("--schemes", default="bf16,nvfp4")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", default="8", help="batch sizes, comma-separated")
+    ap.add_argument("--projections", default="fused,separate")
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--profile", action="store_true", help="also print the kernels of the eager step (profiler)")
+    ap.add_argument("--profile", action="store_true", help="also print the kernels of the replayed step (profiler)")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -151,16 +172,18 @@ def main() -> None:
     with open(os.path.join(args.out, "decode_layer.jsonl"), "a") as log:
         for scheme in args.schemes.split(","):
             model = build_model(args.model, scheme)
-            for projections in ("fused", "separate"):
+            for projections in args.projections.split(","):
                 if projections == "separate":
                     fusion.unfuse_projections(model)
-                r = measure(model, args.batch, args.window, args.profile)
-                r.update(model=args.model, scheme=scheme, projections=projections, batch=args.batch)
-                rows.append(r)
-                log.write(json.dumps(r) + "\n")
-                log.flush()
-                print(f"  {scheme} {projections}: step {r['step_us']:.0f} µs, base GEMMs {r['gemms_us']:.0f} µs, "
-                      f"fixed {r['fixed_per_layer_us']:.1f} µs/layer, sampling {r['sample_us']:.0f} µs", flush=True)
+                for batch in map(int, args.batch.split(",")):
+                    r = measure(model, batch, args.window, args.profile)
+                    r.update(model=args.model, scheme=scheme, projections=projections, batch=batch)
+                    rows.append(r)
+                    log.write(json.dumps(r) + "\n")
+                    log.flush()
+                    print(f"  {scheme} {projections} batch {batch}: step {r['step_us']:.0f} µs, base GEMMs "
+                          f"{r['gemms_us']:.0f} µs, fixed {r['fixed_per_layer_us']:.1f} µs/layer, sampling "
+                          f"{r['sample_us']:.0f} µs", flush=True)
             del model
             free_cuda()
     print("\n| model | scheme | projections | batch | step µs | base GEMMs µs | fixed µs / layer | sampling µs |")

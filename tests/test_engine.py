@@ -210,12 +210,51 @@ def test_triton_kernels_in_the_interpreter():
         assert (K.fused_silu_mul(g, u) - F.silu(g) * u).abs().max() < 1e-6
         g, u = torch.randn(4, 80).split(40, -1)  # the halves of a fused gate_up output: strided rows
         assert (K.fused_silu_mul(g, u) - F.silu(g) * u).abs().max() < 1e-6
+        qn, kn = RMSNorm(16, 1e-6), RMSNorm(16, 1e-6)
+        qn.weight.data.uniform_(0.5, 1.5); kn.weight.data.uniform_(0.5, 1.5)
+        # LoRA's update left to the kernels (DeferredLoRA): h = x·Aᵀ in one launch (several splits, row and rank
+        # blocks; the tile counters end at zero for the next launch), then added by the norm, SiLU·up and RoPE
+        from qerl.model.lora import DeferredLoRA
+        for n, kdim, rank in ((3, 300, 12), (20, 1000, 40), (33, 700, 80)):
+            xs, a = torch.randn(n, kdim), torch.randn(rank, kdim)
+            got = K.lora_shrink(xs, a)
+            assert (got - xs @ a.T).abs().max() < 1e-3 and torch.equal(got, K.lora_shrink(xs, a))
+            assert K._COUNTERS["cpu"].abs().sum() == 0
+        x6, base, hh, bb = torch.randn(3, 600), torch.randn(3, 600), torch.randn(3, 4), torch.randn(600, 4)
+        norm6 = RMSNorm(600, 1e-5)
+        norm6.weight.data.uniform_(0.5, 1.5)
+        for _ in range(2):  # 3 chunks per row: the last to finish normalizes the row; its counter is reset
+            h2, y2 = K.fused_add_rmsnorm(x6.clone(), base, norm6.weight, 1e-5,
+                                         DeferredLoRA(base, hh, bb, 0.5, ((0, 0, 4),)))
+            ref = x6 + (base + 0.5 * hh @ bb.T)
+            assert (h2 - ref).abs().max() < 1e-5 and (y2 - norm6(ref)).abs().max() < 1e-5
+            assert K._COUNTERS["cpu"].abs().sum() == 0
+        a6 = torch.randn(40, 600)  # and the next projection's x·Aᵀ of the normed rows, with or without a residual
+        for residual, lr in ((base, DeferredLoRA(base, hh, bb, 0.5, ((0, 0, 4),))), (None, None)):
+            h3, y3, xa = K.fused_add_rmsnorm(x6.clone(), residual, norm6.weight, 1e-5, lr, a6)
+            ref = x6 + (base + 0.5 * hh @ bb.T) if residual is not None else x6
+            assert (y3 - norm6(ref)).abs().max() < 1e-5 and (xa - norm6(ref) @ a6.T).abs().max() < 1e-3
+        g, u = torch.randn(5, 80).split(40, -1)
+        hh, bb = torch.randn(5, 8), torch.zeros(80, 8)
+        bb[:40, :3], bb[40:, 3:] = torch.randn(40, 3), torch.randn(40, 5)  # block-diagonal: ranks 3 and 5
+        full = torch.cat([g, u], -1) + 0.7 * hh @ bb.T
+        got = K.fused_silu_mul(g, u, DeferredLoRA(None, hh, bb, 0.7, ((0, 0, 3), (40, 3, 5))))
+        assert (got - F.silu(full[:, :40]) * full[:, 40:]).abs().max() < 1e-5
         rows, H, Hkv, D = 3, 4, 2, 16
-        q, k, v = torch.randn(rows, (H + 2 * Hkv) * D).split([H * D, Hkv * D, Hkv * D], -1)  # a fused qkv output
+        fused_qkv = torch.randn(rows, (H + 2 * Hkv) * D)
+        hh, bb = torch.randn(rows, 8), torch.zeros((H + 2 * Hkv) * D, 8)
+        bb[:H * D, :4], bb[(H + Hkv) * D:, 4:] = torch.randn(H * D, 4), torch.randn(Hkv * D, 4)  # k has no adapter
+        lr = DeferredLoRA(fused_qkv, hh, bb, 0.3, ((0, 0, 4), (H * D, 4, 0), ((H + Hkv) * D, 4, 4)))
+        kc, vc = torch.zeros(4, Hkv, 8, D), torch.zeros(4, Hkv, 8, D)
+        q, k, v = fused_qkv.split([H * D, Hkv * D, Hkv * D], -1)
         ang = torch.randn(rows, D // 2)
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-        qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
-        qn.weight.data.uniform_(0.5, 1.5); kn.weight.data.uniform_(0.5, 1.5)
+        qo = K.fused_rope_cache(q, k, v, cos, sin, torch.tensor([5]), kc, vc, H, Hkv, D, low_rank=lr)
+        q_ref, k_ref, v_ref = (fused_qkv + 0.3 * hh @ bb.T).split([H * D, Hkv * D, Hkv * D], -1)
+        assert (qo.view(rows, H, D) - apply_rope(q_ref.reshape(rows, H, D), cos[:, None], sin[:, None])).abs().max() < 1e-5
+        assert (kc[:rows, :, 5] - apply_rope(k_ref.reshape(rows, Hkv, D), cos[:, None], sin[:, None])).abs().max() < 1e-5
+        assert (vc[:rows, :, 5] - v_ref.reshape(rows, Hkv, D)).abs().max() < 1e-5
+        q, k, v = torch.randn(rows, (H + 2 * Hkv) * D).split([H * D, Hkv * D, Hkv * D], -1)  # a fused qkv output
         for q_norm, k_norm in ((None, None), (qn, kn)):
             kc, vc = torch.zeros(4, Hkv, 8, D), torch.zeros(4, Hkv, 8, D)
             qo = K.fused_rope_cache(q, k, v, cos, sin, torch.tensor([5]), kc, vc, H, Hkv, D, q_norm, k_norm)
@@ -320,11 +359,34 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
             lower(K._add_rmsnorm_kernel, {"X": p, "R": p, "W": p, "Y": p, "N": "i32", "eps": "fp32",
                                           "HAS_RES": "constexpr", "BLOCK": "constexpr"}, {"HAS_RES": res, "BLOCK": 4096})
         for qk in (False, True):
-            lower(K._rope_cache_kernel,
-                  {"Q": p, "K": p, "V": p, "COS": "*fp32", "SIN": "*fp32", "QO": p, "KC": p, "VC": p, "SLOT": "*i64",
-                   "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32", "s_h": "i32",
-                   "s_s": "i32", "s_q": "i32", "s_k": "i32", "s_v": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr"},
-                  {"D": 128, "HALF": 64, "QK_NORM": qk})
+            for low_rank in (False, True):
+                lower(K._rope_cache_kernel,
+                      {"Q": p, "K": p, "V": p, "COS": "*fp32", "SIN": "*fp32", "QO": p, "KC": p, "VC": p,
+                       "SLOT": "*i64", "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32",
+                       "s_h": "i32", "s_s": "i32", "s_q": "i32", "s_k": "i32", "s_v": "i32", "HL": p, "LB": p,
+                       "s_hl": "i32", "s_lb": "i32", "lr_scale": "fp32", "q_col": "i32", "q_rank": "i32",
+                       "k_col": "i32", "k_rank": "i32", "v_col": "i32", "v_rank": "i32", "k_row0": "i32",
+                       "v_row0": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr",
+                       "LOW_RANK": "constexpr", "RP": "constexpr"},
+                      {"D": 128, "HALF": 64, "QK_NORM": qk, "LOW_RANK": low_rank, "RP": 16})
+        lower(K._lora_shrink_kernel, {"X": p, "A": p, "H": p, "PART": "*fp32", "COUNT": "*i32", "M": "i32",
+                                      "K": "i32", "R": "i32", "s_x": "i32", "s_h": "i32", "chunk": "i32",
+                                      "splits": "i32", "BM": "constexpr", "RP": "constexpr", "BK": "constexpr"},
+              {"BM": 16, "RP": 64, "BK": 128})
+        for res, low_in, out in ((True, True, True), (False, False, True), (True, True, False)):
+            lower(K._add_low_rank_rmsnorm_kernel,
+                  {"X": p, "R": p, "HL": p, "B": p, "W": p, "Y": p, "PART": "*fp32", "COUNT": "*i32", "A": p,
+                   "HO": p, "N": "i32", "eps": "fp32", "s_hl": "i32", "s_b": "i32", "col": "i32", "rank": "i32",
+                   "lr_scale": "fp32", "rank_out": "i32", "s_ho": "i32", "HAS_RES": "constexpr",
+                   "HAS_IN": "constexpr", "HAS_OUT": "constexpr", "RP": "constexpr", "RPO": "constexpr",
+                   "CH": "constexpr", "CHUNKS": "constexpr", "BLOCK": "constexpr"},
+                  {"HAS_RES": res, "HAS_IN": low_in, "HAS_OUT": out, "RP": 16, "RPO": 64, "CH": 128, "CHUNKS": 28,
+                   "BLOCK": 4096})
+        lower(K._silu_mul_low_rank_kernel, {"G": p, "U": p, "O": p, "HL": p, "LB": p, "M": "i32", "n": "i32",
+                                            "s_g": "i32", "s_u": "i32", "s_hl": "i32", "s_lb": "i32",
+                                            "lr_scale": "fp32", "g_col": "i32", "g_rank": "i32", "u_col": "i32",
+                                            "u_rank": "i32", "u_row0": "i32", "BM": "constexpr", "RP": "constexpr",
+                                            "BLOCK": "constexpr"}, {"BM": 16, "RP": 16, "BLOCK": 256})
         lower(K._sample_kernel, {"LOGITS": "*fp32", "SEED": "*i64", "TOK": "*i64", "LOGP": "*fp32", "V": "i32",
                                  "stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}, {"BLOCK": 4096})
         lower(K._decode_attention_partial_kernel,

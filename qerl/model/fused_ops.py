@@ -5,6 +5,10 @@ Each kernel mirrors the PyTorch ops it replaces, including the intermediate roun
 so the fused step stays within ~1 ulp of `Transformer.forward`. They run on CUDA, and on CPU tensors under
 Triton's interpreter (TRITON_INTERPRET=1, tests). The model calls them; the rollout engine does not.
 
+LoRA in the decode step (see `qerl.model.lora.DeferredLoRA`): `lora_shrink` computes h = x·Aᵀ in one launch, and
+the kernel that reads a projection's output next (RoPE + KV write for q/k/v, SiLU·up for gate/up, add + RMSNorm for
+o and down) adds s·h·Bᵀ to it before its rounding, as one addmm would: no launch of its own for LoRA's B product.
+
 Here rather than in `kernels/`: that package holds the NVFP4 GEMM kernels behind `QuantLinear` (optional, loaded
 lazily); these belong to the model's decode step and are small enough to read next to it.
 """
@@ -43,9 +47,13 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, QW, KW, eps, H, HKV, s_b, s_h, s_s, s_q, s_k, s_v,
-                           D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                           HL, LB, s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
+                           D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, LOW_RANK: tl.constexpr,
+                           RP: tl.constexpr):
         """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT.
-        s_q, s_k, s_v: row strides of q, k, v (column slices of one fused qkv output)."""
+        s_q, s_k, s_v: row strides of q, k, v (column slices of one fused qkv output). LOW_RANK: q, k, v are the
+        fused output's base part; LoRA's update s·h·LBᵀ (rows of LB: q from 0, k from k_row0, v from v_row0; each
+        member's rank block from its column) is added first, with the rounding of one addmm."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         offs = tl.arange(0, HALF)
@@ -61,6 +69,19 @@ if triton is not None:
             NW = KW
         x1 = tl.load(src + offs)
         x2 = tl.load(src + HALF + offs)
+        if LOW_RANK:
+            if head < H:
+                n0 = head * D
+                col = q_col
+                rank = q_rank
+            else:
+                n0 = k_row0 + (head - H) * D
+                col = k_col
+                rank = k_rank
+            hr = HL + row * s_hl
+            x1 = (x1.to(tl.float32) + lr_scale * _low_rank_rows(hr, LB, s_lb, n0 + offs, col, rank, RP)).to(x1.dtype)
+            x2 = (x2.to(tl.float32)
+                  + lr_scale * _low_rank_rows(hr, LB, s_lb, n0 + HALF + offs, col, rank, RP)).to(x2.dtype)
         if QK_NORM:  # Qwen3: per-head RMSNorm before RoPE
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
@@ -81,8 +102,17 @@ if triton is not None:
             tl.store(KC + at + offs, o1.to(KC.dtype.element_ty))
             tl.store(KC + at + HALF + offs, o2.to(KC.dtype.element_ty))
             v_in = V + row * s_v + kvh * D
-            tl.store(VC + at + offs, tl.load(v_in + offs).to(VC.dtype.element_ty))
-            tl.store(VC + at + HALF + offs, tl.load(v_in + HALF + offs).to(VC.dtype.element_ty))
+            v1 = tl.load(v_in + offs)
+            v2 = tl.load(v_in + HALF + offs)
+            if LOW_RANK:
+                hv = HL + row * s_hl
+                n0v = v_row0 + kvh * D
+                v1 = (v1.to(tl.float32) + lr_scale * _low_rank_rows(hv, LB, s_lb, n0v + offs, v_col, v_rank, RP)
+                      ).to(v1.dtype)
+                v2 = (v2.to(tl.float32)
+                      + lr_scale * _low_rank_rows(hv, LB, s_lb, n0v + HALF + offs, v_col, v_rank, RP)).to(v2.dtype)
+            tl.store(VC + at + offs, v1.to(VC.dtype.element_ty))
+            tl.store(VC + at + HALF + offs, v2.to(VC.dtype.element_ty))
 
     @triton.jit
     def _silu_mul_kernel(G, U, O, n, s_g, s_u, BLOCK: tl.constexpr):
@@ -96,6 +126,133 @@ if triton is not None:
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
         tl.store(O + row * n + offs, (act * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lora_shrink_kernel(X, A, H, PART, COUNT, M, K, R, s_x, s_h, chunk, splits, BM: tl.constexpr,
+                            RP: tl.constexpr, BK: tl.constexpr):
+        """Program (split, row block, rank block): h[rows, ranks] = x[rows] · A[ranks]ᵀ over K in `splits` chunks.
+        Each program writes its fp32 share to a slot; the last of a tile's programs to finish (a counter it resets
+        for the next launch) sums the slots in slot order and rounds once: the same bits whichever program ran
+        last, and one launch instead of cuBLAS' split-K GEMM + reduce."""
+        split, mb, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = mb * BM + tl.arange(0, BM)
+        ranks = rb * RP + tl.arange(0, RP)
+        acc = tl.zeros((BM, RP), tl.float32)
+        k_end = tl.minimum((split + 1) * chunk, K)
+        for k0 in range(split * chunk, k_end, BK):
+            ks = k0 + tl.arange(0, BK)
+            x = tl.load(X + rows[:, None] * s_x + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < k_end),
+                        other=0.0)
+            a = tl.load(A + ranks[None, :] * K + ks[:, None], mask=(ranks[None, :] < R) & (ks[:, None] < k_end),
+                        other=0.0)
+            acc += tl.dot(x, a, input_precision="ieee")
+        tile = mb * tl.num_programs(2) + rb
+        cells = tl.arange(0, BM)[:, None] * RP + tl.arange(0, RP)[None, :]
+        slots = PART + tile.to(tl.int64) * splits * BM * RP
+        tl.store(slots + split * BM * RP + cells, acc)
+        tl.debug_barrier()  # every thread's share is stored before the counter's release
+        done = tl.atomic_add(COUNT + tile, 1, sem="acq_rel", scope="gpu")
+        if done == splits - 1:
+            total = tl.zeros((BM, RP), tl.float32)
+            for s_ in range(0, splits):
+                total += tl.load(slots + s_ * BM * RP + cells, cache_modifier=".cg")
+            tl.store(H + rows[:, None] * s_h + ranks[None, :], total.to(H.dtype.element_ty),
+                     mask=(rows[:, None] < M) & (ranks[None, :] < R))
+            tl.atomic_xchg(COUNT + tile, 0)  # ready for the next launch (CUDA-graph replays)
+
+    @triton.jit
+    def _low_rank_rows(HR, B, s_b, n, col, rank, RP: tl.constexpr):
+        """Σ_r h[r] · B[n, col + r] for the rows n [BLOCK] of B and one row's h (HR points at h[row, 0]), fp32."""
+        r = tl.arange(0, RP)
+        live = r < rank
+        hv = tl.load(HR + col + r, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(B + n[:, None] * s_b + (col + r)[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+        return tl.sum(b * hv[None, :], axis=1)
+
+    @triton.jit
+    def _add_low_rank_rmsnorm_kernel(X, R, HL, B, W, Y, PART, COUNT, A, HO, N, eps, s_hl, s_b, col, rank, lr_scale,
+                                     rank_out, s_ho, HAS_RES: tl.constexpr, HAS_IN: tl.constexpr,
+                                     HAS_OUT: tl.constexpr, RP: tl.constexpr, RPO: tl.constexpr, CH: tl.constexpr,
+                                     CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row, chunk of CH columns) of add + RMSNorm with LoRA on both sides:
+        HAS_IN: the residual R is a LoRA projection's base output, finished here (R + s·h·Bᵀ, rounded as one addmm
+        rounds) before it is added into X (in place, rounded like a bf16 add);
+        HAS_OUT: the next projection's x·Aᵀ (A [rank_out, N]) of the normed row goes to HO, as
+        rstd · Σ_chunks (W ⊙ X)·Aᵀ (RMSNorm's row scale commutes with the product: each program sums its chunk
+        before rstd is known), rounded once.
+        Each program stores its chunk's sum of squares (and its share of x·Aᵀ) to slots; the last of the row's
+        programs to finish (a counter it resets) writes Y[row] = W * rmsnorm(X[row]) and HO[row]. B's and A's rows
+        are spread over the row's programs instead of read by one."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        n = chunk * CH + tl.arange(0, CH)
+        m = n < N
+        x = tl.load(X + row * N + n, mask=m, other=0.0)
+        if HAS_RES:
+            res = tl.load(R + row * N + n, mask=m, other=0.0)
+            if HAS_IN:
+                upd = _low_rank_rows(HL + row * s_hl, B, s_b, tl.where(m, n, 0), col, rank, RP)
+                res = (res.to(tl.float32) + lr_scale * upd).to(res.dtype)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(X + row * N + n, x, mask=m)
+        xf = tl.where(m, x.to(tl.float32), 0.0)  # masked lanes may hold B row 0's update
+        tl.store(PART + row * CHUNKS + chunk, tl.sum(xf * xf, axis=0))
+        if HAS_OUT:
+            ro = tl.arange(0, RPO)
+            a = tl.load(A + ro[None, :] * N + n[:, None], mask=m[:, None] & (ro < rank_out)[None, :], other=0.0)
+            xw = xf * tl.load(W + n, mask=m, other=0.0).to(tl.float32)
+            shares_at = PART + tl.num_programs(0) * CHUNKS + (row * CHUNKS + chunk) * RPO
+            tl.store(shares_at + ro, tl.sum(a.to(tl.float32) * xw[:, None], axis=0))
+        tl.debug_barrier()  # every thread's stores are issued before the counter's release
+        done = tl.atomic_add(COUNT + row, 1, sem="acq_rel", scope="gpu")
+        if done == CHUNKS - 1:
+            c = tl.arange(0, BLOCK // CH)  # BLOCK // CH >= CHUNKS: both powers of two
+            sq = tl.load(PART + row * CHUNKS + c, mask=c < CHUNKS, other=0.0, cache_modifier=".cg")
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / N + eps)
+            offs = tl.arange(0, BLOCK)
+            mm = offs < N
+            xs = tl.load(X + row * N + offs, mask=mm, other=0.0, cache_modifier=".cg")
+            normed = (xs.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
+            w = tl.load(W + offs, mask=mm, other=0.0).to(tl.float32)
+            tl.store(Y + row * N + offs, (w * normed).to(Y.dtype.element_ty), mask=mm)
+            if HAS_OUT:
+                ro = tl.arange(0, RPO)
+                shares = tl.load(PART + tl.num_programs(0) * CHUNKS + (row * CHUNKS + c[:, None]) * RPO + ro[None, :],
+                                 mask=(c < CHUNKS)[:, None], other=0.0, cache_modifier=".cg")
+                tl.store(HO + row * s_ho + ro, (tl.sum(shares, axis=0) * rstd).to(HO.dtype.element_ty),
+                         mask=ro < rank_out)
+            tl.atomic_xchg(COUNT + row, 0)  # ready for the next launch (CUDA-graph replays)
+
+    @triton.jit
+    def _low_rank_tile(HL, LB, s_hl, s_lb, rows, row_live, n, n_live, col, rank, RP: tl.constexpr):
+        """h[rows, col:col+rank] · LB[n, col:col+rank]ᵀ, a [rows, n] fp32 tile (one tensor-core product)."""
+        r = tl.arange(0, RP)
+        live = r < rank
+        h = tl.load(HL + rows[:, None] * s_hl + (col + r)[None, :], mask=row_live[:, None] & live[None, :], other=0.0)
+        bt = tl.load(LB + n[None, :] * s_lb + (col + r)[:, None], mask=live[:, None] & n_live[None, :], other=0.0)
+        return tl.dot(h, bt, input_precision="ieee")
+
+    @triton.jit
+    def _silu_mul_low_rank_kernel(G, U, O, HL, LB, M, n, s_g, s_u, s_hl, s_lb, lr_scale, g_col, g_rank, u_col,
+                                  u_rank, u_row0, BM: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row block, column block): `_silu_mul_kernel` on gate and up that are a fused gate_up output's
+        base part: LoRA's update s·h·LBᵀ (gate's rows of LB from 0, up's from u_row0) is added to each first, with
+        the rounding of one addmm. BM rows per program, so B's tile is read once per BM rows."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        row_live, col_live = rows < M, cols < n
+        m = row_live[:, None] & col_live[None, :]
+        g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=m, other=0.0)
+        u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=m, other=0.0)
+        g = (g.to(tl.float32) + lr_scale * _low_rank_tile(HL, LB, s_hl, s_lb, rows, row_live, cols, col_live, g_col,
+                                                          g_rank, RP)).to(g.dtype)
+        u = (u.to(tl.float32) + lr_scale * _low_rank_tile(HL, LB, s_hl, s_lb, rows, row_live, u_row0 + cols, col_live,
+                                                          u_col, u_rank, RP)).to(u.dtype)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+        tl.store(O + rows[:, None] * n + cols[None, :], (act * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
 
 
 if triton is not None:
@@ -237,11 +394,85 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
     return out
 
 
-def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(x + residual, written into x; weight * rmsnorm(x + residual)) for contiguous [rows, N]."""
+def _rank_block(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))  # tl.dot's and the tiles' power-of-two rank axis
+
+
+_COUNTERS: dict[str, Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> Tensor:
+    """`lora_shrink`'s tile counters: zeroed once, then reset by the kernel itself (graph-capture friendly). One
+    buffer per device: launches on different streams at once would race on it (the decode step runs on one)."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+def lora_shrink(x: Tensor, a: Tensor, target_programs: int = 96) -> Tensor:
+    """h = x · aᵀ [rows, R] for x [rows, K] (unit stride along K) and a LoRA A [R, K] (contiguous): one launch,
+    split along K into about `target_programs` programs, whose fp32 shares the last to finish sums in a fixed order
+    and rounds once (cuBLAS runs these skinny products as a split-K GEMM plus a reduce kernel)."""
+    rows, k = x.shape
+    rank = a.shape[0]
+    if x.stride(-1) != 1 or not a.is_contiguous() or a.shape[1] != k or x.dtype != a.dtype:
+        raise ValueError(f"lora_shrink needs x [rows, K] with unit stride along K and a contiguous A [R, K] of its "
+                         f"dtype, got x {tuple(x.shape)} {x.stride()} {x.dtype}, A {tuple(a.shape)} {a.dtype}")
+    h = torch.empty((rows, rank), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return h
+    bm, bk = 16, 128
+    rp = min(64, _rank_block(rank))
+    row_blocks, rank_blocks, k_iters = triton.cdiv(rows, bm), triton.cdiv(rank, rp), triton.cdiv(k, bk)
+    splits = max(1, min(32, k_iters, triton.cdiv(target_programs, row_blocks * rank_blocks)))
+    chunk = triton.cdiv(k_iters, splits) * bk
+    splits = triton.cdiv(k, chunk)
+    tiles = row_blocks * rank_blocks
+    part = torch.empty((tiles * splits * bm * rp,), dtype=torch.float32, device=x.device)
+    _lora_shrink_kernel[(splits, row_blocks, rank_blocks)](
+        x, a, h, part, _counters(x.device, tiles), rows, k, rank, x.stride(0), h.stride(0), chunk, splits, BM=bm,
+        RP=rp, BK=bk, num_warps=4)
+    return h
+
+
+def _member_blocks(low_rank, n: int) -> list[tuple[int, int, int]]:
+    """(first row of B, first column of h and B, rank) of each of n members of a `DeferredLoRA`."""
+    if len(low_rank.blocks) != n:
+        raise ValueError(f"expected a LoRA update of {n} members, got {len(low_rank.blocks)}")
+    return list(low_rank.blocks)
+
+
+def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, low_rank=None,
+                      shrink: Tensor | None = None) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """(x + residual, written into x; weight * rmsnorm(x + residual)) for contiguous [rows, N]. With `low_rank`
+    (a `qerl.model.lora.DeferredLoRA` of one member whose `out` is `residual`), the residual is first finished with
+    LoRA's update; with `shrink` (the next projection's LoRA A [R, N], contiguous), also returns h = normed·Aᵀ
+    [rows, R] (as rstd · (weight ⊙ x)·Aᵀ: the norm's row scale applied after the product), all in one kernel."""
     rows, n = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     block = triton.next_power_of_2(n)
+    if (low_rank is not None and residual is not None) or shrink is not None:
+        has_in = low_rank is not None and residual is not None
+        (_, col, rank), = _member_blocks(low_rank, 1) if has_in else ((0, 0, 0),)
+        h, b = (low_rank.h, low_rank.b) if has_in else (x, x)
+        rank_out = shrink.shape[0] if shrink is not None else 0
+        if shrink is not None and (not shrink.is_contiguous() or shrink.shape[1] != n or shrink.dtype != x.dtype):
+            raise ValueError(f"fused_add_rmsnorm: shrink must be a contiguous [R, {n}] {x.dtype} LoRA A, got "
+                             f"{tuple(shrink.shape)} {shrink.dtype}")
+        h_out = torch.empty((rows, rank_out), dtype=x.dtype, device=x.device)
+        ch = min(128 if rank_out > 16 else 256, block)
+        chunks, rpo = triton.cdiv(n, ch), _rank_block(rank_out)
+        slots = torch.empty((rows * chunks * (1 + (rpo if shrink is not None else 0)),), dtype=torch.float32,
+                            device=x.device)
+        _add_low_rank_rmsnorm_kernel[(rows, chunks)](
+            x, residual if residual is not None else x, h, b, weight, out, slots, _counters(x.device, rows),
+            shrink if shrink is not None else x, h_out, n, eps, h.stride(0), b.stride(0), col, rank,
+            low_rank.scale if has_in else 0.0, rank_out, max(h_out.stride(0), 1), HAS_RES=residual is not None,
+            HAS_IN=has_in, HAS_OUT=shrink is not None, RP=_rank_block(rank), RPO=rpo, CH=ch, CHUNKS=chunks,
+            BLOCK=block, num_warps=4)
+        return (x, out) if shrink is None else (x, out, h_out)
     _add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
                                  HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)))
     return x, out
@@ -249,31 +480,51 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: f
 
 def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, k_cache: Tensor,
                      v_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> Tensor:
+                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, low_rank=None) -> Tensor:
     """Rotated q [rows, H*D] (contiguous); rotated k and v written into rows :rows of the caches at slot `slot` [1].
-    q, k, v may be column slices of one [rows, (H + 2 Hkv) D] projection (unit stride along a row)."""
+    q, k, v may be column slices of one [rows, (H + 2 Hkv) D] projection (unit stride along a row). With
+    `low_rank` (a `qerl.model.lora.DeferredLoRA` of the q, k, v members), q, k and v are the base part of the
+    projection and the kernel adds LoRA's update to them first."""
     rows = q.shape[0]
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_rope_cache needs unit stride along a row, got strides {t.stride()}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     norm = q_norm is not None
+    if low_rank is not None:
+        (_, q_col, q_rank), (k_row0, k_col, k_rank), (v_row0, v_col, v_rank) = _member_blocks(low_rank, 3)
+        lr = (low_rank.h, low_rank.b, low_rank.h.stride(0), low_rank.b.stride(0), low_rank.scale)
+        rp = _rank_block(max(q_rank, k_rank, v_rank))
+    else:
+        q_col = q_rank = k_col = k_rank = v_col = v_rank = k_row0 = v_row0 = 0
+        lr, rp = (q, q, 0, 0, 0.0), 16
     _rope_cache_kernel[(rows, num_heads + num_kv_heads)](
         q, k, v, cos, sin, out, k_cache, v_cache, slot, q_norm.weight if norm else q, k_norm.weight if norm else q,
         q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        q.stride(0), k.stride(0), v.stride(0), D=head_dim, HALF=head_dim // 2, QK_NORM=norm, num_warps=1)
+        q.stride(0), k.stride(0), v.stride(0), *lr, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
+        D=head_dim, HALF=head_dim // 2, QK_NORM=norm, LOW_RANK=low_rank is not None, RP=rp,
+        num_warps=1 if low_rank is None else 2)
     return out
 
 
-def fused_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+def fused_silu_mul(gate: Tensor, up: Tensor, low_rank=None) -> Tensor:
     """silu(gate) * up for [rows, n] inputs with unit stride along a row (e.g. the halves of one gate_up output);
-    the result is contiguous."""
+    the result is contiguous. With `low_rank` (a `qerl.model.lora.DeferredLoRA` of the gate and up members), gate
+    and up are the base part of the projection and the kernel adds LoRA's update to them first."""
     for t in (gate, up):
         if t.dim() != 2 or t.stride(-1) != 1:
             raise ValueError(f"fused_silu_mul needs [rows, n] with unit stride along a row, got {tuple(t.shape)} "
                              f"strides {t.stride()}")
     rows, n = gate.shape
     out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
+    if low_rank is not None:
+        (_, g_col, g_rank), (u_row0, u_col, u_rank) = _member_blocks(low_rank, 2)
+        h, b, bm, block = low_rank.h, low_rank.b, 16, 256
+        _silu_mul_low_rank_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, block))](
+            gate, up, out, h, b, rows, n, gate.stride(0), up.stride(0), h.stride(0), b.stride(0), low_rank.scale,
+            g_col, g_rank, u_col, u_rank, u_row0, BM=bm, RP=_rank_block(max(g_rank, u_rank)), BLOCK=block,
+            num_warps=4)
+        return out
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
                                                      num_warps=4)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.model.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
+from qerl.model.lora import ONE_GEMM_DEVICES, DeferredLoRA, LoraLinear, add_low_rank
 from qerl.quant.fp8 import frozen_linear
 from qerl.quant.linear import QuantLinear
 
@@ -195,6 +195,40 @@ class ProjectionGroup:
         plus_low_rank = getattr(self.fused, "plus_low_rank", None)
         out = plus_low_rank(x, h, b, 1.0) if plus_low_rank is not None else self.fused(x).addmm_(h, b.t())
         return list(out.split(self.sizes, dim=-1))
+
+    def decode_lora_a(self, dtype: torch.dtype) -> Tensor | None:
+        """The stacked LoRA A [R, K] that `decode_deferred` multiplies its input by, where it will (adapters on, in
+        the activations' dtype): the kernel that norms the input can compute x·Aᵀ too and pass it in."""
+        if torch.is_grad_enabled() or not self.build():
+            return None
+        lora = self.stacked_lora()
+        return lora[0] if lora is not None and lora[0].dtype == dtype else None
+
+    def decode_deferred(self, x: Tensor, h: Tensor | None = None) -> tuple[list[Tensor], DeferredLoRA | None] | None:
+        """`self(x, fused=True)` with LoRA's B product left to the kernel that reads the outputs next: the members'
+        base outputs (column views of one [rows, N] output) and the update (None without adapters); h = x·Aᵀ as
+        given (computed by the kernel that made x) or in one launch (`fused_ops.lora_shrink`). None where the group
+        is computed another way (members that are not one GEMM, adapters in another dtype than x)."""
+        if x.dim() != 2 or torch.is_grad_enabled() or not self.build():
+            return None
+        lora = self.stacked_lora()
+        if lora is None:
+            return list(self.fused(x).split(self.sizes, dim=-1)), None
+        a, b = lora
+        if a.dtype != x.dtype:
+            return None
+        from qerl.model import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
+
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        active = dict(self._active_lora(self.members()))
+        blocks, row, col = [], 0, 0
+        for i, size in enumerate(self.sizes):
+            rank = active[i].rank if i in active else 0
+            blocks.append((row, col, rank))
+            row, col = row + size, col + rank
+        out = self.fused(x)
+        h = fused_ops.lora_shrink(x, a) if h is None else h
+        return list(out.split(self.sizes, dim=-1)), DeferredLoRA(out, h, b, 1.0, tuple(blocks))
 
     def signature(self) -> tuple[int, ...]:
         """What a captured graph of this group reads by address: the fused weight (or the GPU GEMM holding its

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -64,6 +64,30 @@ def add_low_rank(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> Tensor:
     return out + (nn.functional.linear(h, b) * scaling).to(out.dtype)
 
 
+@dataclass
+class DeferredLoRA:
+    """A projection's output in the fused decode step with LoRA's update not added yet: `out` [rows, N] is the base
+    GEMM's output, the update is scale · h·bᵀ (h = x·Aᵀ [rows, R], b [N, R] with unit stride along R). The kernel
+    that reads `out` next adds the update before its own rounding, as one addmm would (`qerl.model.fused_ops`:
+    RoPE + KV write, SiLU·up, add + RMSNorm), so LoRA's B product costs no launch of its own. `blocks`: per member
+    of a fused output (q/k/v, gate/up; one for a single projection), its first row of b, its first column of h and
+    b, and its rank."""
+    out: Tensor
+    h: Tensor
+    b: Tensor
+    scale: float
+    blocks: tuple[tuple[int, int, int], ...]
+
+    def finish(self) -> Tensor:
+        """`out` with the update added in place (one addmm): for a reader that has no kernel adding it."""
+        return self.out.addmm_(self.h, self.b.t(), alpha=self.scale)
+
+
+def finished(out: Tensor | DeferredLoRA | None) -> Tensor | None:
+    """The tensor itself, or a deferred output finished."""
+    return out.finish() if isinstance(out, DeferredLoRA) else out
+
+
 def _module_device(module: nn.Module) -> torch.device:
     if hasattr(module, "weight_device"):  # a QuantLinear whose weight is a fused layer's rows or a GPU backend's
         return module.weight_device()     # repacked copy holds no tensor of its own
@@ -112,6 +136,18 @@ class LoraLinear(nn.Module):
         if plus_low_rank is not None:
             return plus_low_rank(x, h, self.lora_B, self.scaling)
         return self.base(x).addmm_(h, self.lora_B.t(), alpha=self.scaling)
+
+    def decode_deferred(self, x: Tensor) -> DeferredLoRA | None:
+        """`fused_forward(x)` with h = x·Aᵀ in one launch (`fused_ops.lora_shrink`) and the B product left to the
+        kernel that reads the output next; None where fused_forward would not take its addmm path."""
+        if not self.enabled or self.lora_B.dtype != x.dtype or self.lora_A.dtype != x.dtype or x.dim() != 2 \
+                or not self.lora_A.is_contiguous() or self.lora_B.stride(-1) != 1:
+            return None
+        from qerl.model import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
+
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return DeferredLoRA(self.base(x), fused_ops.lora_shrink(x, self.lora_A), self.lora_B, self.scaling,
+                            ((0, 0, self.rank),))
 
     def delta_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """(B @ A) * scaling, [out, in]."""

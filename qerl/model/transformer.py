@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from qerl.model import fusion, training_ops
 from qerl.model.families import FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types, unsupported
 from qerl.model.fusion import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
+from qerl.model.lora import DeferredLoRA, finished
 from qerl.quant.fp8 import frozen_linear
 
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -298,15 +299,34 @@ class RMSNorm(nn.Module):
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return training_ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: Tensor, residual: Tensor | None, fused: bool = False) -> tuple[Tensor, Tensor]:
+    def add_forward(self, x: Tensor, residual: Tensor | DeferredLoRA | None,
+                    fused: bool = False) -> tuple[Tensor, Tensor]:
         """(x + residual, norm(x + residual)) for [rows, dim]; fused: one kernel that adds into x in place (Llama's
-        rounding only: a unit-offset norm takes the plain path)."""
+        rounding only: a unit-offset norm takes the plain path), and finishes a deferred residual's LoRA update."""
         if fused and not self.unit_offset:
             from qerl.model import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
 
+            if isinstance(residual, DeferredLoRA):  # the kernel finishes the projection's LoRA update too
+                return fused_ops.fused_add_rmsnorm(x, residual.out, self.weight, self.eps, residual)
             return fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        residual = finished(residual)
         x = x if residual is None else x + residual
         return x, self(x)
+
+    def add_forward_shrink(self, x: Tensor, residual: Tensor | DeferredLoRA | None, fused: bool,
+                           shrink: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`add_forward`, and h = norm(x + residual)·Aᵀ for the next projection's LoRA A `shrink` [R, dim] (None:
+        h is None); fused: in the same kernel (`fused_ops.fused_add_rmsnorm`)."""
+        if shrink is None:
+            return (*self.add_forward(x, residual, fused), None)
+        if fused and not self.unit_offset:
+            from qerl.model import fused_ops
+
+            low_rank = residual if isinstance(residual, DeferredLoRA) else None
+            return fused_ops.fused_add_rmsnorm(x, low_rank.out if low_rank is not None else residual, self.weight,
+                                               self.eps, low_rank, shrink)
+        x, y = self.add_forward(x, residual, fused)
+        return x, y, F.linear(y, shrink)
 
 
 def project(linear: nn.Module, x: Tensor, fused: bool = False) -> Tensor:
@@ -314,6 +334,14 @@ def project(linear: nn.Module, x: Tensor, fused: bool = False) -> Tensor:
     of the low-rank update into it, instead of GEMM + scale + add)."""
     fast = getattr(linear, "fused_forward", None) if fused else None
     return frozen_linear(linear, x) if fast is None else fast(x)  # a frozen bf16 linear: FP8 in the FP8 update
+
+
+def project_deferred(linear: nn.Module, x: Tensor) -> Tensor | DeferredLoRA:
+    """`project(linear, x, fused=True)`, leaving LoRA's B product to the kernel that reads the output next where the
+    layer can (`LoraLinear.decode_deferred`); the caller hands a `DeferredLoRA` to such a kernel or finishes it."""
+    defer = getattr(linear, "decode_deferred", None)
+    deferred = defer(x) if defer is not None else None
+    return project(linear, x, True) if deferred is None else deferred
 
 
 class KVCache(nn.Module):
@@ -373,6 +401,23 @@ class Attention(nn.Module):
             q, k, v = project(self.qkv_proj, x, fused).split(self.qkv_sizes, dim=-1)
             return q, k, v
         return project(self.q_proj, x, fused), project(self.k_proj, x, fused), project(self.v_proj, x, fused)
+
+    def decode_lora_a(self, dtype: torch.dtype) -> Tensor | None:
+        """The q/k/v group's stacked LoRA A, where the decode step defers its update (see `project_qkv_deferred`)."""
+        group = self.__dict__.get(GROUP_ATTR)
+        return group.decode_lora_a(dtype) if group is not None else None
+
+    def project_qkv_deferred(self, x: Tensor, h_lora: Tensor | None = None
+                             ) -> tuple[Tensor, Tensor, Tensor, DeferredLoRA | None]:
+        """`project_qkv(x, fused=True)` for the decode step, with the fused group's LoRA update left to the RoPE
+        kernel (q, k, v are then the projection's base part); the update is None where there is none to leave.
+        h_lora: x·Aᵀ for the group's stacked A, if the norm's kernel computed it."""
+        group = self.__dict__.get(GROUP_ATTR)
+        parts = group.decode_deferred(x, h_lora) if group is not None else None
+        if parts is None:
+            return (*self.project_qkv(x, True), None)
+        (q, k, v), low_rank = parts
+        return q, k, v, low_rank
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 cache_position: Tensor | None) -> Tensor:
@@ -442,23 +487,29 @@ class Attention(nn.Module):
         return {} if self.scale is None else {"scale": self.scale}
 
     def decode_step(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    slot: Tensor, fused: bool = False) -> Tensor:
+                    slot: Tensor, fused: bool = False, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:
         """One token per row: h [rows, hidden] (normed), cos/sin [rows, head_dim]; writes k, v at cache slot `slot`
         [1] of rows :rows and attends over the first mask.shape[-1] slots (mask [rows, 1, 1, window]: boolean,
-        or additive when fused). Returns the o_proj output [rows, hidden]."""
+        or additive when fused). Returns the o_proj output [rows, hidden] (fused: its LoRA update may be left to
+        the next norm's kernel, a `DeferredLoRA`). h_lora: h·Aᵀ for `decode_lora_a`, if already computed."""
         rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         window = mask.shape[-1]
-        q, k, v = self.project_qkv(h, fused)
         if fused:
             from qerl.model import fused_ops
 
+            q, k, v, low_rank = self.project_qkv_deferred(h, h_lora)
             norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
             if self.qk_norm and self.q_norm.unit_offset:  # the kernel norms as Llama rounds: Gemma's q/k norm here
+                if low_rank is not None:  # q, k, v are views of its output: finished in place
+                    low_rank.finish()
+                low_rank = None
                 q = self.q_norm(q.view(rows, heads, dim)).view(rows, heads * dim)
                 k = self.k_norm(k.view(rows, kv_heads, dim)).view(rows, kv_heads * dim)
                 norms = (None, None)
-            q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim, *norms)
+            q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim, *norms,
+                                           low_rank=low_rank)
         else:
+            q, k, v = self.project_qkv(h, fused)
             q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -468,7 +519,7 @@ class Attention(nn.Module):
         if fused:  # split-KV decode attention: SDPA's kernels leave most of the GPU idle at one query per row
             out = fused_ops.decode_attention(q, k_cache, v_cache, mask[:, 0, 0], heads, kv_heads, dim,
                                              **self._scale)
-            return project(self.o_proj, out, fused)
+            return project_deferred(self.o_proj, out)
         # Query heads of one kv head side by side (as forward folds GQA): no repeat of the cache.
         out = F.scaled_dot_product_attention(q.view(rows, kv_heads, heads // kv_heads, dim),
                                              k_cache[:rows, :, :window], v_cache[:rows, :, :window], attn_mask=mask,
@@ -514,16 +565,24 @@ class MLP(nn.Module):
             return self.down_proj(training_ops.silu_mul(gate, up))  # one kernel on CUDA (qerl.model.training_ops)
         return self.down_proj(self.act(gate) * up)
 
-    def decode_step(self, h: Tensor, fused: bool = False) -> Tensor:
-        """forward for [rows, hidden]; fused: SiLU(gate) * up in one kernel (GeGLU: the plain ops, no kernel)."""
-        gate, up = self.gate_up(h, fused)
+    def decode_lora_a(self, dtype: torch.dtype) -> Tensor | None:
+        """The gate/up group's stacked LoRA A, where the decode step defers its update (SwiGLU's kernel adds it)."""
+        group = self.__dict__.get(GROUP_ATTR)
+        return group.decode_lora_a(dtype) if group is not None and self.act is F.silu else None
+
+    def decode_step(self, h: Tensor, fused: bool = False, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:
+        """forward for [rows, hidden]; fused: SiLU(gate) * up in one kernel that also adds the gate/up group's LoRA
+        update (GeGLU: the plain ops, no kernel), and down's LoRA update left to the next norm's kernel (a
+        `DeferredLoRA`). h_lora: h·Aᵀ for `decode_lora_a`, if already computed."""
         if fused and self.act is F.silu:
             from qerl.model import fused_ops
 
-            act = fused_ops.fused_silu_mul(gate, up)
-        else:
-            act = self.act(gate) * up
-        return project(self.down_proj, act, fused)
+            group = self.__dict__.get(GROUP_ATTR)
+            parts = group.decode_deferred(h, h_lora) if group is not None else None
+            (gate, up), low_rank = parts if parts is not None else (self.gate_up(h, fused), None)
+            return project_deferred(self.down_proj, fused_ops.fused_silu_mul(gate, up, low_rank))
+        gate, up = self.gate_up(h, fused)
+        return project(self.down_proj, self.act(gate) * up, fused)
 
 
 class DecoderLayer(nn.Module):
@@ -560,18 +619,25 @@ class DecoderLayer(nn.Module):
         x = x + attend(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode_step(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor,
-                    k_cache: Tensor, v_cache: Tensor, slot: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
+    def decode_step(self, x: Tensor, residual: Tensor | DeferredLoRA | None, cos: Tensor, sin: Tensor, mask: Tensor,
+                    k_cache: Tensor, v_cache: Tensor, slot: Tensor,
+                    fused: bool = False) -> tuple[Tensor, Tensor | DeferredLoRA]:
         """forward for one token per row, with the residual add deferred into the next norm (where the fused
-        kernel does it): takes and returns (x, residual), the block's output being x + residual."""
-        x, h = self.input_layernorm.add_forward(x, residual, fused)
-        residual = self.self_attn.decode_step(h, cos, sin, mask, k_cache, v_cache, slot, fused)
+        kernel does it, and adds the residual's LoRA update if it was left to it): takes and returns
+        (x, residual), the block's output being x + residual."""
         if self.sandwich:
-            residual = self.post_attention_layernorm(residual)
+            x, h = self.input_layernorm.add_forward(x, residual, fused)
+            residual = self.self_attn.decode_step(h, cos, sin, mask, k_cache, v_cache, slot, fused)
+            residual = self.post_attention_layernorm(finished(residual))
             x, h = self.pre_feedforward_layernorm.add_forward(x, residual, fused)
-            return x, self.post_feedforward_layernorm(self.mlp.decode_step(h, fused))
-        x, h = self.post_attention_layernorm.add_forward(x, residual, fused)
-        return x, self.mlp.decode_step(h, fused)
+            return x, self.post_feedforward_layernorm(finished(self.mlp.decode_step(h, fused)))
+        # fused: each norm's kernel also computes the next group's x·Aᵀ (LoRA's first product) where it is deferred
+        shrink = self.self_attn.decode_lora_a(x.dtype) if fused else None
+        x, h, h_lora = self.input_layernorm.add_forward_shrink(x, residual, fused, shrink)
+        residual = self.self_attn.decode_step(h, cos, sin, mask, k_cache, v_cache, slot, fused, h_lora)
+        shrink = self.mlp.decode_lora_a(x.dtype) if fused else None
+        x, h, h_lora = self.post_attention_layernorm.add_forward_shrink(x, residual, fused, shrink)
+        return x, self.mlp.decode_step(h, fused, h_lora)
 
 
 # ---------------------------------------------------------------------------------------------------- model
