@@ -453,8 +453,8 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: f
     rows, n = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     block = triton.next_power_of_2(n)
-    if (low_rank is not None and residual is not None) or shrink is not None:
-        has_in = low_rank is not None and residual is not None
+    has_in = low_rank is not None and residual is not None
+    if has_in or shrink is not None:
         (_, col, rank), = _member_blocks(low_rank, 1) if has_in else ((0, 0, 0),)
         h, b = (low_rank.h, low_rank.b) if has_in else (x, x)
         rank_out = shrink.shape[0] if shrink is not None else 0

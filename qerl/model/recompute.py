@@ -27,7 +27,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class MemoryPlan:
     recomputed_blocks: int  # the first blocks recompute their forward in backward
-    spare_bytes: int  # free device memory beyond the kept activations and the margin (0 off CUDA)
+    spare_bytes: int  # free device memory beyond the kept activations and the margin (0 off CUDA, or all recomputed)
 
 
 def block_activation_bytes(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> int:
@@ -55,16 +55,16 @@ def plan(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, setting:
          margin_bytes: int | None = None) -> MemoryPlan:
     """This update's plan for `model.gradient_checkpointing` (`setting`) on this micro-batch shape."""
     layers = len(decoder.layers)
-    if input_ids.device.type != "cuda":
-        return MemoryPlan(layers if setting is True else 0, 0)
+    if input_ids.device.type != "cuda" or setting is True:  # all recomputed: a run that asked for memory first
+        return MemoryPlan(layers if setting is True else 0, 0)  # spends none on speed (nothing measured)
     per_block = block_activation_bytes(decoder, input_ids, attention_mask)
     free, total = torch.cuda.mem_get_info(input_ids.device)
     free += torch.cuda.memory_reserved(input_ids.device) - torch.cuda.memory_allocated(input_ids.device)
     # Beside the kept activations, backward holds a block's recomputed activations and its gradients, and the LM
     # head's chunked log-probs: a few blocks' worth, plus a slice of the card against fragmentation.
     margin = margin_bytes if margin_bytes is not None else 3 * per_block + int(0.08 * total) + GIB
-    if setting is True or setting is False:
-        recomputed = layers if setting else 0
+    if setting is False:
+        recomputed = 0
     else:
         recomputed = max(0, layers - max(0, math.floor((free - margin) / max(per_block, 1))))
     return MemoryPlan(recomputed, max(0, free - margin - (layers - recomputed) * per_block))

@@ -303,30 +303,24 @@ class RMSNorm(nn.Module):
                     fused: bool = False) -> tuple[Tensor, Tensor]:
         """(x + residual, norm(x + residual)) for [rows, dim]; fused: one kernel that adds into x in place (Llama's
         rounding only: a unit-offset norm takes the plain path), and finishes a deferred residual's LoRA update."""
-        if fused and not self.unit_offset:
-            from qerl.model import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
-
-            if isinstance(residual, DeferredLoRA):  # the kernel finishes the projection's LoRA update too
-                return fused_ops.fused_add_rmsnorm(x, residual.out, self.weight, self.eps, residual)
-            return fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
-        residual = finished(residual)
-        x = x if residual is None else x + residual
-        return x, self(x)
+        x, y, _ = self.add_forward_shrink(x, residual, fused, None)
+        return x, y
 
     def add_forward_shrink(self, x: Tensor, residual: Tensor | DeferredLoRA | None, fused: bool,
                            shrink: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """`add_forward`, and h = norm(x + residual)·Aᵀ for the next projection's LoRA A `shrink` [R, dim] (None:
         h is None); fused: in the same kernel (`fused_ops.fused_add_rmsnorm`)."""
-        if shrink is None:
-            return (*self.add_forward(x, residual, fused), None)
         if fused and not self.unit_offset:
-            from qerl.model import fused_ops
+            from qerl.model import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
 
-            low_rank = residual if isinstance(residual, DeferredLoRA) else None
-            return fused_ops.fused_add_rmsnorm(x, low_rank.out if low_rank is not None else residual, self.weight,
-                                               self.eps, low_rank, shrink)
-        x, y = self.add_forward(x, residual, fused)
-        return x, y, F.linear(y, shrink)
+            low_rank = residual if isinstance(residual, DeferredLoRA) else None  # the kernel finishes its update
+            out = fused_ops.fused_add_rmsnorm(x, low_rank.out if low_rank is not None else residual, self.weight,
+                                              self.eps, low_rank, shrink)
+            return out if shrink is not None else (*out, None)
+        residual = finished(residual)
+        x = x if residual is None else x + residual
+        y = self(x)
+        return x, y, None if shrink is None else F.linear(y, shrink)
 
 
 def project(linear: nn.Module, x: Tensor, fused: bool = False) -> Tensor:
