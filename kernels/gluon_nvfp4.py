@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -51,6 +53,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # programmatic dependent launch
 except Exception as e:  # no triton, or a Triton without Gluon
     IMPORT_ERROR: Exception | None = e
 else:
@@ -337,7 +340,9 @@ if IMPORT_ERROR is None:
     def _consumer(x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr, y_ptr,
                   ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
                   STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_LANES: gl.constexpr, R: gl.constexpr,
-                  RC: gl.constexpr, num_warps: gl.constexpr):
+                  RC: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+        if PDL:  # before any read of the activations' ring, h, the workspace or the counters (kernels/pdl.py)
+            gdc_wait()
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * W, 1],
                                                              instr_shape=[16, MP, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -390,15 +395,36 @@ if IMPORT_ERROR is None:
                 first = u + 1
             prev = s
             tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
+        if PDL:
+            gdc_launch_dependents()
 
     @gluon.jit
     def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W: gl.constexpr,
-                  STAGES: gl.constexpr, SUB: gl.constexpr):
+                  STAGES: gl.constexpr, SUB: gl.constexpr, PDL: gl.constexpr):
         tile = u0 // k_iters
         kb = u0 - tile * k_iters
         s = 0
         phase = 0
-        for u in range(u0, u1):
+        start = u0
+        if PDL:  # the first stages' weights do not depend on the previous kernel: stream them in while it ends
+            first = gl.minimum(u1 - u0, STAGES)
+            t, k = tile, kb
+            for i in range(0, first):  # fresh stages: nothing to wait for
+                bar = ready.index(i)
+                mbarrier.expect(bar, SUB * (x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                            + s_desc.block_type.nbytes))
+                for j in gl.static_range(SUB):
+                    _tma_load(w_desc, [t * W, (k * SUB + j) * 4, 0], bar, w_smem.index(i * SUB + j))
+                    _tma_load(s_desc, [t * W, k * SUB + j, 0], bar, s_smem.index(i * SUB + j))
+                wrap = (k == k_iters - 1).to(gl.int32)
+                t, k = t + wrap, (k + 1) * (1 - wrap)
+            gdc_wait()  # the activations are the previous kernel's output
+            for i in range(0, first):
+                for j in gl.static_range(SUB):
+                    _tma_load(x_desc, [0, (kb * SUB + j) * _BK], ready.index(i), x_smem.index(i * SUB + j))
+                tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
+            start = u0 + first
+        for u in range(start, u1):
             mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier counts as released
             bar = ready.index(s)
             mbarrier.expect(bar, SUB * (x_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -416,11 +442,13 @@ if IMPORT_ERROR is None:
     def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
                                  total_units, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
                                  STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_LANES: gl.constexpr,
-                                 R: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
+                                 R: gl.constexpr, RC: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
         """Persistent, stream-K: the (tile, K step) units in tile-major order are cut into one equal range per
         program, so every program streams the same number of weight bytes whatever the shape (no tail wave);
         a tile shared by several programs is summed by the last of them. R > 0: y += lora_scale * h @ B^T (LoRA's
-        update, h = x A^T [M, R], B [N, R]) in the epilogue."""
+        update, h = x A^T [M, R], B [N, R]) in the epilogue. PDL (kernels/pdl.py): the producer streams the first
+        ring stages' weights before it waits for the previous kernel; the next kernel may start once every program
+        has left its main loop (not earlier: its waiting programs would take issue slots from this one's)."""
         p = gl.program_id(0)
         n_programs = gl.num_programs(0)
         u0 = (p * total_units) // n_programs
@@ -438,9 +466,9 @@ if IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr,
                          y_ptr, ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W, MP, STAGES, SUB, SCALE_LANES,
-                         R, RC, num_warps)),
+                         R, RC, PDL, num_warps)),
             (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W, STAGES,
-                         SUB)),
+                         SUB, PDL)),
         ], [1], [24])
 
 
@@ -603,7 +631,7 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     nvfp4_decode_gemm_kernel[(programs,)](
         x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,
         h, b, float(lora_scale), W=cfg.w, MP=mp, STAGES=cfg.stages, SUB=cfg.sub, SCALE_LANES=cfg.scale_lanes,
-        R=rank, RC=low_rank_chunk(rank, mp) if rank else 1, **cfg.launch_options())
+        R=rank, RC=low_rank_chunk(rank, mp) if rank else 1, **cfg.launch_options(), **pdl.launch(x2.device))
     return y
 
 
@@ -614,7 +642,7 @@ def max_contributors(tiles: int, k_iters: int, n_programs: int) -> int:
     return min(n_programs, -(-(k_iters - 1) // per) + 1)
 
 
-def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int = 0):
+def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int = 0, pdl_calls: bool = True):
     """Compile the kernel for an H100/H200 (sm_90a) on any machine, GPU or not: Gluon -> TTGIR -> PTX -> cubin
     with the ptxas that ships with Triton. Returns Triton's compiled kernel (`.asm["ttgir" | "ptx" | "cubin"]`,
     `.metadata.shared`). A layout mistake (e.g. a decode that would need data movement) fails here."""
@@ -633,7 +661,7 @@ def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int
                  "N": "i32", "k_iters": "i32", "total_units": "i32", "h_ptr": "*bf16", "b_ptr": "*bf16",
                  "lora_scale": "fp32"}
     constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SUB": cfg.sub, "SCALE_LANES": cfg.scale_lanes,
-                  "R": rank, "RC": low_rank_chunk(rank, mp) if rank else 1, "num_warps": 4 * cfg.w}
+                  "R": rank, "RC": low_rank_chunk(rank, mp) if rank else 1, "PDL": pdl_calls, "num_warps": 4 * cfg.w}
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())

@@ -347,6 +347,8 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
         pytest.skip("qerl.model.fused_ops imported without triton")
 
     def lower(fn, signature, constexprs):
+        if "PDL" in fn.arg_names:  # the decode kernels' programmatic-dependent-launch calls (kernels/pdl.py) too
+            signature, constexprs = {**signature, "PDL": "constexpr"}, {**constexprs, "PDL": True}
         options = backend.parse_options({"num_warps": 4})
         context = ir.context()
         ir.load_dialects(context)
@@ -572,3 +574,26 @@ def test_gpu_fused_step_matches_the_model_forward(scheme, fuse):
     print(f"fused decode vs Transformer.forward: |logp gap| mean {gap.mean().item():.3g} max {gap.max().item():.3g}")
     assert gap.mean() < 0.05 and gap.max() < 1.0  # bf16 rounding differences only
     assert plain.generate(None, ps, 4, temperature=0, eos_token_ids=[]).completion_ids  # reference path runs
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
+def test_gpu_dependent_launch_changes_the_timing_not_the_samples(scheme, monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py) lets each decode kernel start before the previous one ends;
+    each waits before it reads what the previous one wrote. A kernel that read too early would change the logits:
+    the captured rollout must sample the same tokens with the same log-probs bit for bit with it and without."""
+    from kernels import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch here (needs sm_90+ and Triton >= 3.4)")
+    model, _ = gpu_model(scheme, fuse=True)
+    ps = prompts(12, vocab=1024, seed=6, max_len=40)
+    runs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("QERL_PDL", setting)
+        engine = RolloutEngine(model)
+        runs[setting] = engine.generate(None, ps, 40, temperature=1.0, seed=3, eos_token_ids=[])
+        assert engine.stats["captures"] >= 1
+        engine.free()
+    assert runs["1"].completion_ids == runs["0"].completion_ids
+    torch.testing.assert_close(torch.cat(runs["1"].logprobs), torch.cat(runs["0"].logprobs), atol=0, rtol=0)

@@ -27,10 +27,24 @@ except Exception:  # pragma: no cover - no triton, or a broken install
 
 
 if triton is not None:
+    try:  # Triton >= 3.4: programmatic dependent launch (kernels/pdl.py)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except Exception:  # pragma: no cover - never called: kernels/pdl.py then launches with PDL false
+        gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _after_previous(PDL: tl.constexpr):
+        """Under programmatic dependent launch (kernels/pdl.py): wait until the previous kernel in the stream has
+        finished and its writes are visible, then let the next kernel's programs start. Called first: these kernels
+        read their inputs, or write a buffer the previous one may read, from the start."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """X[row] += R[row] (in place, rounded like a bf16 add), Y[row] = W * rmsnorm(X[row])."""
+        _after_previous(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         m = offs < N
@@ -49,11 +63,12 @@ if triton is not None:
     def _rope_cache_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, QW, KW, eps, H, HKV, s_b, s_h, s_s, s_q, s_k, s_v,
                            HL, LB, s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
                            D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, LOW_RANK: tl.constexpr,
-                           RP: tl.constexpr):
+                           RP: tl.constexpr, PDL: tl.constexpr):
         """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT.
         s_q, s_k, s_v: row strides of q, k, v (column slices of one fused qkv output). LOW_RANK: q, k, v are the
         fused output's base part; LoRA's update s·h·LBᵀ (rows of LB: q from 0, k from k_row0, v from v_row0; each
         member's rank block from its column) is added first, with the rounding of one addmm."""
+        _after_previous(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         offs = tl.arange(0, HALF)
@@ -115,9 +130,10 @@ if triton is not None:
             tl.store(VC + at + HALF + offs, v2.to(VC.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(G, U, O, n, s_g, s_u, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(G, U, O, n, s_g, s_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Program (row, block): O[row] = silu(G[row]) * U[row] over n columns; s_g, s_u: row strides of G and U
         (the two halves of one fused gate_up output), O contiguous."""
+        _after_previous(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -132,11 +148,12 @@ if triton is not None:
 
     @triton.jit
     def _lora_shrink_kernel(X, A, H, PART, COUNT, M, K, R, s_x, s_h, chunk, splits, BM: tl.constexpr,
-                            RP: tl.constexpr, BK: tl.constexpr):
+                            RP: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
         """Program (split, row block, rank block): h[rows, ranks] = x[rows] · A[ranks]ᵀ over K in `splits` chunks.
         Each program writes its fp32 share to a slot; the last of a tile's programs to finish (a counter it resets
         for the next launch) sums the slots in slot order and rounds once: the same bits whichever program ran
         last, and one launch instead of cuBLAS' split-K GEMM + reduce."""
+        _after_previous(PDL)
         split, mb, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = mb * BM + tl.arange(0, BM)
         ranks = rb * RP + tl.arange(0, RP)
@@ -176,7 +193,7 @@ if triton is not None:
     def _add_low_rank_rmsnorm_kernel(X, R, HL, B, W, Y, PART, COUNT, A, HO, N, eps, s_hl, s_b, col, rank, lr_scale,
                                      rank_out, s_ho, HAS_RES: tl.constexpr, HAS_IN: tl.constexpr,
                                      HAS_OUT: tl.constexpr, RP: tl.constexpr, RPO: tl.constexpr, CH: tl.constexpr,
-                                     CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+                                     CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Program (row, chunk of CH columns) of add + RMSNorm with LoRA on both sides:
         HAS_IN: the residual R is a LoRA projection's base output, finished here (R + s·h·Bᵀ, rounded as one addmm
         rounds) before it is added into X (in place, rounded like a bf16 add);
@@ -186,6 +203,7 @@ if triton is not None:
         Each program stores its chunk's sum of squares (and its share of x·Aᵀ) to slots; the last of the row's
         programs to finish (a counter it resets) writes Y[row] = W * rmsnorm(X[row]) and HO[row]. B's and A's rows
         are spread over the row's programs instead of read by one."""
+        _after_previous(PDL)
         row, chunk = tl.program_id(0), tl.program_id(1)
         n = chunk * CH + tl.arange(0, CH)
         m = n < N
@@ -236,10 +254,12 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_low_rank_kernel(G, U, O, HL, LB, M, n, s_g, s_u, s_hl, s_lb, lr_scale, g_col, g_rank, u_col,
-                                  u_rank, u_row0, BM: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+                                  u_rank, u_row0, BM: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+                                  PDL: tl.constexpr):
         """Program (row block, column block): `_silu_mul_kernel` on gate and up that are a fused gate_up output's
         base part: LoRA's update s·h·LBᵀ (gate's rows of LB from 0, up's from u_row0) is added to each first, with
         the rounding of one addmm. BM rows per program, so B's tile is read once per BM rows."""
+        _after_previous(PDL)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         row_live, col_live = rows < M, cols < n
@@ -308,10 +328,12 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_partial_kernel(Q, KC, VC, MASK, PO, PML, s_q, s_kb, s_kh, s_ks, s_m, window, chunk, scale,
-                                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+                                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                         PDL: tl.constexpr):
         """Program (row, kv head, split): the G query heads of one kv head against cache slots
         [split * chunk, (split + 1) * chunk) of the window, with the additive mask; writes the unnormalized output
         and the running max and sum of that split (flash-decoding's first pass)."""
+        _after_previous(PDL)
         row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         q = tl.load(Q + row * s_q + (kvh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
@@ -342,8 +364,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_combine_kernel(PO, PML, O, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                                         SPLITS: tl.constexpr):
+                                         SPLITS: tl.constexpr, PDL: tl.constexpr):
         """Program (row, kv head): softmax-weighted sum of the splits' partial outputs into O [rows, H * D]."""
+        _after_previous(PDL)
         row, kvh = tl.program_id(0), tl.program_id(1)
         sp, g, d = tl.arange(0, SPLITS), tl.arange(0, GP), tl.arange(0, D)
         at = (row * tl.num_programs(1) + kvh) * splits + sp
@@ -365,19 +388,21 @@ if triton is not None:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int, target_programs: int = 256, scale: float | None = None) -> Tensor:
+                     head_dim: int, target_programs: int = 256, scale: float | None = None, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int | None = None) -> Tensor:
     """One query token per row against the first `mask.shape[-1]` cache slots: q [rows, H * D] (contiguous),
     k_cache / v_cache [>= rows, Hkv, >= window, D] (unit stride along D), mask [rows, window] additive (0 or -inf).
     Returns [rows, H * D] as `scaled_dot_product_attention` over the grouped heads would. Split-KV (flash-decoding):
     the window is cut into splits so that rows * Hkv * splits reaches about `target_programs` programs, then one
     small kernel combines the splits: a decode step has too few (row, head) pairs to fill the GPU otherwise.
-    `scale`: the softmax scale (default head_dim ** -0.5; Gemma's is query_pre_attn_scalar ** -0.5)."""
+    `scale`: the softmax scale (default head_dim ** -0.5; Gemma's is query_pre_attn_scalar ** -0.5).
+    `block_n`, `num_warps`, `num_stages`: the partial kernel's launch (benchmarks/bench_decode_attention.py)."""
     rows, window = mask.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("decode_attention needs k and v caches of one layout with unit stride along head_dim")
     group = num_heads // num_kv_heads
     gp = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
-    block_n = 64 if window >= 64 else 16
+    block_n = block_n if window >= block_n else 16
     blocks = triton.cdiv(window, block_n)
     splits = max(1, min(blocks, triton.cdiv(target_programs, rows * num_kv_heads)))
     chunk = triton.cdiv(blocks, splits) * block_n
@@ -388,10 +413,18 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
     _decode_attention_partial_kernel[(rows, num_kv_heads, splits)](
         q, k_cache, v_cache, mask, partial, stats, q.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), mask.stride(0), window, chunk, head_dim ** -0.5 if scale is None else scale, G=group,
-        GP=gp, D=head_dim, BLOCK_N=block_n, num_warps=4)
+        GP=gp, D=head_dim, BLOCK_N=block_n, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}), **_pdl(q.device))
     _decode_attention_combine_kernel[(rows, num_kv_heads)](partial, stats, out, splits, G=group, GP=gp, D=head_dim,
-                                                           SPLITS=triton.next_power_of_2(splits), num_warps=4)
+                                                           SPLITS=triton.next_power_of_2(splits), num_warps=4,
+                                                           **_pdl(q.device))
     return out
+
+
+def _pdl(device: torch.device) -> dict:
+    from kernels import pdl  # on first launch, not at import: importing kernels loads its NVFP4 GEMMs too
+
+    return pdl.launch(device)
 
 
 def _rank_block(rank: int) -> int:
@@ -433,7 +466,7 @@ def lora_shrink(x: Tensor, a: Tensor, target_programs: int = 96) -> Tensor:
     part = torch.empty((tiles * splits * bm * rp,), dtype=torch.float32, device=x.device)
     _lora_shrink_kernel[(splits, row_blocks, rank_blocks)](
         x, a, h, part, _counters(x.device, tiles), rows, k, rank, x.stride(0), h.stride(0), chunk, splits, BM=bm,
-        RP=rp, BK=bk, num_warps=4)
+        RP=rp, BK=bk, num_warps=4, **_pdl(x.device))
     return h
 
 
@@ -471,10 +504,11 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: f
             shrink if shrink is not None else x, h_out, n, eps, h.stride(0), b.stride(0), col, rank,
             low_rank.scale if has_in else 0.0, rank_out, max(h_out.stride(0), 1), HAS_RES=residual is not None,
             HAS_IN=has_in, HAS_OUT=shrink is not None, RP=_rank_block(rank), RPO=rpo, CH=ch, CHUNKS=chunks,
-            BLOCK=block, num_warps=4)
+            BLOCK=block, num_warps=4, **_pdl(x.device))
         return (x, out) if shrink is None else (x, out, h_out)
     _add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
-                                 HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+                                 HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+                                 **_pdl(x.device))
     return x, out
 
 
@@ -503,7 +537,7 @@ def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
         q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         q.stride(0), k.stride(0), v.stride(0), *lr, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
         D=head_dim, HALF=head_dim // 2, QK_NORM=norm, LOW_RANK=low_rank is not None, RP=rp,
-        num_warps=1 if low_rank is None else 2)
+        num_warps=1 if low_rank is None else 2, **_pdl(q.device))
     return out
 
 
@@ -523,11 +557,11 @@ def fused_silu_mul(gate: Tensor, up: Tensor, low_rank=None) -> Tensor:
         _silu_mul_low_rank_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, block))](
             gate, up, out, h, b, rows, n, gate.stride(0), up.stride(0), h.stride(0), b.stride(0), low_rank.scale,
             g_col, g_rank, u_col, u_rank, u_row0, BM=bm, RP=_rank_block(max(g_rank, u_rank)), BLOCK=block,
-            num_warps=4)
+            num_warps=4, **_pdl(gate.device))
         return out
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
-                                                     num_warps=4)
+                                                     num_warps=4, **_pdl(gate.device))
     return out
 
 
