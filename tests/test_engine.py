@@ -311,6 +311,9 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
         tok, logp = K.fused_sample(logits, t, torch.Generator().manual_seed(1), block=16)
         assert tok.dtype == torch.long and logp.dtype == torch.float32
         assert (logp - torch.log_softmax(base / t, -1)[tok]).abs().max() < 1e-5
+        # 40 rows share ~528 programs: 3 splits of 16 entries; one program per row draws the same tokens
+        one, logp_one = K.fused_sample(logits, t, torch.Generator().manual_seed(1), block=16, target_programs=1)
+        assert torch.equal(tok, one) and (logp - logp_one).abs().max() < 1e-6
         probs = torch.tensor([0.5, 0.25, 0.15, 0.1])  # tempered: p^(1/t) renormalized
         logits = (probs.log() * t).expand(600, 4).contiguous()
         tok, _ = sample_tokens(logits, t, generator=torch.Generator().manual_seed(1))
@@ -389,8 +392,9 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
                                             "lr_scale": "fp32", "g_col": "i32", "g_rank": "i32", "u_col": "i32",
                                             "u_rank": "i32", "u_row0": "i32", "BM": "constexpr", "RP": "constexpr",
                                             "BLOCK": "constexpr"}, {"BM": 16, "RP": 16, "BLOCK": 256})
-        lower(K._sample_kernel, {"LOGITS": "*fp32", "SEED": "*i64", "TOK": "*i64", "LOGP": "*fp32", "V": "i32",
-                                 "stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}, {"BLOCK": 4096})
+        lower(K._sample_kernel, {"LOGITS": "*fp32", "SEED": "*i64", "PART": "*fp32", "COUNT": "*i32", "TOK": "*i64",
+                                 "LOGP": "*fp32", "V": "i32", "stride": "i32", "inv_t": "fp32", "chunk": "i32",
+                                 "splits": "i32", "SP": "constexpr", "BLOCK": "constexpr"}, {"SP": 64, "BLOCK": 1024})
         lower(K._decode_attention_partial_kernel,
               {"Q": p, "KC": p, "VC": p, "MASK": p, "PO": "*fp32", "PML": "*fp32", "s_q": "i32", "s_kb": "i32",
                "s_kh": "i32", "s_ks": "i32", "s_m": "i32", "window": "i32", "chunk": "i32", "scale": "fp32",

@@ -278,20 +278,25 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _sample_kernel(LOGITS, SEED, TOK, LOGP, V, stride, inv_t, BLOCK: tl.constexpr):
-        """Program (row): one token drawn from softmax(logits * inv_t) by the exponential race (argmax of
-        x - log(E), E = -log(U) ~ Exp(1), U ~ Philox uniforms keyed by SEED), and its log-probability, in one pass
-        over the vocabulary (an online log-sum-exp)."""
-        row = tl.program_id(0)
+    def _sample_kernel(LOGITS, SEED, PART, COUNT, TOK, LOGP, V, stride, inv_t, chunk, splits, SP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        """Program (row, split): one token drawn from softmax(logits * inv_t) by the exponential race (argmax of
+        x - log(E), E = -log(U) ~ Exp(1), U ~ Philox uniforms keyed by SEED and the entry's index), and its
+        log-probability. Each program runs an online log-sum-exp and the race over its `chunk` of the vocabulary
+        and stores (max, sum, best score, best index) to a slot; the last of the row's programs to finish (a
+        counter it resets) combines them: the race's winner is the best of the splits' (the first on ties, as one
+        pass would pick it), so the token does not depend on the split count."""
+        row, split = tl.program_id(0), tl.program_id(1)
         seed = tl.load(SEED)
         base = LOGITS + row.to(tl.int64) * stride
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
         best = tl.full((), float("-inf"), tl.float32)
         best_idx = tl.zeros((), tl.int32)
-        for start in range(0, V, BLOCK):
+        end = tl.minimum(split * chunk + chunk, V)
+        for start in range(split * chunk, end, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            valid = offs < V
+            valid = offs < end
             x = tl.load(base + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
             m_new = tl.maximum(m, tl.max(x, axis=0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.where(valid, tl.exp(x - m_new), 0.0), axis=0)
@@ -302,25 +307,51 @@ if triton is not None:
             block_idx = tl.argmax(score, axis=0).to(tl.int32) + start
             best_idx = tl.where(block_best > best, block_idx, best_idx)
             best = tl.maximum(best, block_best)
-        x_tok = tl.load(base + best_idx).to(tl.float32) * inv_t
-        tl.store(TOK + row, best_idx.to(tl.int64))
-        tl.store(LOGP + row, x_tok - m - tl.log(s))
+        slot = PART + (row * splits + split) * 4
+        tl.store(slot, m)
+        tl.store(slot + 1, s)
+        tl.store(slot + 2, best)
+        tl.store(slot + 3, best_idx.to(tl.float32))  # exact: vocabularies are far below 2^24
+        tl.debug_barrier()  # the slot is written before the counter's release
+        if tl.atomic_add(COUNT + row, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            sp = tl.arange(0, SP)
+            live = sp < splits
+            slots = PART + (row * splits + sp) * 4
+            ms = tl.load(slots, mask=live, other=float("-inf"), cache_modifier=".cg")
+            ss = tl.load(slots + 1, mask=live, other=0.0, cache_modifier=".cg")
+            bests = tl.load(slots + 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+            m_all = tl.max(ms, axis=0)
+            s_all = tl.sum(tl.where(ms == float("-inf"), 0.0, ss * tl.exp(ms - m_all)), axis=0)
+            tok = tl.load(PART + (row * splits + tl.argmax(bests, axis=0)) * 4 + 3, cache_modifier=".cg").to(tl.int32)
+            x_tok = tl.load(base + tok).to(tl.float32) * inv_t
+            tl.store(TOK + row, tok.to(tl.int64))
+            tl.store(LOGP + row, x_tok - m_all - tl.log(s_all))
+            tl.atomic_xchg(COUNT + row, 0)  # ready for the next launch
 
 
 def fused_sample(logits: Tensor, temperature: float, generator: torch.Generator | None = None,
-                 block: int = 4096) -> tuple[Tensor, Tensor]:
+                 block: int = 1024, target_programs: int = 528) -> tuple[Tensor, Tensor]:
     """(tokens [B] int64, log-probs [B] fp32) drawn from softmax(logits / temperature), logits [B, V] with unit
     stride along V: one kernel instead of the ~7 full-vocabulary passes of the PyTorch sampler. Draws the same
     distribution with other random numbers: one Philox seed per call, taken from `generator` on the device (no host
-    synchronization), so seeded runs repeat exactly. `block`: vocabulary entries per loop step (a power of two)."""
+    synchronization), so seeded runs repeat exactly. The vocabulary is split so that about `target_programs`
+    programs share the rows (a few rows alone would leave most SMs idle); `block`: entries per loop step (a power
+    of two). The tokens do not depend on either."""
     if logits.stride(-1) != 1:
         raise ValueError(f"fused_sample needs unit stride along the vocabulary, got strides {logits.stride()}")
     rows, vocab = logits.shape
     seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, generator=generator)
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(rows,)](logits, seed, tokens, logprobs, vocab, logits.stride(0), 1.0 / temperature,
-                            BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=8)
+    block = min(block, triton.next_power_of_2(vocab))
+    blocks = triton.cdiv(vocab, block)
+    splits = max(1, min(blocks, triton.cdiv(target_programs, max(rows, 1))))
+    chunk = triton.cdiv(blocks, splits) * block
+    splits = triton.cdiv(vocab, chunk)
+    part = torch.empty((rows * splits * 4,), dtype=torch.float32, device=logits.device)
+    _sample_kernel[(rows, splits)](logits, seed, part, _counters(logits.device, rows), tokens, logprobs, vocab,
+                                   logits.stride(0), 1.0 / temperature, chunk, splits,
+                                   SP=triton.next_power_of_2(splits), BLOCK=block, num_warps=4)
     return tokens, logprobs
 
 

@@ -98,16 +98,10 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
-# The kernel runs one program per row: at 8 rows it took 150 µs against the PyTorch sampler's 105 (7B vocabulary,
-# H100, bench_decode_layer.py), so it takes over where rows fill the GPU (the 64-row GRPO rollouts it was measured in).
-SAMPLING_KERNEL_MIN_ROWS = 64
-
-
 def _sampling_kernel_runs(logits: Tensor) -> bool:
-    """Whether plain tempered sampling takes the one-pass kernel: CUDA (or Triton's CPU interpreter, in tests), from
-    SAMPLING_KERNEL_MIN_ROWS rows. CPU runs keep the PyTorch sampler and its random numbers (bit-exact resumes, the
-    README's measured runs)."""
-    if logits.shape[0] < SAMPLING_KERNEL_MIN_ROWS or not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    """Whether plain tempered sampling takes the one-pass kernel: on CUDA (or Triton's CPU interpreter, in tests).
+    CPU runs keep the PyTorch sampler and its random numbers (bit-exact resumes, the README's measured runs)."""
+    if not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     from qerl.model import fused_ops
 
