@@ -274,16 +274,20 @@ class NVFP4Gemm:
     def _grad_input_fp8(self, dy2: torch.Tensor) -> torch.Tensor:
         return self._fp8_product(dy2, transposed=True)
 
-    def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
+    def _forward(self, backend: str, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if backend == "gluon" and (bias is None or bias.dtype == torch.bfloat16):
+            return gluon_nvfp4.linear_forward(x2, *self.gluon, bias=bias)  # the bias in the GEMM's epilogue
         if backend == "dequant_fp8":
-            return self._forward_fp8(x2)
-        if backend == "humming":
-            return self.humming.forward(x2)
-        if backend == "gluon":
-            return gluon_nvfp4.linear_forward(x2, *self.gluon)
-        if backend == "triton":
-            return triton_nvfp4.linear_forward(x2, *self._ours())
-        return x2 @ self.dequantize(x2.dtype, transposed=True)
+            y = self._forward_fp8(x2)
+        elif backend == "humming":
+            y = self.humming.forward(x2)
+        elif backend == "gluon":
+            y = gluon_nvfp4.linear_forward(x2, *self.gluon)
+        elif backend == "triton":
+            y = triton_nvfp4.linear_forward(x2, *self._ours())
+        else:
+            y = x2 @ self.dequantize(x2.dtype, transposed=True)
+        return y if bias is None else y + bias.to(y.dtype)
 
     def _grad_input(self, backend: str, dy2: torch.Tensor) -> torch.Tensor:
         if backend == "dequant_fp8":
@@ -318,11 +322,11 @@ class NVFP4Gemm:
         layout = self.layout + ("-fp8" if "dequant_fp8" in backends else "")  # its own dispatch entries
         return dispatch.choose(kind, layout, self.n, self.k, x2.shape[0], cands)
 
-    def forward(self, x2: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-        """y [M, N] for x2 [M, K] (bf16/fp16, unit stride along K)."""
+    def forward(self, x2: torch.Tensor, backend: str | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y [M, N] (+ bias [N]) for x2 [M, K] (bf16/fp16, unit stride along K)."""
         if x2.shape[0] == 0:
             return x2.new_empty(0, self.n)
-        return self._forward(backend or self.backend_for("fwd", x2), x2)
+        return self._forward(backend or self.backend_for("fwd", x2), x2, bias)
 
     def forward_low_rank(self, x2: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """y [M, N] = x2 @ W^T + scale * h @ b^T (LoRA's update: h = x2 A^T [M, R], b = B [N, R]), inference only.
@@ -348,9 +352,7 @@ class _NVFP4GemmFunction(torch.autograd.Function):
         x2 = x.reshape(-1, gemm.k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = gemm.forward(x2)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+        y = gemm.forward(x2, bias=bias)
         ctx.gemm = gemm
         ctx.bias_grad = bias is not None and ctx.needs_input_grad[2]
         return y.reshape(*x.shape[:-1], gemm.n)

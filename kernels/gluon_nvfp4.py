@@ -302,12 +302,13 @@ if IMPORT_ERROR is None:
 
     @gluon.jit
     def _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
-                        cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
-                        R: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
+                        cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, bias_ptr, W: gl.constexpr, MP: gl.constexpr,
+                        R: gl.constexpr, RC: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
         """acc holds this program's share of `tile` (64 W weight rows). If the program did the whole K range, store
         y; else write the share to its contributor slot, and the last contributor to arrive (a counter it resets)
         sums the slots in fixed order (bitwise reproducible) and stores y. With R > 0, LoRA's low-rank term is
-        added to the finished tile before its one rounding to bf16."""
+        added to the finished tile before its one rounding to bf16, and so is the bias with HAS_BIAS (no
+        elementwise kernel after the GEMM; one rounding, as cuBLAS' bias epilogue makes)."""
         # 8 consecutive rows (16-byte stores along N) per thread, few tokens per thread: the loop-invariant part
         # of the offsets (token * N) stays a handful of registers (one per token held)
         out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8 * W, 32 // (8 * W)], [1, num_warps], [0, 1])
@@ -321,6 +322,8 @@ if IMPORT_ERROR is None:
         if n_contrib == 1:
             if R > 0:
                 acc = _add_low_rank(acc, tile, h_ptr, b_ptr, lora_scale, M, W, MP, R, RC, num_warps)
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + rows).to(gl.float32)[:, None]
             gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             MN = N.to(gl.int64) * M
@@ -333,14 +336,16 @@ if IMPORT_ERROR is None:
                     acc += gl.load(ws_ptr + c.to(gl.int64) * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
                 if R > 0:
                     acc = _add_low_rank(acc, tile, h_ptr, b_ptr, lora_scale, M, W, MP, R, RC, num_warps)
+                if HAS_BIAS:
+                    acc += gl.load(bias_ptr + rows).to(gl.float32)[:, None]
                 gl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (CUDA-graph replays)
 
     @gluon.jit
     def _consumer(x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr, y_ptr,
-                  ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
+                  ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, bias_ptr, W: gl.constexpr, MP: gl.constexpr,
                   STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_LANES: gl.constexpr, R: gl.constexpr,
-                  RC: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+                  RC: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
         if PDL:  # before any read of the activations' ring, h, the workspace or the counters (kernels/pdl.py)
             gdc_wait()
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * W, 1],
@@ -391,7 +396,7 @@ if IMPORT_ERROR is None:
             if (kb == k_iters - 1) | (u == u1 - 1):  # the segment of this tile ends here
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _finish_segment(acc, tile, p, n_programs, total_units, k_iters, gs_ptr, y_ptr, ws_ptr,
-                                cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W, MP, R, RC, num_warps)
+                                cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, bias_ptr, W, MP, R, RC, HAS_BIAS, num_warps)
                 first = u + 1
             prev = s
             tile, kb, s, phase = _advance(tile, kb, s, phase, k_iters, STAGES)
@@ -440,13 +445,14 @@ if IMPORT_ERROR is None:
     # then fails an assertion lowering the loop (ConvertTritonGPUToLLVM, SmallVector idx < size())
     @gluon.jit(do_not_specialize=["k_iters", "total_units"])
     def nvfp4_decode_gemm_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, k_iters,
-                                 total_units, h_ptr, b_ptr, lora_scale, W: gl.constexpr, MP: gl.constexpr,
+                                 total_units, h_ptr, b_ptr, lora_scale, bias_ptr, W: gl.constexpr, MP: gl.constexpr,
                                  STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_LANES: gl.constexpr,
-                                 R: gl.constexpr, RC: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+                                 R: gl.constexpr, RC: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+                                 num_warps: gl.constexpr):
         """Persistent, stream-K: the (tile, K step) units in tile-major order are cut into one equal range per
         program, so every program streams the same number of weight bytes whatever the shape (no tail wave);
         a tile shared by several programs is summed by the last of them. R > 0: y += lora_scale * h @ B^T (LoRA's
-        update, h = x A^T [M, R], B [N, R]) in the epilogue. PDL (kernels/pdl.py): the producer streams the first
+        update, h = x A^T [M, R], B [N, R]) in the epilogue; HAS_BIAS: y += bias [N] there too. PDL (kernels/pdl.py): the producer streams the first
         ring stages' weights before it waits for the previous kernel; the next kernel may start once every program
         has left its main loop (not earlier: its waiting programs would take issue slots from this one's)."""
         p = gl.program_id(0)
@@ -465,8 +471,8 @@ if IMPORT_ERROR is None:
 
         gl.warp_specialize([
             (_consumer, (x_smem, w_smem, s_smem, ready, empty, u0, u1, p, n_programs, total_units, k_iters, gs_ptr,
-                         y_ptr, ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, W, MP, STAGES, SUB, SCALE_LANES,
-                         R, RC, PDL, num_warps)),
+                         y_ptr, ws_ptr, cnt_ptr, M, N, h_ptr, b_ptr, lora_scale, bias_ptr, W, MP, STAGES, SUB,
+                         SCALE_LANES, R, RC, HAS_BIAS, PDL, num_warps)),
             (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, u0, u1, k_iters, W, STAGES,
                          SUB, PDL)),
         ], [1], [24])
@@ -585,8 +591,8 @@ def low_rank_chunk(rank: int, mp: int) -> int:
 def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
                    config: Config | None = None,
                    low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[M, N] (bf16) = x2[M, K] @ W^T for the shuffled weight (codes, scales) and its global scale;
+                   out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] (bf16) = x2[M, K] @ W^T (+ bias [N]) for the shuffled weight (codes, scales) and its global scale;
     with `low_rank = (h [M, R], B [N, R], s)` (bf16), y = x2 @ W^T + s * h @ B^T: LoRA's update in the epilogue.
     M up to MAX_M_CHUNKED, in launches of MAX_M rows; into `out` (contiguous [M, N] bf16) if given."""
     if x2.dtype != torch.bfloat16 or x2.dim() != 2 or x2.stride(1) != 1:
@@ -598,7 +604,7 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device) if out is None else out
         for i in range(0, m, MAX_M):
             part = None if low_rank is None else (low_rank[0][i:i + MAX_M], low_rank[1], low_rank[2])
-            linear_forward(x2[i:i + MAX_M], codes, scales, gs, config, part, out=y[i:i + MAX_M])
+            linear_forward(x2[i:i + MAX_M], codes, scales, gs, config, part, out=y[i:i + MAX_M], bias=bias)
         return y
     if codes.shape[1] * BK != k:
         raise ValueError(f"x has K = {k}, the weight {codes.shape[1] * BK}")
@@ -610,6 +616,8 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
             raise ValueError(f"low rank: h must be bf16 [{m}, R] and B bf16 [{n}, R], got {h.dtype} "
                              f"{tuple(h.shape)} and {b.dtype} {tuple(b.shape)}")
         h, b = h.contiguous(), b.contiguous()
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)} {bias.stride()}")
     if x2.data_ptr() % 16 or (x2.stride(0) * 2) % 16:  # TMA reads 16-byte-aligned rows
         x2 = x2.clone()
     mp = padded_m(m)
@@ -630,8 +638,9 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     x_desc, w_desc, s_desc = descriptors(x2, codes, scales, cfg.w, mp)
     nvfp4_decode_gemm_kernel[(programs,)](
         x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,
-        h, b, float(lora_scale), W=cfg.w, MP=mp, STAGES=cfg.stages, SUB=cfg.sub, SCALE_LANES=cfg.scale_lanes,
-        R=rank, RC=low_rank_chunk(rank, mp) if rank else 1, **cfg.launch_options(), **pdl.launch(x2.device))
+        h, b, float(lora_scale), bias if bias is not None else gs, W=cfg.w, MP=mp, STAGES=cfg.stages, SUB=cfg.sub,
+        SCALE_LANES=cfg.scale_lanes, R=rank, RC=low_rank_chunk(rank, mp) if rank else 1, HAS_BIAS=bias is not None,
+        **cfg.launch_options(), **pdl.launch(x2.device))
     return y
 
 
@@ -642,7 +651,8 @@ def max_contributors(tiles: int, k_iters: int, n_programs: int) -> int:
     return min(n_programs, -(-(k_iters - 1) // per) + 1)
 
 
-def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int = 0, pdl_calls: bool = True):
+def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int = 0, pdl_calls: bool = True,
+                 bias: bool = False):
     """Compile the kernel for an H100/H200 (sm_90a) on any machine, GPU or not: Gluon -> TTGIR -> PTX -> cubin
     with the ptxas that ships with Triton. Returns Triton's compiled kernel (`.asm["ttgir" | "ptx" | "cubin"]`,
     `.metadata.shared`). A layout mistake (e.g. a decode that would need data movement) fails here."""
@@ -659,9 +669,9 @@ def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int
     signature = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
                  "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
                  "N": "i32", "k_iters": "i32", "total_units": "i32", "h_ptr": "*bf16", "b_ptr": "*bf16",
-                 "lora_scale": "fp32"}
+                 "lora_scale": "fp32", "bias_ptr": "*bf16"}
     constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SUB": cfg.sub, "SCALE_LANES": cfg.scale_lanes,
-                  "R": rank, "RC": low_rank_chunk(rank, mp) if rank else 1, "PDL": pdl_calls, "num_warps": 4 * cfg.w}
+                  "R": rank, "RC": low_rank_chunk(rank, mp) if rank else 1, "HAS_BIAS": bias, "PDL": pdl_calls, "num_warps": 4 * cfg.w}
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())

@@ -222,7 +222,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for m, n, k, w, stages, lanes, sub, rank in json.loads(sys.argv[1]):
-        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, scale_lanes=lanes, sub=sub), rank)
+        ck = G.compile_sm90(m, n, k, G.Config(w=w, stages=stages, scale_lanes=lanes, sub=sub), rank,
+                            bias=m > 1)  # the bias epilogue in every case but M = 1
         f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
         f.write(ck.asm["cubin"]); f.close()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
@@ -288,6 +289,11 @@ def test_gpu_kernel_matches_reference(m, n, k, programs):
     wide = torch.zeros(m, k + 8, device="cuda", dtype=torch.bfloat16)
     wide[:, 1:k + 1] = x  # a view whose rows start off the 16-byte grid TMA needs
     assert torch.equal(G.linear_forward(wide[:, 1:k + 1], codes, scales, gs, cfg), y)
+    bias = (torch.randn(n, device="cuda") * want.abs().max().item()).to(torch.bfloat16)
+    yb = G.linear_forward(x, codes, scales, gs, cfg, bias=bias)  # in the epilogue, before the one rounding
+    err = (yb.double() - (want + bias.double())).abs().max().item()
+    assert err <= 2e-2 * (want + bias.double()).abs().max().item(), err
+    assert (yb.double() - y.double() - bias.double()).abs().max() <= 2 ** -7 * yb.double().abs().max()
 
 
 @gpu
