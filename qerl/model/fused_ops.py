@@ -253,55 +253,26 @@ if triton is not None:
         return tl.dot(h, bt, input_precision="ieee")
 
     @triton.jit
-    def _silu_mul_low_rank_kernel(G, U, O, HL, LB, A, HO, PART, COUNT, M, n, s_g, s_u, s_hl, s_lb, lr_scale, g_col,
-                                  g_rank, u_col, u_rank, u_row0, chunk, rank_out, s_ho, BM: tl.constexpr,
-                                  RP: tl.constexpr, BLOCK: tl.constexpr, HAS_OUT: tl.constexpr, RPO: tl.constexpr,
-                                  CHP: tl.constexpr, PDL: tl.constexpr):
-        """Program (row block, column chunk): `_silu_mul_kernel` on gate and up that are a fused gate_up output's
+    def _silu_mul_low_rank_kernel(G, U, O, HL, LB, M, n, s_g, s_u, s_hl, s_lb, lr_scale, g_col, g_rank, u_col,
+                                  u_rank, u_row0, BM: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+                                  PDL: tl.constexpr):
+        """Program (row block, column block): `_silu_mul_kernel` on gate and up that are a fused gate_up output's
         base part: LoRA's update s·h·LBᵀ (gate's rows of LB from 0, up's from u_row0) is added to each first, with
-        the rounding of one addmm. BM rows per program, so B's tile is read once per BM rows; `chunk` columns per
-        program, BLOCK at a time.
-        HAS_OUT: also the next projection's (down's) x·Aᵀ (A [rank_out, n]) of the rounded output, HO [M, rank_out]:
-        each program stores its chunk's share; the last of the row block's programs to finish (a counter it resets)
-        sums them in chunk order and rounds once. So few chunks (programs loop over BLOCK-wide steps) that the sum
-        is one load."""
+        the rounding of one addmm. BM rows per program, so B's tile is read once per BM rows."""
         _after_previous(PDL)
-        mb, cb = tl.program_id(0), tl.program_id(1)
-        rows = mb * BM + tl.arange(0, BM)
-        row_live = rows < M
-        ro = tl.arange(0, RPO)
-        share = tl.zeros((BM, RPO), tl.float32)
-        for c0 in range(cb * chunk, tl.minimum(cb * chunk + chunk, n), BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            col_live = cols < n
-            m = row_live[:, None] & col_live[None, :]
-            g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=m, other=0.0)
-            u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=m, other=0.0)
-            g = (g.to(tl.float32) + lr_scale * _low_rank_tile(HL, LB, s_hl, s_lb, rows, row_live, cols, col_live,
-                                                              g_col, g_rank, RP)).to(g.dtype)
-            u = (u.to(tl.float32) + lr_scale * _low_rank_tile(HL, LB, s_hl, s_lb, rows, row_live, u_row0 + cols,
-                                                              col_live, u_col, u_rank, RP)).to(u.dtype)
-            gf = g.to(tl.float32)
-            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-            o = (act * u.to(tl.float32)).to(O.dtype.element_ty)
-            tl.store(O + rows[:, None] * n + cols[None, :], o, mask=m)
-            if HAS_OUT:
-                a = tl.load(A + ro[None, :] * n + cols[:, None], mask=col_live[:, None] & (ro < rank_out)[None, :],
-                            other=0.0)
-                share += tl.dot(tl.where(m, o, 0.0).to(a.dtype), a, input_precision="ieee")
-        if HAS_OUT:
-            chunks = tl.num_programs(1)
-            cells = tl.arange(0, BM)[:, None] * RPO + ro[None, :]
-            slots = PART + mb.to(tl.int64) * chunks * BM * RPO
-            tl.store(slots + cb * BM * RPO + cells, share)
-            tl.debug_barrier()  # every thread's share is stored before the counter's release
-            if tl.atomic_add(COUNT + mb, 1, sem="acq_rel", scope="gpu") == chunks - 1:
-                c = tl.arange(0, CHP)  # the chunk axis (CHP: the chunk count's power of two)
-                parts = tl.load(slots + c[:, None, None] * BM * RPO + cells[None, :, :],
-                                mask=(c < chunks)[:, None, None], other=0.0, cache_modifier=".cg")
-                tl.store(HO + rows[:, None] * s_ho + ro[None, :], tl.sum(parts, axis=0).to(HO.dtype.element_ty),
-                         mask=row_live[:, None] & (ro < rank_out)[None, :])
-                tl.atomic_xchg(COUNT + mb, 0)  # ready for the next launch (CUDA-graph replays)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        row_live, col_live = rows < M, cols < n
+        m = row_live[:, None] & col_live[None, :]
+        g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=m, other=0.0)
+        u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=m, other=0.0)
+        g = (g.to(tl.float32) + lr_scale * _low_rank_tile(HL, LB, s_hl, s_lb, rows, row_live, cols, col_live, g_col,
+                                                          g_rank, RP)).to(g.dtype)
+        u = (u.to(tl.float32) + lr_scale * _low_rank_tile(HL, LB, s_hl, s_lb, rows, row_live, u_row0 + cols, col_live,
+                                                          u_col, u_rank, RP)).to(u.dtype)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+        tl.store(O + rows[:, None] * n + cols[None, :], (act * u.to(tl.float32)).to(O.dtype.element_ty), mask=m)
 
 
 if triton is not None:
@@ -423,13 +394,9 @@ if triton is not None:
         tl.store(PML + at * 2 * GP + GP + g, l_i)
 
     @triton.jit
-    def _decode_attention_combine_kernel(PO, PML, O, splits, A, HO, PART, COUNT, rank_out, s_ho, G: tl.constexpr,
-                                         GP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                                         HAS_OUT: tl.constexpr, RPO: tl.constexpr, PDL: tl.constexpr):
-        """Program (row, kv head): softmax-weighted sum of the splits' partial outputs into O [rows, H * D].
-        HAS_OUT: also the next projection's (o_proj's) x·Aᵀ (A [rank_out, H * D]) of the rounded output row, HO
-        [rows, rank_out]: each program stores the share of its G heads' columns; the last of the row's programs to
-        finish (a counter it resets) sums them in head order and rounds once."""
+    def _decode_attention_combine_kernel(PO, PML, O, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                         SPLITS: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, kv head): softmax-weighted sum of the splits' partial outputs into O [rows, H * D]."""
         _after_previous(PDL)
         row, kvh = tl.program_id(0), tl.program_id(1)
         sp, g, d = tl.arange(0, SPLITS), tl.arange(0, GP), tl.arange(0, D)
@@ -446,41 +413,21 @@ if triton is not None:
             m_s = tl.load(PML + ((row * tl.num_programs(1) + kvh) * splits + s_) * 2 * GP + g)
             w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_all))
             out += part * w_s[:, None]
-        out = (out / denom[:, None]).to(O.dtype.element_ty)
-        hkv = tl.num_programs(1)
-        tl.store(O + row * hkv * G * D + (kvh * G + g)[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
-        if HAS_OUT:
-            ro = tl.arange(0, RPO)
-            of = tl.where((g < G)[:, None], out.to(tl.float32), 0.0)
-            share = tl.zeros((RPO,), tl.float32)
-            for gg in tl.static_range(G):  # head gg's D columns of the row against A's
-                head = tl.sum(tl.where((g == gg)[:, None], of, 0.0), axis=0)
-                a = tl.load(A + ro[:, None] * (hkv * G * D) + (kvh * G + gg) * D + d[None, :],
-                            mask=(ro < rank_out)[:, None], other=0.0)
-                share += tl.sum(a.to(tl.float32) * head[None, :], axis=1)
-            tl.store(PART + (row * hkv + kvh) * RPO + ro, share)
-            tl.debug_barrier()  # every thread's share is stored before the counter's release
-            if tl.atomic_add(COUNT + row, 1, sem="acq_rel", scope="gpu") == hkv - 1:
-                total = tl.zeros((RPO,), tl.float32)
-                for kk in range(0, hkv):
-                    total += tl.load(PART + (row * hkv + kk) * RPO + ro, cache_modifier=".cg")
-                tl.store(HO + row * s_ho + ro, total.to(HO.dtype.element_ty), mask=ro < rank_out)
-                tl.atomic_xchg(COUNT + row, 0)  # ready for the next launch (CUDA-graph replays)
+        out = out / denom[:, None]
+        tl.store(O + row * tl.num_programs(1) * G * D + (kvh * G + g)[:, None] * D + d[None, :],
+                 out.to(O.dtype.element_ty), mask=(g < G)[:, None])
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, num_heads: int, num_kv_heads: int,
                      head_dim: int, target_programs: int = 256, scale: float | None = None, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int | None = None,
-                     shrink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                     num_warps: int = 4, num_stages: int | None = None) -> Tensor:
     """One query token per row against the first `mask.shape[-1]` cache slots: q [rows, H * D] (contiguous),
     k_cache / v_cache [>= rows, Hkv, >= window, D] (unit stride along D), mask [rows, window] additive (0 or -inf).
     Returns [rows, H * D] as `scaled_dot_product_attention` over the grouped heads would. Split-KV (flash-decoding):
     the window is cut into splits so that rows * Hkv * splits reaches about `target_programs` programs, then one
     small kernel combines the splits: a decode step has too few (row, head) pairs to fill the GPU otherwise.
     `scale`: the softmax scale (default head_dim ** -0.5; Gemma's is query_pre_attn_scalar ** -0.5).
-    `block_n`, `num_warps`, `num_stages`: the partial kernel's launch (benchmarks/bench_decode_attention.py).
-    `shrink` (the next projection's LoRA A [R, H * D], contiguous): also returns h = out·Aᵀ [rows, R], computed by
-    the combining kernel."""
+    `block_n`, `num_warps`, `num_stages`: the partial kernel's launch (benchmarks/bench_decode_attention.py)."""
     rows, window = mask.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("decode_attention needs k and v caches of one layout with unit stride along head_dim")
@@ -499,18 +446,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
         k_cache.stride(2), mask.stride(0), window, chunk, head_dim ** -0.5 if scale is None else scale, G=group,
         GP=gp, D=head_dim, BLOCK_N=block_n, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **_pdl(q.device))
-    rank_out = 0 if shrink is None else shrink.shape[0]
-    if shrink is not None:
-        _check_shrink("decode_attention", shrink, num_heads * head_dim, q.dtype)
-    rpo = _rank_block(rank_out)
-    h_out = torch.empty((rows, rank_out), dtype=q.dtype, device=q.device)
-    shares = torch.empty((rows * num_kv_heads * rpo if shrink is not None else 1,), dtype=torch.float32,
-                         device=q.device)
-    _decode_attention_combine_kernel[(rows, num_kv_heads)](
-        partial, stats, out, splits, shrink if shrink is not None else q, h_out, shares, _counters(q.device, rows),
-        rank_out, max(h_out.stride(0), 1), G=group, GP=gp, D=head_dim, SPLITS=triton.next_power_of_2(splits),
-        HAS_OUT=shrink is not None, RPO=rpo, num_warps=4, **_pdl(q.device))
-    return out if shrink is None else (out, h_out)
+    _decode_attention_combine_kernel[(rows, num_kv_heads)](partial, stats, out, splits, G=group, GP=gp, D=head_dim,
+                                                           SPLITS=triton.next_power_of_2(splits), num_warps=4,
+                                                           **_pdl(q.device))
+    return out
 
 
 def _pdl(device: torch.device) -> dict:
@@ -633,49 +572,28 @@ def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     return out
 
 
-def _check_shrink(name: str, shrink: Tensor, n: int, dtype: torch.dtype) -> None:
-    if not shrink.is_contiguous() or shrink.shape[1] != n or shrink.dtype != dtype:
-        raise ValueError(f"{name}: shrink must be a contiguous [R, {n}] {dtype} LoRA A, got {tuple(shrink.shape)} "
-                         f"{shrink.dtype}")
-
-
-def fused_silu_mul(gate: Tensor, up: Tensor, low_rank=None, shrink: Tensor | None = None,
-                   chunks: int = 16) -> Tensor | tuple[Tensor, Tensor]:
+def fused_silu_mul(gate: Tensor, up: Tensor, low_rank=None) -> Tensor:
     """silu(gate) * up for [rows, n] inputs with unit stride along a row (e.g. the halves of one gate_up output);
     the result is contiguous. With `low_rank` (a `qerl.model.lora.DeferredLoRA` of the gate and up members), gate
-    and up are the base part of the projection and the kernel adds LoRA's update to them first. With `shrink` (the
-    next projection's LoRA A [R, n], contiguous), also returns h = out·Aᵀ [rows, R]: in the same kernel where LoRA's
-    update runs in it (over `chunks` column programs per 16 rows), else by `lora_shrink`."""
+    and up are the base part of the projection and the kernel adds LoRA's update to them first."""
     for t in (gate, up):
         if t.dim() != 2 or t.stride(-1) != 1:
             raise ValueError(f"fused_silu_mul needs [rows, n] with unit stride along a row, got {tuple(t.shape)} "
                              f"strides {t.stride()}")
     rows, n = gate.shape
     out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
-    if shrink is not None:
-        _check_shrink("fused_silu_mul", shrink, n, gate.dtype)
     if low_rank is not None:
         (_, g_col, g_rank), (u_row0, u_col, u_rank) = _member_blocks(low_rank, 2)
         h, b, bm, block = low_rank.h, low_rank.b, 16, 256
-        row_blocks, blocks = triton.cdiv(rows, bm), triton.cdiv(n, block)
-        chunk = block if shrink is None else triton.cdiv(blocks, min(chunks, blocks)) * block
-        grid_chunks = triton.cdiv(n, chunk)
-        rank_out = 0 if shrink is None else shrink.shape[0]
-        rpo = _rank_block(rank_out)
-        h_out = torch.empty((rows, rank_out), dtype=gate.dtype, device=gate.device)
-        part = torch.empty((row_blocks * grid_chunks * bm * rpo if shrink is not None else 1,), dtype=torch.float32,
-                           device=gate.device)
-        _silu_mul_low_rank_kernel[(row_blocks, grid_chunks)](
-            gate, up, out, h, b, shrink if shrink is not None else gate, h_out, part, _counters(gate.device, row_blocks),
-            rows, n, gate.stride(0), up.stride(0), h.stride(0), b.stride(0), low_rank.scale, g_col, g_rank, u_col,
-            u_rank, u_row0, chunk, rank_out, max(h_out.stride(0), 1), BM=bm, RP=_rank_block(max(g_rank, u_rank)),
-            BLOCK=block, HAS_OUT=shrink is not None, RPO=rpo, CHP=triton.next_power_of_2(grid_chunks), num_warps=4,
-            **_pdl(gate.device))
-        return out if shrink is None else (out, h_out)
+        _silu_mul_low_rank_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, block))](
+            gate, up, out, h, b, rows, n, gate.stride(0), up.stride(0), h.stride(0), b.stride(0), low_rank.scale,
+            g_col, g_rank, u_col, u_rank, u_row0, BM=bm, RP=_rank_block(max(g_rank, u_rank)), BLOCK=block,
+            num_warps=4, **_pdl(gate.device))
+        return out
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
                                                      num_warps=4, **_pdl(gate.device))
-    return out if shrink is None else (out, lora_shrink(out, shrink))
+    return out
 
 
 def kernels_run_on(device: torch.device) -> bool:

@@ -137,26 +137,17 @@ class LoraLinear(nn.Module):
             return plus_low_rank(x, h, self.lora_B, self.scaling)
         return self.base(x).addmm_(h, self.lora_B.t(), alpha=self.scaling)
 
-    def decode_lora_a(self, dtype: torch.dtype) -> Tensor | None:
-        """LoRA A [R, in] where `decode_deferred` takes x in `dtype` (adapter on, in that dtype, no autograd): the
-        kernel that makes x can compute x·Aᵀ too and pass it in."""
-        if torch.is_grad_enabled() or not self.enabled or self.lora_B.dtype != dtype or self.lora_A.dtype != dtype \
-                or not self.lora_A.is_contiguous() or self.lora_B.stride(-1) != 1:
-            return None
-        return self.lora_A
-
-    def decode_deferred(self, x: Tensor, h: Tensor | None = None) -> DeferredLoRA | None:
-        """`fused_forward(x)` with the B product left to the kernel that reads the output next; h = x·Aᵀ as given
-        (computed by the kernel that made x, for `decode_lora_a`) or in one launch (`fused_ops.lora_shrink`). None
-        where fused_forward would not take its addmm path."""
+    def decode_deferred(self, x: Tensor) -> DeferredLoRA | None:
+        """`fused_forward(x)` with h = x·Aᵀ in one launch (`fused_ops.lora_shrink`) and the B product left to the
+        kernel that reads the output next; None where fused_forward would not take its addmm path."""
         if not self.enabled or self.lora_B.dtype != x.dtype or self.lora_A.dtype != x.dtype or x.dim() != 2 \
                 or not self.lora_A.is_contiguous() or self.lora_B.stride(-1) != 1:
             return None
         from qerl.model import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
 
         x = x if x.stride(-1) == 1 else x.contiguous()
-        h = fused_ops.lora_shrink(x, self.lora_A) if h is None else h
-        return DeferredLoRA(self.base(x), h, self.lora_B, self.scaling, ((0, 0, self.rank),))
+        return DeferredLoRA(self.base(x), fused_ops.lora_shrink(x, self.lora_A), self.lora_B, self.scaling,
+                            ((0, 0, self.rank),))
 
     def delta_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """(B @ A) * scaling, [out, in]."""

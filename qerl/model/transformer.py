@@ -330,20 +330,12 @@ def project(linear: nn.Module, x: Tensor, fused: bool = False) -> Tensor:
     return frozen_linear(linear, x) if fast is None else fast(x)  # a frozen bf16 linear: FP8 in the FP8 update
 
 
-def project_deferred(linear: nn.Module, x: Tensor, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:
+def project_deferred(linear: nn.Module, x: Tensor) -> Tensor | DeferredLoRA:
     """`project(linear, x, fused=True)`, leaving LoRA's B product to the kernel that reads the output next where the
-    layer can (`LoraLinear.decode_deferred`); the caller hands a `DeferredLoRA` to such a kernel or finishes it.
-    h_lora: x·Aᵀ for `deferred_lora_a(linear)`, if the kernel that made x computed it."""
+    layer can (`LoraLinear.decode_deferred`); the caller hands a `DeferredLoRA` to such a kernel or finishes it."""
     defer = getattr(linear, "decode_deferred", None)
-    deferred = defer(x, h_lora) if defer is not None else None
+    deferred = defer(x) if defer is not None else None
     return project(linear, x, True) if deferred is None else deferred
-
-
-def deferred_lora_a(linear: nn.Module, dtype: torch.dtype) -> Tensor | None:
-    """The LoRA A that `project_deferred(linear, x)` multiplies x by, where it will (`LoraLinear.decode_lora_a`):
-    the kernel that makes x can compute x·Aᵀ as well and save `lora_shrink` its launch."""
-    lora_a = getattr(linear, "decode_lora_a", None)
-    return lora_a(dtype) if lora_a is not None else None
 
 
 class KVCache(nn.Module):
@@ -519,11 +511,9 @@ class Attention(nn.Module):
             k_cache[:rows].index_copy_(2, slot, k[:, :, None].to(k_cache.dtype))
             v_cache[:rows].index_copy_(2, slot, v[:, :, None].to(v_cache.dtype))
         if fused:  # split-KV decode attention: SDPA's kernels leave most of the GPU idle at one query per row
-            shrink = deferred_lora_a(self.o_proj, q.dtype)  # o's x·Aᵀ in the combining kernel
             out = fused_ops.decode_attention(q, k_cache, v_cache, mask[:, 0, 0], heads, kv_heads, dim,
-                                             **self._scale, shrink=shrink)
-            out, h_o = out if shrink is not None else (out, None)
-            return project_deferred(self.o_proj, out, h_o)
+                                             **self._scale)
+            return project_deferred(self.o_proj, out)
         # Query heads of one kv head side by side (as forward folds GQA): no repeat of the cache.
         out = F.scaled_dot_product_attention(q.view(rows, kv_heads, heads // kv_heads, dim),
                                              k_cache[:rows, :, :window], v_cache[:rows, :, :window], attn_mask=mask,
@@ -584,10 +574,7 @@ class MLP(nn.Module):
             group = self.__dict__.get(GROUP_ATTR)
             parts = group.decode_deferred(h, h_lora) if group is not None else None
             (gate, up), low_rank = parts if parts is not None else (self.gate_up(h, fused), None)
-            shrink = deferred_lora_a(self.down_proj, h.dtype)  # down's x·Aᵀ in SiLU·up's kernel
-            act = fused_ops.fused_silu_mul(gate, up, low_rank, shrink=shrink)
-            act, h_down = act if shrink is not None else (act, None)
-            return project_deferred(self.down_proj, act, h_down)
+            return project_deferred(self.down_proj, fused_ops.fused_silu_mul(gate, up, low_rank))
         gate, up = self.gate_up(h, fused)
         return project(self.down_proj, self.act(gate) * up, fused)
 
