@@ -601,3 +601,14 @@ def test_gpu_dependent_launch_changes_the_timing_not_the_samples(scheme, monkeyp
         engine.free()
     assert runs["1"].completion_ids == runs["0"].completion_ids
     torch.testing.assert_close(torch.cat(runs["1"].logprobs), torch.cat(runs["0"].logprobs), atol=0, rtol=0)
+
+
+def test_dependent_launch_only_where_it_can_run(monkeypatch):
+    """kernels/pdl.py gives a launch PDL only on CUDA: on the CPU (Triton's interpreter) its `PDL` flag is false,
+    which compiles the wait out, and no launch option the interpreter would reject is passed. QERL_PDL=0 turns it
+    off on any GPU, before anything asks the driver."""
+    from kernels import pdl
+
+    assert pdl.launch(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("QERL_PDL", "0")
+    assert pdl.launch(torch.device("cuda", 0)) == {"PDL": False} and not pdl.enabled(torch.device("cuda", 0))
