@@ -275,19 +275,18 @@ class NVFP4Gemm:
         return self._fp8_product(dy2, transposed=True)
 
     def _forward(self, backend: str, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if backend == "gluon" and (bias is None or bias.dtype == torch.bfloat16):
-            return gluon_nvfp4.linear_forward(x2, *self.gluon, bias=bias)  # the bias in the GEMM's epilogue
+        in_epilogue = backend == "gluon" and bias is not None and bias.dtype == torch.bfloat16
         if backend == "dequant_fp8":
             y = self._forward_fp8(x2)
         elif backend == "humming":
             y = self.humming.forward(x2)
-        elif backend == "gluon":
-            y = gluon_nvfp4.linear_forward(x2, *self.gluon)
+        elif backend == "gluon":  # a bf16 bias in the GEMM's epilogue, before its one rounding
+            y = gluon_nvfp4.linear_forward(x2, *self.gluon, bias=bias if in_epilogue else None)
         elif backend == "triton":
             y = triton_nvfp4.linear_forward(x2, *self._ours())
         else:
             y = x2 @ self.dequantize(x2.dtype, transposed=True)
-        return y if bias is None else y + bias.to(y.dtype)
+        return y if bias is None or in_epilogue else y + bias.to(y.dtype)
 
     def _grad_input(self, backend: str, dy2: torch.Tensor) -> torch.Tensor:
         if backend == "dequant_fp8":

@@ -421,7 +421,7 @@ if IMPORT_ERROR is None:
                 for j in gl.static_range(SUB):
                     _tma_load(w_desc, [t * W, (k * SUB + j) * 4, 0], bar, w_smem.index(i * SUB + j))
                     _tma_load(s_desc, [t * W, k * SUB + j, 0], bar, s_smem.index(i * SUB + j))
-                wrap = (k == k_iters - 1).to(gl.int32)
+                wrap = (k == k_iters - 1).to(gl.int32)  # the next unit's (tile, K step), as _advance steps them
                 t, k = t + wrap, (k + 1) * (1 - wrap)
             gdc_wait()  # the activations are the previous kernel's output
             for i in range(0, first):
@@ -452,9 +452,10 @@ if IMPORT_ERROR is None:
         """Persistent, stream-K: the (tile, K step) units in tile-major order are cut into one equal range per
         program, so every program streams the same number of weight bytes whatever the shape (no tail wave);
         a tile shared by several programs is summed by the last of them. R > 0: y += lora_scale * h @ B^T (LoRA's
-        update, h = x A^T [M, R], B [N, R]) in the epilogue; HAS_BIAS: y += bias [N] there too. PDL (kernels/pdl.py): the producer streams the first
-        ring stages' weights before it waits for the previous kernel; the next kernel may start once every program
-        has left its main loop (not earlier: its waiting programs would take issue slots from this one's)."""
+        update, h = x A^T [M, R], B [N, R]) in the epilogue; HAS_BIAS: y += bias [N] there too. PDL
+        (kernels/pdl.py): the producer streams the first ring stages' weights before it waits for the previous
+        kernel; the next kernel may start once every program has left its main loop (not earlier: its waiting
+        programs would take issue slots from this one's)."""
         p = gl.program_id(0)
         n_programs = gl.num_programs(0)
         u0 = (p * total_units) // n_programs
@@ -671,7 +672,8 @@ def compile_sm90(m: int, n: int, k: int, config: Config | None = None, rank: int
                  "N": "i32", "k_iters": "i32", "total_units": "i32", "h_ptr": "*bf16", "b_ptr": "*bf16",
                  "lora_scale": "fp32", "bias_ptr": "*bf16"}
     constexprs = {"W": cfg.w, "MP": mp, "STAGES": cfg.stages, "SUB": cfg.sub, "SCALE_LANES": cfg.scale_lanes,
-                  "R": rank, "RC": low_rank_chunk(rank, mp) if rank else 1, "HAS_BIAS": bias, "PDL": pdl_calls, "num_warps": 4 * cfg.w}
+                  "R": rank, "RC": low_rank_chunk(rank, mp) if rank else 1, "HAS_BIAS": bias, "PDL": pdl_calls,
+                  "num_warps": 4 * cfg.w}
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(nvfp4_decode_gemm_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())
