@@ -40,7 +40,6 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
     """The frozen base: a pre-quantized folder if given, else the source checkpoint quantized in memory."""
     from qerl.model.loading import load_model, resolve_model
     from qerl.quant import bnb
-    from qerl.quant.linear import QuantLinear, quantize_model
 
     if quant.scheme == bnb.SCHEME:
         bnb.require_bitsandbytes()  # before a minutes-long load, not after
@@ -49,6 +48,18 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
     source = resolve_model(quant.quantized_path or model.path)
     start = time.perf_counter()
     net, tokenizer = load_model(source, dtype=dtype, device=device)
+    prepare_base(net, model, quant, device)
+    log.info("loaded %s (%s, %s, %s) in %.1fs", source, quant.scheme, dtype, device, time.perf_counter() - start)
+    return net, tokenizer
+
+
+def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.device) -> None:
+    """A loaded network made the run's frozen base, in place: quantized as `quant` says (unless it already is), its
+    projections fused on CUDA, the training kernels chosen. Also what `qerl.rl.precompile` does to its one-layer
+    stand-in, so the stand-in launches the kernels the real base will."""
+    from qerl.quant import bnb
+    from qerl.quant.linear import QuantLinear, quantize_model
+
     already_quantized = any(isinstance(m, QuantLinear) for m in net.modules())
     if quant.scheme == bnb.SCHEME:  # QLoRA's base: bitsandbytes' own NF4 storage and kernels, quantized at load
         bnb.quantize_model_bnb(net)
@@ -64,8 +75,6 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
     net.gradient_checkpointing = model.gradient_checkpointing if isinstance(model.gradient_checkpointing, bool) \
         else False
     training_ops.set_backend(model.training_kernels if device.type == "cuda" else "eager")
-    log.info("loaded %s (%s, %s, %s) in %.1fs", source, quant.scheme, dtype, device, time.perf_counter() - start)
-    return net, tokenizer
 
 
 def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):

@@ -231,6 +231,32 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
     return torch.cat(chunks).view(logits.shape[:-1])
 
 
+def completion_log_probs(model, ids: Tensor, attn: Tensor, P: int, temperature: float, share_prompts: bool,
+                         want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs (and entropies) of the completion tokens ``ids[:, P:]`` under ``model`` (a
+    ``qerl.model.transformer.Transformer``) at the sampling ``temperature``: the update's forward.
+
+    Only the positions that predict completion tokens go through the LM head, and ``head_log_probs`` runs it a chunk
+    of tokens at a time: the ``[B, C, V]`` float32 logits (and their gradient) are never built. With
+    ``share_prompts`` the rows that repeat a prompt run it through the blocks once (``forward_shared_prompts``).
+    """
+    C = ids.shape[1] - P
+    predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
+    decoder = model.model
+    if share_prompts and hasattr(decoder, "forward_shared_prompts"):
+        hidden = decoder.forward_shared_prompts(ids, attn, P)[:, predicting]
+    else:
+        hidden = decoder(ids, attention_mask=attn)[:, predicting]
+    head = model.lm_head
+    if type(head) is torch.nn.Linear and head.bias is None and model.config.final_logit_softcapping is None:
+        return head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
+    # A head that is not a plain linear (LoRA named lm_head), or logits softcapped as the sampler's are (Gemma's
+    # final_logit_softcapping): its logits, once, in float32.
+    logits = model.softcap(head(hidden).float()).div_(temperature)
+    entropy = entropy_from_logits(logits.detach()) if want_entropy else None
+    return selective_log_softmax(logits, ids[:, P:]), entropy
+
+
 # ----------------------------------------------------------------------------- loss
 
 
