@@ -26,6 +26,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -102,7 +103,9 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         stand_in = reward in ("hash", "sparse")  # this folder is on sys.path
         s.train.rewards = {f"bench_grpo_step:{reward}_reward" if stand_in else reward: 1.0}
         r["reward"] = reward
+        start = time.perf_counter()
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer) as trainer:
+            r["setup_s"] = time.perf_counter() - start  # the trainer's own setup (the model is built before it)
             trainer.train()
             r["kv_gib"] = trainer.rollout_backend.engine.memory_bytes() / GIB
             rows = trainer.run.metrics.read()

@@ -8,7 +8,8 @@ Before any measurement a shape-generic default picks one (`default_backend`); th
 CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in `cache_path()`,
 keyed by GPU name and library versions, so a process pays for each measurement once per machine. A corrupt or
 stale cache file is ignored with one warning. QERL_GEMM_TUNE=0 turns measuring off (defaults only);
-QERL_GEMM_CACHE moves the file.
+QERL_GEMM_TUNE=compile runs every candidate once and measures nothing (qerl.rl.precompile's workers: each candidate's
+kernels get compiled for the process that will measure them); QERL_GEMM_CACHE moves the file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 _choices: dict[str, str] | None = None  # key -> backend, loaded lazily from disk
 _tuning_enabled = os.environ.get("QERL_GEMM_TUNE", "1") != "0"
+_compile_only = os.environ.get("QERL_GEMM_TUNE") == "compile"
 
 
 def m_bucket(m: int) -> int:
@@ -145,6 +147,10 @@ def choose(kind: str, layout: str, n: int, k: int, m: int, candidates: dict[str,
     if default not in candidates:
         default = next(iter(candidates))
     if not _tuning_enabled or len(candidates) == 1 or _capturing():
+        return default
+    if _compile_only:
+        for fn in candidates.values():
+            fn()
         return default
     timer = timer or graph_time
     times = {}

@@ -78,6 +78,11 @@ class ModelSettings:
     # forward without autograd: no backward, no kept activations; the loss and its metrics still see them. Only
     # without the KL term (grpo.beta = 0), which gives every row a gradient.
     skip_idle_rows: bool = True
+    # On CUDA, compile the run's GPU kernels in worker processes while the weights load (qerl.rl.precompile), so a
+    # machine's first run does not compile them one by one in its first step (7B: first step 25.9 -> 17.3 s, for
+    # ~21 s of workers that overlap the load; BENCHMARKS.md "The first step on a fresh machine"). Skipped when this
+    # machine's Triton cache already holds them (a stamp per code version, shapes and settings). Opt-in for now.
+    precompile_kernels: bool = False
 
 
 def quant_schemes() -> tuple[str, ...]:

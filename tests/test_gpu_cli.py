@@ -7,6 +7,7 @@ byte-level BPE tokenizer trained here on the arithmetic task's own text. Nothing
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def qerl(*args, timeout=patience(900)):
+def qerl(*args, timeout=patience(900), env=None):
     proc = subprocess.run([sys.executable, "-m", "qerl.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout)
+                          cwd=REPO, timeout=timeout, env=env)
     assert proc.returncode == 0, f"qerl {' '.join(map(str, args))}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -115,3 +116,22 @@ def test_gpu_quantize_train_resume_eval_export(model_dir, tmp_path, scheme, layo
         out = tmp_path / f"export{'-merged' if merge else ''}"
         qerl("export", "--adapter", whole / "adapter", "--out", out, *merge)
         assert "vllm serve" in (out / "README.md").read_text()
+
+
+def test_gpu_train_on_a_fresh_machine_compiles_in_workers(model_dir, tmp_path):
+    """On an empty Triton cache `qerl train` compiles its kernels in worker processes while the base loads
+    (model.precompile_kernels): the trainer itself then compiles at most a few, and the next run skips the workers."""
+    cache = tmp_path / "triton"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache), QERL_GEMM_CACHE=str(tmp_path / "gemm.json"))
+    params = params_file(tmp_path, model_dir, None, quant__gpu_layout="gluon", model__precompile_kernels=True)
+    first = qerl("train", "--params", params, "--out", tmp_path / "a", "--max-steps", 1, env=env)
+    log = first.stderr[-4000:]
+    stamps = list((cache / "qerl-precompiled").glob("*"))
+    assert len(stamps) == 1, log
+    cubins = [p for p in cache.rglob("*.cubin")]
+    by_trainer = sorted(p.name for p in cubins if p.stat().st_mtime > stamps[0].stat().st_mtime)
+    # The workers compile from the first step's prompt length and full-length completions: a batch whose longest
+    # completion ends early gives a few kernels other token counts, which the trainer compiles itself.
+    assert len(cubins) >= 10 and len(by_trainer) <= 3, f"{len(cubins)} kernels, the trainer's: {by_trainer}\n{log}"
+    second = qerl("train", "--params", params, "--out", tmp_path / "b", "--max-steps", 1, env=env)
+    assert "are in the Triton cache" in second.stderr + second.stdout, second.stderr[-4000:]

@@ -7,6 +7,7 @@ RNG states, step and data position.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import math
@@ -30,9 +31,9 @@ from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
 from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
-from qerl.model.runtime import load_base_model, load_tokenizer_and_context, seed_everything
+from qerl.model.runtime import load_base_model, load_tokenizer_and_context, resolve_device, seed_everything
 from qerl.quant.linear import held_weights, update_precision
-from qerl.rl import distributed, grpo
+from qerl.rl import distributed, grpo, precompile
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rollout import releasable
@@ -173,6 +174,8 @@ class Trainer:
         examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
                                source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
+        # The GPU kernels compile in worker processes while the weights load (a machine's first run; qerl.rl.precompile)
+        kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
         if model is None:
             model, tokenizer = load_base_model(s.model, s.quant)
         self.model, self.tokenizer = model, tokenizer
@@ -214,9 +217,33 @@ class Trainer:
             resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS)
         if resumed is not None:
             self.apply_checkpoint(resumed)
+        if kernels is not None:
+            kernels.wait()
         self.run.write_params(s.to_yaml())
         if self.dist.is_main:
             self.tracker.log_params(s.to_flat_dict())
+
+    def _precompile(self, s: Settings, model, tokenizer):
+        """Start compiling this run's GPU kernels in workers (None where there is nothing to do): from the loaded
+        model's config, or before the load from the checkpoint's config.json."""
+        device = next(model.parameters()).device if model is not None else resolve_device(s.model.device)
+        if device.type != "cuda" or not s.model.precompile_kernels or tokenizer is None:
+            return None
+        if model is not None:
+            config = model.config
+        else:
+            from qerl.model.loading import read_config, resolve_model
+            from qerl.model.transformer import ModelConfig
+
+            folder = resolve_model(s.quant.quantized_path or s.model.path)
+            if not (folder / "config.json").is_file():  # a .gguf: its config comes with its weights
+                return None
+            config = ModelConfig.from_hf(read_config(folder))
+        # The first step's prompts (a copy of the sampler draws them): the prompt length sets some kernels' variants
+        prompts = [data.build_prompt(tokenizer, ex.question, self.system_prompt)
+                   for ex in copy.deepcopy(self.sampler).next_batch()]
+        prompt_len = max(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+        return precompile.start(s, config, prompt_len, device, loaded=model is not None)
 
     # ------------------------------------------------------------------------------------------------ phases
 
@@ -331,23 +358,8 @@ class Trainer:
 
     def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
-        C = ids.shape[1] - P
-        # Only the C positions that predict completion tokens go through the LM head, and `head_log_probs` runs it
-        # a chunk of tokens at a time: the [B, C, V] float32 logits (and their gradient) are never built.
-        predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
-        decoder = self.model.model
-        if self.share_prompts and hasattr(decoder, "forward_shared_prompts"):
-            hidden = decoder.forward_shared_prompts(ids, attn, P)[:, predicting]
-        else:
-            hidden = decoder(ids, attention_mask=attn)[:, predicting]
-        head, temperature = self.model.lm_head, self.settings.rollout.temperature
-        if type(head) is torch.nn.Linear and head.bias is None and self.model.config.final_logit_softcapping is None:
-            return grpo.head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
-        # A head that is not a plain linear (LoRA named lm_head), or logits softcapped as the sampler's are (Gemma's
-        # final_logit_softcapping): its logits, once, in float32.
-        logits = self.model.softcap(head(hidden).float()).div_(temperature)
-        entropy = grpo.entropy_from_logits(logits.detach()) if want_entropy else None
-        return grpo.selective_log_softmax(logits, ids[:, P:]), entropy
+        return grpo.completion_log_probs(self.model, ids, attn, P, self.settings.rollout.temperature,
+                                         self.share_prompts, want_entropy)
 
     def _micro_logp(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool,
                     live: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -334,11 +334,13 @@ class RolloutEngine:
         self.valid[:rows].copy_(valid)
 
     @torch.no_grad()
-    def prepare(self, batch_size: int, prompt_len: int, max_new_tokens: int, all_buckets: bool = False) -> None:
+    def prepare(self, batch_size: int, prompt_len: int, max_new_tokens: int, all_buckets: bool = False,
+                prefill_rows: int | None = None) -> None:
         """Allocate and capture ahead of time (benchmarks call it; rollouts allocate on demand): a prefill of the
-        bucket's rows (compiles prefill kernels) and the decode graphs of every window the run will reach, for
-        the batch's bucket (and every smaller bucket with `all_buckets`). Leaves garbage in the cache, which
-        every rollout overwrites or masks."""
+        bucket's rows, or of `prefill_rows` (a rollout prefills each distinct prompt once), which compiles the
+        prefill kernels, and the decode graphs of every window the run will reach, for the batch's bucket (and
+        every smaller bucket with `all_buckets`). Leaves garbage in the cache, which every rollout overwrites or
+        masks."""
         model, was_training = self.model, self.model.training
         model.eval()
         try:
@@ -346,7 +348,8 @@ class RolloutEngine:
             rows = self.bucket(batch_size)
             self.valid[:rows].fill_(True)
             self.pos_in[:rows] = prompt_len - 1
-            self._prefill(torch.zeros(rows, prompt_len, dtype=torch.long, device=self.device), rows, prompt_len)
+            prefill = min(rows, prefill_rows or rows)
+            self._prefill(torch.zeros(prefill, prompt_len, dtype=torch.long, device=self.device), prefill, prompt_len)
             buckets = [b for b in (self.bucket(1 << i) for i in range(rows.bit_length())) if b <= rows] \
                 if all_buckets else [rows]
             windows = sorted({self._window(prompt_len + s + 1) for s in range(max_new_tokens)})
