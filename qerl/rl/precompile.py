@@ -1,16 +1,17 @@
 """Compile a run's GPU kernels in worker processes while its weights load, so that its first step does not.
 
-On a machine whose Triton cache is empty, the first GRPO step of a 7B run took 2.4x a steady one (BENCHMARKS.md,
+On a machine whose Triton cache is empty, the first GRPO step of a 7B run took 2.1-2.4x a steady one (BENCHMARKS.md,
 "The first step on a fresh machine"): about 22 kernels are compiled one after another as the step first launches
 them, and Triton 3.6 also builds each one's launcher with the host's C compiler. Which variants a run needs depends
 on its architecture and settings, not on its weights. So each worker builds a stand-in of the same shapes (two
-layers and one of each attention kind, random weights, prepared by `prepare_base` as the real base is, with the run's
-LoRA) and runs the kernel-launching path of a first step on it: the rollout at every batch bucket a step can reach (prefill,
-decode, sampling) and one micro-batch of the update (forward, backward, the frozen forward). Each worker compiles
-only its share of the kernels it meets (a hash of the kernel's specialization picks the worker); the others it
-skips without launching them (Triton's `jit_cache_hook`), so N workers compile in parallel what one process would
-compile in turn. What they compile lands in Triton's on-disk cache, where the trainer's own launches find it. A stamp
-in that cache skips all of it when a run of the same code, shapes and settings already did it on this machine.
+layers and one of each attention kind, random weights, prepared by `prepare_base` as the real base is, with the
+run's LoRA) and runs the kernel-launching path of a first step on it: the rollout at every batch bucket a step can
+reach (prefill, decode, sampling) and one micro-batch of the update (forward, backward, the frozen forward). Each
+worker compiles only its share of the kernels it meets (a hash of the kernel's specialization picks the worker); the
+others it skips without launching them (Triton's `jit_cache_hook`), so N workers compile in parallel what one
+process would compile in turn. What they compile lands in Triton's on-disk cache, where the trainer's own launches
+find it. A stamp in that cache skips all of it when a run of the same code, shapes and settings already did it on
+this machine.
 
 Skipped kernels leave their outputs unwritten; nothing on this path branches on values, so every worker meets the
 same kernels (a failed worker is a warning: the trainer compiles what is missing itself). Workers measure no GEMM
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -61,8 +63,9 @@ def jobs(settings: Settings, config, prompt_len: int, device: torch.device, work
         "quant": dataclasses.asdict(s.quant), "lora": dataclasses.asdict(s.lora),
         "temperature": s.rollout.temperature, "top_p": s.rollout.top_p, "top_k": s.rollout.top_k,
         "sigma": s.aqn.sigma_start if s.aqn.enabled else 0.0, "prompt_len": int(prompt_len),
-        "prompts": s.rollout.prompts_per_step, "group_size": s.rollout.group_size, "buckets": buckets, "new_tokens": s.rollout.max_new_tokens,
-        "micro_batch": s.grpo.micro_batch_size, "share_prompts": s.model.share_prompts and not s.lora.dropout,
+        "prompts": s.rollout.prompts_per_step, "group_size": s.rollout.group_size, "buckets": buckets,
+        "new_tokens": s.rollout.max_new_tokens, "micro_batch": s.grpo.micro_batch_size,
+        "share_prompts": s.model.share_prompts and not s.lora.dropout,
         "device": str(device),
     }
     return [{**job, "share": i, "shares": workers} for i in range(workers)]
@@ -82,11 +85,12 @@ def weights_bytes(config, scheme: str) -> int:
 
 
 def worker_count(config, tokens: int, reserved_bytes: int, device: torch.device) -> int:
-    """How many workers to start: one per two CPU cores (compiling is CPU work), at most 8, and as many as the GPU's
-    free memory holds beside `reserved_bytes` (what the trainer has yet to load) with 2 GiB to spare. A worker holds
-    the tied embedding, its layers (counted as three bf16 ones: they are quantized one by one), its CUDA context, and one layer's
-    activations for a micro-batch of `tokens`."""
-    cpus = max(1, min(8, (os.cpu_count() or 2) // 2))
+    """How many workers to start: one per two CPU cores this process may use (compiling is CPU work), at most 8, and
+    as many as the GPU's free memory holds beside `reserved_bytes` (what the trainer has yet to load) with 2 GiB to
+    spare. A worker holds the tied embedding, its layers (counted as three bf16 ones: they are quantized one by
+    one), its CUDA context, and one layer's activations for a micro-batch of `tokens`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    cpus = max(1, min(8, cores // 2))
     h, inter = config.hidden_size, config.intermediate_size
     per_worker = (2 * config.vocab_size * h + 6 * _layer_weights(config) + (600 << 20)
                   + tokens * (6 * inter + 20 * h) * 2)
@@ -174,9 +178,7 @@ def start(settings: Settings, config, prompt_len: int, device: torch.device, loa
     spare for a worker beside the base (`loaded`: already on the GPU; otherwise its bytes are kept free)."""
     if device.type != "cuda" or not settings.model.precompile_kernels:
         return None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         return None
     stamp = stamp_path(jobs(settings, config, prompt_len, device, 1)[0])
     if stamp.exists():
