@@ -94,3 +94,13 @@ def test_a_failed_worker_is_a_warning_and_leaves_no_stamp(tmp_path, caplog):
         ok = precompile.Precompile([bad], stamp).wait(timeout_s=300)
     assert not ok and not stamp.exists()
     assert "kernel precompile worker 0 failed" in caplog.text and "the first step compiles its share" in caplog.text
+
+
+def test_stopped_workers_leave_no_process_and_no_stamp(config, tmp_path):
+    """What the trainer does when its start fails after starting the workers (e.g. the base does not load)."""
+    s = load_settings(overrides=["rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8"])
+    job = precompile.jobs(s, config, 24, torch.device("cpu"), 1)[0]
+    stamp = tmp_path / "stamps" / "x"
+    workers = precompile.Precompile([job], stamp)
+    workers.stop()
+    assert all(proc.poll() is not None for proc, _ in workers.workers) and not stamp.exists()

@@ -168,6 +168,15 @@ class Precompile:
         self._dir.cleanup()
         return ok
 
+    def stop(self) -> None:
+        """Stop the workers without waiting for them (the trainer failed before its first step); no stamp."""
+        for proc, out in self.workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            out.close()
+        self._dir.cleanup()
+
     def seconds(self) -> float:
         return time.perf_counter() - self.started
 

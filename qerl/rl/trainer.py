@@ -146,7 +146,10 @@ class Trainer:
             raise
 
     def close(self) -> None:
-        """Release the run folder (idempotent)."""
+        """Release the run folder, and stop kernel precompile workers a failed start left running (idempotent)."""
+        kernels, self._kernels = getattr(self, "_kernels", None), None
+        if kernels is not None:
+            kernels.stop()
         self.run.close()
 
     def __enter__(self) -> "Trainer":
@@ -175,7 +178,7 @@ class Trainer:
                                source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         # The GPU kernels compile in worker processes while the weights load (a machine's first run; qerl.rl.precompile)
-        kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
+        self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
         if model is None:
             model, tokenizer = load_base_model(s.model, s.quant)
         self.model, self.tokenizer = model, tokenizer
@@ -217,8 +220,9 @@ class Trainer:
             resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS)
         if resumed is not None:
             self.apply_checkpoint(resumed)
-        if kernels is not None:
-            kernels.wait()
+        if self._kernels is not None:
+            self._kernels.wait()
+            self._kernels = None
         self.run.write_params(s.to_yaml())
         if self.dist.is_main:
             self.tracker.log_params(s.to_flat_dict())
