@@ -104,3 +104,21 @@ def test_stopped_workers_leave_no_process_and_no_stamp(config, tmp_path):
     workers = precompile.Precompile([job], stamp)
     workers.stop()
     assert all(proc.poll() is not None for proc, _ in workers.workers) and not stamp.exists()
+
+
+def test_the_first_step_bench_counts_only_the_trainers_own_slow_compiles(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_first_step
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    log = tmp_path / "compile.jsonl"
+    rows = [{"pid": 7, "s": 0.8, "fn": "kernels.gluon_nvfp4.nvfp4_decode_gemm_kernel"},
+            {"pid": 7, "s": 0.002, "fn": "qerl.model.fused_ops._sample_kernel"},  # found on disk
+            {"pid": 9, "s": 0.6, "fn": "qerl.model.fused_ops._sample_kernel"}]  # a worker's
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench_first_step.compiled_by(7, log) == [("nvfp4_decode_gemm_kernel", 0.8)]
+    assert bench_first_step.compiled_by(7, tmp_path / "none.jsonl") == []
+    table = bench_first_step.table([{"arm": "cold", "setup_s": 2.5, "first_step_s": 25.9, "step_s": 12.6,
+                                     "compiled": [("a", 0.5), ("b", 0.25)]}])
+    assert "| cold | 2.5 | 25.9 | 12.6 | 2.06x | 28.4 | 2 (0.8 s) |" in table
