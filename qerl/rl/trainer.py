@@ -177,7 +177,7 @@ class Trainer:
         examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
                                source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
-        # The GPU kernels compile in worker processes while the weights load (a machine's first run; qerl.rl.precompile)
+        # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
         if model is None:
             model, tokenizer = load_base_model(s.model, s.quant)
