@@ -44,7 +44,6 @@ from qerl.config import LoraSettings, ModelSettings, QuantSettings, Settings
 
 log = logging.getLogger(__name__)
 
-MIN_BUCKET = 8  # the engine's smallest batch bucket on CUDA (qerl.rollout.engine)
 WAIT_S = 600  # a worker that takes longer is stopped: the trainer compiles what is left itself
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds qerl/ and kernels/ (their sources key the stamp)
 
@@ -53,11 +52,9 @@ def jobs(settings: Settings, config, prompt_len: int, device: torch.device, work
     """One job per worker, alike but for its share. `config` is the base's `ModelConfig`, `prompt_len` the longest
     prompt in tokens. The buckets are the step's rows rounded up to a power of two, halved down to the smallest."""
     s = settings
-    rows = s.rollout.prompts_per_step * s.rollout.group_size
-    buckets, b = [], max(MIN_BUCKET, 1 << max(0, rows - 1).bit_length())
-    while b >= MIN_BUCKET:
-        buckets.append(b)
-        b //= 2
+    from qerl.rollout.engine import CUDA_MIN_BUCKET, batch_buckets
+
+    buckets = batch_buckets(s.rollout.prompts_per_step * s.rollout.group_size, CUDA_MIN_BUCKET)
     job = {
         "config": dataclasses.asdict(config), "model": dataclasses.asdict(s.model),
         "quant": dataclasses.asdict(s.quant), "lora": dataclasses.asdict(s.lora),

@@ -139,6 +139,7 @@ class Trainer:
         # Under torchrun, rank 0 holds the folder for the whole job (the other ranks write nothing there).
         self.run = RunFolder(out_dir, resume=resume, overwrite=overwrite, main=distributed.current().is_main)
         self.out = self.run.path
+        self._kernels: precompile.Precompile | None = None  # precompile workers, from the start to its end
         try:
             self._start(settings, tracker, model, tokenizer, progress, rollout_backend)
         except BaseException:
@@ -147,7 +148,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run folder, and stop kernel precompile workers a failed start left running (idempotent)."""
-        kernels, self._kernels = getattr(self, "_kernels", None), None
+        kernels, self._kernels = self._kernels, None
         if kernels is not None:
             kernels.stop()
         self.run.close()

@@ -85,6 +85,19 @@ class _EngineCache(nn.Module):
         return kc[:, :, :self.window], vc[:, :, :self.window]
 
 
+CUDA_MIN_BUCKET = 8  # below 8 rows a decode step on a GPU costs the same
+
+
+def batch_buckets(rows: int, min_bucket: int) -> list[int]:
+    """The batch bucket of `rows` (a power of two, at least `min_bucket`), then each smaller one down to
+    `min_bucket`, largest first: every batch a rollout of `rows` reaches as its rows finish and are compacted."""
+    out, b = [], max(min_bucket, 1 << max(0, rows - 1).bit_length())
+    while b >= min_bucket:
+        out.append(b)
+        b //= 2
+    return out
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -124,7 +137,7 @@ class RolloutEngine:
         # Triton kernels only where they can run: CUDA, or Triton's CPU interpreter (tests).
         self.kernels = self.fused and model.fused_decode_supported()
         self.check_every, self.window = check_every, window
-        self.min_bucket = min_bucket or (8 if cuda else 1)
+        self.min_bucket = min_bucket or (CUDA_MIN_BUCKET if cuda else 1)
         self.prefill_tokens = prefill_tokens
         self.reserve = (max_batch_size, max_seq_len)
         self.caches: list[_EngineCache] | None = None
@@ -350,10 +363,9 @@ class RolloutEngine:
             self.pos_in[:rows] = prompt_len - 1
             prefill = min(rows, prefill_rows or rows)
             self._prefill(torch.zeros(prefill, prompt_len, dtype=torch.long, device=self.device), prefill, prompt_len)
-            buckets = [b for b in (self.bucket(1 << i) for i in range(rows.bit_length())) if b <= rows] \
-                if all_buckets else [rows]
+            buckets = batch_buckets(rows, self.min_bucket) if all_buckets else [rows]
             windows = sorted({self._window(prompt_len + s + 1) for s in range(max_new_tokens)})
-            for b in sorted(set(buckets)):
+            for b in sorted(buckets):
                 for w in windows:
                     self.slot.fill_(w - 1)
                     if self.use_graphs and (b, w) not in self.graphs:
