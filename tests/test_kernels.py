@@ -441,6 +441,40 @@ def test_swiglu_on_fused_halves_interp(interp, inter):
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6) and torch.allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab,temperature", [(50, 1.0), (5000, 0.7)])  # one block; two, the second ragged
+def test_vocab_softmax_row_stats_interp(interp, vocab, temperature):
+    """kernels/vocab_softmax.py in the interpreter (fp32): each row's log-prob of its token, log-sum-exp, entropy and
+    softmax (written over the logits) at the temperature, as float64 PyTorch computes them, with a row whose
+    maximum lies in its last block (the running sums rescale)."""
+    from kernels import vocab_softmax
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, vocab, generator=g) * 4
+    logits[1, -7] = 30.0
+    ids = torch.tensor([0, vocab - 7, vocab // 2])
+    log_p = (logits.double() / temperature).log_softmax(-1)
+    work = logits.clone()
+    logp, lse, entropy = vocab_softmax.row_stats(work, ids, temperature, want_entropy=True, probs_in_place=True)
+    torch.testing.assert_close(logp.double(), log_p.gather(1, ids[:, None])[:, 0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), (logits.double() / temperature).logsumexp(-1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(entropy.double(), -(log_p.exp() * log_p).sum(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(work.double(), log_p.exp(), rtol=1e-5, atol=1e-8)
+    logp_only, _, none = vocab_softmax.row_stats(logits, ids, temperature, want_entropy=False, probs_in_place=False)
+    assert none is None and torch.equal(logp_only, logp)
+
+
+def test_vocab_softmax_chunks_fit_its_budget():
+    """The head's chunk of tokens: the largest power of two whose logits fit CHUNK_BYTES, never under the floor."""
+    from kernels import vocab_softmax
+
+    for vocab, itemsize in [(152064, 2), (49152, 2), (128256, 4), (10**9, 2)]:
+        rows = vocab_softmax.chunk_rows(vocab, itemsize)
+        assert rows & (rows - 1) == 0 and rows >= 128
+        assert rows == 128 or (rows * vocab * itemsize <= vocab_softmax.CHUNK_BYTES
+                               < 2 * rows * vocab * itemsize)
+    assert vocab_softmax.chunk_rows(152064, 2) == 1024
+
+
 @pytest.mark.parametrize("tables", ["per-row", "shared"])
 def test_rope_forward_and_backward_interp(interp, tables):
     """kernels/rope.py in the interpreter (fp32): the rotation of a transposed [B, H, T, D] view (as the update's

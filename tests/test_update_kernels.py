@@ -494,3 +494,33 @@ def test_gpu_held_weights_give_the_same_update_and_dequantize_each_weight_once(m
     else:  # FP8: W scaled per row for the forward, Wᵀ per row for dx, one byte each
         assert dequantized == 2 * 4 * layers - 1 and held == 2 * sum(weights.values()) - first_qkv.n * first_qkv.k
     assert gemm._held is None
+
+
+@needs_cuda
+@pytest.mark.parametrize("chunk_size", [None, 512])  # one chunk of the default size; several, the last short
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gpu_head_kernel_gives_the_pytorch_paths_log_probs_entropies_and_gradient(monkeypatch, chunk_size,
+                                                                                    temperature):
+    """`kernels.vocab_softmax` under the update's head (bf16, a frozen head) computes what the PyTorch path does from
+    the same bf16 logits: log-probs and entropies to fp32 reduction order, the hidden states' bf16 gradient to
+    its rounding."""
+    from qerl.rl.grpo import head_log_probs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(3, 700, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(32000, 256, device="cuda", generator=g) / 16).bfloat16()
+    ids = torch.randint(0, 32000, (3, 700), device="cuda", generator=g)
+    upstream = torch.randn(3, 700, device="cuda", generator=g)
+
+    def run():
+        logp, entropy = head_log_probs(hidden, weight, ids, temperature, want_entropy=True, chunk_size=chunk_size)
+        (grad,) = torch.autograd.grad((logp * upstream).sum(), hidden)
+        return logp, entropy, grad
+
+    fused = run()
+    monkeypatch.setenv("QERL_VOCAB_KERNEL", "0")
+    plain = run()
+    torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(fused[2].float(), plain[2].float(), rtol=2e-2, atol=1e-3)
+    assert fused[2].dtype == torch.bfloat16

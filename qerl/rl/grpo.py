@@ -12,6 +12,7 @@ group-major (``G`` consecutive completions of the same prompt).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -124,36 +125,52 @@ class _HeadLogProbs(torch.autograd.Function):
     forward also takes each token's derivative d logp_t / d hidden_t = (W[id_t] - softmax_t @ W) / temperature, an
     [H] vector (logp_t depends on hidden_t alone), so backward is one scale of those by the upstream gradient: the
     head's logits are computed once per update, not again in backward. Where ``weight`` needs one too, forward keeps
-    only the [N] logsumexps and backward recomputes each chunk's logits from the saved hidden states. Either way the
-    largest vocabulary-sized temporary is one ``[chunk_size, V]`` float32 block.
+    only the [N] logsumexps and backward recomputes each chunk's logits from the saved hidden states. On a CUDA
+    device one kernel (`kernels.vocab_softmax`) takes each chunk's log-sum-exp, log-probs, entropies and softmax
+    from the logits in the head's dtype, in chunks of up to its CHUNK_BYTES; elsewhere PyTorch does, a
+    ``[128, V]`` float32 block at a time.
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk_size: int,
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk_size: int | None,
                 want_entropy: bool) -> tuple[Tensor, Tensor]:
         flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
         # Only hidden needs a gradient: its per-token derivative now, from the chunk's softmax at hand.
         per_token = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
         logps, lses, entropies, derivatives = [], [], [], []
-        for h, i in zip(flat_hidden.split(chunk_size), flat_ids.split(chunk_size)):
-            logits = _tempered_logits(h, weight, temperature)
-            lse = torch.logsumexp(logits, dim=-1)
-            logps.append(logits.gather(-1, i.unsqueeze(-1)).squeeze(-1) - lse)
-            lses.append(lse)
-            if want_entropy or per_token:
-                logp_all = logits.sub_(lse.unsqueeze(-1))  # in place: the chunk's logits are not needed again
-                probs = logp_all.exp()
-                if want_entropy:
-                    entropies.append(-(probs * logp_all).sum(dim=-1))
-                if per_token:  # the head's GEMM in its dtype, as nn.Linear's backward (bf16 tensor cores on a GPU)
-                    expected = (probs.to(weight.dtype) @ weight).to(lse.dtype)
-                    derivatives.append(weight[i].to(lse.dtype).sub_(expected).div_(temperature))
+        rows = _vocab_kernel(weight)
+        if rows is not None:  # CUDA: one kernel reduces each chunk's logits, in chunks sized for the head's GEMMs
+            chunk = chunk_size or rows.chunk_rows(weight.shape[0], weight.element_size())
+            for h, i in zip(flat_hidden.split(chunk), flat_ids.split(chunk)):
+                logits = torch.nn.functional.linear(h, weight)  # in the model dtype, as nn.Linear gives them
+                logp, lse, entropy = rows.row_stats(logits, i, temperature, want_entropy, probs_in_place=per_token)
+                logps.append(logp)
+                lses.append(lse)
+                entropies.append(entropy)
+                if per_token:  # `logits` now holds the softmax in the head's dtype: its GEMM on the tensor cores
+                    expected = (logits @ weight).float()
+                    derivatives.append(weight[i].float().sub_(expected).div_(temperature))
+        else:
+            chunk = chunk_size or 128
+            for h, i in zip(flat_hidden.split(chunk), flat_ids.split(chunk)):
+                logits = _tempered_logits(h, weight, temperature)
+                lse = torch.logsumexp(logits, dim=-1)
+                logps.append(logits.gather(-1, i.unsqueeze(-1)).squeeze(-1) - lse)
+                lses.append(lse)
+                if want_entropy or per_token:
+                    logp_all = logits.sub_(lse.unsqueeze(-1))  # in place: the chunk's logits are not needed again
+                    probs = logp_all.exp()
+                    if want_entropy:
+                        entropies.append(-(probs * logp_all).sum(dim=-1))
+                    if per_token:  # the head's GEMM in its dtype, as nn.Linear's backward (bf16 tensor cores)
+                        expected = (probs.to(weight.dtype) @ weight).to(lse.dtype)
+                        derivatives.append(weight[i].to(lse.dtype).sub_(expected).div_(temperature))
         if per_token:
             ctx.save_for_backward(torch.cat(derivatives))
         else:
             ctx.save_for_backward(hidden, weight, ids, torch.cat(lses))
         ctx.per_token, ctx.hidden_shape, ctx.hidden_dtype = per_token, hidden.shape, hidden.dtype
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size or 128  # backward's chunks are float32
         entropy = torch.cat(entropies).view(ids.shape) if want_entropy else torch.empty(0)
         ctx.mark_non_differentiable(entropy)
         return torch.cat(logps).view(ids.shape), entropy
@@ -187,6 +204,16 @@ class _HeadLogProbs(torch.autograd.Function):
                 None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
 
 
+def _vocab_kernel(weight: Tensor):
+    """`kernels.vocab_softmax` where the head's logits are on a CUDA device in a dtype it reads, else None (the
+    CPU computes with PyTorch, as before the kernel: `QERL_VOCAB_KERNEL=0` forces that path on CUDA too)."""
+    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+            or os.environ.get("QERL_VOCAB_KERNEL", "1") == "0":
+        return None
+    from kernels import vocab_softmax
+    return vocab_softmax
+
+
 def _tempered_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
     """A chunk's logits in at least float32, divided by the temperature: the head's GEMM runs in the model dtype,
     as `nn.Linear` does, so bf16 models get the same rounded logits as a plain forward."""
@@ -196,17 +223,18 @@ def _tempered_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tens
 
 
 def head_log_probs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float = 1.0,
-                   want_entropy: bool = False, chunk_size: int = 128) -> tuple[Tensor, Tensor | None]:
+                   want_entropy: bool = False, chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of ``ids`` (and the per-token entropies) under the LM head ``weight`` at ``temperature``.
 
     Equals ``selective_log_softmax(linear(hidden, weight).float() / temperature, ids)`` (and
     ``entropy_from_logits`` of the same logits) without materialising the ``[B, T, V]`` logits, in forward or
-    backward: the biggest full-vocabulary temporary is ``[chunk_size, V]`` float32.
+    backward: the biggest full-vocabulary temporary is one chunk of tokens' logits.
 
     Args:
         hidden: ``[B, T, H]`` final hidden states at the positions that predict ``ids``.
         weight: ``[V, H]`` LM head weight (no bias).
         ids: ``[B, T]`` token ids.
+        chunk_size: tokens per chunk; None: `kernels.vocab_softmax.chunk_rows` on CUDA, 128 elsewhere.
     Returns:
         ``([B, T] float32 log-probs, [B, T] float32 entropies or None)``; the entropies carry no gradient.
     """
