@@ -241,7 +241,8 @@ def test_gpu_recompute_plan_keeps_what_fits_and_recomputes_the_rest():
     planned = recompute.plan(model.model, ids, attn, "auto", margin_bytes=free - int(1.5 * per_block))
     assert planned.recomputed_blocks in (layers - 1, layers - 2), (planned, per_block, free)
     assert planned.spare_bytes < per_block
-    assert recompute.plan(model.model, ids, attn, True, margin_bytes=free // 2).spare_bytes > free // 3
+    # A run that set gradient_checkpointing: true asked for memory first: every block recomputes, nothing is held
+    assert recompute.plan(model.model, ids, attn, True, margin_bytes=free // 2) == recompute.MemoryPlan(layers, 0)
 
 
 needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
