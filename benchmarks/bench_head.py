@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kernels import vocab_softmax  # noqa: E402
+from qerl.model import training_ops  # noqa: E402
 from qerl.rl.grpo import head_log_probs  # noqa: E402
 
 SHAPES = {"7b": (3584, 152064), "32b": (5120, 152064), "llama8b": (4096, 128256), "smollm2": (576, 49152)}
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", default="outputs/bench_head")
     args = ap.parse_args()
+    training_ops.set_backend("auto")  # the fused training kernels, as the trainer sets them on CUDA
     hidden_size, vocab = SHAPES[args.model]
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(args.tokens, hidden_size, device="cuda", generator=g).bfloat16().requires_grad_()

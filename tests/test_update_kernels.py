@@ -507,6 +507,7 @@ def test_gpu_head_kernel_gives_the_pytorch_paths_log_probs_entropies_and_gradien
     its rounding."""
     from qerl.rl.grpo import head_log_probs
 
+    monkeypatch.setattr(training_ops, "_backend", "compile")  # a fused backend, as the trainer's on CUDA
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(3, 700, 256, device="cuda", generator=g).bfloat16().requires_grad_()
     weight = (torch.randn(32000, 256, device="cuda", generator=g) / 16).bfloat16()
@@ -518,10 +519,21 @@ def test_gpu_head_kernel_gives_the_pytorch_paths_log_probs_entropies_and_gradien
         (grad,) = torch.autograd.grad((logp * upstream).sum(), hidden)
         return logp, entropy, grad
 
+    assert training_ops.head_kernel(weight) is not None
     fused = run()
     monkeypatch.setenv("QERL_VOCAB_KERNEL", "0")
+    assert training_ops.head_kernel(weight) is None
     plain = run()
     torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=2e-5)
     torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=2e-5)
     torch.testing.assert_close(fused[2].float(), plain[2].float(), rtol=2e-2, atol=1e-3)
     assert fused[2].dtype == torch.bfloat16
+
+
+def test_the_head_kernel_runs_only_where_the_fused_training_kernels_do(monkeypatch):
+    """On the CPU, and with `model.training_kernels: eager` anywhere, the LM head stays PyTorch's (what it was)."""
+    monkeypatch.setattr(training_ops, "_backend", "compile")
+    assert training_ops.head_kernel(torch.zeros(4, 2, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(training_ops, "_backend", "eager")
+    if torch.cuda.is_available():
+        assert training_ops.head_kernel(torch.zeros(4, 2, dtype=torch.bfloat16, device="cuda")) is None

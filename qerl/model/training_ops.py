@@ -1,4 +1,5 @@
-"""The decoder block's elementwise ops (RMSNorm, RoPE, SiLU·up) as one kernel each on the GPU.
+"""The decoder block's elementwise ops (RMSNorm, RoPE, SiLU·up), and the LM head's log-probs in the update, as one
+kernel each on the GPU.
 
 In eager PyTorch each of these is 5–8 kernels over [tokens, width] tensors, most in fp32 (RMSNorm and RoPE round
 like Hugging Face's reference code, which our rollouts must match), and autograd saves their fp32 intermediates.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import types
 
 import torch
@@ -75,6 +77,20 @@ def backend() -> str:
 
 def _fast(x: Tensor) -> bool:
     return _backend != "eager" and x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def head_kernel(weight: Tensor):
+    """`kernels.vocab_softmax` for the update's LM head (`qerl.rl.grpo.head_log_probs`) where the fused backends run
+    and the head's dtype is one it reads; None elsewhere (PyTorch computes the head, as the CPU always has).
+    `QERL_VOCAB_KERNEL=0` turns this kernel alone off, for A/B measurements. Ours because neither Liger-kernel (its
+    `fused_selective_log_softmax` takes the log-prob alone) nor inductor gives the log-prob, entropy and softmax in
+    one pass (BENCHMARKS.md, "The update's LM head")."""
+    if not _fast(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+            or os.environ.get("QERL_VOCAB_KERNEL", "1") == "0":
+        return None
+    from kernels import vocab_softmax
+
+    return vocab_softmax
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

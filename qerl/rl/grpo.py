@@ -12,12 +12,13 @@ group-major (``G`` consecutive completions of the same prompt).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from qerl.model import training_ops
 
 LossType = Literal["grpo", "dapo", "dr_grpo"]
 
@@ -125,10 +126,10 @@ class _HeadLogProbs(torch.autograd.Function):
     forward also takes each token's derivative d logp_t / d hidden_t = (W[id_t] - softmax_t @ W) / temperature, an
     [H] vector (logp_t depends on hidden_t alone), so backward is one scale of those by the upstream gradient: the
     head's logits are computed once per update, not again in backward. Where ``weight`` needs one too, forward keeps
-    only the [N] logsumexps and backward recomputes each chunk's logits from the saved hidden states. On a CUDA
-    device one kernel (`kernels.vocab_softmax`) takes each chunk's log-sum-exp, log-probs, entropies and softmax
-    from the logits in the head's dtype, in chunks of up to its CHUNK_BYTES; elsewhere PyTorch does, a
-    ``[128, V]`` float32 block at a time.
+    only the [N] logsumexps and backward recomputes each chunk's logits from the saved hidden states. Where the
+    fused training kernels run (`training_ops.head_kernel`: CUDA) one kernel takes each chunk's log-sum-exp,
+    log-probs, entropies and softmax from the logits in the head's dtype, in chunks of up to its CHUNK_BYTES;
+    elsewhere PyTorch does, a ``[128, V]`` float32 block at a time.
     """
 
     @staticmethod
@@ -138,7 +139,7 @@ class _HeadLogProbs(torch.autograd.Function):
         # Only hidden needs a gradient: its per-token derivative now, from the chunk's softmax at hand.
         per_token = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
         logps, lses, entropies, derivatives = [], [], [], []
-        rows = _vocab_kernel(weight)
+        rows = training_ops.head_kernel(weight)
         if rows is not None:  # CUDA: one kernel reduces each chunk's logits, in chunks sized for the head's GEMMs
             chunk = chunk_size or rows.chunk_rows(weight.shape[0], weight.element_size())
             for h, i in zip(flat_hidden.split(chunk), flat_ids.split(chunk)):
@@ -204,16 +205,6 @@ class _HeadLogProbs(torch.autograd.Function):
                 None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
 
 
-def _vocab_kernel(weight: Tensor):
-    """`kernels.vocab_softmax` where the head's logits are on a CUDA device in a dtype it reads, else None (the
-    CPU computes with PyTorch, as before the kernel: `QERL_VOCAB_KERNEL=0` forces that path on CUDA too)."""
-    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
-            or os.environ.get("QERL_VOCAB_KERNEL", "1") == "0":
-        return None
-    from kernels import vocab_softmax
-    return vocab_softmax
-
-
 def _tempered_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
     """A chunk's logits in at least float32, divided by the temperature: the head's GEMM runs in the model dtype,
     as `nn.Linear` does, so bf16 models get the same rounded logits as a plain forward."""
@@ -234,7 +225,7 @@ def head_log_probs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: flo
         hidden: ``[B, T, H]`` final hidden states at the positions that predict ``ids``.
         weight: ``[V, H]`` LM head weight (no bias).
         ids: ``[B, T]`` token ids.
-        chunk_size: tokens per chunk; None: `kernels.vocab_softmax.chunk_rows` on CUDA, 128 elsewhere.
+        chunk_size: tokens per chunk; None: `kernels.vocab_softmax.chunk_rows` where its kernel runs, else 128.
     Returns:
         ``([B, T] float32 log-probs, [B, T] float32 entropies or None)``; the entropies carry no gradient.
     """

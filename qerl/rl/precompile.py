@@ -262,8 +262,9 @@ def run_rollout(model, job: dict[str, Any]) -> None:
 
 
 def run_update(model, job: dict[str, Any]) -> None:
-    """One micro-batch of the update: the frozen forward (no graph) and the forward and backward of the loss's
-    log-probs, in the run's update precision, its rows in groups that share a prompt as the trainer's do."""
+    """One micro-batch of the update: the forwards without a graph (frozen log-probs; idle rows' log-probs and
+    entropies) and the forward and backward of the loss's log-probs, in the run's update precision, its rows in
+    groups that share a prompt as the trainer's do."""
     from qerl.quant.linear import held_weights, update_precision
     from qerl.rl import grpo
 
@@ -277,8 +278,9 @@ def run_update(model, job: dict[str, Any]) -> None:
     attn = torch.ones_like(ids)
     model.train()
     with update_precision(m.base_gemm), held_weights(0 if m.keep_dequantized is False else 1 << 40):
-        with torch.no_grad():
-            grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], False)
+        with torch.no_grad():  # the frozen log-probs (μ > 1, β > 0), and the rows without a gradient (entropies)
+            for want_entropy in (False, True):
+                grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], want_entropy)
         logp, _ = grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], True)
         logp.sum().backward()
 
