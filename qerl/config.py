@@ -61,7 +61,8 @@ class ModelSettings:
     # gradient_checkpointing is true (a run that asked for memory first). Logged per step (held_weights_gib).
     keep_dequantized: Literal["auto", True, False] = "auto"
     # The blocks' RMSNorm / RoPE / SiLU·up on CUDA: auto (the measured fastest), eager (plain PyTorch), liger
-    # (Liger-kernel's fused kernels; pip install liger-kernel), compile (torch.compile of the eager ops). The CPU
+    # (Liger-kernel's fused kernels; pip install liger-kernel), compile (torch.compile of the eager ops). Every
+    # backend but eager also takes the update's LM-head log-probs in one kernel (kernels/vocab_softmax.py). The CPU
     # always runs eager. qerl/model/training_ops.py.
     training_kernels: Literal["auto", "eager", "liger", "compile"] = "auto"
     # The frozen base's GEMMs in the update (forward and dx at training sizes): bf16 (dequantize + cuBLAS), or fp8
