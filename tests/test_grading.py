@@ -250,3 +250,37 @@ def test_the_pool_keeps_one_worker_per_four_cores(monkeypatch) -> None:
     for cores, size in ((1, 1), (2, 1), (8, 2), (16, 4), (128, 4)):
         monkeypatch.setattr(mv.os, "cpu_count", lambda cores=cores: cores)
         assert mv.pool_size() == size
+
+
+def test_a_worker_replaced_as_the_grader_closes_starts_no_standby_after_it(monkeypatch):
+    """A timed-out worker is killed and its standby replaced on a thread; a close() in between (the run ending)
+    wins: the thread starts no process that nothing would ever close."""
+    import threading
+
+    started = []
+
+    class Fake:
+        def __init__(self):
+            started.append(self)
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(mv, "_Worker", Fake)
+    grader = mv.MathVerify()
+    grader.unavailable = None
+    grader._active, grader._standby = Fake(), Fake()
+    gate = threading.Event()
+    grader._active.kill = lambda: gate.wait(10)  # the dead worker's kill outlasts the close below
+    grader._retire_active()
+    grader.close()
+    gate.set()
+    for thread in [t for t in threading.enumerate() if t.name == "qerl-mathverify-replace"]:
+        thread.join(10)
+    assert grader._standby is None and grader._active is None and len(started) == 2
+    # Without a close, the replacement does start the new standby
+    grader._active, grader._standby = Fake(), Fake()
+    grader._retire_active()
+    for thread in [t for t in threading.enumerate() if t.name == "qerl-mathverify-replace"]:
+        thread.join(10)
+    assert isinstance(grader._standby, Fake) and len(started) == 5

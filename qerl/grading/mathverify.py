@@ -126,6 +126,7 @@ class MathVerify:
         self.timeouts = 0
         self._ever_ready = False
         self._pid = os.getpid()
+        self._closes = 0  # a replacement started before a close() must not start a standby after it
         atexit.register(self.close)
 
     def start(self, wait: bool = False) -> None:
@@ -206,17 +207,19 @@ class MathVerify:
         """Promote the standby; kill the old worker and start a new standby off the request's clock (on a loaded
         machine that takes tens of milliseconds)."""
         dead, self._active, self._standby = self._active, self._standby, None
-        threading.Thread(target=self._replace, args=(dead,), daemon=True).start()
+        threading.Thread(target=self._replace, args=(dead, self._closes), daemon=True,
+                         name="qerl-mathverify-replace").start()
 
-    def _replace(self, dead: _Worker) -> None:
+    def _replace(self, dead: _Worker, closes: int) -> None:
         dead.kill()
         with self._lock:
-            if self.unavailable is None and self._standby is None:
+            if self.unavailable is None and self._standby is None and self._closes == closes:
                 self._standby = _Worker()
 
     def close_locked(self) -> None:
         if self._pid != os.getpid():
             return  # a forked child's copies of its parent's workers: the parent closes them
+        self._closes += 1
         for worker in (self._active, self._standby):
             if worker is not None:
                 worker.kill()
