@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", default="outputs/bench_head")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_head.py needs a CUDA device (the head's kernel runs on CUDA only)")
     training_ops.set_backend("auto")  # the fused training kernels, as the trainer sets them on CUDA
     hidden_size, vocab = SHAPES[args.model]
     g = torch.Generator(device="cuda").manual_seed(0)
