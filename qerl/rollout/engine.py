@@ -88,10 +88,15 @@ class _EngineCache(nn.Module):
 CUDA_MIN_BUCKET = 8  # below 8 rows a decode step on a GPU costs the same
 
 
+def bucket_of(rows: int, min_bucket: int) -> int:
+    """The batch bucket of `rows`: the next power of two, at least `min_bucket`."""
+    return max(min_bucket, 1 << max(0, rows - 1).bit_length())
+
+
 def batch_buckets(rows: int, min_bucket: int) -> list[int]:
-    """The batch bucket of `rows` (a power of two, at least `min_bucket`), then each smaller one down to
-    `min_bucket`, largest first: every batch a rollout of `rows` reaches as its rows finish and are compacted."""
-    out, b = [], max(min_bucket, 1 << max(0, rows - 1).bit_length())
+    """The batch bucket of `rows`, then each smaller one down to `min_bucket`, largest first: every batch a rollout
+    of `rows` reaches as its rows finish and are compacted."""
+    out, b = [], bucket_of(rows, min_bucket)
     while b >= min_bucket:
         out.append(b)
         b //= 2
@@ -153,7 +158,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------------ memory
 
     def bucket(self, n: int) -> int:
-        return max(self.min_bucket, 1 << max(0, n - 1).bit_length())
+        return bucket_of(n, self.min_bucket)
 
     def _allocate(self, rows: int, slots: int) -> None:
         """(Re)allocate the cache and static buffers; any captured graph referred to the old ones."""
