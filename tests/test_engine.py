@@ -519,6 +519,32 @@ def test_gpu_releasable_buffer_hands_its_memory_back_and_returns_at_the_same_add
 
 
 @gpu
+def test_gpu_a_dropped_releasable_buffer_and_engine_give_their_memory_back():
+    """Nobody calls close() when a run ends: dropping the buffer (and its views), or the engine and model that hold
+    them, must unmap the memory, or a process that trains run after run (compare workers) runs out of it."""
+    import gc
+
+    from qerl.rollout.releasable import ReleasableBuffer, mapped_bytes
+
+    others = mapped_bytes(0)
+    buf = ReleasableBuffer(256 << 20, torch.device("cuda"))
+    view = buf.tensor.view(torch.float32)[:1024]
+    del buf
+    gc.collect()
+    assert mapped_bytes(0) == others + (256 << 20)  # a view still uses it
+    del view
+    gc.collect()
+    assert mapped_bytes(0) == others
+    model, _ = gpu_model("bf16", fuse=True)
+    engine = RolloutEngine(model)
+    engine.generate(None, prompts(8, vocab=1024, seed=4, max_len=30), 16, temperature=1.0, seed=7, eos_token_ids=[])
+    assert mapped_bytes(0) > others
+    del engine, model
+    gc.collect()
+    assert mapped_bytes(0) == others
+
+
+@gpu
 @pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
 def test_gpu_a_sleeping_kv_cache_frees_its_memory_and_keeps_the_graphs(scheme):
     """The trainer puts the engine's KV cache to sleep for the update: its memory goes back, and the next rollout

@@ -102,22 +102,22 @@ def mapped_bytes(device: torch.device | int | None = None) -> int:
 
 class _CudaArray:
     """A `__cuda_array_interface__` over the reserved range, so `torch.as_tensor` views it without a copy; the
-    tensor keeps this object, and so the buffer and its reservation, alive."""
+    tensor keeps this object, and so the mapping and its reservation, alive."""
 
-    def __init__(self, address: int, nbytes: int, owner: "ReleasableBuffer"):
+    def __init__(self, address: int, nbytes: int, owner: "_Mapping"):
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
                                          "strides": None, "version": 3}
         self.owner = owner
 
 
-class ReleasableBuffer:
-    """`nbytes` of device memory at a fixed address (`tensor`, uint8) whose physical pages `release()` hands back to
-    the driver and `restore()` maps again, with undefined contents. Raises `Unsupported` where it cannot work."""
+class _Mapping:
+    """The reserved address range and the physical memory mapped at it; freed by `close()` or when the last tensor
+    viewing it (through `_CudaArray`) is gone. It holds no tensor: a tensor keeps its `_CudaArray` from C++, where
+    Python's cycle collector cannot see, so a mapping that held its own tensor would never be collected (a process
+    training one run after another kept every run's KV caches mapped)."""
 
     def __init__(self, nbytes: int, device: torch.device):
-        if device.type != "cuda":
-            raise Unsupported("releasable memory is a CUDA feature")
-        self.device = device
+        self.address: int | None = None
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         lib = _cuda()
         with torch.cuda.device(self.index):
@@ -130,22 +130,14 @@ class ReleasableBuffer:
             if rc != 0:
                 raise Unsupported(f"cuMemGetAllocationGranularity returned CUDA error {rc}")
             g = granularity.value
-            self.nbytes, self.size = nbytes, (max(nbytes, 1) + g - 1) // g * g
+            self.size = (max(nbytes, 1) + g - 1) // g * g
             address = ctypes.c_uint64()
             _check(lib.cuMemAddressReserve(ctypes.byref(address), self.size, 0, 0, 0), "cuMemAddressReserve")
             self.address = address.value
-        self._handle: int | None = None
-        self.restore()
-        self.tensor = torch.as_tensor(_CudaArray(self.address, nbytes, self), device=device)
-
-    @property
-    def mapped(self) -> bool:
-        return self._handle is not None
+        self.handle: int | None = None
 
     def restore(self) -> None:
-        """Map physical memory at the reserved addresses again (contents undefined). If the driver has none left,
-        PyTorch's cached free blocks are returned to it first and the mapping is tried once more."""
-        if self.mapped:
+        if self.handle is not None:
             return
         lib = _cuda()
         with torch.cuda.device(self.index):
@@ -164,27 +156,24 @@ class ReleasableBuffer:
                 lib.cuMemUnmap(self.address, self.size)
                 lib.cuMemRelease(handle.value)
                 raise
-        self._handle = handle.value
+        self.handle = handle.value
         with _lock:
             _mapped[self.index] = _mapped.get(self.index, 0) + self.size
 
     def release(self) -> None:
-        """Hand the physical memory back to the driver, after the work queued on the device is done with it. The
-        addresses stay reserved: nothing may touch them until `restore()`."""
-        if not self.mapped:
+        if self.handle is None:
             return
         lib = _cuda()
         with torch.cuda.device(self.index):
             torch.cuda.synchronize()
             _check(lib.cuMemUnmap(self.address, self.size), "cuMemUnmap")
-            _check(lib.cuMemRelease(self._handle), "cuMemRelease")
-        self._handle = None
+            _check(lib.cuMemRelease(self.handle), "cuMemRelease")
+        self.handle = None
         with _lock:
             _mapped[self.index] -= self.size
 
     def close(self) -> None:
-        """Release the memory and the address range (no tensor viewing it may be used afterwards)."""
-        if getattr(self, "address", None) is None:
+        if self.address is None:
             return
         self.release()
         _check(_cuda().cuMemAddressFree(self.address, self.size), "cuMemAddressFree")
@@ -195,3 +184,36 @@ class ReleasableBuffer:
             self.close()
         except Exception:  # noqa: BLE001 -- at interpreter exit the driver may be gone first
             pass
+
+
+class ReleasableBuffer:
+    """`nbytes` of device memory at a fixed address (`tensor`, uint8) whose physical pages `release()` hands back to
+    the driver and `restore()` maps again, with undefined contents. Raises `Unsupported` where it cannot work. The
+    memory goes back to the driver at `close()`, or once this object and every view of `tensor` are gone."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        if device.type != "cuda":
+            raise Unsupported("releasable memory is a CUDA feature")
+        self.device, self.nbytes = device, nbytes
+        self._mapping = _Mapping(nbytes, device)
+        self.index, self.size, self.address = self._mapping.index, self._mapping.size, self._mapping.address
+        self.restore()
+        self.tensor = torch.as_tensor(_CudaArray(self.address, nbytes, self._mapping), device=device)
+
+    @property
+    def mapped(self) -> bool:
+        return self._mapping.handle is not None
+
+    def restore(self) -> None:
+        """Map physical memory at the reserved addresses again (contents undefined). If the driver has none left,
+        PyTorch's cached free blocks are returned to it first and the mapping is tried once more."""
+        self._mapping.restore()
+
+    def release(self) -> None:
+        """Hand the physical memory back to the driver, after the work queued on the device is done with it. The
+        addresses stay reserved: nothing may touch them until `restore()`."""
+        self._mapping.release()
+
+    def close(self) -> None:
+        """Release the memory and the address range (no tensor viewing it may be used afterwards)."""
+        self._mapping.close()
