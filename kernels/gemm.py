@@ -37,15 +37,16 @@ log = logging.getLogger(__name__)
 # with scalar loads after every other program is done, and the extra registers spill in the main loop at M = 8, 64.
 LOW_RANK_EPILOGUE = os.environ.get("QERL_LORA_EPILOGUE", "0") == "1"
 _SCRATCH: dict[tuple, torch.Tensor] = {}
-_update_fp8 = False  # inside `update_precision("fp8")`: training-size GEMMs of the Gluon layout in FP8
+_update_fp8 = False  # inside `update_precision("fp8")`: training-size GEMMs in FP8
 FP8_MAX = 448.0  # the largest finite E4M3 value
 
 
 @contextlib.contextmanager
 def update_precision(precision: str):
     """Within the block, the frozen base's forward and dx GEMMs at training sizes run as `precision`: "bf16"
-    (dequantize + cuBLAS bf16) or "fp8" (Hopper, layers in the Gluon layout: W dequantized straight into FP8 E4M3
-    with one scale per output row, activations and gradients scaled per row, `torch._scaled_mm`). The trainer wraps
+    (dequantize + cuBLAS bf16) or "fp8" (W dequantized into FP8 E4M3 with one scale per output row: straight from
+    the Gluon layout, through a bf16 temporary from the others; activations and gradients scaled per row,
+    `torch._scaled_mm`). The trainer wraps
     its update in it (model.base_gemm); rollouts, which decode with the 4-bit GEMM, are not affected."""
     global _update_fp8
     if precision not in ("bf16", "fp8"):
@@ -251,7 +252,8 @@ class NVFP4Gemm:
         the block scales alone (a block's largest code is 6 by construction of NVFP4: max |W| = 6 * its scale / gs).
         Computed once per layer."""
         if self._fp8_cache is None:
-            scale = self.canonical()["weight_scale"].float() * (6.0 / self.gluon[2].float())  # [N, K/16]
+            t = self.canonical()
+            scale = t["weight_scale"].float() * (6.0 / t["weight_global_scale"].float())  # [N, K/16]
             row = scale.amax(1).clamp_min(1e-30) / FP8_MAX
             col = scale.amax(0).clamp_min(1e-30).repeat_interleave(16) / FP8_MAX
             self._fp8_cache = (row, 1.0 / row, col, 1.0 / col)
@@ -263,10 +265,20 @@ class NVFP4Gemm:
         s_n, inv_n, s_k, inv_k = self._fp8_scales()
         scale, inv = (s_k, inv_k) if transposed else (s_n, inv_n)
         w = weight_copy(self, ("fp8", transposed), self.n * self.k, torch.float8_e4m3fn, self.device,
-                        lambda flat: gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, transposed=transposed,
-                                                            inv_scale=inv, out=flat))
+                        lambda flat: self._dequantize_fp8(inv, transposed, flat))
         aq, s_a = fp8_rows(a)
         return torch._scaled_mm(aq, w.t(), scale_a=s_a, scale_b=scale[None, :], out_dtype=a.dtype)[:a.shape[0]]
+
+    def _dequantize_fp8(self, inv: torch.Tensor, transposed: bool, out: torch.Tensor) -> torch.Tensor:
+        """W (or W^T) times `inv` per row of what is written, in E4M3, into `out`. The Gluon layout's dequantize
+        writes FP8 itself (one pass); the other layouts dequantize to a bf16 temporary first and scale that (a
+        second pass over 2 bytes per weight, made once per update inside `held_weights`)."""
+        if self.gluon is not None:
+            return gluon_nvfp4.dequantize(*self.gluon, torch.float8_e4m3fn, transposed=transposed, inv_scale=inv,
+                                          out=out)
+        w = self.dequantize(torch.bfloat16, out=torch.empty(self.n * self.k, dtype=torch.bfloat16,
+                                                           device=self.device))
+        return fp8_kernels.weight_fp8(w.contiguous(), inv, transposed, out=out)
 
     def _forward_fp8(self, x2: torch.Tensor) -> torch.Tensor:
         return self._fp8_product(x2, transposed=False)
@@ -296,17 +308,12 @@ class NVFP4Gemm:
         return dy2 @ self.dequantize(dy2.dtype, transposed=True).t()  # W^T is the coalesced write for humming
 
     def _fp8(self) -> bool:
-        """Whether this call is in the FP8 update (the Gluon layout only: its dequantize writes FP8)."""
-        if not _update_fp8:
-            return False
-        if self.layout != "gluon":
-            _warn_once(f"model.base_gemm = fp8 needs the Gluon layout (Hopper); {self.layout} layers run bf16")
-            return False
-        return True
+        """Whether this call is in the FP8 update (`update_precision("fp8")`), whatever the layer's layout."""
+        return _update_fp8
 
     def _backends(self, kind: str) -> tuple[str, ...]:
-        if self._fp8():
-            return ("gluon", "dequant_fp8") if kind == "fwd" else ("dequant_fp8",)
+        if self._fp8():  # the Gluon GEMM (bf16) still serves small forwards: nothing to gain from FP8 there
+            return ("gluon", "dequant_fp8") if kind == "fwd" and self.layout == "gluon" else ("dequant_fp8",)
         if kind == "bwd":
             return ("triton", "dequant_cublas") if self.layout == "qerl" else ("dequant_cublas",)
         return {"humming": ("humming", "dequant_cublas"), "qerl": ("triton", "dequant_cublas"),

@@ -66,10 +66,10 @@ class ModelSettings:
     # always runs eager. qerl/model/training_ops.py.
     training_kernels: Literal["auto", "eager", "liger", "compile"] = "auto"
     # The frozen base's GEMMs in the update (forward and dx at training sizes): bf16 (dequantize + cuBLAS), or fp8
-    # (opt-in; a GPU with FP8 tensor cores: NVFP4 bases in the Gluon layout are dequantized straight into FP8 E4M3,
-    # bf16 bases quantized to it per call (qerl/quant/fp8.py), one scale per weight row, activations and gradients
-    # scaled per row, torch._scaled_mm at twice bf16's tensor-core rate). Rollouts are unaffected. Its agreement
-    # with bf16: BENCHMARKS.md, "An FP8 update".
+    # (opt-in; a GPU with FP8 tensor cores: NVFP4 bases are dequantized into FP8 E4M3, straight from the Gluon
+    # layout or through bf16 from the others, bf16 bases quantized to it per call (qerl/quant/fp8.py), one scale per
+    # weight row, activations and gradients scaled per row, torch._scaled_mm at twice bf16's tensor-core rate).
+    # Rollouts are unaffected. Its agreement with bf16: BENCHMARKS.md, "An FP8 update".
     base_gemm: Literal["bf16", "fp8"] = "bf16"
     # The update runs each distinct prompt of a micro-batch through the blocks once, however many of its rows (a
     # GRPO group's completions) repeat it (Decoder.forward_shared_prompts): the same log-probs and gradients to

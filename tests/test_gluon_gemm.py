@@ -344,14 +344,16 @@ def test_gpu_gluon_layout_layer_forward_backward_and_canonical(m):
 
 
 @gpu
+@pytest.mark.parametrize("layout", ["gluon", "qerl"])
 @pytest.mark.parametrize("m", [2048, 4099])  # 4099: not a multiple of 16 (_scaled_mm's), as most micro-batches
-def test_gpu_fp8_update_gemms_match_the_exact_product(m):
-    """In the FP8 update (kernels.gemm.update_precision) a Gluon-layout layer's forward and dx run dequantize-to-FP8
-    (one scale per row) + _scaled_mm: within FP8's rounding of the exact products (E4M3 keeps 3 mantissa bits: ~3%
-    per element, averaged over K in a dot product)."""
+def test_gpu_fp8_update_gemms_match_the_exact_product(m, layout):
+    """In the FP8 update (kernels.gemm.update_precision) a layer's forward and dx run dequantize-to-FP8 (one scale
+    per row; from the Gluon layout directly, from the others through bf16) + _scaled_mm: within FP8's rounding of
+    the exact products (E4M3 keeps 3 mantissa bits: ~3% per element, averaged over K in a dot product)."""
     from kernels.gemm import NVFP4Gemm, linear, update_precision
     packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=3))
-    layer = NVFP4Gemm(packed, scale, gs, prefer="gluon")
+    layer = NVFP4Gemm(packed, scale, gs, prefer=layout)
+    assert layer.layout == layout
     w = codec.dequantize(packed, scale, gs, dtype=torch.float32).double()
     x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with update_precision("fp8"):

@@ -4,6 +4,8 @@ the fused elementwise ops (`qerl.model.training_ops`), and recomputing only some
 The one-GEMM LoRA path runs on CUDA only in the product; here it is switched on for the CPU (fp32) to check its
 forward and gradients against the separate ops. The fused kernels are checked on the GPU (Liger's and inductor's
 kernels, bf16)."""
+import os
+
 import pytest
 import torch
 
@@ -274,14 +276,19 @@ def smooth_model(scheme: str = "nvfp4"):
 
 
 @needs_gluon
-@pytest.mark.parametrize("scheme", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-qerl-layout", "bf16"])
 def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
-    """model.base_gemm = fp8: the update's forward and dx GEMMs of the frozen base (NVFP4, or bf16) in FP8. The
-    evidence a user needs: per-token log-probs close to the bf16 update's, LoRA gradients pointing the same way, and
-    the FP8 GEMMs really ran (forward and backward of every layer)."""
+    """model.base_gemm = fp8: the update's forward and dx GEMMs of the frozen base (NVFP4 in the Gluon layout or in
+    another, e.g. a shape Gluon cannot hold; or bf16) in FP8. The evidence a user needs: per-token log-probs close
+    to the bf16 update's, LoRA gradients pointing the same way, and the FP8 GEMMs really ran (forward and backward
+    of every layer)."""
     from kernels import gemm
     from qerl.quant import fp8
     from qerl.quant.linear import update_precision
+
+    if scheme == "nvfp4-qerl-layout":
+        monkeypatch.setenv("QERL_NVFP4_LAYOUT", "qerl")
+        scheme = "nvfp4"
 
     calls = {"fwd": 0, "bwd": 0}
     if scheme == "nvfp4":
@@ -311,6 +318,9 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
 
     logp16, g16 = logp_and_grads("bf16")
     assert calls == {"fwd": 0, "bwd": 0}
+    if scheme == "nvfp4":  # the layout asked for, in every layer (built at the first forward)
+        layouts = {m._gemm.layout for m in model.modules() if getattr(m, "_gemm", None) is not None}
+        assert layouts == {os.environ.get("QERL_NVFP4_LAYOUT", "gluon")}, layouts
     logp8, g8 = logp_and_grads("fp8")
     layers = len(model.model.layers)
     # qkv, o, gate_up, down: forward and dx (but the first qkv's: nothing before it needs a gradient)

@@ -61,7 +61,7 @@ def _gpu_gemm() -> ModuleType | None:
 
 def update_precision(precision: str) -> contextlib.AbstractContextManager:
     """A block whose frozen-base GEMMs at training sizes run in `precision` (model.base_gemm: bf16 or fp8). fp8
-    applies on a CUDA GPU with FP8 tensor cores (compute capability 8.9 or more) to NVFP4 layers in the Gluon layout
+    applies on a CUDA GPU with FP8 tensor cores (compute capability 8.9 or more) to NVFP4 layers
     (kernels.gemm.update_precision) and to frozen bf16 linears (`qerl.quant.fp8`); elsewhere the block runs as
     bf16, said once."""
     if precision not in ("bf16", "fp8"):
