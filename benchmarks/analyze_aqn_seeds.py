@@ -16,6 +16,10 @@ Statistics (every interval is a seeded percentile bootstrap over seeds, `--boots
   A claim **holds** where the adjusted p < 0.05 and the interval lies on the claimed side, is **contradicted** where
   it lies on the other side, and is **not resolved** otherwise (the interval's width says how large an effect the
   data could still hide).
+- **Pairs** (`--pair ARM=REFERENCE`, repeatable): any other paired comparison, e.g. an FP8-compute arm against the same
+  base in bf16 compute, where the question is whether learning changed at all: AUC and held-out accuracy, two-sided,
+  Holm-adjusted with the task's other tests. A pair **differs** where the adjusted p < 0.05 (the interval then lies on
+  one side); otherwise **no difference found**, and the interval bounds the difference the seeds could still hide.
 """
 
 from __future__ import annotations
@@ -160,11 +164,15 @@ class Comparison:
     high: float
     p: float
     p_holm: float = float("nan")
+    two_sided: bool = False  # a --pair: "is there any difference?", not a claim with a side
 
     @property
     def verdict(self) -> str:
         if self.seeds < 2 or not math.isfinite(self.low):
             return "too few seeds"
+        if self.two_sided:
+            return ("differs" if self.p_holm < 0.05 and (self.low > 0 or self.high < 0)
+                    else "no difference found")
         if self.p_holm < 0.05 and self.low > 0:
             return "holds"
         if self.p_holm < 0.05 and self.high < 0:
@@ -277,7 +285,8 @@ def plot_task(runs: list[Run], task: str, arms: list[str], report: Path, rng, n_
     return paths
 
 
-def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: int) -> Path:
+def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: int,
+            pairs: list[tuple[str, str]] = ()) -> Path:
     rng = np.random.default_rng(seed)
     runs, entropies, unfinished = load_runs(results)
     if not runs:
@@ -298,6 +307,12 @@ def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: in
         for arm in AQN_ARMS:
             for metric in ("auc", "accuracy"):
                 tests.append(compare(runs, task, arm, "nvfp4", metric, "2: AQN beats no AQN", rng, n_boot))
+        for arm, against in pairs:
+            for metric in ("auc", "accuracy"):
+                pair = compare(runs, task, arm, against, metric, f"same as {against}", rng, n_boot)
+                if pair is not None:
+                    pair.two_sided = True
+                tests.append(pair)
         tests = [t for t in tests if t is not None]
         for t, adjusted in zip(tests, holm([t.p for t in tests])):
             t.p_holm = adjusted
@@ -358,8 +373,8 @@ def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: in
         lines.append("The step-1 entropy column above is the same quantity measured on each seed's first training "
                      "batch, where that batch carried no AQN noise (σ = 0 at step 1; else –), so its interval is over "
                      "seeds and prompts.\n")
-    lines.append("**The paper's claims** (paired by seed; difference = arm − reference; p: sign-flip permutation, "
-                 "Holm-adjusted within the task):\n")
+    lines.append("**The paper's claims" + (" and the pairs asked for" if pairs else "") + "** (paired by seed; "
+                 "difference = arm − reference; p: sign-flip permutation, Holm-adjusted within the task):\n")
     lines.append("| task | claim | arm | reference | metric | seeds | difference [95% CI] | p (Holm) | verdict |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for c in comparisons:
@@ -370,8 +385,15 @@ def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: in
     held = [c for c in comparisons if c.verdict == "holds"]
     against = [c for c in comparisons if c.verdict == "contradicted"]
     open_ = [c for c in comparisons if c.verdict in ("not resolved", "too few seeds")]
-    lines.append(f"In short: {len(held)} comparison(s) support a claim, {len(against)} contradict one, and "
-                 f"{len(open_)} are not resolved.")
+    claims = [c for c in comparisons if not c.two_sided]
+    if claims or not pairs:
+        lines.append(f"In short: {len(held)} comparison(s) support a claim, {len(against)} contradict one, and "
+                     f"{len(open_)} are not resolved.")
+    for c in (c for c in comparisons if c.two_sided):
+        scale = 100 if c.metric == "accuracy" else 1
+        unit = "held-out accuracy points" if c.metric == "accuracy" else "reward AUC"
+        lines.append(f"{c.task}, {c.arm} vs {c.against} ({c.metric}): {c.verdict}; the difference lies in "
+                     f"[{scale * c.low:+.3g}, {scale * c.high:+.3g}] {unit}.")
     for metric, unit in (("auc", "reward AUC"), ("accuracy", "held-out accuracy points")):
         unresolved = [c for c in open_ if c.metric == metric and math.isfinite(c.low)]
         if unresolved:
@@ -395,10 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=0.3, help="reward threshold (trailing 3-step mean)")
     parser.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples")
     parser.add_argument("--seed", type=int, default=0, help="the bootstrap's and permutations' seed")
+    parser.add_argument("--pair", action="append", default=[], metavar="ARM=REFERENCE",
+                        help="also compare ARM with REFERENCE, paired by seed, two-sided (repeatable)")
     args = parser.parse_args(argv)
+    pairs = []
+    for item in args.pair:
+        arm, sep, against = item.partition("=")
+        if not sep or not arm or not against:
+            parser.error(f"--pair {item}: expected ARM=REFERENCE")
+        pairs.append((arm, against))
     results = Path(args.results)
     fragment = analyze(results, Path(args.report) if args.report else results / "report", args.threshold,
-                       args.bootstrap, args.seed)
+                       args.bootstrap, args.seed, pairs)
     print(fragment.read_text())
     return 0
 

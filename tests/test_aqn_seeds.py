@@ -99,6 +99,24 @@ def test_a_cuda_error_ends_the_worker_so_a_fresh_process_takes_over(tmp_path, mo
 # ---------------------------------------------------------------------------------------------- statistics
 
 
+def test_pairs_are_two_sided_and_find_a_planted_difference_but_none_where_there_is_none(tmp_path):
+    _synthetic(tmp_path / "results")
+    pairs = [("nvfp4", "bf16-lora"), ("nvfp4-aqn-entropy", "nvfp4"), ("no-such-arm", "nvfp4")]
+    fragment = analysis.analyze(tmp_path / "results", tmp_path / "report", threshold=0.3, n_boot=2000, seed=0,
+                                pairs=pairs)
+    rows = [c for c in csv.DictReader((tmp_path / "report" / "claims.csv").open()) if c["claim"].startswith("same")]
+    verdict = {(c["task"], c["arm"], c["against"], c["metric"]): c["verdict"] for c in rows}
+    assert len(rows) == 2 * 2 * 2  # two known pairs x two metrics x two tasks; the unknown arm is skipped
+    for task in ("add2", "add3"):
+        assert verdict[(task, "nvfp4", "bf16-lora", "auc")] == "no difference found"
+        assert verdict[(task, "nvfp4-aqn-entropy", "nvfp4", "accuracy")] == "differs"  # lower: two-sided
+    assert "add2, nvfp4 vs bf16-lora (auc): no difference found; the difference lies in [" in fragment.read_text()
+    assert analysis.main(["--results", str(tmp_path / "results"), "--report", str(tmp_path / "r2"), "--bootstrap",
+                          "200", "--pair", "nvfp4=bf16-lora"]) == 0
+    with pytest.raises(SystemExit):
+        analysis.main(["--results", str(tmp_path / "results"), "--pair", "nvfp4"])
+
+
 def test_the_statistics_helpers():
     assert analysis.wilson(0, 20)[0] == 0.0 and analysis.wilson(0, 20)[1] == pytest.approx(0.161, abs=1e-3)
     assert analysis.wilson(10, 20) == pytest.approx((0.299, 0.701), abs=1e-3)
