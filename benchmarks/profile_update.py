@@ -8,16 +8,32 @@ Writes DIR/<label>.txt (the kernels and ops by device time) and prints the updat
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_grpo_step as g  # noqa: E402
 from qerl.rl import trainer as trainer_module  # noqa: E402
+
+
+def write_stacks(prof, names: set[str], path: str, depth: int = 6) -> None:
+    """For each op in `names`, its call sites by count (the innermost `depth` frames of ours, i.e. outside
+    site-packages): which lines launch the small kernels."""
+    sites: collections.Counter = collections.Counter()
+    for e in prof.events():
+        if e.name in names:
+            frames = tuple(f for f in e.stack if not f.startswith("<built-in") and "site-packages" not in f)[:depth]
+            sites[(e.name, frames)] += 1
+    with open(path, "w") as f:
+        for (name, frames), count in sites.most_common(80):
+            f.write(f"{name}  {count}x\n" + "".join(f"    {fr}\n" for fr in frames) + "\n")
+    print(f"call sites of {', '.join(sorted(names))}: {path}")
 
 
 def main() -> None:
@@ -27,6 +43,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="a setting, key=value (repeatable)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", default="outputs/profile")
+    ap.add_argument("--stacks", default="", help="comma-separated op names (e.g. aten::fill_,aten::copy_): also "
+                    "write <label>_stacks.txt, where each is called from (Python stacks; slows the profiled update)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     label = "_".join([args.model, args.scheme, *[s.replace("=", "-") for s in args.set]])
@@ -39,7 +57,10 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                                torch.profiler.ProfilerActivity.CUDA],
+                                    with_stack=bool(args.stacks),  # verbose: Python frames in the stacks
+                                    experimental_config=_ExperimentalConfig(verbose=True) if args.stacks else None
+                                    ) as prof:
             result = optimize(self, *a, **k)
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -52,6 +73,8 @@ def main() -> None:
         print(f"[{label}] update {seconds:.2f} s under the profiler; GPU kernels {total:.2f} s")
         for e in events[:args.top]:
             print(f"  {e.device_time_total / 1e6:6.3f} s  {e.count:6d}x  {e.key[:110]}")
+        if args.stacks:
+            write_stacks(prof, set(args.stacks.split(",")), os.path.join(args.out, f"{label}_stacks.txt"))
         return result
 
     trainer_module.Trainer._optimize = profiled
