@@ -16,20 +16,22 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr):
-    row = tl.program_id(0)
+def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    row = tl.program_id(0)  # rows M.. are the padding: zeros with scale 1 (no separate fill kernels)
+    real = row < M
+    k_in = tl.where(real, K, 0)  # how much of the row to read: nothing of a padding row
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * K
     offs = tl.arange(0, BLOCK)
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
-        v = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        v = tl.load(x_row + k0 + offs, mask=k0 + offs < k_in, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(v))
-    s = tl.maximum(tl.max(peak, axis=0), 1e-30) / FP8_LIMIT
+    s = tl.where(real, tl.maximum(tl.max(peak, axis=0), 1e-30) / FP8_LIMIT, 1.0)
     tl.store(s_ptr + row, s)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
-        v = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(x_row + k0 + offs, mask=k0 + offs < k_in, other=0.0).to(tl.float32)
         tl.store(q_row + k0 + offs, tl.math.div_rn(v, s).to(q_ptr.dtype.element_ty), mask=mask)  # x / s as torch
 
 
@@ -42,13 +44,10 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = m + (-m % 16)
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows > m:
-        q[m:].zero_()
-        s[m:].fill_(1.0)
-    if m:
+    if rows:
         block = min(4096, triton.next_power_of_2(k))
-        _rows_kernel[(m,)](x, q, s, k, x.stride(0), BLOCK=block, FP8_LIMIT=FP8_MAX,
-                           num_warps=8 if block >= 2048 else 4)
+        _rows_kernel[(rows,)](x, q, s, m, k, x.stride(0), BLOCK=block, FP8_LIMIT=FP8_MAX,
+                              num_warps=8 if block >= 2048 else 4)
     return q, s
 
 

@@ -58,7 +58,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     batch, heads, seq, dim = x.shape
     # The output in [B, T, H, D] memory, viewed as [B, H, T, D]: the layout the projections' views already have.
     out = torch.empty(batch, seq, heads, dim, dtype=x.dtype, device=x.device).transpose(1, 2)
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):  # the model's are both
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
     table_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     if batch * seq:
         _rope_kernel[(batch * seq,)](x, cos, sin, out, heads, seq, x.stride(0), x.stride(1), x.stride(2),

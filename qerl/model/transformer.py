@@ -450,15 +450,16 @@ class Attention(nn.Module):
         (cos_p, sin_p, mask_p), (cos_c, sin_c, mask_c) = shared.tables[sliding]
         n, prompts, rows = shared.prompt_tokens, shared.prompts, shared.rows
 
-        def prompt_part(t: Tensor) -> Tensor:  # [prompts, heads, P, dim]
-            return t[:n].view(prompts, -1, t.shape[1], dim).transpose(1, 2)
+        def parts(t: Tensor) -> tuple[Tensor, Tensor]:  # [prompts, heads, P, dim], [rows, heads, C, dim]
+            # One split, not two slices: backward then writes the gradient once (a cat), where each slice's
+            # backward would zero-fill a whole-size gradient, copy into it and add the two (7 kernels, not 1).
+            p, c = t.split([n, t.shape[0] - n])
+            return (p.view(prompts, -1, t.shape[1], dim).transpose(1, 2),
+                    c.view(rows, -1, t.shape[1], dim).transpose(1, 2))
 
-        def completion_part(t: Tensor) -> Tensor:  # [rows, heads, C, dim]
-            return t[n:].view(rows, -1, t.shape[1], dim).transpose(1, 2)
-
-        q_p, k_p = apply_rope(prompt_part(q), cos_p, sin_p), apply_rope(prompt_part(k), cos_p, sin_p)
-        q_c, k_c = apply_rope(completion_part(q), cos_c, sin_c), apply_rope(completion_part(k), cos_c, sin_c)
-        v_p, v_c = prompt_part(v), completion_part(v)
+        (q_p, q_c), (k_p, k_c), (v_p, v_c) = parts(q), parts(k), parts(v)
+        q_p, k_p = apply_rope(q_p, cos_p, sin_p), apply_rope(k_p, cos_p, sin_p)
+        q_c, k_c = apply_rope(q_c, cos_c, sin_c), apply_rope(k_c, cos_c, sin_c)
         # Each row's keys and values: its prompt's, then its completion's.
         k_c = torch.cat([k_p[shared.owner], k_c], dim=2)
         v_c = torch.cat([v_p[shared.owner], v_c], dim=2)
@@ -791,8 +792,10 @@ class Decoder(nn.Module):
         masks = {False: mask}
         if self.sliding_window is not None:
             masks[True] = _sliding_mask(mask, seq, None, seq, self.sliding_window, device)
-        tables = {kind: ((cos[first, :p][:, None], sin[first, :p][:, None], masks[kind][first][:, :, :p, :p]),
-                         (cos[:, p:][:, None], sin[:, p:][:, None], masks[kind][:, :, p:]))
+        # Contiguous once here, not in each of the blocks' RoPE calls (4 per block per forward).
+        tables = {kind: ((cos[first, :p][:, None].contiguous(), sin[first, :p][:, None].contiguous(),
+                          masks[kind][first][:, :, :p, :p]),
+                         (cos[:, p:][:, None].contiguous(), sin[:, p:][:, None].contiguous(), masks[kind][:, :, p:]))
                   for kind, (cos, sin) in self._rope(position_ids).items() if kind in masks}
         shared = SharedPrompts(len(first), batch, p, owner, tables)
         x = self.embed(torch.cat([input_ids[first, :p].reshape(-1), input_ids[:, p:].reshape(-1)]))
