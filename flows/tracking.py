@@ -148,11 +148,22 @@ class MlflowTracker:
     # -- the core's Tracker protocol
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Log `params`. MLflow never changes a logged param; a resumed run may continue with changed settings (a
+        longer `train.steps`, a re-quantized base: `qerl.run.folder.check_resumed_settings`), so a value that
+        differs from the one logged when the run started goes to the tag `resumed.<key>` instead, said once."""
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
+        logged = self.client.get_run(self.run_id).data.params
+        values = {k: str(v)[:_MAX_PARAM_CHARS] for k, v in params.items()}
+        changed = {k: v for k, v in values.items() if k in logged and logged[k] != v}
+        items = [Param(k, v) for k, v in values.items() if k not in logged]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=items[i:i + 100])
+        for key, value in changed.items():
+            self.client.set_tag(self.run_id, f"resumed.{key}", value)
+        if changed:
+            log.warning("MLflow run %s keeps the params it started with; the resumed values are tagged resumed.* (%s)",
+                        self.run_id, ", ".join(f"{k} {logged[k]!r} -> {v!r}" for k, v in changed.items()))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

@@ -91,6 +91,23 @@ def test_tracker_logs_params_metrics_artifacts_table_and_registers(store, tmp_pa
     assert (downloaded / "adapter_config.json").is_file()
 
 
+def test_a_resumed_run_with_changed_settings_keeps_its_params_and_tags_the_new_values(store, caplog):
+    """`qerl train --resume` may continue with changed settings (a longer train.steps; a base re-quantized by a newer
+    qerl); MLflow refuses to change a logged param, which used to fail the resumed run."""
+    from mlflow import MlflowClient
+
+    with MlflowTracker(store, "qerl-test") as tracker:
+        tracker.log_params({"train.steps": 10, "quant.quantized_path": "runs/q/a", "lora.rank": 8})
+    with caplog.at_level("WARNING"), MlflowTracker(store, "qerl-test", run_id=tracker.run_id) as resumed:
+        resumed.log_params({"train.steps": 20, "quant.quantized_path": "runs/q/b", "lora.rank": 8, "new.key": 1})
+    run = MlflowClient(store).get_run(tracker.run_id)
+    assert run.data.params == {"train.steps": "10", "quant.quantized_path": "runs/q/a", "lora.rank": "8",
+                               "new.key": "1"}
+    assert run.data.tags["resumed.train.steps"] == "20" and run.data.tags["resumed.quant.quantized_path"] == "runs/q/b"
+    assert "resumed.lora.rank" not in run.data.tags
+    assert "train.steps '10' -> '20'" in caplog.text
+
+
 def test_failed_body_marks_run_failed(store):
     from mlflow import MlflowClient
 
