@@ -46,8 +46,8 @@ def update_precision(precision: str):
     """Within the block, the frozen base's forward and dx GEMMs at training sizes run as `precision`: "bf16"
     (dequantize + cuBLAS bf16) or "fp8" (W dequantized into FP8 E4M3 with one scale per output row: straight from
     the Gluon layout, through a bf16 temporary from the others; activations and gradients scaled per row,
-    `torch._scaled_mm`). The trainer wraps
-    its update in it (model.base_gemm); rollouts, which decode with the 4-bit GEMM, are not affected."""
+    `torch._scaled_mm`). The trainer wraps its update in it (model.base_gemm); rollouts, which decode with the 4-bit
+    GEMM, are not affected."""
     global _update_fp8
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"unknown update precision {precision!r}: expected bf16 or fp8")
