@@ -382,10 +382,10 @@ def analyze(results: Path, report: Path, threshold: float, n_boot: int, seed: in
         lines.append(f"| {c.task} | {c.claim} | {c.arm} | {c.against} | {c.metric} | {c.seeds} | {scale(c.diff)} "
                      f"[{scale(c.low)}, {scale(c.high)}] | {c.p:.3g} ({c.p_holm:.3g}) | {c.verdict} |")
     lines.append("")
-    held = [c for c in comparisons if c.verdict == "holds"]
-    against = [c for c in comparisons if c.verdict == "contradicted"]
-    open_ = [c for c in comparisons if c.verdict in ("not resolved", "too few seeds")]
-    claims = [c for c in comparisons if not c.two_sided]
+    claims = [c for c in comparisons if not c.two_sided]  # the --pairs have their own lines below
+    held = [c for c in claims if c.verdict == "holds"]
+    against = [c for c in claims if c.verdict == "contradicted"]
+    open_ = [c for c in claims if c.verdict in ("not resolved", "too few seeds")]
     if claims or not pairs:
         lines.append(f"In short: {len(held)} comparison(s) support a claim, {len(against)} contradict one, and "
                      f"{len(open_)} are not resolved.")

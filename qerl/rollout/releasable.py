@@ -196,9 +196,8 @@ class ReleasableBuffer:
             raise Unsupported("releasable memory is a CUDA feature")
         self.device, self.nbytes = device, nbytes
         self._mapping = _Mapping(nbytes, device)
-        self.index, self.size, self.address = self._mapping.index, self._mapping.size, self._mapping.address
         self.restore()
-        self.tensor = torch.as_tensor(_CudaArray(self.address, nbytes, self._mapping), device=device)
+        self.tensor = torch.as_tensor(_CudaArray(self._mapping.address, nbytes, self._mapping), device=device)
 
     @property
     def mapped(self) -> bool:
