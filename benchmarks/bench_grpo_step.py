@@ -88,8 +88,10 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         # The generated arithmetic questions (a few words each) after a system prompt of random words: prompts of
         # about `prompt_len` tokens, each distinct (the engine prefills each distinct prompt once).
         system = " ".join(f"t{rng.randrange(vocab - 1)}" for _ in range(prompt_len - 8))
+        quant = ["quant.scheme=nvfp4", "quant.fp8_weights=false"] if scheme == "nvfp4-4bit" \
+            else [f"quant.scheme={scheme}"]  # the model is built so (bench_rollout.build_model); recorded as such
         s = load_settings(overrides=[
-            f"model.path=random-{name}", f"quant.scheme={scheme}", f"lora.rank={lora_rank}",
+            f"model.path=random-{name}", *quant, f"lora.rank={lora_rank}",
             f"lora.alpha={2 * lora_rank}", f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
             f"rollout.max_new_tokens={new}", "rollout.temperature=1.0", "grpo.loss_type=dapo",
             f"grpo.micro_batch_size={micro}", "grpo.dynamic_sampling=false", "grpo.mask_truncated=false",
@@ -162,7 +164,7 @@ def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], ar
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
         cmd = [sys.executable, os.path.abspath(__file__), "--arm", name, scheme, variant, "--row", str(result),
-               "--new", str(args.new), "--micro", str(args.micro), "--sigma", str(args.sigma),
+               "--prompts", str(args.prompts), "--new", str(args.new), "--micro", str(args.micro), "--sigma", str(args.sigma),
                "--steps", str(args.steps), "--reward", args.reward, *(x for o in overrides for x in ("--set", o))]
         rc = subprocess.run(cmd).returncode
         if rc != 0 or not result.exists():
@@ -174,7 +176,7 @@ def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], ar
 def one_arm(args) -> int:
     name, scheme, variant = args.arm
     try:
-        r = grpo_step(name, scheme, new=args.new, micro=args.micro, sigma=args.sigma, steps=args.steps,
+        r = grpo_step(name, scheme, prompts=args.prompts, new=args.new, micro=args.micro, sigma=args.sigma, steps=args.steps,
                       overrides=tuple(args.set), variant=variant, reward=args.reward)
     except ImportError as e:  # the QLoRA arm without bitsandbytes
         print(f"[{name} {scheme}] skipped: {e}", flush=True)
@@ -192,6 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="7b,14b")
     ap.add_argument("--schemes", default="nvfp4,bf16,nf4-bnb", help=f"any of {', '.join(SCHEMES)}")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (8 completions each): 8 = 64 rows")
     ap.add_argument("--new", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--sigma", type=float, default=1e-2)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from qerl.model.lora import LoraSettings, apply_lora  # noqa: E402
 from qerl.model.transformer import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: E402
 from qerl.quant.bnb import quantize_model_bnb, require_bitsandbytes  # noqa: E402
-from qerl.quant.linear import quantize_model  # noqa: E402
+from qerl.quant.linear import plan_fp8_weights, quantize_model  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
 
 # Published shapes (the config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct on the Hugging Face hub);
@@ -72,8 +72,14 @@ SHAPES = {
 
 
 DEVICE = "cuda"
-SCHEMES = ("bf16", "nvfp4", "nf4-bnb")
-LABELS = {"bf16": "qerl bf16+LoRA", "nvfp4": "qerl NVFP4+LoRA", "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)"}
+# nvfp4 is the product's default (quant.fp8_weights: auto, a resident FP8 copy where it fits); nvfp4-4bit the same
+# base with quant.fp8_weights: false (the 4-bit weights alone, as before #45).
+SCHEMES = ("bf16", "nvfp4", "nvfp4-4bit", "nf4-bnb")
+LABELS = {"bf16": "qerl bf16+LoRA", "nvfp4": "qerl NVFP4+LoRA", "nvfp4-4bit": "qerl NVFP4+LoRA, 4-bit only",
+          "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)"}
+
+
+KV_LABELS = {"model": "", "fp8": ", FP8 KV"}
 
 
 def hf_config(name: str) -> dict:
@@ -90,6 +96,8 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
     bf16 layer."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    fp8_weights = "auto" if scheme == "nvfp4" else False  # quant.fp8_weights, as prepare_base plans it
+    scheme = "nvfp4" if scheme == "nvfp4-4bit" else scheme
     if scheme == "nf4-bnb":
         require_bitsandbytes()  # one line saying how to install it, before any GPU memory is touched
     torch.manual_seed(seed)
@@ -120,6 +128,7 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
         for p in params:
             if p.dim() == 2 and p.shape[1] == lora_rank:  # lora_B: non-zero so the update path does real work
                 p.normal_(0, 1e-3)
+    plan_fp8_weights(model, fp8_weights, torch.device(device))  # before fusing, as prepare_base
     if fuse:
         model.fuse_projections()
     return model.eval()
@@ -222,6 +231,8 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="also the unfused path (graphs of Transformer.forward)")
     ap.add_argument("--separate", action="store_true",
                     help="also each scheme with separate q/k/v and gate/up projections (batch 8 and 64)")
+    ap.add_argument("--kv", default="model", help="rollout.kv_cache_dtype values, each an engine per scheme "
+                    "(model,fp8: both)")
     ap.add_argument("--long-batches", default="", help="batches for the largest --new (default: all)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; configs that would not fit are skipped")
     ap.add_argument("--out", default="outputs/bench")
@@ -258,19 +269,19 @@ def main() -> None:
                 build_s = time.perf_counter() - t0
                 gib = torch.cuda.memory_allocated() / 2**30
                 print(f"[{name} {scheme}] built in {build_s:.1f} s, {gib:.1f} GiB", flush=True)
-                variants = [(LABELS[scheme], True, order)]
+                variants = [(LABELS[scheme] + KV_LABELS[kv], True, order, kv) for kv in args.kv.split(",")]
                 if args.plain and scheme == "bf16":
-                    variants.append(("qerl bf16+LoRA, unfused", False, [(64, news[0])]))
+                    variants.append(("qerl bf16+LoRA, unfused", False, [(64, news[0])], "model"))
                 if args.separate and scheme != "nf4-bnb":  # bitsandbytes layers are never fused
                     variants.append((LABELS[scheme] + ", separate projections", True,
-                                     [(b, news[0]) for b in (8, 64) if b in batches]))
+                                     [(b, news[0]) for b in (8, 64) if b in batches], "model"))
                 per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
-                for label, fused, configs_run in variants:
+                for label, fused, configs_run, kv in variants:
                     if label.endswith("separate projections"):
                         from qerl.model.fusion import unfuse_projections
 
                         unfuse_projections(model)
-                    engine = RolloutEngine(model, fused=fused)
+                    engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)
                     for batch, new in configs_run:
                         if per_step * new * 1.6 + 5 > left():
                             skipped.append(f"{name} {label} b{batch} x{new} (budget)")
@@ -282,7 +293,7 @@ def main() -> None:
                             skipped.append(f"{name} {label} b{batch} x{new} (error: {type(e).__name__})")
                             engine.free()
                             free_cuda()
-                            engine = RolloutEngine(model, fused=fused)
+                            engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)
                             continue
                         per_step = max(per_step, r["seconds"] / new)
                         r.update(model=name, engine=label, batch=batch, new=new, prompt=args.prompt,

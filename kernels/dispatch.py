@@ -2,7 +2,8 @@
 
 Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM),
 "gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our one-pass dequantize into a reused
-scratch buffer, then cuBLAS) and, in the FP8 update only, "dequant_fp8" (the same into FP8, then `_scaled_mm`).
+scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same into FP8, then `_scaled_mm`) and,
+outside the update for a layer with a resident FP8 copy of its weight, "fp8_weight" (`_scaled_mm` on that copy).
 Which of them a layer can use depends on the layout its one weight copy is in.
 Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
 CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in `cache_path()`,
@@ -26,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "humming", "gluon", "dequant_cublas", "dequant_fp8")
+BACKENDS = ("triton", "humming", "gluon", "dequant_cublas", "dequant_fp8", "fp8_weight")
 CACHE_VERSION = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -45,6 +46,8 @@ def default_backend(kind: str, layout: str, m: int) -> str:
     weight-bandwidth-bound (a 4-bit kernel wins), large M is tensor-core-bound (cuBLAS on bf16 wins)."""
     if layout.endswith("-fp8"):  # the FP8 update (kernels.gemm.update_precision)
         return "gluon" if kind == "fwd" and m <= 64 else "dequant_fp8"
+    if layout.endswith("+fp8w"):  # a resident FP8 copy: it streams 1 byte per weight at FP8's tensor-core rate
+        return default_backend(kind, layout.removesuffix("+fp8w"), m) if m <= 32 else "fp8_weight"
     if kind == "bwd":
         return "triton" if layout == "qerl" and m <= 64 else "dequant_cublas"
     if layout == "humming":

@@ -9,6 +9,12 @@ installed and the shape fits ("humming" layout), else as given ("qerl" layout, r
 (shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
 dequantize-into-scratch + cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
+With `fp8_weights` (quant.fp8_weights) the layer also keeps a resident FP8 copy of W (E4M3, one scale per output
+row, made once from the 4-bit codes): outside the update (rollouts, prefill, evaluation) the dispatch may then run a
+forward as `_scaled_mm` on FP8 tensor cores with the activations scaled per row ("fp8_weight"), where at many rows
+W4A16 is compute-bound and dequantizing to bf16 costs more than the bytes it saves; the FP8 update's forward reads
+the same copy instead of dequantizing. The copy costs 1 byte per weight beside the 0.56 of the 4-bit codes.
+
 The scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 (or FP8) weight exists
 at a time (each use is consumed by cuBLAS on the same stream before the next layer's dequantize overwrites it).
 Inside `held_weights(budget)` (the trainer's update, when memory allows) a layer's dequantized copy is instead kept
@@ -37,7 +43,7 @@ log = logging.getLogger(__name__)
 # with scalar loads after every other program is done, and the extra registers spill in the main loop at M = 8, 64.
 LOW_RANK_EPILOGUE = os.environ.get("QERL_LORA_EPILOGUE", "0") == "1"
 _SCRATCH: dict[tuple, torch.Tensor] = {}
-_update_fp8 = False  # inside `update_precision("fp8")`: training-size GEMMs in FP8
+_precision: str | None = None  # inside `update_precision(p)`: p ("bf16" or "fp8"); None outside the update
 FP8_MAX = 448.0  # the largest finite E4M3 value
 
 
@@ -46,16 +52,22 @@ def update_precision(precision: str):
     """Within the block, the frozen base's forward and dx GEMMs at training sizes run as `precision`: "bf16"
     (dequantize + cuBLAS bf16) or "fp8" (W dequantized into FP8 E4M3 with one scale per output row: straight from
     the Gluon layout, through a bf16 temporary from the others; activations and gradients scaled per row,
-    `torch._scaled_mm`). The trainer wraps its update in it (model.base_gemm); rollouts, which decode with the 4-bit
-    GEMM, are not affected."""
-    global _update_fp8
+    `torch._scaled_mm`). The trainer wraps its update in it (model.base_gemm). Outside it (rollouts, evaluation)
+    a layer with a resident FP8 copy (`fp8_weights`) may also run its forward in FP8, where that measures faster;
+    inside it, the update's precision alone decides."""
+    global _precision
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"unknown update precision {precision!r}: expected bf16 or fp8")
-    before, _update_fp8 = _update_fp8, precision == "fp8"
+    before, _precision = _precision, precision
     try:
         yield
     finally:
-        _update_fp8 = before
+        _precision = before
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 tensor cores (`torch._scaled_mm`): a CUDA GPU of compute capability 8.9 (Ada) or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,10 +166,22 @@ class NVFP4Gemm:
     """y = x @ W^T and dx = dy @ W for one frozen NVFP4 weight W [N, K] held once on a CUDA device."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                 dtype: torch.dtype = torch.bfloat16, prefer: str | None = None, layout: str | None = None):
+                 dtype: torch.dtype = torch.bfloat16, prefer: str | None = None, layout: str | None = None,
+                 fp8_weights: bool = False):
         """`prefer`: "humming", "qerl" or "gluon" to force a layout (tests, benchmarks; an unusable one raises).
         `layout`: the run's wish (quant.gpu_layout; None or "auto" = QERL_NVFP4_LAYOUT if set): a layer it cannot
-        serve keeps the default, said once. The default: humming if usable, else qerl."""
+        serve keeps the default, said once. The default: humming if usable, else qerl. `fp8_weights`: also keep
+        the resident FP8 copy (module docstring; on a GPU with FP8 tensor cores, else ignored)."""
+        self._init_layout(packed, scale, global_scale, dtype, prefer, layout)
+        self.fp8_weight: torch.Tensor | None = None  # W [N, K] in E4M3, row r scaled by 1 / _fp8_scales()[0][r]
+        if fp8_weights and fp8_supported(self.device):
+            inv = self._fp8_scales()[1]
+            flat = torch.empty(self.n * self.k, dtype=torch.float8_e4m3fn, device=self.device)
+            self.fp8_weight = self._dequantize_fp8(inv, False, flat).view(self.n, self.k)
+
+    def _init_layout(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype, prefer: str | None, layout: str | None) -> None:
+        """The one copy of the 4-bit weight, in the layout `__init__`'s arguments choose."""
         wish = layout if layout not in (None, "auto") else os.environ.get("QERL_NVFP4_LAYOUT") or None
         wished = prefer is None and wish is not None  # a wish, not an order: unusable -> default, warned
         prefer = prefer or wish
@@ -213,11 +237,13 @@ class NVFP4Gemm:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the 4-bit weight as held, plus the resident FP8 copy if any."""
+        copy = 0 if self.fp8_weight is None else self.fp8_weight.numel()
         if self.humming is not None:
-            return self.humming.nbytes
+            return self.humming.nbytes + copy
         if self.gluon is not None:
-            return sum(t.numel() * t.element_size() for t in self.gluon)
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+            return sum(t.numel() * t.element_size() for t in self.gluon) + copy
+        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + copy
 
     def canonical(self) -> dict[str, torch.Tensor]:
         """The compressed-tensors tensors (weight_packed, weight_scale, weight_global_scale), exactly as loaded."""
@@ -264,8 +290,10 @@ class NVFP4Gemm:
         into the FP8 scratch with one scale per row of what is written (W's n, or W^T's k), `a` scaled per row."""
         s_n, inv_n, s_k, inv_k = self._fp8_scales()
         scale, inv = (s_k, inv_k) if transposed else (s_n, inv_n)
-        w = weight_copy(self, ("fp8", transposed), self.n * self.k, torch.float8_e4m3fn, self.device,
-                        lambda flat: self._dequantize_fp8(inv, transposed, flat))
+        w = self.fp8_weight if not transposed else None
+        if w is None:
+            w = weight_copy(self, ("fp8", transposed), self.n * self.k, torch.float8_e4m3fn, self.device,
+                            lambda flat: self._dequantize_fp8(inv, transposed, flat))
         aq, s_a = fp8_rows(a)
         return torch._scaled_mm(aq, w.t(), scale_a=s_a, scale_b=scale[None, :], out_dtype=a.dtype)[:a.shape[0]]
 
@@ -288,7 +316,7 @@ class NVFP4Gemm:
 
     def _forward(self, backend: str, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         in_epilogue = backend == "gluon" and bias is not None and bias.dtype == torch.bfloat16
-        if backend == "dequant_fp8":
+        if backend in ("dequant_fp8", "fp8_weight"):  # the resident copy where there is one (_fp8_product)
             y = self._forward_fp8(x2)
         elif backend == "humming":
             y = self.humming.forward(x2)
@@ -309,15 +337,21 @@ class NVFP4Gemm:
 
     def _fp8(self) -> bool:
         """Whether this call is in the FP8 update (`update_precision("fp8")`), whatever the layer's layout."""
-        return _update_fp8
+        return _precision == "fp8"
+
+    def _fp8_resident(self, kind: str) -> bool:
+        """Whether this call may run on the resident FP8 copy: a forward outside the update (in the update, its
+        precision decides: the FP8 update reads the copy through "dequant_fp8", the bf16 one never does)."""
+        return kind == "fwd" and _precision is None and self.fp8_weight is not None
 
     def _backends(self, kind: str) -> tuple[str, ...]:
         if self._fp8():  # the Gluon GEMM (bf16) still serves small forwards: nothing to gain from FP8 there
             return ("gluon", "dequant_fp8") if kind == "fwd" and self.layout == "gluon" else ("dequant_fp8",)
         if kind == "bwd":
             return ("triton", "dequant_cublas") if self.layout == "qerl" else ("dequant_cublas",)
-        return {"humming": ("humming", "dequant_cublas"), "qerl": ("triton", "dequant_cublas"),
-                "gluon": ("gluon", "dequant_cublas")}[self.layout]
+        native = {"humming": ("humming", "dequant_cublas"), "qerl": ("triton", "dequant_cublas"),
+                  "gluon": ("gluon", "dequant_cublas")}[self.layout]
+        return native + ("fp8_weight",) if self._fp8_resident(kind) else native
 
     def backend_for(self, kind: str, x2: torch.Tensor) -> str:
         run = self._forward if kind == "fwd" else self._grad_input
@@ -325,7 +359,8 @@ class NVFP4Gemm:
         if "gluon" in backends and not (x2.shape[0] <= gluon_nvfp4.MAX_M_CHUNKED and x2.dtype == torch.bfloat16):
             backends = tuple(b for b in backends if b != "gluon")
         cands = {b: (lambda b=b: run(b, x2)) for b in backends}
-        layout = self.layout + ("-fp8" if "dequant_fp8" in backends else "")  # its own dispatch entries
+        # their own dispatch entries: the FP8 update's, and inference with a resident FP8 copy
+        layout = self.layout + ("-fp8" if "dequant_fp8" in backends else "+fp8w" if "fp8_weight" in backends else "")
         return dispatch.choose(kind, layout, self.n, self.k, x2.shape[0], cands)
 
     def forward(self, x2: torch.Tensor, backend: str | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -105,6 +105,14 @@ class QuantSettings:
     # (our Hopper decode GEMM; BENCHMARKS.md, "Rollouts: the Gluon default"). A layer the chosen
     # layout cannot hold keeps the default, with a warning. Numerics differ between layouts only in GEMM rounding.
     gpu_layout: Literal["auto", "humming", "qerl", "gluon"] = "auto"
+    # A resident FP8 copy (E4M3, one scale per output row, made once from the 4-bit codes) of each NVFP4 weight on
+    # the GPU, so that GEMMs at many rows (decoding 64+ rows, prefill) run on FP8 tensor cores instead of the 4-bit
+    # GEMM, which is compute-bound there (the dispatch measures both per shape and M, and keeps the faster); the FP8
+    # update (model.base_gemm: fp8) reads it too. 1 byte per weight beside the 4-bit codes' 0.56. auto: on a GPU with
+    # FP8 tensor cores where the copies take at most a quarter of its memory (7B and 14B on 80 GB or more, not 32B on
+    # 80 GB); true: wherever FP8 tensor cores are; false: 4-bit weights only. Rollouts then differ from the update's
+    # bf16 GEMMs by FP8's rounding: BENCHMARKS.md, "Rollouts at RL batch sizes", measures the log-prob gap.
+    fp8_weights: Literal["auto", True, False] = "auto"
 
     def validate(self) -> None:
         schemes = quant_schemes()
@@ -169,6 +177,11 @@ class RolloutSettings:
     # After each rollout the engine's KV cache hands its GPU memory back for the update and takes it again before the
     # next rollout, at the same addresses (no graph recapture): the update has that memory to keep activations in.
     release_kv_cache: bool = True
+    # The engine's KV cache: model (the model's dtype) or fp8 (E4M3 with one scale per key/value vector,
+    # qerl/model/kv8.py: 0.56x the bytes that bound attention over long generations). fp8 needs the engine's fused
+    # kernels on a GPU of compute capability 8.9+ (elsewhere the model's dtype, said in the log). Its effect on
+    # speed and on the rollout/trainer log-prob gap: BENCHMARKS.md, "Rollouts at RL batch sizes".
+    kv_cache_dtype: Literal["model", "fp8"] = "model"
 
 
 @dataclass

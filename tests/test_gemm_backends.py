@@ -162,6 +162,9 @@ def test_dispatch_defaults_follow_the_measured_trade_off():
     assert dispatch.default_backend("fwd", "qerl", 2048) == "dequant_cublas"
     assert dispatch.default_backend("fwd", "humming", 64) == "humming"
     assert dispatch.default_backend("bwd", "humming", 16) == "dequant_cublas"
+    # a resident FP8 copy (quant.fp8_weights): the layout's own pick at few rows, the FP8 copy at many
+    assert dispatch.default_backend("fwd", "gluon+fp8w", 8) == "gluon"
+    assert dispatch.default_backend("fwd", "gluon+fp8w", 256) == "fp8_weight"
     assert [dispatch.m_bucket(m) for m in (1, 3, 64, 65, 9000)] == [1, 4, 64, 128, 8192]
 
 

@@ -366,3 +366,29 @@ def test_gpu_fp8_update_gemms_match_the_exact_product(m, layout):
     assert rel(y, want) <= 0.04 and rel(x.grad, dx_want) <= 0.04, (rel(y, want), rel(x.grad, dx_want))
     with torch.no_grad():  # outside the block: bf16 again
         assert rel(linear(x.detach(), layer), want) <= 0.01
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["gluon", "qerl"])
+def test_gpu_resident_fp8_copy_serves_inference_and_never_the_bf16_update(layout):
+    """quant.fp8_weights: a layer keeps an E4M3 copy of W (one scale per row, exact from the block scales); outside
+    the update, the dispatch may run a forward on it ("fp8_weight", within FP8's rounding of the exact product);
+    inside the bf16 update no GEMM reads it; the FP8 update's forward reads it instead of dequantizing."""
+    from kernels import gemm as G8
+    packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=5))
+    layer = G8.NVFP4Gemm(packed, scale, gs, prefer=layout, fp8_weights=True)
+    plain = G8.NVFP4Gemm(packed, scale, gs, prefer=layout)
+    assert layer.fp8_weight is not None and layer.fp8_weight.dtype == torch.float8_e4m3fn
+    assert layer.nbytes == plain.nbytes + 1024 * 2048
+    w = codec.dequantize(packed, scale, gs, dtype=torch.float32).double()
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    want = x.double() @ w.t()
+    rel = lambda got: ((got.double() - want).norm() / want.norm()).item()  # noqa: E731
+    y = layer.forward(x, backend="fp8_weight")
+    assert torch.isfinite(y).all() and rel(y) <= 0.04, rel(y)
+    assert "fp8_weight" in layer._backends("fwd") and "fp8_weight" not in plain._backends("fwd")
+    with G8.update_precision("bf16"):
+        assert "fp8_weight" not in layer._backends("fwd")
+        assert rel(layer.forward(x)) <= 0.01  # bf16 numerics in the bf16 update
+    with G8.update_precision("fp8"):  # the resident copy, bit for bit: no dequantize
+        torch.testing.assert_close(layer.forward(x, backend="dequant_fp8"), y, rtol=0, atol=0)

@@ -161,6 +161,25 @@ def test_quantize_model_replaces_decoder_linears_only(scheme: str) -> None:
         assert attn.o_proj.weight_global_scale != attn.q_proj.weight_global_scale
 
 
+def test_fp8_weight_copies_are_planned_only_where_fp8_tensor_cores_are() -> None:
+    """quant.fp8_weights: without a GPU with FP8 tensor cores (here: the CPU) no layer is marked to keep an FP8 copy,
+    whatever the setting; `true` says so in one warning, `auto` and `false` say nothing."""
+    import warnings
+
+    from qerl.quant.linear import plan_fp8_weights
+
+    model = tiny_llama()
+    quantize_model(model, "nvfp4")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for setting in ("auto", False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert plan_fp8_weights(model, setting, torch.device("cpu")) is False
+    with pytest.warns(UserWarning, match="fp8_weights = true needs a CUDA GPU with FP8 tensor cores"):
+        assert plan_fp8_weights(model, True, torch.device("cpu")) is False
+    assert layers and not any(m.fp8_weights for m in layers)
+
+
 def test_empty_quant_linears_on_meta_load_a_quantized_state_dict() -> None:
     quantized = tiny_llama()
     quantize_model(quantized, "mxfp4")

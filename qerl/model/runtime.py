@@ -58,7 +58,7 @@ def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.
     projections fused on CUDA, the training kernels chosen. Also what `qerl.rl.precompile` does to its one-layer
     stand-in, so the stand-in launches the kernels the real base will."""
     from qerl.quant import bnb
-    from qerl.quant.linear import QuantLinear, quantize_model
+    from qerl.quant.linear import QuantLinear, plan_fp8_weights, quantize_model
 
     already_quantized = any(isinstance(m, QuantLinear) for m in net.modules())
     if quant.scheme == bnb.SCHEME:  # QLoRA's base: bitsandbytes' own NF4 storage and kernels, quantized at load
@@ -69,8 +69,9 @@ def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.
     for m in net.modules():
         if isinstance(m, QuantLinear):
             m.gpu_layout = quant.gpu_layout  # fused projections (next) inherit it
-    if device.type == "cuda":  # q/k/v and gate/up as one GEMM each (CPU runs keep their exact, measured numbers)
-        net.fuse_projections()
+    if device.type == "cuda":
+        plan_fp8_weights(net, quant.fp8_weights, device)  # before fusing: fused projections inherit the mark
+        net.fuse_projections()  # q/k/v and gate/up as one GEMM each (CPU runs keep their exact, measured numbers)
     # auto is planned per update by the trainer (qerl.model.recompute); until then nothing recomputes.
     net.gradient_checkpointing = model.gradient_checkpointing if isinstance(model.gradient_checkpointing, bool) \
         else False

@@ -66,8 +66,9 @@ def update_precision(precision: str) -> contextlib.AbstractContextManager:
     bf16, said once."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"unknown update precision {precision!r}: expected bf16 or fp8")
-    if precision == "bf16":
-        return contextlib.nullcontext()
+    if precision == "bf16":  # the GPU kernels still hear of it: inside the update no GEMM reads an FP8 copy
+        gemm = _gpu_gemm()
+        return gemm.update_precision("bf16") if gemm is not None else contextlib.nullcontext()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         warnings.warn(f"model.base_gemm = {precision} needs a CUDA GPU with FP8 tensor cores (Ada, Hopper or "
                       "newer); the update runs bf16 here", stacklevel=2)
@@ -83,6 +84,37 @@ def held_weights(budget_bytes: int) -> contextlib.AbstractContextManager:
     if gemm is None or budget_bytes <= 0:
         return contextlib.nullcontext(lambda: 0)
     return gemm.held_weights(budget_bytes)
+
+
+# quant.fp8_weights = auto keeps the FP8 copies where they take at most this share of the GPU's memory: a 7B's 7 GB
+# on an 80 GB GPU, a 14B's on 141 GB, never a 32B's on 80 GB (whose KV cache and update need that memory).
+FP8_WEIGHTS_AUTO_SHARE = 0.25
+
+
+def plan_fp8_weights(model: nn.Module, setting: bool | str, device: torch.device) -> bool:
+    """Whether the model's NVFP4 layers keep a resident FP8 copy of their weights on the GPU (quant.fp8_weights:
+    auto, true or false), marked on every such layer (the copies are made at each layer's first GPU forward; fused
+    projections take the mark of their members when they are built: plan before `fuse_projections`).
+    Only where FP8 tensor cores and our GPU kernels are; auto also only where the copies fit
+    FP8_WEIGHTS_AUTO_SHARE of the GPU's memory. Returns the decision."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.codec.gpu_kernel]
+    copy_bytes = sum(m.in_features * m.out_features for m in layers)  # one E4M3 byte per weight
+    gemm = _gpu_gemm()
+    on = bool(layers) and setting is not False and gemm is not None and gemm.fp8_supported(device)
+    if on and setting == "auto":
+        total = torch.cuda.get_device_properties(device).total_memory
+        on = copy_bytes <= FP8_WEIGHTS_AUTO_SHARE * total
+        log.info("quant.fp8_weights auto: %s (FP8 copies %.1f GiB, %.0f%% of the GPU's %.0f GiB; the limit is %.0f%%)",
+                 "on" if on else "off", copy_bytes / 2**30, 100 * copy_bytes / total, total / 2**30,
+                 100 * FP8_WEIGHTS_AUTO_SHARE)
+    elif setting is True and not on and layers:
+        warnings.warn("quant.fp8_weights = true needs a CUDA GPU with FP8 tensor cores (Ada, Hopper or newer) and "
+                      "qerl's GPU kernels; the base keeps its 4-bit weights only", stacklevel=2)
+    for m in layers:
+        if m.fp8_weights != on and m._gemm is not None:
+            m.release_gemm()  # made without (or with) the copy: the next GPU forward makes it as planned
+        m.fp8_weights = on
+    return on
 
 
 @contextlib.contextmanager
@@ -137,6 +169,7 @@ class QuantLinear(nn.Module):
         self.codec: Codec = codec
         # which layout holds the weight on a CUDA GPU (quant.gpu_layout; kernels.gemm.NVFP4Gemm's `layout`)
         self.gpu_layout = "auto"
+        self.fp8_weights = False  # also keep a resident FP8 copy on the GPU (quant.fp8_weights; plan_fp8_weights)
         self.dtype = dtype
         self.use_kernel = True  # False forces the PyTorch reference path (parity tests, debugging)
         # On CUDA, NVFP4 layers hand their tensors to a kernels.gemm.NVFP4Gemm at the first forward; if it
@@ -211,7 +244,7 @@ class QuantLinear(nn.Module):
             fused._buffers[name] = torch.cat([t[name] for t in tensors]) if name in rows else tensors[0][name]
         if first.bias is not None:
             fused._buffers["bias"] = torch.cat([m.bias for m in layers])
-        fused.use_kernel, fused.gpu_layout = first.use_kernel, first.gpu_layout
+        fused.use_kernel, fused.gpu_layout, fused.fp8_weights = first.use_kernel, first.gpu_layout, first.fp8_weights
         start = 0
         for m in layers:
             m._read_rows_of(fused, start)
@@ -268,7 +301,7 @@ class QuantLinear(nn.Module):
             tensors = self.quantized_tensors()
             self._gemm = _gpu_gemm().NVFP4Gemm(tensors["weight_packed"], tensors["weight_scale"],
                                                tensors["weight_global_scale"], dtype=self.dtype,
-                                               layout=self.gpu_layout)
+                                               layout=self.gpu_layout, fp8_weights=self.fp8_weights)
             if self._gemm.layout != "qerl":  # one copy of the 4-bit weight: drop ours
                 for name in self._codec_names():
                     self._buffers[name] = None
