@@ -122,8 +122,8 @@ def print_replay_profile(graph, steps: int, layers: int) -> None:
 
 
 @torch.no_grad()
-def measure(model, batch: int, window: int, profile: bool = False) -> dict:
-    engine = RolloutEngine(model)
+def measure(model, batch: int, window: int, profile: bool = False, kv: str = "model") -> dict:
+    engine = RolloutEngine(model, kv_cache_dtype=kv)
     prompt = window // 2
     engine.prepare(batch, prompt, window - prompt)
     rows = engine.bucket(batch)
@@ -163,6 +163,7 @@ def main() -> None:
     ap.add_argument("--batch", default="8", help="batch sizes, comma-separated")
     ap.add_argument("--projections", default="fused,separate")
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--kv", default="model", help="rollout.kv_cache_dtype: model or fp8")
     ap.add_argument("--profile", action="store_true", help="also print the kernels of the replayed step (profiler)")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
@@ -176,8 +177,8 @@ def main() -> None:
                 if projections == "separate":
                     fusion.unfuse_projections(model)
                 for batch in map(int, args.batch.split(",")):
-                    r = measure(model, batch, args.window, args.profile)
-                    r.update(model=args.model, scheme=scheme, projections=projections, batch=batch)
+                    r = measure(model, batch, args.window, args.profile, args.kv)
+                    r.update(model=args.model, scheme=scheme, projections=projections, batch=batch, kv=args.kv)
                     rows.append(r)
                     log.write(json.dumps(r) + "\n")
                     log.flush()

@@ -229,11 +229,16 @@ def test_triton_kernels_in_the_interpreter():
             ref = x6 + (base + 0.5 * hh @ bb.T)
             assert (h2 - ref).abs().max() < 1e-5 and (y2 - norm6(ref)).abs().max() < 1e-5
             assert K._COUNTERS["cpu"].abs().sum() == 0
-        a6 = torch.randn(40, 600)  # and the next projection's x·Aᵀ of the normed rows, with or without a residual
-        for residual, lr in ((base, DeferredLoRA(base, hh, bb, 0.5, ((0, 0, 4),))), (None, None)):
-            h3, y3, xa = K.fused_add_rmsnorm(x6.clone(), residual, norm6.weight, 1e-5, lr, a6)
-            ref = x6 + (base + 0.5 * hh @ bb.T) if residual is not None else x6
-            assert (y3 - norm6(ref)).abs().max() < 1e-5 and (xa - norm6(ref) @ a6.T).abs().max() < 1e-3
+        a6 = torch.randn(40, 600)  # and the next projection's x·Aᵀ of the normed rows, with or without a residual;
+        for n in (3, K.LOW_RANK_IN_NORM_MAX_ROWS + 1):  # in one kernel, or (many rows) the products by cuBLAS
+            x6, base, hh = torch.randn(n, 600), torch.randn(n, 600), torch.randn(n, 4)
+            kept = base.clone()
+            for residual, lr in ((base, DeferredLoRA(base, hh, bb, 0.5, ((0, 0, 4),))), (None, None)):
+                h3, y3, xa = K.fused_add_rmsnorm(x6.clone(), residual, norm6.weight, 1e-5, lr, a6)
+                ref = x6 + (base + 0.5 * hh @ bb.T) if residual is not None else x6
+                assert (y3 - norm6(ref)).abs().max() < 1e-5 and (xa - norm6(ref) @ a6.T).abs().max() < 1e-3
+                assert (h3 - ref).abs().max() < 1e-5
+            assert torch.equal(base, kept)  # the residual is read, never written
         g, u = torch.randn(5, 80).split(40, -1)
         hh, bb = torch.randn(5, 8), torch.zeros(80, 8)
         bb[:40, :3], bb[40:, 3:] = torch.randn(40, 3), torch.randn(40, 5)  # block-diagonal: ranks 3 and 5
@@ -272,10 +277,11 @@ def test_triton_kernels_in_the_interpreter():
             mask = torch.zeros(rows, window)
             mask[0, :5] = float("-inf")  # left padding
             mask[1, window - 3:] = float("-inf")
-            got = K.decode_attention(q, kc, vc, mask, Hkv * G, Hkv, D, target_programs=16)
             ref = F.scaled_dot_product_attention(q.view(rows, Hkv, G, D), kc[:rows, :, :window], vc[:rows, :, :window],
                                                  attn_mask=mask[:, None, None, :]).reshape(rows, -1)
-            assert (got - ref).abs().max() < 1e-4, (got - ref).abs().max()
+            for programs in (16, 1):  # 1: one split, the output written directly (no combine)
+                got = K.decode_attention(q, kc, vc, mask, Hkv * G, Hkv, D, target_programs=programs)
+                assert (got - ref).abs().max() < 1e-4, (programs, (got - ref).abs().max())
         from qerl.model.lora import LoraSettings, apply_lora
         for model_type, fuse in (("qwen2", False), ("qwen3", False), ("qwen2", True), ("qwen3", True)):
             model, ps = tiny(model_type, layers=1), prompts(3)
@@ -287,6 +293,82 @@ def test_triton_kernels_in_the_interpreter():
             assert engine.kernels
             out = engine.generate(None, ps, 5, temperature=0, eos_token_ids=[])
             assert out.completion_ids == generate(model, None, ps, 5, temperature=0, eos_token_ids=[]).completion_ids
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_fp8_kv_layout_round_trips_within_e4m3_rounding():
+    """qerl.model.kv8: each vector comes back within half an E4M3 step of its scale (2^-4 relative to its largest
+    entry), a zero vector stays zero, and the packed row is 16 bytes longer than head_dim."""
+    from qerl.model import kv8
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 5, 64) * torch.logspace(-3, 3, 5)[:, None]  # vectors of very different sizes
+    x[0, 0, 0] = 0
+    packed = kv8.pack(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 2, 5, kv8.packed_dim(64)) == (3, 2, 5, 80)
+    back = kv8.unpack(packed, torch.float32)
+    err = (back - x).abs() / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    assert err.max() <= 2 ** -4 and torch.equal(back[0, 0, 0], torch.zeros(64))
+    assert packed[..., 68:].eq(0).all()  # padding after the scale
+
+
+def test_fp8_kv_kernels_in_the_interpreter():
+    """The FP8 KV layout in the decode kernels (Triton's interpreter): the RoPE kernel writes each k and v vector as
+    kv8.pack writes it (codes within one E4M3 step, the scale exact); attention over packed caches equals SDPA over
+    their unpacked values; an engine rollout with kv_cache_dtype=fp8 keeps its cache packed and samples what the
+    model-dtype engine samples at temperature 0 for a smooth tiny model."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from qerl.model import fused_ops as K, kv8
+        from qerl.model.transformer import apply_rope
+        torch.manual_seed(0)
+        rows, H, Hkv, D = 3, 4, 2, 16
+        q, k, v = (torch.randn(rows, (H + 2 * Hkv) * D) * 3).split([H * D, Hkv * D, Hkv * D], -1)
+        ang = torch.randn(rows, D // 2)
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        kc, vc = (torch.zeros(4, Hkv, 8, kv8.packed_dim(D), dtype=torch.uint8) for _ in range(2))
+        K.fused_rope_cache(q, k, v, cos, sin, torch.tensor([5]), kc, vc, H, Hkv, D)
+        k_ref = apply_rope(k.reshape(rows, Hkv, D), cos[:, None], sin[:, None])
+        for cache, ref in ((kc, k_ref), (vc, v.reshape(rows, Hkv, D))):
+            want = kv8.pack(ref)
+            got = cache[:rows, :, 5]
+            assert torch.equal(got[..., D:], want[..., D:]), "scales"
+            codes = lambda t: t[..., :D].contiguous().view(torch.float8_e4m3fn).float()
+            step = codes(want).abs().clamp_min(2 ** -6) * 2 ** -3  # one E4M3 step
+            # Triton 3.9's interpreter drops the carry of a round-up into the exponent (124 -> 64, not 128; the
+            # GPU's cvt does not: test_gpu_fp8_kv_cache_kernels checks the bytes there)
+            carry = codes(got) * 2 == codes(want)
+            assert (((codes(got) - codes(want)).abs() <= step) | carry).all()
+            assert cache[:, :, :5].eq(0).all() and cache[rows:].eq(0).all()  # nothing else written
+        for rows, Hkv, G, window, programs in ((3, 2, 2, 40, 16), (2, 1, 3, 100, 16), (3, 2, 2, 40, 1)):
+            q = torch.randn(rows, Hkv * G * D)
+            kf, vf = torch.randn(rows + 1, Hkv, window + 7, D) * 4, torch.randn(rows + 1, Hkv, window + 7, D)
+            kp, vp = kv8.pack(kf), kv8.pack(vf)
+            mask = torch.zeros(rows, window)
+            mask[0, :5] = float("-inf")
+            got = K.decode_attention(q, kp, vp, mask, Hkv * G, Hkv, D, target_programs=programs)
+            ref = F.scaled_dot_product_attention(q.view(rows, Hkv, G, D), kv8.unpack(kp[:rows, :, :window], torch.float32),
+                                                 kv8.unpack(vp[:rows, :, :window], torch.float32),
+                                                 attn_mask=mask[:, None, None, :]).reshape(rows, -1)
+            assert (got - ref).abs().max() < 1e-4, (got - ref).abs().max()
+        from qerl.rollout import engine as E
+        from tests.test_engine import prompts, tiny
+        model = tiny("qwen2", layers=2)
+        for p in model.parameters():
+            p.data.mul_(0.3)  # a smooth model: FP8's rounding moves no greedy token
+        ps = prompts(3)
+        plain = E.RolloutEngine(model, check_every=2).generate(None, ps, 6, temperature=0, eos_token_ids=[])
+        engine = E.RolloutEngine(model, check_every=2, kv_cache_dtype="fp8")
+        assert engine.kv8
+        out = engine.generate(None, ps, 6, temperature=0, eos_token_ids=[])
+        assert engine.caches[0].k.dtype == torch.uint8
+        assert out.completion_ids == plain.completion_ids
+        gap = max((a - b).abs().max().item() for a, b in zip(out.logprobs, plain.logprobs))
+        assert gap < 0.05, gap
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
@@ -363,17 +445,18 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
         for res in (False, True):
             lower(K._add_rmsnorm_kernel, {"X": p, "R": p, "W": p, "Y": p, "N": "i32", "eps": "fp32",
                                           "HAS_RES": "constexpr", "BLOCK": "constexpr"}, {"HAS_RES": res, "BLOCK": 4096})
-        for qk in (False, True):
-            for low_rank in (False, True):
-                lower(K._rope_cache_kernel,
-                      {"Q": p, "K": p, "V": p, "COS": "*fp32", "SIN": "*fp32", "QO": p, "KC": p, "VC": p,
-                       "SLOT": "*i64", "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32",
-                       "s_h": "i32", "s_s": "i32", "s_q": "i32", "s_k": "i32", "s_v": "i32", "HL": p, "LB": p,
-                       "s_hl": "i32", "s_lb": "i32", "lr_scale": "fp32", "q_col": "i32", "q_rank": "i32",
-                       "k_col": "i32", "k_rank": "i32", "v_col": "i32", "v_rank": "i32", "k_row0": "i32",
-                       "v_row0": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr",
-                       "LOW_RANK": "constexpr", "RP": "constexpr"},
-                      {"D": 128, "HALF": 64, "QK_NORM": qk, "LOW_RANK": low_rank, "RP": 16})
+        for qk, low_rank, kv8 in ((False, False, False), (True, False, False), (False, True, False),
+                                  (True, True, False), (False, True, True)):
+            c = "*u8" if kv8 else p  # the FP8 KV layout (qerl.model.kv8)
+            lower(K._rope_cache_kernel,
+                  {"Q": p, "K": p, "V": p, "COS": "*fp32", "SIN": "*fp32", "QO": p, "KC": c, "VC": c,
+                   "SLOT": "*i64", "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32",
+                   "s_h": "i32", "s_s": "i32", "s_q": "i32", "s_k": "i32", "s_v": "i32", "HL": p, "LB": p,
+                   "s_hl": "i32", "s_lb": "i32", "lr_scale": "fp32", "q_col": "i32", "q_rank": "i32",
+                   "k_col": "i32", "k_rank": "i32", "v_col": "i32", "v_rank": "i32", "k_row0": "i32",
+                   "v_row0": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr",
+                   "LOW_RANK": "constexpr", "RP": "constexpr", "KV8": "constexpr"},
+                  {"D": 128, "HALF": 64, "QK_NORM": qk, "LOW_RANK": low_rank, "RP": 16, "KV8": kv8})
         lower(K._lora_shrink_kernel, {"X": p, "A": p, "H": p, "PART": "*fp32", "COUNT": "*i32", "M": "i32",
                                       "K": "i32", "R": "i32", "s_x": "i32", "s_h": "i32", "chunk": "i32",
                                       "splits": "i32", "BM": "constexpr", "RP": "constexpr", "BK": "constexpr"},
@@ -395,11 +478,14 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
         lower(K._sample_kernel, {"LOGITS": "*fp32", "SEED": "*i64", "PART": "*fp32", "COUNT": "*i32", "TOK": "*i64",
                                  "LOGP": "*fp32", "V": "i32", "stride": "i32", "inv_t": "fp32", "chunk": "i32",
                                  "splits": "i32", "SP": "constexpr", "BLOCK": "constexpr"}, {"SP": 64, "BLOCK": 1024})
-        lower(K._decode_attention_partial_kernel,
-              {"Q": p, "KC": p, "VC": p, "MASK": p, "PO": "*fp32", "PML": "*fp32", "s_q": "i32", "s_kb": "i32",
-               "s_kh": "i32", "s_ks": "i32", "s_m": "i32", "window": "i32", "chunk": "i32", "scale": "fp32",
-               "G": "constexpr", "GP": "constexpr", "D": "constexpr", "BLOCK_N": "constexpr"},
-              {"G": 7, "GP": 16, "D": 128, "BLOCK_N": 64})
+        for direct, kv8 in ((False, False), (True, False), (True, True), (False, True)):
+            c = "*u8" if kv8 else p
+            lower(K._decode_attention_partial_kernel,
+                  {"Q": p, "KC": c, "VC": c, "MASK": p, "PO": "*fp32", "PML": "*fp32", "O": p, "s_q": "i32",
+                   "s_kb": "i32", "s_kh": "i32", "s_ks": "i32", "s_m": "i32", "window": "i32", "chunk": "i32",
+                   "scale": "fp32", "G": "constexpr", "GP": "constexpr", "D": "constexpr", "BLOCK_N": "constexpr",
+                   "DIRECT": "constexpr", "KV8": "constexpr"},
+                  {"G": 7, "GP": 16, "D": 128, "BLOCK_N": 64, "DIRECT": direct, "KV8": kv8})
         lower(K._decode_attention_combine_kernel, {"PO": "*fp32", "PML": "*fp32", "O": p, "splits": "i32",
                                                    "G": "constexpr", "GP": "constexpr", "D": "constexpr",
                                                    "SPLITS": "constexpr"}, {"G": 7, "GP": 16, "D": 128, "SPLITS": 8})
@@ -586,11 +672,50 @@ def test_gpu_a_second_rollout_replays_the_first_ones_graphs(scheme):
 
 
 @gpu
-@pytest.mark.parametrize("scheme, fuse", [("bf16", False), ("bf16", True), ("nvfp4", True)])
-def test_gpu_fused_step_matches_the_model_forward(scheme, fuse):
+def test_gpu_fp8_kv_cache_kernels():
+    """The FP8 KV layout on the GPU: the RoPE kernel writes v's bytes exactly as qerl.model.kv8.pack (the same
+    E4M3 rounding in the hardware's cvt), k's codes within one E4M3 step (RoPE's fp32 order differs), every scale
+    within 1 ulp; attention over the packed caches equals SDPA over their unpacked values."""
+    import torch.nn.functional as F
+
+    from qerl.model import fused_ops as K
+    from qerl.model import kv8
+    from qerl.model.transformer import apply_rope
+    torch.manual_seed(0)
+    rows, H, Hkv, D = 64, 28, 4, 128
+    q, k, v = (torch.randn(rows, (H + 2 * Hkv) * D, device="cuda") * 3).bfloat16().split([H * D, Hkv * D, Hkv * D], -1)
+    ang = torch.randn(rows, D // 2, device="cuda")
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    kc, vc = (torch.zeros(rows, Hkv, 8, kv8.packed_dim(D), dtype=torch.uint8, device="cuda") for _ in range(2))
+    K.fused_rope_cache(q, k, v, cos, sin, torch.tensor([5], device="cuda"), kc, vc, H, Hkv, D)
+    assert torch.equal(vc[:, :, 5], kv8.pack(v.reshape(rows, Hkv, D)))
+    want = kv8.pack(apply_rope(k.reshape(rows, Hkv, D).float(), cos[:, None], sin[:, None]).bfloat16())
+    codes = lambda t: t[..., :D].contiguous().view(torch.float8_e4m3fn).float()  # noqa: E731
+    assert ((codes(kc[:, :, 5]) - codes(want)).abs() <= codes(want).abs().clamp_min(2 ** -6) / 8).all()
+    assert torch.allclose(kv8.unpack(kc[:, :, 5], torch.float32), kv8.unpack(want, torch.float32), rtol=0.07,
+                          atol=1e-3)
+    assert kc[:, :, :5].eq(0).all() and vc[:, :, 6:].eq(0).all()
+    for window in (256, 1024):
+        qa = torch.randn(rows, H * D, device="cuda").bfloat16()
+        kp = kv8.pack(torch.randn(rows, Hkv, window, D, device="cuda") * 5)
+        vp = kv8.pack(torch.randn(rows, Hkv, window, D, device="cuda"))
+        mask = torch.zeros(rows, window, device="cuda", dtype=torch.bfloat16)
+        mask[::3, :17] = float("-inf")
+        got = K.decode_attention(qa, kp, vp, mask, H, Hkv, D).float()
+        ref = F.scaled_dot_product_attention(qa.float().view(rows, Hkv, H // Hkv, D), kv8.unpack(kp, torch.float32),
+                                             kv8.unpack(vp, torch.float32),
+                                             attn_mask=mask.float()[:, None, None, :]).reshape(rows, -1)
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("scheme, fuse, kv", [("bf16", False, "model"), ("bf16", True, "model"),
+                                              ("nvfp4", True, "model"), ("nvfp4", True, "fp8")])
+def test_gpu_fused_step_matches_the_model_forward(scheme, fuse, kv):
     model, _ = gpu_model(scheme, fuse=fuse)
     ps = prompts(16, vocab=1024, seed=2, max_len=30)
-    fused = RolloutEngine(model, use_graphs=False).generate(None, ps, 24, temperature=0.8, seed=0, eos_token_ids=[])
+    fused = RolloutEngine(model, use_graphs=False, kv_cache_dtype=kv).generate(None, ps, 24, temperature=0.8, seed=0,
+                                                                               eos_token_ids=[])
     plain = RolloutEngine(model, use_graphs=False, fused=False)
     # Score the fused engine's samples with the reference path (teacher forcing through Transformer.forward).
     width = max(len(p) + len(c) for p, c in zip(fused.prompt_ids, fused.completion_ids))
@@ -601,8 +726,12 @@ def test_gpu_fused_step_matches_the_model_forward(scheme, fuse):
         logits = model(ids.cuda(), attention_mask=mask.cuda())[:, -25:-1].float() / 0.8
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(fused.completion_ids).cuda()[..., None])[..., 0]
     gap = (torch.stack(fused.logprobs).cuda() - ref).abs()
-    print(f"fused decode vs Transformer.forward: |logp gap| mean {gap.mean().item():.3g} max {gap.max().item():.3g}")
-    assert gap.mean() < 0.05 and gap.max() < 1.0  # bf16 rounding differences only
+    print(f"fused decode ({scheme}, {kv} KV) vs Transformer.forward: |logp gap| mean {gap.mean().item():.3g} "
+          f"max {gap.max().item():.3g}")
+    if kv == "fp8":  # E4M3's rounding of every key and value (3 mantissa bits) on a chaotic random model
+        assert gap.mean() < 0.15 and gap.max() < 3.0
+    else:
+        assert gap.mean() < 0.05 and gap.max() < 1.0  # bf16 rounding differences only
     assert plain.generate(None, ps, 4, temperature=0, eos_token_ids=[]).completion_ids  # reference path runs
 
 

@@ -176,7 +176,8 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
                            setting="eval.max_new_tokens", policy=settings.data.overlong_prompts)
     if model is None:
         model, tokenizer = load_policy(settings, adapter=adapter)
-    backend = backend or make_backend(model, tokenizer, settings.rollout.backend)
+    backend = backend or make_backend(model, tokenizer, settings.rollout.backend,
+                                     kv_cache_dtype=settings.rollout.kv_cache_dtype)
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
                       system_prompt=settings.data.system_prompt, progress=progress, backend=backend)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 try:  # optional: the fused decode kernels (CUDA, or CPU under TRITON_INTERPRET=1 in tests)
@@ -63,11 +64,13 @@ if triton is not None:
     def _rope_cache_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, QW, KW, eps, H, HKV, s_b, s_h, s_s, s_q, s_k, s_v,
                            HL, LB, s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
                            D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, LOW_RANK: tl.constexpr,
-                           RP: tl.constexpr, PDL: tl.constexpr):
+                           RP: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr):
         """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT.
         s_q, s_k, s_v: row strides of q, k, v (column slices of one fused qkv output). LOW_RANK: q, k, v are the
         fused output's base part; LoRA's update s·h·LBᵀ (rows of LB: q from 0, k from k_row0, v from v_row0; each
-        member's rank block from its column) is added first, with the rounding of one addmm."""
+        member's rank block from its column) is added first, with the rounding of one addmm. KV8: the caches are
+        in the FP8 layout of qerl.model.kv8 (uint8; strides in bytes), k and v written as their bf16 roundings'
+        codes and scales."""
         _after_previous(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -114,8 +117,11 @@ if triton is not None:
         else:
             kvh = head - H
             at = row.to(tl.int64) * s_b + kvh * s_h + tl.load(SLOT) * s_s  # int64: big caches pass 2**31 elements
-            tl.store(KC + at + offs, o1.to(KC.dtype.element_ty))
-            tl.store(KC + at + HALF + offs, o2.to(KC.dtype.element_ty))
+            if KV8:
+                _store_kv8(KC + at, o1, o2, offs, HALF, D)
+            else:
+                tl.store(KC + at + offs, o1.to(KC.dtype.element_ty))
+                tl.store(KC + at + HALF + offs, o2.to(KC.dtype.element_ty))
             v_in = V + row * s_v + kvh * D
             v1 = tl.load(v_in + offs)
             v2 = tl.load(v_in + HALF + offs)
@@ -126,8 +132,23 @@ if triton is not None:
                       ).to(v1.dtype)
                 v2 = (v2.to(tl.float32)
                       + lr_scale * _low_rank_rows(hv, LB, s_lb, n0v + HALF + offs, v_col, v_rank, RP)).to(v2.dtype)
-            tl.store(VC + at + offs, v1.to(VC.dtype.element_ty))
-            tl.store(VC + at + HALF + offs, v2.to(VC.dtype.element_ty))
+            if KV8:
+                _store_kv8(VC + at, v1, v2, offs, HALF, D)
+            else:
+                tl.store(VC + at + offs, v1.to(VC.dtype.element_ty))
+                tl.store(VC + at + HALF + offs, v2.to(VC.dtype.element_ty))
+
+    @triton.jit
+    def _store_kv8(dst, x1, x2, offs, HALF: tl.constexpr, D: tl.constexpr):
+        """One vector (its halves x1, x2) in the FP8 KV layout at dst (uint8), as qerl.model.kv8.pack writes it:
+        E4M3 codes of x / s (round to nearest even), then s = max |x| / 448 as fp32 (0 for a zero vector)."""
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(f1), axis=0), tl.max(tl.abs(f2), axis=0)) / 448.0
+        c1 = tl.where(s > 0, f1 / s, 0.0).to(tl.float8e4nv)
+        c2 = tl.where(s > 0, f2 / s, 0.0).to(tl.float8e4nv)
+        tl.store(dst + offs, c1.to(tl.uint8, bitcast=True))
+        tl.store(dst + HALF + offs, c2.to(tl.uint8, bitcast=True))
+        tl.store((dst + D).to(tl.pointer_type(tl.float32), bitcast=True), s)
 
     @triton.jit
     def _silu_mul_kernel(G, U, O, n, s_g, s_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -358,12 +379,16 @@ def fused_sample(logits: Tensor, temperature: float, generator: torch.Generator 
 if triton is not None:
 
     @triton.jit
-    def _decode_attention_partial_kernel(Q, KC, VC, MASK, PO, PML, s_q, s_kb, s_kh, s_ks, s_m, window, chunk, scale,
-                                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _decode_attention_partial_kernel(Q, KC, VC, MASK, PO, PML, O, s_q, s_kb, s_kh, s_ks, s_m, window, chunk,
+                                         scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, KV8: tl.constexpr,
                                          PDL: tl.constexpr):
         """Program (row, kv head, split): the G query heads of one kv head against cache slots
         [split * chunk, (split + 1) * chunk) of the window, with the additive mask; writes the unnormalized output
-        and the running max and sum of that split (flash-decoding's first pass)."""
+        and the running max and sum of that split (flash-decoding's first pass). DIRECT (one split): the
+        normalized output straight into O [rows, H * D], no second pass. KV8: the caches are in the FP8 layout
+        of qerl.model.kv8 (uint8, strides in bytes): each slot's scale multiplies its score (keys) and its
+        probability (values), the codes go to the tensor cores as q's dtype."""
         _after_previous(PDL)
         row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         g, d = tl.arange(0, GP), tl.arange(0, D)
@@ -377,21 +402,38 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
-            k = tl.load(KC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(VC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)
             bias = tl.load(MASK + row * s_m + n, mask=valid, other=float("-inf")).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
+            if KV8:
+                k = tl.load(KC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0)
+                v = tl.load(VC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0)
+                k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                k_scale = tl.load((KC + kv_base + n * s_ks + D).to(tl.pointer_type(tl.float32), bitcast=True),
+                                  mask=valid, other=0.0)
+                v_scale = tl.load((VC + kv_base + n * s_ks + D).to(tl.pointer_type(tl.float32), bitcast=True),
+                                  mask=valid, other=0.0)
+                scores = tl.dot(q, tl.trans(k)) * (k_scale * scale)[None, :] + bias[None, :]
+            else:
+                k = tl.load(KC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(VC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)
+                scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block: no NaN from -inf - -inf
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if KV8:
+                p = p * v_scale[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        at = (row * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
-        tl.store(PO + at * GP * D + g[:, None] * D + d[None, :], acc)
-        tl.store(PML + at * 2 * GP + g, m_i)
-        tl.store(PML + at * 2 * GP + GP + g, l_i)
+        if DIRECT:
+            tl.store(O + row * tl.num_programs(1) * G * D + (kvh * G + g)[:, None] * D + d[None, :],
+                     (acc / l_i[:, None]).to(O.dtype.element_ty), mask=(g < G)[:, None])
+        else:
+            at = (row * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
+            tl.store(PO + at * GP * D + g[:, None] * D + d[None, :], acc)
+            tl.store(PML + at * 2 * GP + g, m_i)
+            tl.store(PML + at * 2 * GP + GP + g, l_i)
 
     @triton.jit
     def _decode_attention_combine_kernel(PO, PML, O, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
@@ -431,6 +473,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
     rows, window = mask.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("decode_attention needs k and v caches of one layout with unit stride along head_dim")
+    kv8 = check_kv8(k_cache, v_cache, head_dim)
     group = num_heads // num_kv_heads
     gp = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
     block_n = block_n if window >= block_n else 16
@@ -438,18 +481,33 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
     splits = max(1, min(blocks, triton.cdiv(target_programs, rows * num_kv_heads)))
     chunk = triton.cdiv(blocks, splits) * block_n
     splits = triton.cdiv(window, chunk)
-    partial = torch.empty((rows * num_kv_heads * splits, gp, head_dim), dtype=torch.float32, device=q.device)
-    stats = torch.empty((rows * num_kv_heads * splits, 2, gp), dtype=torch.float32, device=q.device)
     out = torch.empty((rows, num_heads * head_dim), dtype=q.dtype, device=q.device)
+    direct = splits == 1  # many rows fill the GPU alone: no partials, no combine (256 rows: 26 µs per layer less)
+    parts = 1 if direct else rows * num_kv_heads * splits
+    partial = torch.empty((parts, gp, head_dim), dtype=torch.float32, device=q.device)
+    stats = torch.empty((parts, 2, gp), dtype=torch.float32, device=q.device)
     _decode_attention_partial_kernel[(rows, num_kv_heads, splits)](
-        q, k_cache, v_cache, mask, partial, stats, q.stride(0), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, mask, partial, stats, out, q.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), mask.stride(0), window, chunk, head_dim ** -0.5 if scale is None else scale, G=group,
-        GP=gp, D=head_dim, BLOCK_N=block_n, num_warps=num_warps,
+        GP=gp, D=head_dim, BLOCK_N=block_n, DIRECT=direct, KV8=kv8, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **_pdl(q.device))
-    _decode_attention_combine_kernel[(rows, num_kv_heads)](partial, stats, out, splits, G=group, GP=gp, D=head_dim,
-                                                           SPLITS=triton.next_power_of_2(splits), num_warps=4,
-                                                           **_pdl(q.device))
+    if not direct:
+        _decode_attention_combine_kernel[(rows, num_kv_heads)](partial, stats, out, splits, G=group, GP=gp,
+                                                               D=head_dim, SPLITS=triton.next_power_of_2(splits),
+                                                               num_warps=4, **_pdl(q.device))
     return out
+
+
+def check_kv8(k_cache: Tensor, v_cache: Tensor, head_dim: int) -> bool:
+    """Whether the caches are in the FP8 layout (qerl.model.kv8); raises on a mix or a wrong last dimension."""
+    from qerl.model import kv8
+
+    packed = kv8.is_packed(k_cache)
+    if packed != kv8.is_packed(v_cache) or (packed and k_cache.shape[-1] != kv8.packed_dim(head_dim)):
+        raise ValueError(f"k and v caches must both be bf16/fp16/fp32 [..., {head_dim}] or both FP8 layout "
+                         f"[..., {kv8.packed_dim(head_dim)}] uint8, got {k_cache.dtype} {tuple(k_cache.shape)} and "
+                         f"{v_cache.dtype} {tuple(v_cache.shape)}")
+    return packed
 
 
 def _pdl(device: torch.device) -> dict:
@@ -508,6 +566,10 @@ def _member_blocks(low_rank, n: int) -> list[tuple[int, int, int]]:
     return list(low_rank.blocks)
 
 
+# Above this many rows fused_add_rmsnorm leaves LoRA's products to cuBLAS (measured: H200, 7B, 2026-11-28).
+LOW_RANK_IN_NORM_MAX_ROWS = 64
+
+
 def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, low_rank=None,
                       shrink: Tensor | None = None) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """(x + residual, written into x; weight * rmsnorm(x + residual)) for contiguous [rows, N]. With `low_rank`
@@ -518,6 +580,13 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: f
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     block = triton.next_power_of_2(n)
     has_in = low_rank is not None and residual is not None
+    if rows > LOW_RANK_IN_NORM_MAX_ROWS and (has_in or shrink is not None):
+        # Many rows: the one-kernel form reads LoRA's A and B once per row (256 rows: ~117 MB, 30 µs per norm on an
+        # H200); cuBLAS's addmm and GEMM read them once per tile of rows (three launches, ~8 µs).
+        if has_in:  # as DeferredLoRA.finish, out of place: the caller's residual is only read, as by the kernel
+            residual = torch.addmm(residual, low_rank.h, low_rank.b.t(), alpha=low_rank.scale)
+        x, out = fused_add_rmsnorm(x, residual, weight, eps)
+        return (x, out) if shrink is None else (x, out, F.linear(out, shrink))
     if has_in or shrink is not None:
         (_, col, rank), = _member_blocks(low_rank, 1) if has_in else ((0, 0, 0),)
         h, b = (low_rank.h, low_rank.b) if has_in else (x, x)
@@ -563,11 +632,12 @@ def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     else:
         q_col = q_rank = k_col = k_rank = v_col = v_rank = k_row0 = v_row0 = 0
         lr, rp = (q, q, 0, 0, 0.0), 16
+    kv8 = check_kv8(k_cache, v_cache, head_dim)
     _rope_cache_kernel[(rows, num_heads + num_kv_heads)](
         q, k, v, cos, sin, out, k_cache, v_cache, slot, q_norm.weight if norm else q, k_norm.weight if norm else q,
         q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         q.stride(0), k.stride(0), v.stride(0), *lr, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
-        D=head_dim, HALF=head_dim // 2, QK_NORM=norm, LOW_RANK=low_rank is not None, RP=rp,
+        D=head_dim, HALF=head_dim // 2, QK_NORM=norm, LOW_RANK=low_rank is not None, RP=rp, KV8=kv8,
         num_warps=1 if low_rank is None else 2, **_pdl(q.device))
     return out
 

@@ -208,7 +208,8 @@ class Trainer:
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
-        self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend)
+        self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend,
+                                                                kv_cache_dtype=s.rollout.kv_cache_dtype)
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
         self._phase_peaks: list[float] = []  # this step's rollout peaks (GiB), measured before the KV cache sleeps
         self.loss_cfg = grpo.LossConfig.from_settings(s.grpo, max_completion_length=s.rollout.max_new_tokens)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from qerl.model import fusion
+from qerl.model import fusion, kv8
 from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
 from qerl.rollout import releasable
@@ -80,6 +80,10 @@ class _EngineCache(nn.Module):
     def update(self, cache_position: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         rows = slice(self.row0, self.row0 + k.shape[0])
         kc, vc = self.k[rows], self.v[rows]
+        if kv8.is_packed(kc):  # the FP8 layout: attention (a prefill) reads what decode steps will read
+            kc.index_copy_(2, cache_position, kv8.pack(k))
+            vc.index_copy_(2, cache_position, kv8.pack(v))
+            return kv8.unpack(kc[:, :, :self.window], k.dtype), kv8.unpack(vc[:, :, :self.window], v.dtype)
         kc.index_copy_(2, cache_position, k.to(kc.dtype))
         vc.index_copy_(2, cache_position, v.to(vc.dtype))
         return kc[:, :, :self.window], vc[:, :, :self.window]
@@ -124,11 +128,15 @@ class RolloutEngine:
         prefill_tokens: rows per prefill chunk are chosen to keep about this many tokens per forward.
         max_batch_size, max_seq_len: allocate for at least this much up front (avoids re-allocation and
             re-capture when later calls are larger).
+        kv_cache_dtype: "model" (the model's dtype) or "fp8" (E4M3 with a scale per vector, qerl.model.kv8: 0.56x
+            the bytes attention reads; where the fused kernels run on a GPU with FP8 conversions, sm_89+, else the
+            model's dtype, said once in the log).
     """
 
     def __init__(self, model: Transformer, *, use_graphs: bool | None = None, fused: bool | None = None,
                  check_every: int = 16, window: int = 256, min_bucket: int | None = None,
-                 prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0):
+                 prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0,
+                 kv_cache_dtype: str = "model"):
         if not isinstance(model, Transformer):
             raise TypeError(f"RolloutEngine needs a qerl.model.transformer.Transformer, got {type(model).__name__}")
         if check_every < 1 or window < 1:
@@ -142,6 +150,9 @@ class RolloutEngine:
         # Triton kernels only where they can run: CUDA, or Triton's CPU interpreter (tests).
         self.kernels = self.fused and model.fused_decode_supported()
         self.check_every, self.window = check_every, window
+        if kv_cache_dtype not in ("model", "fp8"):
+            raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}: expected model or fp8")
+        self.kv8 = kv_cache_dtype == "fp8" and self._kv8_runs()
         self.min_bucket = min_bucket or (CUDA_MIN_BUCKET if cuda else 1)
         self.prefill_tokens = prefill_tokens
         self.reserve = (max_batch_size, max_seq_len)
@@ -155,6 +166,17 @@ class RolloutEngine:
         self._signature_seen: tuple | None = None
         self.stats: dict[str, float] = {"captures": 0, "compactions": 0, "steps": 0}
 
+    def _kv8_runs(self) -> bool:
+        """Whether the FP8 KV cache can be used here: the fused decode kernels (which read and write its layout),
+        and on a GPU the E4M3 conversions of sm_89+."""
+        cuda = self.device.type == "cuda"
+        why = ("the fused decode kernels do not run here" if not self.kernels
+               else "E4M3 conversions need a GPU of compute capability 8.9 or more"
+               if cuda and torch.cuda.get_device_capability(self.device) < (8, 9) else None)
+        if why is not None:
+            log.info("KV cache in the model's dtype, not FP8: %s", why)
+        return why is None
+
     # ------------------------------------------------------------------------------------------------ memory
 
     def bucket(self, n: int) -> int:
@@ -165,8 +187,8 @@ class RolloutEngine:
         self.free()
         c, m = self.model.config, self.model
         dtype, dev = m.model.embed_tokens.weight.dtype, self.device
-        shape = (rows, c.num_key_value_heads, slots, c.head_dim)
-        tensors = self._kv_tensors(shape, dtype, 2 * len(m.model.layers))
+        shape = (rows, c.num_key_value_heads, slots, kv8.packed_dim(c.head_dim) if self.kv8 else c.head_dim)
+        tensors = self._kv_tensors(shape, torch.uint8 if self.kv8 else dtype, 2 * len(m.model.layers))
         self.caches = [_EngineCache(k, v) for k, v in zip(tensors[0::2], tensors[1::2])]
         self.kv = [(c.k, c.v) for c in self.caches]  # what `Transformer.decode_step` reads and writes
         self.cap_rows, self.cap_slots = rows, slots
