@@ -45,10 +45,15 @@ def main() -> None:
     ap.add_argument("--windows", default="256,1024")
     ap.add_argument("--slots", type=int, default=1536, help="cache slots per row (>= every window)")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--kv", default="model", help="model (bf16 caches) or fp8 (the FP8 layout, qerl.model.kv8)")
+    ap.add_argument("--grid", default="", help="override the sweep's grid: 'block_n=64,128;num_warps=4' ...")
     ap.add_argument("--out", default="outputs/bench_decode_attention")
     args = ap.parse_args()
     torch.manual_seed(0)
     heads, kv_heads, dim = SHAPES[args.model]
+    for part in filter(None, args.grid.split(";")):
+        key, _, values = part.partition("=")
+        GRID[key] = tuple(int(v) for v in values.split(","))
     copy = copy_tb_s()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy:.2f} TB/s")
     try:
@@ -71,6 +76,18 @@ def main() -> None:
                                                attn_mask=mask[:, None, None, :], enable_gqa=True)
             return o.reshape(rows, heads * dim)
 
+        if args.kv == "fp8":  # the kernels read the packed caches; SDPA (the check, an arm) their unpacked values
+            from qerl.model import kv8
+
+            kc, vc = kv8.pack(kc), kv8.pack(vc)
+            kv_bytes = 2 * rows * kv_heads * window * kv8.packed_dim(dim)
+            kf, vf = kv8.unpack(kc, torch.bfloat16), kv8.unpack(vc, torch.bfloat16)
+
+            def sdpa():
+                o = F.scaled_dot_product_attention(q.view(rows, heads, 1, dim), kf[:, :, :window], vf[:, :, :window],
+                                                   attn_mask=mask[:, None, None, :], enable_gqa=True)
+                return o.reshape(rows, heads * dim)
+
         want = sdpa().float()
         arms = [("qerl default", lambda: fused_ops.decode_attention(q, kc[:, :, :window], vc[:, :, :window], mask,
                                                                      heads, kv_heads, dim))]
@@ -81,7 +98,7 @@ def main() -> None:
                                                         kv_heads, dim, target_programs=tp, block_n=bn, num_warps=nw,
                                                         num_stages=ns)))
         arms.append(("torch sdpa", sdpa))
-        if flash_attn_with_kvcache is not None:
+        if flash_attn_with_kvcache is not None and args.kv == "model":
             kf, vf = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()  # its [rows, slots, Hkv, D]
             lens = torch.full((rows,), window - 7, dtype=torch.int32, device="cuda")
             arms.append(("flash-attn kvcache", lambda: flash_attn_with_kvcache(
@@ -98,7 +115,8 @@ def main() -> None:
                 print(f"| {rows} | {window} | {name} | failed: {type(e).__name__}: {str(e)[:80]} | |")
                 continue
             tbs = kv_bytes / us / 1e6
-            row = {"model": args.model, "rows": rows, "window": window, "arm": name, "us": us, "kv_tb_s": tbs,
+            row = {"model": args.model, "kv": args.kv, "rows": rows, "window": window, "arm": name, "us": us,
+                   "kv_tb_s": tbs,
                    "copy_tb_s": copy, "device": torch.cuda.get_device_name()}
             out.write(json.dumps(row) + "\n")
             if name.startswith("qerl tp") and (best is None or us < best[1]):

@@ -354,7 +354,7 @@ def test_fp8_kv_kernels_in_the_interpreter():
             ref = F.scaled_dot_product_attention(q.view(rows, Hkv, G, D), kv8.unpack(kp[:rows, :, :window], torch.float32),
                                                  kv8.unpack(vp[:rows, :, :window], torch.float32),
                                                  attn_mask=mask[:, None, None, :]).reshape(rows, -1)
-            assert (got - ref).abs().max() < 1e-4, (got - ref).abs().max()
+            assert (got - ref).abs().max() < 5e-3, (got - ref).abs().max()  # fp16 operands (q, probabilities)
         from qerl.rollout import engine as E
         from tests.test_engine import prompts, tiny
         model = tiny("qwen2", layers=2)

@@ -388,11 +388,15 @@ if triton is not None:
         and the running max and sum of that split (flash-decoding's first pass). DIRECT (one split): the
         normalized output straight into O [rows, H * D], no second pass. KV8: the caches are in the FP8 layout
         of qerl.model.kv8 (uint8, strides in bytes): each slot's scale multiplies its score (keys) and its
-        probability (values), the codes go to the tensor cores as q's dtype."""
+        probability (values); codes, q and probabilities go to the tensor cores in fp16, the one type E4M3 converts
+        to in one instruction per pair on Hopper (to bf16 it takes three, and the kernel was bound by them: 50% of
+        the copy bandwidth, no faster than a bf16 cache)."""
         _after_previous(PDL)
         row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         q = tl.load(Q + row * s_q + (kvh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+        if KV8:
+            q = q.to(tl.float16)
         kv_base = row.to(tl.int64) * s_kb + kvh * s_kh
         start = split * chunk
         end = tl.minimum(start + chunk, window)
@@ -406,8 +410,8 @@ if triton is not None:
             if KV8:
                 k = tl.load(KC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0)
                 v = tl.load(VC + kv_base + n[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0)
-                k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+                v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
                 k_scale = tl.load((KC + kv_base + n * s_ks + D).to(tl.pointer_type(tl.float32), bitcast=True),
                                   mask=valid, other=0.0)
                 v_scale = tl.load((VC + kv_base + n * s_ks + D).to(tl.pointer_type(tl.float32), bitcast=True),
