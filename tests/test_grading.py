@@ -237,6 +237,30 @@ def test_grader_info_names_the_versions() -> None:
     assert info["math_verify"] == "0.9.0"  # the pin in pyproject.toml
 
 
+def test_the_dependencies_name_only_extras_that_exist() -> None:
+    """pip < 24 warns "X does not provide the extra 'Y'" at install when a requirement names an extra that the
+    installed distribution does not declare with that exact spelling, down the chain of extras (#47: math-verify 0.9.0
+    declares `antlr4-9-3` and, under it, requires latex2sympy2_extended's `antlr4_9_3`, declared `antlr4-9-3`)."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    todo = [Requirement(r) for r in pyproject["project"]["dependencies"]]
+    missing = []
+    while todo:
+        req = todo.pop()
+        if not req.extras:
+            continue
+        provided = importlib.metadata.distribution(req.name).metadata.get_all("Provides-Extra") or []
+        missing += [f"{req.name}[{extra}]" for extra in req.extras if extra not in provided]
+        requires = [Requirement(r) for r in importlib.metadata.requires(req.name) or []]
+        todo += [r for r in requires for extra in req.extras if r.marker and r.marker.evaluate({"extra": extra})]
+    assert not missing, f"extras that pip would warn about: {missing}"
+
+
 class _ScriptedBackend:
     """A rollout backend that answers each prompt with a fixed reply: evaluation without a model."""
 
