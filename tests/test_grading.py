@@ -19,6 +19,11 @@ EXCEPTIONS: dict[str, str] = {
     "tests/test_yujianll.py::test_string_extraction | '$1 - \\\\frac{1}{\\\\mathrm{e}}$' | '$1 + \\\\frac{1}{\\\\mathrm{e}}$'":
         "1 + 1/e is not 1 - 1/e. math-verify 0.9.0 reads both as 1 (its parser stops at \\mathrm{e}) and its suite "
         "expects that; a wrong answer graded right is a wrong gradient, so qerl grades it 0.",
+    "tests/test_all.py::test_latex_notation | '$9$' | 'Answer $ \\n 9 \\n $'":
+        "The answer is 9 (issue #47: a miss on the judged set). math-verify's case expects 0 only under its "
+        "latex-only extraction (match_types ['latex']), which skips inline math padded with newlines.",
+    "tests/test_all.py::test_latex_notation | '$9$' | 'Answer \\\\( \\n 9 \\n \\\\)'":
+        "As above, with \\( \\) for $ $.",
 }
 
 

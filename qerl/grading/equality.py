@@ -20,6 +20,7 @@ MAX_ITEMS = 50  # elements of a tuple / set / matrix
 
 
 _MATRIX_RE = re.compile(r"\\begin\{([pbvB]?matrix)\}(.*)\\end\{\1\}", re.DOTALL)
+_WORD_JOINER_RE = re.compile(r"\s+(?:and|or)\s+")
 _OPEN, _CLOSE = "([{", ")]}"
 
 
@@ -77,7 +78,7 @@ def _structure(s: str) -> tuple[str, str, list[str]] | None:
     if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and (items := _split_top(s[1:-1], ",")):
         if len(items) > 1:
             return "seq", s[0] + s[-1], items
-    items = _split_top(s, ",")
+    items = _split_top(_WORD_JOINER_RE.sub(",", s), ",")  # "x=2 or x=3", "-3 and \\frac{1}{2}": roots
     if items and len(items) > 1:
         return "set", "", [x for item in items for x in _expand_pm(item)]
     if len(_expand_pm(s)) == 2:
@@ -258,6 +259,21 @@ def _decimal_comma_twins(p: str, g: str) -> bool:
     return False
 
 
+_PERCENT_RE = re.compile(r"%|\bpercent\b", re.IGNORECASE)
+
+
+def _percent_twins(p: str, g: str, raw_p: str, raw_g: str) -> bool:
+    """"25\\%" and "0.25" (or "\\frac14"): a percent on one side only, against its value as a fraction. (Against
+    "25", the percent sign is dropped as a unit: normalization.)"""
+    for a, raw_a, b, raw_b in ((p, raw_p, g, raw_g), (g, raw_g, p, raw_p)):
+        if _PERCENT_RE.search(raw_a) and not _PERCENT_RE.search(raw_b):
+            value = _as_fraction(a)
+            if value is not None:
+                share = value / 100
+                return _equal(f"{share.numerator}/{share.denominator}", b, 0, Budget())
+    return False
+
+
 def own_verdict(pred: str, gold: str) -> bool | None:
     """qerl's own verdict: True (equal), False (surely not: two plain numbers or words that differ, or an answer
     too long to be one), None (not proven either way: math-verify decides). Bounded work, never raises."""
@@ -265,7 +281,7 @@ def own_verdict(pred: str, gold: str) -> bool | None:
         if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return False
         p, g = normalize_answer(pred), normalize_answer(gold)
-        if _equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g):
+        if _equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g) or _percent_twins(p, g, pred, gold):
             return True
         return False if _surely_different(p, g, pred, gold) else None
     except Exception:

@@ -94,6 +94,45 @@ CASES: list[tuple[str, str, int, str]] = [
     (r"The result is \boxed{−7}.", "-7", 1, "unicode minus U+2212"),
     (r"The answer is −12.", "-12", 1, "unicode minus, plain text"),
     (r"The answer is −12.", "12", 0, "unicode minus is a minus"),
+    # --- issue #47: misses on the hidden judged set, and more of their kind
+    # drafts, then the final answer (the last box is the answer unless the boxes are joined into a list)
+    (r"First I thought \boxed{5}, but rechecking, the answer is \boxed{9}.", "9", 1, "a draft box, a comma, a box"),
+    (r"First I thought \boxed{5}, but rechecking, the answer is \boxed{9}.", "5", 0, "the draft box does not count"),
+    (r"First I thought \boxed{5}, but rechecking, the answer is \boxed{9}.", "5, 9", 0, "a draft is no list item"),
+    (r"So it is \boxed{12}, no wait, \boxed{15}", "15", 1, "'no wait' between two boxes"),
+    ("That gives \\boxed{7}\nActually I dropped a term, so it is \\boxed{8}", "8", 1, "a correction on the next line"),
+    (r"We get $\boxed{3}$, or rather $\boxed{4}$ once the sign is fixed.", "4", 1, "'or rather' corrects"),
+    (r"She buys \boxed{4} apples and \boxed{9} pears.", "4, 9", 1, "boxes joined by 'and' stay one list answer"),
+    ("The answer is 10. Hmm, let me double-check: 4 + 7 = 11. So the answer is 11.", "11", 1,
+     "a stated answer, rechecked and restated"),
+    # answers on their own lines
+    ("Answer $ \n 9 \n $", "9", 1, "inline math spread over lines"),
+    ("The answer is\n$$\n42\n$$", "42", 1, "display math on the lines after 'the answer is'"),
+    ("**Final Answer**\n\\[\n\\boxed{\\dfrac{5}{12}}\n\\]", r"\frac{5}{12}", 1, "a boxed display on its own lines"),
+    # percent against decimal or fraction
+    (r"The probability is $\boxed{25\%}$.", "0.25", 1, "a percent against the decimal gold"),
+    (r"So the rate is \boxed{0.25}.", r"25\%", 1, "a decimal against the percent gold"),
+    (r"So the share is \boxed{\frac{1}{8}}.", r"12.5\%", 1, "a fraction against the percent gold"),
+    (r"The interest rate is 5 percent.", "0.05", 1, "'percent' in words"),
+    (r"The discount is $\boxed{10\%}$.", "0.01", 0, "a percent off by a factor 10"),
+    (r"So the rate is \boxed{25}.", "0.25", 0, "no percent sign: 25 is not 0.25"),
+    # labelled roots
+    (r"The roots are \boxed{2, 3}.", "x_1=2, x_2=3", 1, "a list of roots against labelled roots"),
+    (r"Hence $\boxed{x=2 \text{ or } x=3}$.", "x_1=2, x_2=3", 1, "roots joined by 'or'"),
+    (r"Hence $\boxed{x_1 = 3, x_2 = 2}$.", "x_1=2, x_2=3", 1, "roots labelled in the other order"),
+    (r"So $\boxed{x = 2 \text{ and } x = 3}$.", "2, 3", 1, "roots joined by 'and' against a bare list"),
+    (r"So the answer is x = 2 or x = 3.", "x_1=2, x_2=3", 1, "roots in a sentence"),
+    (r"The solutions are $x=\frac{1}{2}$ and $x=-3$, so $\boxed{x=\frac{1}{2}, x=-3}$.", r"x_1=-3, x_2=\frac12", 1,
+     "fraction roots, other order"),
+    (r"\boxed{-3 \text{ and } \frac{1}{2}}", r"x_1=-3, x_2=\frac{1}{2}", 1, "bare roots joined by 'and'"),
+    (r"The roots are \boxed{2, 4}.", "x_1=2, x_2=3", 0, "one root wrong"),
+    (r"The root is \boxed{2}.", "x_1=2, x_2=3", 0, "a root missing"),
+    # units and money
+    (r"The speed is $\boxed{60 \text{ km/h}}$.", "60", 1, "a unit with a slash"),
+    (r"The mass is $\boxed{3.5 \mathrm{~kg}}$.", "3.5", 1, r"\mathrm{~kg}"),
+    (r"In total she pays $\boxed{\$1{,}250}$.", "1250", 1, "dollars with a LaTeX thousands separator"),
+    ("Step 1: 3 boxes of 12 is 36.\nStep 2: 36 - 16 = 20.\n\nTherefore, the final answer is: $\\boxed{20}$. "
+     "I hope it is correct.", "20", 1, "a reasoning trace ending in a boxed answer"),
     # --- SmolLM2-135M-Instruct replies to the arithmetic task (gold: the exact value)
     ("17 + 25 = 32", "42", 0, "small model, wrong sum"),
     ("17 + 25 = 42", "42", 1, "small model, equation ends in the value"),
