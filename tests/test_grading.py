@@ -61,6 +61,11 @@ def test_case_tables_keep_their_sources() -> None:
     ("so $x \\equiv \\boxed{44}$. Check: 17 * 44 = 748, so our answer is correct.", "44"),  # commentary after a box
     ("The probability is $\\frac{10}{9}$", "\\frac{10}{9}"),  # the last math span, not the last digit
     ("We get $x = 3$, then 3 + 4 = 7.", "7"),  # a number after the last span
+    ("The roots are $x = 1$, $x = 4$ and $x = -2$.", "x = 1, x = 4, x = -2"),  # spans joined by connectives only
+    ("We have $a = 3$ and $b = 4$, so $c = 5$.", "c = 5"),  # words between spans: the last one
+    ("First I thought \\boxed{5}, but rechecking, the answer is \\boxed{9}.", "9"),  # a retraction between boxes
+    ("\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 1)}", "(3, 3), (1, 1)"),  # a few words: one list
+    ("The interest rate is 5 percent.", "5%"),
     ("So the population is 1 000 people.", "1 000"),
     ("17 + 25 = 42", "17 + 25 = 42"),  # all math: the reply is the answer (normalization keeps the value)
     ("AZYUK2A", None),  # a digit inside a word is no answer

@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 
 from qerl.grading.limits import MAX_ANSWER_CHARS
-from qerl.grading.normalize import is_words, normalize_answer, text_key
+from qerl.grading.normalize import choice_value, is_words, normalize_answer, text_key
 from qerl.grading.symbolic import MAX_NUMBER_DIGITS, Budget, symbolic_equal, to_sympy
 
 MAX_ITEMS = 50  # elements of a tuple / set / matrix
@@ -274,6 +274,15 @@ def _percent_twins(p: str, g: str, raw_p: str, raw_g: str) -> bool:
     return False
 
 
+def _choice_value_equal(p: str, g: str, raw_p: str, raw_g: str) -> bool:
+    """"(D) 18" against "18": a multiple-choice answer that also states the value is right by its value too."""
+    for raw, other in ((raw_p, g), (raw_g, p)):
+        value = choice_value(raw)
+        if value is not None and _equal(value, other, 0, Budget()):
+            return True
+    return False
+
+
 def own_verdict(pred: str, gold: str) -> bool | None:
     """qerl's own verdict: True (equal), False (surely not: two plain numbers or words that differ, or an answer
     too long to be one), None (not proven either way: math-verify decides). Bounded work, never raises."""
@@ -281,7 +290,8 @@ def own_verdict(pred: str, gold: str) -> bool | None:
         if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return False
         p, g = normalize_answer(pred), normalize_answer(gold)
-        if _equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g) or _percent_twins(p, g, pred, gold):
+        if (_equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g) or _percent_twins(p, g, pred, gold)
+                or _choice_value_equal(p, g, pred, gold)):
             return True
         return False if _surely_different(p, g, pred, gold) else None
     except Exception:

@@ -17,7 +17,8 @@ The rule, in order (the first that applies decides):
        math span or number ("Final Answer: Jane started 3 hours ago" is 3).
      - A phrase whose answer opens with a math span ("The answer is\n$$\n42\n$$") gives that span.
   2. No marker: the last math span (`$..$`, `$$..$$`, `\(..\)`, `\[..\]`; "$ \n 9 \n $" is 9, but inline math
-     whose content itself runs over lines is no answer), unless a number follows it in plain text; a reply that is
+     whose content itself runs over lines is no answer), with the spans before it that only a connective joins to
+     it ("$x = 1$ and $x = -2$" is a list, as boxes are), unless a number follows it in plain text; a reply that is
      all math ("17 + 25 = 42", "\frac{10}{9}") is its own answer; else the last number that is not part of a word
      ("1 000", "1,024", "2,74" kept whole), with a percent sign or "percent" after it ("25%").
 
@@ -61,6 +62,7 @@ _NUMBER_RE = re.compile(
     r"(?:\.\d+)?(?:/\d+)?|(?<![A-Za-z\d.])\.\d+",
     re.ASCII,
 )
+_SPAN_JOINER_RE = re.compile(r"\s*(?:,\s*(?:and|or)?|and|or)\s*")  # between the math spans of one answer
 _PERCENT_AFTER_RE = re.compile(r"\s?(?:\\?%|percent\b)", re.IGNORECASE)
 _MATHLIKE_RE = re.compile(r"[\d$\\]")
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # an English word, not a \command
@@ -230,29 +232,41 @@ def _last_number(text: str) -> tuple[int, str | None]:
     return (percent.end(), last.group(0) + "%") if percent else (end, last.group(0))
 
 
-def _last_math_span(text: str) -> tuple[int, str | None]:
-    """(end, content) of the last `$..$` / `$$..$$` / `\\(..\\)` / `\\[..\\]` in the tail of `text`."""
-    offset = max(0, len(text) - TAIL_CHARS)
-    last = None
-    for last in _MATH_SPAN_RE.finditer(text, offset):
-        pass
-    if last is None:
-        return -1, None
-    inline = last.group(2) if last.group(2) is not None else last.group(3)
-    content = next(g for g in last.groups() if g is not None).strip()
+def _span_content(span: re.Match) -> str | None:
+    inline = span.group(2) if span.group(2) is not None else span.group(3)
+    content = next(g for g in span.groups() if g is not None).strip()
     if inline is not None and "\n" in content:
-        return -1, None  # inline math runs over lines only by mistake ("$5 for him\nand $"): not a span
-    return (last.end(), content) if content and len(content) <= MAX_ANSWER_CHARS else (-1, None)
+        return None  # inline math runs over lines only by mistake ("$5 for him\nand $"): not a span
+    return content if content and len(content) <= MAX_ANSWER_CHARS else None
 
 
-def _unmarked_answer(text: str) -> str | None:
+def _last_math_spans(text: str) -> tuple[int, list[str] | None]:
+    """(end, contents) of the last `$..$` / `$$..$$` / `\\(..\\)` / `\\[..\\]` in the tail of `text`, with the spans
+    before it that a bare connective joins to it ("$x = 1$ and $x = -2$": both roots; as with boxes, at most
+    MAX_BOXES, a repeated one counted once)."""
+    offset = max(0, len(text) - TAIL_CHARS)
+    spans = list(_MATH_SPAN_RE.finditer(text, offset))
+    if not spans or _span_content(spans[-1]) is None:
+        return -1, None
+    group = [spans[-1]]
+    for span in reversed(spans[:-1]):
+        if (len(group) >= MAX_BOXES or _span_content(span) is None
+                or not _SPAN_JOINER_RE.fullmatch(text, span.end(), group[0].start())):
+            break
+        group.insert(0, span)
+    return spans[-1].end(), list(dict.fromkeys(_span_content(span) for span in group))
+
+
+def _unmarked_answer(text: str) -> list[str] | None:
     tail = text[-TAIL_CHARS:].strip()
     if len(tail) <= MAX_ANSWER_CHARS and tail == text.strip() and not _TEXT_RUN_RE.search(
             re.sub(r"\\text\{[^{}]*\}", "", tail)) and "$" not in tail:
-        return tail or None  # the whole reply is math: "17 + 25 = 42", "\frac{10}{9}", "1 000"
-    span_end, span = _last_math_span(text)
+        return [tail] if tail else None  # the whole reply is math: "17 + 25 = 42", "\frac{10}{9}", "1 000"
+    spans_end, spans = _last_math_spans(text)
     number_end, number = _last_number(text)
-    return span if span_end >= number_end else number
+    if spans_end >= number_end:
+        return spans
+    return None if number is None else [number]
 
 
 def _marked_answer(text: str) -> tuple[bool, list[str] | None]:
@@ -272,8 +286,7 @@ def final_answers(text: str) -> list[str] | None:
     found, answers = _marked_answer(text)
     if found:
         return answers
-    answer = _unmarked_answer(text)
-    return None if answer is None else [answer]
+    return _unmarked_answer(text)
 
 
 def extract_answer(text: str) -> str | None:

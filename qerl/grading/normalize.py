@@ -21,11 +21,23 @@ _THOUSANDS_RE = re.compile(r"^-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")  # not "0,1
 _SPACED_THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _WORDS_RE = re.compile(r"[A-Za-z][A-Za-z\s'.\-]*")
 _BARE_LETTER_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]")  # a letter that is not part of a \command
-_CHOICE_RE = re.compile(r"\(([a-zA-Z])\)|\(([A-E])\)[\d\\-].*")
+_CHOICE_RE = re.compile(r"\(([a-zA-Z])\)|\(([A-E])\)([\d\\-].*)")
 
 
 def normalize_answer(answer: str) -> str:
     """Canonical string for an extracted answer; equal strings mean equal answers."""
+    s = _canonical(answer)
+    choice = _CHOICE_RE.fullmatch(s)  # multiple choice "(B)", "\textbf{(C)}\ 12"
+    return (choice.group(1) or choice.group(2)).upper() if choice else s
+
+
+def choice_value(answer: str) -> str | None:
+    """The value after a multiple-choice letter, normalized: "\\textbf{(D)}\\ 18" -> "18"; None for other answers."""
+    choice = _CHOICE_RE.fullmatch(_canonical(answer))
+    return choice.group(3) if choice else None
+
+
+def _canonical(answer: str) -> str:
     s = answer.strip()
     spaced_list = bool(re.search(r",\s", s))  # "32, 349" is a list of two numbers; "32,349", "32,\!349" one number
     for char, latex in _UNICODE.items():
@@ -61,8 +73,7 @@ def normalize_answer(answer: str) -> str:
     s = re.sub(r"_\{(\w)\}", r"_\1", s)
     if _THOUSANDS_RE.match(s) and not spaced_list:
         s = s.replace(",", "")
-    choice = _CHOICE_RE.fullmatch(s)  # multiple choice "(B)", "\textbf{(C)}\ 12"
-    return (choice.group(1) or choice.group(2)).upper() if choice else s
+    return s
 
 
 def is_words(s: str) -> bool:

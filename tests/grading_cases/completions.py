@@ -125,8 +125,16 @@ CASES: list[tuple[str, str, int, str]] = [
     (r"The solutions are $x=\frac{1}{2}$ and $x=-3$, so $\boxed{x=\frac{1}{2}, x=-3}$.", r"x_1=-3, x_2=\frac12", 1,
      "fraction roots, other order"),
     (r"\boxed{-3 \text{ and } \frac{1}{2}}", r"x_1=-3, x_2=\frac{1}{2}", 1, "bare roots joined by 'and'"),
+    (r"The solutions are $x = 1$ and $x = -2$.", "x_1=1, x_2=-2", 1, "unboxed roots in two spans joined by 'and'"),
+    (r"So $x=1$ or $x=-2$.", "1, -2", 1, "unboxed roots in two spans joined by 'or'"),
+    (r"So $x = 3$ and $y = 4$.", "(3,4)", 1, "a pair given as two labelled spans"),
+    (r"We have $a = 3$ and $b = 4$, so $c = 5$.", "5", 1, "spans joined by words are not one answer"),
     (r"The roots are \boxed{2, 4}.", "x_1=2, x_2=3", 0, "one root wrong"),
     (r"The root is \boxed{2}.", "x_1=2, x_2=3", 0, "a root missing"),
+    # multiple choice with its value
+    (r"Hence, the answer is $\boxed{\textbf{(D)}\ 18}$.", "18", 1, "a choice letter and its value, value gold"),
+    (r"Hence, the answer is $\boxed{\textbf{(D)}\ 18}$.", "D", 1, "a choice letter and its value, letter gold"),
+    (r"Hence, the answer is $\boxed{\textbf{(D)}\ 18}$.", "20", 0, "a choice letter and a wrong value"),
     # units and money
     (r"The speed is $\boxed{60 \text{ km/h}}$.", "60", 1, "a unit with a slash"),
     (r"The mass is $\boxed{3.5 \mathrm{~kg}}$.", "3.5", 1, r"\mathrm{~kg}"),
