@@ -263,14 +263,17 @@ _PERCENT_RE = re.compile(r"%|\bpercent\b", re.IGNORECASE)
 
 
 def _percent_twins(p: str, g: str, raw_p: str, raw_g: str) -> bool:
-    """"25\\%" and "0.25" (or "\\frac14"): a percent on one side only, against its value as a fraction. (Against
-    "25", the percent sign is dropped as a unit: normalization.)"""
+    """"25\\%" and "0.25" (or "\\frac14"; "33\\frac13\\%" and "\\frac13"): a percent on one side only, against its
+    value as a share. (Against "25", the percent sign is dropped as a unit: normalization.) Exact for plain numbers;
+    to 12 significant digits for the rest (a rounded share such as 33.3% stays wrong)."""
     for a, raw_a, b, raw_b in ((p, raw_p, g, raw_g), (g, raw_g, p, raw_p)):
         if _PERCENT_RE.search(raw_a) and not _PERCENT_RE.search(raw_b):
-            value = _as_fraction(a)
-            if value is not None:
-                share = value / 100
+            plain = _as_fraction(a)
+            if plain is not None:
+                share = plain / 100
                 return _equal(f"{share.numerator}/{share.denominator}", b, 0, Budget())
+            value, other = _number_value(a), _number_value(b)
+            return value is not None and other is not None and abs(value / 100 - other) <= 1e-12 * max(1, abs(other))
     return False
 
 

@@ -114,6 +114,8 @@ CASES: list[tuple[str, str, int, str]] = [
     (r"So the rate is \boxed{0.25}.", r"25\%", 1, "a decimal against the percent gold"),
     (r"So the share is \boxed{\frac{1}{8}}.", r"12.5\%", 1, "a fraction against the percent gold"),
     (r"The interest rate is 5 percent.", "0.05", 1, "'percent' in words"),
+    (r"So the share is \boxed{33\frac{1}{3}\%}.", r"\frac13", 1, "a mixed-number percent against a fraction"),
+    (r"So the share is \boxed{33.3\%}.", r"\frac13", 0, "a rounded percent against a fraction"),
     (r"The discount is $\boxed{10\%}$.", "0.01", 0, "a percent off by a factor 10"),
     (r"So the rate is \boxed{25}.", "0.25", 0, "no percent sign: 25 is not 0.25"),
     # labelled roots
