@@ -165,6 +165,29 @@ def test_an_answer_over_its_cpu_budget_is_interrupted_and_the_worker_stays() -> 
     assert grading._mathverify.members[0]._active.proc.pid == worker
 
 
+def test_a_worker_stuck_in_one_c_call_is_killed_by_the_kernels_cpu_limit() -> None:
+    """Python cannot interrupt one long C call (a CPU timer's exception waits for it to return): the worker's RLIMIT_CPU
+    ends it CPU_GRACE_S past the budget (here 0), so a worker never computes on for long after its budget."""
+    import signal
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    worker = str(Path(mv.__file__).with_name("mathverify_worker.py"))
+    code = ("import importlib.util\n"  # the module alone, without the qerl.grading package (sympy: CPU seconds)
+            f"spec = importlib.util.spec_from_file_location('w', {worker!r})\n"
+            "w = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(w)\n"
+            "w._set_limits()\n"
+            "w.CPU_GRACE_S = 0\n"
+            "w._compare(lambda s, **k: s, lambda a, b, **k: sum(range(10**12)), '1', '1', 0.1)\n")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGXCPU, done.stderr.decode()[-500:]
+    assert time.perf_counter() - start < 30
+
+
 # Answers only math-verify decides (relations, labelled golds, equations of curves, matrices), right and wrong.
 MATH_VERIFY_PAIRS = [
     ("The solution is $\\boxed{-x > -%d}$.", "x<%d", 1.0),

@@ -39,6 +39,7 @@ class OverBudget(BaseException):
 
 
 _armed = False  # whether the CPU timer may raise: never outside a comparison
+_HAS_CPU_TIMER = hasattr(signal, "setitimer") and hasattr(signal, "SIGPROF")  # not on Windows: the backstop only
 
 
 def _on_cpu_timer(signum, frame) -> None:
@@ -60,6 +61,9 @@ def _exit_with_parent() -> None:
 
 
 def _set_limits() -> None:
+    """Memory and core-file limits, and the CPU timer's handler: what a process needs before its first _compare."""
+    if _HAS_CPU_TIMER:
+        signal.signal(signal.SIGPROF, _on_cpu_timer)
     try:
         import resource
 
@@ -92,8 +96,9 @@ def _compare(parse, verify, gold: str, pred: str, budget_s: float) -> dict:
     start = time.process_time()
     _limit_cpu(start + budget_s + CPU_GRACE_S)
     try:
-        _armed = True
-        signal.setitimer(signal.ITIMER_PROF, max(budget_s, 1e-6), RETRY_S)
+        _armed = _HAS_CPU_TIMER
+        if _HAS_CPU_TIMER:
+            signal.setitimer(signal.ITIMER_PROF, max(budget_s, 1e-6), RETRY_S)
         equal = bool(verify(parse(gold, parsing_timeout=None), parse(pred, parsing_timeout=None),
                             timeout_seconds=None))
         _armed = False  # before any call, so that the timer cannot raise past this point
@@ -103,7 +108,8 @@ def _compare(parse, verify, gold: str, pred: str, budget_s: float) -> dict:
         over = True
     finally:
         _armed = False
-        signal.setitimer(signal.ITIMER_PROF, 0)
+        if _HAS_CPU_TIMER:
+            signal.setitimer(signal.ITIMER_PROF, 0)
     return {"over_budget": True} if over else {"equal": equal}
 
 
@@ -111,7 +117,6 @@ def main() -> None:
     _exit_with_parent()
     out = sys.stdout.buffer
     _set_limits()
-    signal.signal(signal.SIGPROF, _on_cpu_timer)
     try:
         import importlib.metadata
         import logging
