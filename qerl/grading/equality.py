@@ -277,6 +277,39 @@ def _percent_twins(p: str, g: str, raw_p: str, raw_g: str) -> bool:
     return False
 
 
+_LABELLED_RE = re.compile(r"\s*((?:[A-Za-z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?|[A-Z]{2,3})\s*=\s*(\S.*)", re.DOTALL)
+
+
+def _labelled_values(raw: str) -> dict[str, str] | None:
+    """{label: value} of a list of named values ("a=2, b=3", "AB=4; CD=5"); None for anything else, and for the
+    roots of one unknown ("x_1=2, x_2=3", "x=2 or x=3"), which are a set in any order."""
+    items = _split_top(_WORD_JOINER_RE.sub(",", raw.strip().strip("$").replace(";", ",")), ",")
+    if not items or len(items) < 2 or len(items) > MAX_ITEMS:
+        return None
+    values: dict[str, str] = {}
+    for item in items:
+        named = _LABELLED_RE.fullmatch(item)
+        if named is None:
+            return None
+        label = re.sub(r"[{}\s]", "", named.group(1))
+        if label in values:
+            return None
+        values[label] = named.group(2)
+    if len({label.split("_")[0] for label in values}) == 1:
+        return None
+    return values
+
+
+def _by_label(pred: str, gold: str) -> bool | None:
+    """Two lists of the same named values ("b=3, a=2" and "a=2,b=3") compared name by name: True if every value
+    matches its namesake; None (not decided here) otherwise, or if they are not two such lists. A set comparison
+    would call "a=3, b=2" right."""
+    named_p, named_g = _labelled_values(pred), _labelled_values(gold)
+    if named_p is None or named_g is None or named_p.keys() != named_g.keys():
+        return None
+    return all(_equal(normalize_answer(named_p[k]), normalize_answer(named_g[k]), 0, Budget()) for k in named_p) or None
+
+
 def _choice_value_equal(p: str, g: str, raw_p: str, raw_g: str) -> bool:
     """"(D) 18" against "18": a multiple-choice answer that also states the value is right by its value too."""
     for raw, other in ((raw_p, g), (raw_g, p)):
@@ -293,6 +326,9 @@ def own_verdict(pred: str, gold: str) -> bool | None:
         if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return False
         p, g = normalize_answer(pred), normalize_answer(gold)
+        by_label = _by_label(pred, gold)
+        if by_label is not None or _labelled_values(pred) and _labelled_values(gold):
+            return by_label  # True, or None: math-verify decides (a set comparison would ignore the names)
         if (_equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g) or _percent_twins(p, g, pred, gold)
                 or _choice_value_equal(p, g, pred, gold)):
             return True

@@ -116,6 +116,8 @@ CASES: list[tuple[str, str, int, str]] = [
     (r"The interest rate is 5 percent.", "0.05", 1, "'percent' in words"),
     (r"So the share is \boxed{33\frac{1}{3}\%}.", r"\frac13", 1, "a mixed-number percent against a fraction"),
     (r"So the share is \boxed{33.3\%}.", r"\frac13", 0, "a rounded percent against a fraction"),
+    (r"The decimal is $\boxed{0.\overline{36}}$.", r"\frac{4}{11}", 1, "a repeating decimal is exact"),
+    (r"The decimal is $\boxed{0.36}$.", r"0.\overline{36}", 0, "a truncated repeating decimal"),
     (r"The discount is $\boxed{10\%}$.", "0.01", 0, "a percent off by a factor 10"),
     (r"So the rate is \boxed{25}.", "0.25", 0, "no percent sign: 25 is not 0.25"),
     # labelled roots
@@ -132,6 +134,8 @@ CASES: list[tuple[str, str, int, str]] = [
     (r"So $x = 3$ and $y = 4$.", "(3,4)", 1, "a pair given as two labelled spans"),
     (r"We have $a = 3$ and $b = 4$, so $c = 5$.", "5", 1, "spans joined by words are not one answer"),
     (r"The roots are \boxed{2, 4}.", "x_1=2, x_2=3", 0, "one root wrong"),
+    (r"So \boxed{b = 3, a = 2}.", "a=2, b=3", 1, "named values in another order"),
+    (r"So \boxed{a = 3, b = 2}.", "a=2, b=3", 0, "named values swapped: not roots of one unknown"),
     (r"The root is \boxed{2}.", "x_1=2, x_2=3", 0, "a root missing"),
     # multiple choice with its value
     (r"Hence, the answer is $\boxed{\textbf{(D)}\ 18}$.", "18", 1, "a choice letter and its value, value gold"),
