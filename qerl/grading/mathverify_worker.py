@@ -73,13 +73,14 @@ def _set_limits() -> None:
         pass
 
 
-def _limit_cpu(seconds: float) -> None:
-    """The kernel kills this process once its total CPU time passes `seconds` (whole seconds; where supported)."""
+def _limit_cpu(seconds: float | None) -> None:
+    """The kernel kills this process once its total CPU time passes `seconds` (whole seconds; where supported);
+    None: no limit (between requests, so that the CPU an idle worker spends over a long run never kills it)."""
     try:
         import resource
 
         _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-        soft = int(seconds) + 1
+        soft = hard if seconds is None else int(seconds) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
     except (ImportError, ValueError, OSError):
         pass
@@ -110,6 +111,7 @@ def _compare(parse, verify, gold: str, pred: str, budget_s: float) -> dict:
         _armed = False
         if _HAS_CPU_TIMER:
             signal.setitimer(signal.ITIMER_PROF, 0)
+        _limit_cpu(None)
     return {"over_budget": True} if over else {"equal": equal}
 
 
