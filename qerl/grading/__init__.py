@@ -35,7 +35,9 @@ __all__ = ["Grade", "grade", "grade_all", "grader_info", "stats", "start_worker"
            "normalize_answer"]
 
 GRADER = "qerl.grading"
-RULE_VERSION = 2  # bump when a change of the rule (not a bug fix) changes scores: 1 was qerl's grader before #29
+# Bump when a change of the rule (not a bug fix) changes scores: 1 was qerl's grader before #29; 3 (#47) takes the
+# last box after a retraction, lists of math spans, percent against share, named values by name.
+RULE_VERSION = 3
 # math-verify's CPU time per graded completion (the worker's own, measured there; waiting is not counted). The
 # slowest legitimate case of tests/grading_cases/ needs 0.76 s; a loaded machine stretches CPU time a little (shared
 # caches): 2 s keeps every case well inside, and a hostile answer costs at most that.

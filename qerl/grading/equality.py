@@ -300,14 +300,10 @@ def _labelled_values(raw: str) -> dict[str, str] | None:
     return values
 
 
-def _by_label(pred: str, gold: str) -> bool | None:
-    """Two lists of the same named values ("b=3, a=2" and "a=2,b=3") compared name by name: True if every value
-    matches its namesake; None (not decided here) otherwise, or if they are not two such lists. A set comparison
-    would call "a=3, b=2" right."""
-    named_p, named_g = _labelled_values(pred), _labelled_values(gold)
-    if named_p is None or named_g is None or named_p.keys() != named_g.keys():
-        return None
-    return all(_equal(normalize_answer(named_p[k]), normalize_answer(named_g[k]), 0, Budget()) for k in named_p) or None
+def _same_named_values(named_p: dict[str, str], named_g: dict[str, str]) -> bool:
+    """Two lists of named values ("b=3, a=2" and "a=2,b=3") that match name by name."""
+    return named_p.keys() == named_g.keys() and all(
+        _equal(normalize_answer(named_p[k]), normalize_answer(named_g[k]), 0, Budget()) for k in named_p)
 
 
 def _choice_value_equal(p: str, g: str, raw_p: str, raw_g: str) -> bool:
@@ -325,10 +321,10 @@ def own_verdict(pred: str, gold: str) -> bool | None:
     try:
         if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return False
+        named_p, named_g = _labelled_values(pred), _labelled_values(gold)
+        if named_p is not None and named_g is not None:  # a set comparison would call "a=3, b=2" right
+            return True if _same_named_values(named_p, named_g) else None  # else math-verify decides
         p, g = normalize_answer(pred), normalize_answer(gold)
-        by_label = _by_label(pred, gold)
-        if by_label is not None or _labelled_values(pred) and _labelled_values(gold):
-            return by_label  # True, or None: math-verify decides (a set comparison would ignore the names)
         if (_equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g) or _percent_twins(p, g, pred, gold)
                 or _choice_value_equal(p, g, pred, gold)):
             return True

@@ -184,12 +184,12 @@ class MathVerify:
             self._ensure_started()
             if self.unavailable is not None:
                 return None, False
-            # Waiting for a worker to load is no part of any answer's budget: the process's first worker (a trainer
-            # starts it before its first step), or a standby that a kill promoted before it had loaded. A wall-clock
-            # deadline here made the answers after a kill time out while the replacement imported sympy.
             if self._active.proc.poll() is not None and self._active.version is not None:
                 self._retire_active()  # died while idle (killed from outside): no answer's fault, the standby asks
                 self._ensure_started()
+            # Waiting for a worker to load is no part of any answer's budget: the process's first worker (a trainer
+            # starts it before its first step), or a standby that a kill promoted before it had loaded. A wall-clock
+            # deadline here made the answers after a kill time out while the replacement imported sympy.
             ready = self._active.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
             if not ready:  # the worker could not load math-verify: grade without it
                 if ready is None:
