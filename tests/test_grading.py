@@ -171,7 +171,6 @@ def test_a_worker_stuck_in_one_c_call_is_killed_by_the_kernels_cpu_limit() -> No
     import signal
     import subprocess
     import sys
-
     from pathlib import Path
 
     worker = str(Path(mv.__file__).with_name("mathverify_worker.py"))
@@ -201,8 +200,10 @@ MATH_VERIFY_PAIRS = [
 def test_timeouts_do_not_cascade_into_the_next_answers() -> None:
     """Issue #47: after hostile answers over their budget, the next correct answers still score 1 (they were scored
     0 while a killed worker's replacement loaded: six in a row on a loaded machine)."""
-    for i in range(3):
-        assert grade(SLOW_SUM % (10**6 + i), "5", cpu_budget_s=0.2).timed_out
+    before = grading.stats()["timeouts"]
+    for i in range(3):  # new pairs each: asked, not answered from the cache
+        assert grade(SLOW_SUM % (10**6 + 10 + i), "5", cpu_budget_s=0.2).timed_out
+    assert grading.stats()["timeouts"] == before + 3
     for i in range(6):
         completion, gold, expected = MATH_VERIFY_PAIRS[i % len(MATH_VERIFY_PAIRS)]
         got = grade(completion % (40 + i), gold % (40 + i))
