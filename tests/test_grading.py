@@ -210,17 +210,6 @@ def test_timeouts_do_not_cascade_into_the_next_answers() -> None:
         assert (got.score, got.decided_by) == (expected, "math-verify"), (i, got)
 
 
-def test_a_worker_that_died_while_idle_costs_no_answer() -> None:
-    """A worker killed from outside between two answers (the OOM killer, an operator) is replaced before the next
-    answer is asked, which gets its verdict and counts no timeout."""
-    worker = grading._mathverify.members[0]._active.proc
-    worker.kill()
-    worker.wait()
-    before = grading.stats()["timeouts"]
-    got = grade("The solution is $\\boxed{-x > -70}$.", "x<70")
-    assert (got.score, got.decided_by) == (1.0, "math-verify") and grading.stats()["timeouts"] == before
-
-
 def test_after_a_killed_worker_the_next_answers_wait_for_the_standby(monkeypatch) -> None:
     """A worker that must be killed (stuck past the wall-clock backstop) hands over to its standby; the answers after
     it get their verdicts even while the standby is still loading, instead of timing out."""
@@ -263,6 +252,17 @@ def test_scores_do_not_depend_on_the_machines_load(cpu_hogs) -> None:
     idle = scores()
     cpu_hogs()
     assert scores() == idle == [(0.0, "timeout")] + [(e, "math-verify") for *_, e in MATH_VERIFY_PAIRS]
+
+
+def test_a_worker_that_died_while_idle_costs_no_answer() -> None:
+    """A worker killed from outside between two answers (the OOM killer, an operator) is replaced before the next
+    answer is asked, which gets its verdict and counts no timeout."""
+    worker = grading._mathverify.members[0]._active.proc
+    worker.kill()
+    worker.wait()
+    before = grading.stats()["timeouts"]
+    got = grade("The solution is $\\boxed{-x > -70}$.", "x<70")
+    assert (got.score, got.decided_by) == (1.0, "math-verify") and grading.stats()["timeouts"] == before
 
 
 def test_grading_works_without_math_verify(monkeypatch) -> None:
