@@ -58,8 +58,7 @@ def math_verify_score(completion: str, gold: str) -> float:
 def accuracy_table(old_ref: str) -> None:
     old = old_grader(old_ref)
     grading.start_worker(wait=True)
-    graders = {f"qerl (new, {grading.DEADLINE_S} s deadline)": lambda c, g: grading.grade(c, g).score,
-               "qerl (new, 30 s deadline)": lambda c, g: grading.grade(c, g, deadline_s=30.0).score,
+    graders = {f"qerl ({grading.CPU_BUDGET_S} s CPU budget)": lambda c, g: grading.grade(c, g).score,
                "math-verify 0.9.0": math_verify_score, f"qerl (old, {old_ref})": old}
     print("| set | n | " + " | ".join(graders) + " |\n|---|---|" + "---|" * len(graders))
     for name, cases in (("math-verify's suite (judged)", math_verify_suite()),

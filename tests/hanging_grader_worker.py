@@ -1,5 +1,6 @@
-"""A math-verify worker that says it is ready, then never answers: what sympy stuck on an expression looks like to
-qerl.grading. Run as `python -m tests.hanging_grader_worker` by tests/test_grading.py."""
+"""A math-verify worker that says it is ready, then never answers and uses no CPU (blocked, so its CPU budget never
+runs out): only qerl.grading's wall-clock backstop ends it. Run as `python -m tests.hanging_grader_worker` by
+tests/test_grading.py."""
 
 import json
 import sys

@@ -186,11 +186,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("completion, gold, expected", CASES)
-def test_score_table(completion: str, gold: str, expected: int, monkeypatch) -> None:
-    from qerl import grading
-
-    monkeypatch.setattr(grading, "DEADLINE_S", 30.0)  # the table tests the rule: a loaded machine must not flip it
-    assert score(completion, gold) == expected
+def test_score_table(completion: str, gold: str, expected: int) -> None:
+    assert score(completion, gold) == expected  # math-verify's budget is CPU time: a loaded machine cannot flip it
 
 
 def test_score_is_symmetric_in_gold_form() -> None:
@@ -293,11 +290,14 @@ def test_hostile_completions_score_zero_fast(completion: str) -> None:
 
 
 def test_large_unordered_answers_stay_bounded() -> None:
-    """50-item answers that need symbolic matching cost a bounded number of comparisons."""
-    pred = "\\boxed{" + ",".join(f"x+{i}" for i in range(50)) + "}"
+    """50-item answers that need symbolic matching cost qerl's own equality a bounded number of comparisons (what it
+    cannot decide goes to math-verify, bounded by its CPU budget: tests/test_grading.py)."""
+    from qerl.grading.equality import own_verdict
+
+    pred = ",".join(f"x+{i}" for i in range(50))
     start = time.perf_counter()
-    assert score(pred, ",".join(f"x+{i}" for i in reversed(range(50)))) == 1.0
-    assert score(pred, ",".join(f"{i}+y" for i in range(50))) == 0.0
+    assert score(f"\\boxed{{{pred}}}", ",".join(f"x+{i}" for i in reversed(range(50)))) == 1.0
+    assert own_verdict(pred, ",".join(f"{i}+y" for i in range(50))) is None
     assert time.perf_counter() - start < 2.0
 
 

@@ -13,13 +13,14 @@ import re
 from fractions import Fraction
 
 from qerl.grading.limits import MAX_ANSWER_CHARS
-from qerl.grading.normalize import is_words, normalize_answer, text_key
+from qerl.grading.normalize import choice_value, is_words, normalize_answer, text_key
 from qerl.grading.symbolic import MAX_NUMBER_DIGITS, Budget, symbolic_equal, to_sympy
 
 MAX_ITEMS = 50  # elements of a tuple / set / matrix
 
 
 _MATRIX_RE = re.compile(r"\\begin\{([pbvB]?matrix)\}(.*)\\end\{\1\}", re.DOTALL)
+_WORD_JOINER_RE = re.compile(r"\s+(?:and|or)\s+")
 _OPEN, _CLOSE = "([{", ")]}"
 
 
@@ -77,7 +78,7 @@ def _structure(s: str) -> tuple[str, str, list[str]] | None:
     if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and (items := _split_top(s[1:-1], ",")):
         if len(items) > 1:
             return "seq", s[0] + s[-1], items
-    items = _split_top(s, ",")
+    items = _split_top(_WORD_JOINER_RE.sub(",", s), ",")  # "x=2 or x=3", "-3 and \\frac{1}{2}": roots
     if items and len(items) > 1:
         return "set", "", [x for item in items for x in _expand_pm(item)]
     if len(_expand_pm(s)) == 2:
@@ -258,14 +259,74 @@ def _decimal_comma_twins(p: str, g: str) -> bool:
     return False
 
 
+_PERCENT_RE = re.compile(r"%|\bpercent\b", re.IGNORECASE)
+
+
+def _percent_twins(p: str, g: str, raw_p: str, raw_g: str) -> bool:
+    """"25\\%" and "0.25" (or "\\frac14"; "33\\frac13\\%" and "\\frac13"): a percent on one side only, against its
+    value as a share. (Against "25", the percent sign is dropped as a unit: normalization.) Exact for plain numbers;
+    to 12 significant digits for the rest (a rounded share such as 33.3% stays wrong)."""
+    for a, raw_a, b, raw_b in ((p, raw_p, g, raw_g), (g, raw_g, p, raw_p)):
+        if _PERCENT_RE.search(raw_a) and not _PERCENT_RE.search(raw_b):
+            plain = _as_fraction(a)
+            if plain is not None:
+                share = plain / 100
+                return _equal(f"{share.numerator}/{share.denominator}", b, 0, Budget())
+            value, other = _number_value(a), _number_value(b)
+            return value is not None and other is not None and abs(value / 100 - other) <= 1e-12 * max(1, abs(other))
+    return False
+
+
+_LABELLED_RE = re.compile(r"\s*((?:[A-Za-z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?|[A-Z]{2,3})\s*=\s*(\S.*)", re.DOTALL)
+
+
+def _labelled_values(raw: str) -> dict[str, str] | None:
+    """{label: value} of a list of named values ("a=2, b=3", "AB=4; CD=5"); None for anything else, and for the
+    roots of one unknown ("x_1=2, x_2=3", "x=2 or x=3"), which are a set in any order."""
+    items = _split_top(_WORD_JOINER_RE.sub(",", raw.strip().strip("$").replace(";", ",")), ",")
+    if not items or len(items) < 2 or len(items) > MAX_ITEMS:
+        return None
+    values: dict[str, str] = {}
+    for item in items:
+        named = _LABELLED_RE.fullmatch(item)
+        if named is None:
+            return None
+        label = re.sub(r"[{}\s]", "", named.group(1))
+        if label in values:
+            return None
+        values[label] = named.group(2)
+    if len({label.split("_")[0] for label in values}) == 1:
+        return None
+    return values
+
+
+def _same_named_values(named_p: dict[str, str], named_g: dict[str, str]) -> bool:
+    """Two lists of named values ("b=3, a=2" and "a=2,b=3") that match name by name."""
+    return named_p.keys() == named_g.keys() and all(
+        _equal(normalize_answer(named_p[k]), normalize_answer(named_g[k]), 0, Budget()) for k in named_p)
+
+
+def _choice_value_equal(p: str, g: str, raw_p: str, raw_g: str) -> bool:
+    """"(D) 18" against "18": a multiple-choice answer that also states the value is right by its value too."""
+    for raw, other in ((raw_p, g), (raw_g, p)):
+        value = choice_value(raw)
+        if value is not None and _equal(value, other, 0, Budget()):
+            return True
+    return False
+
+
 def own_verdict(pred: str, gold: str) -> bool | None:
     """qerl's own verdict: True (equal), False (surely not: two plain numbers or words that differ, or an answer
     too long to be one), None (not proven either way: math-verify decides). Bounded work, never raises."""
     try:
         if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return False
+        named_p, named_g = _labelled_values(pred), _labelled_values(gold)
+        if named_p is not None and named_g is not None:  # a set comparison would call "a=3, b=2" right
+            return True if _same_named_values(named_p, named_g) else None  # else math-verify decides
         p, g = normalize_answer(pred), normalize_answer(gold)
-        if _equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g):
+        if (_equal(p, g, 0, Budget()) or _decimal_comma_twins(p, g) or _percent_twins(p, g, pred, gold)
+                or _choice_value_equal(p, g, pred, gold)):
             return True
         return False if _surely_different(p, g, pred, gold) else None
     except Exception:

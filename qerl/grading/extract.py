@@ -4,17 +4,23 @@ The rule, in order (the first that applies decides):
   1. Markers. The latest of: the last group of boxes, an "answer is ..." / "Answer: ..." phrase (to the end of
      its sentence), a `#### N` line. So "\boxed{200} ... Final Answer: the final answer is $10,455$." is 10,455;
      but a phrase after a box with neither math nor a choice letter ("so our answer is correct") is commentary.
-     - Boxes (`\boxed{}` / `\fbox{}`): boxes joined by a connective (`,` `;` `&` "and" "or") or by no words at
-       all, with no sentence end, colon or blank line between them (and at most MAX_JOINER_CHARS apart) form one
-       answer, read as a list: `\boxed{2} and \boxed{3}` is `2, 3`; a repeated box counts once. A box followed by
-       a sentence end, a colon or a blank line before a later box is a draft: "\boxed{12}. Wait... \boxed{15}" is
-       15. An unclosed last box, or more than MAX_BOXES in a group, means no answer (no fallback to numbers).
+     - Boxes (`\boxed{}` / `\fbox{}`): the last box is the answer, unless boxes are joined into a list: by a
+       connective (`,` `;` `&` "and" "or") or by no words at all, with at most MAX_JOINER_WORDS other words between
+       them ("\boxed{1} papers and \boxed{2} bins", "\boxed{(3,3)} for part (a) and \boxed{(1,1)}") and none that
+       takes the earlier box back ("no", "but", "actually", "rather", "answer", ...: RETRACTING), no sentence end,
+       colon or blank line, and at most MAX_JOINER_CHARS characters. So
+       `\boxed{2} and \boxed{3}` is `2, 3`; a repeated box counts once; "\boxed{12}. Wait... \boxed{15}" and
+       "\boxed{5}, but rechecking, the answer is \boxed{9}" are drafts, then the answer (15, 9). An unclosed last
+       box, or more than MAX_BOXES in a group, means no answer (no fallback to numbers).
      - A phrase: "The answer is not 5" is a marker without an answer. A sentence after the marker gives what
        follows its last " is " ("Answer: The largest $n$ is 34" is 34); one that opens with words gives its first
        math span or number ("Final Answer: Jane started 3 hours ago" is 3).
-  2. No marker: the last math span (`$..$`, `$$..$$`, `\(..\)`, `\[..\]`), unless a number follows it in plain
-     text; a reply that is all math ("17 + 25 = 42", "\frac{10}{9}") is its own answer; else the last number
-     that is not part of a word ("1 000", "1,024", "2,74" kept whole).
+     - A phrase whose answer opens with a math span ("The answer is\n$$\n42\n$$") gives that span.
+  2. No marker: the last math span (`$..$`, `$$..$$`, `\(..\)`, `\[..\]`; "$ \n 9 \n $" is 9, but inline math
+     whose content itself runs over lines is no answer), with the spans before it that only a connective joins to
+     it ("$x = 1$ and $x = -2$" is a list, as boxes are), unless a number follows it in plain text; a reply that is
+     all math ("17 + 25 = 42", "\frac{10}{9}") is its own answer; else the last number that is not part of a word
+     ("1 000", "1,024", "2,74" kept whole), with a percent sign or "percent" after it ("25%").
 
 Every scan is bounded: only the last SCAN_CHARS of a completion are read, and each search looks at most
 MAX_ANSWER_CHARS around the place it looks at, so a 10 MB completion costs what its tail costs.
@@ -39,11 +45,16 @@ _BREAK_RE = re.compile(r"[.!?:](?:\s|$)|\n\s*\n")
 _CONNECTIVE_RE = re.compile(r"[,;&]|\b(?:and|or)\b")  # "\boxed{1} papers and \boxed{2} bins" is one answer
 _LETTER_RE = re.compile(r"[A-Za-z]")  # words without a connective: "\boxed{1} no no no \boxed{2}" is not
 _COMMAND_RE = re.compile(r"\\[A-Za-z]+")
+# Words between two boxes that take the earlier one back: the later box is the answer, not a second item.
+RETRACTING = frozenset(
+    "no not nope but wait actually rather instead oops hmm sorry correction corrected correct mistake wrong error "
+    "recheck rechecking recompute recomputing recalculate recalculating redo check checking let verify answer "
+    "final so thus hence therefore".split())
+MAX_JOINER_WORDS = 3  # words other than "and"/"or" between two boxes of one group: "\text{ for part (a) and }"
 # $$..$$, $..$ (an escaped \$ inside is text), \(..\), \[..\]
 _MATH_SPAN_RE = re.compile(
     r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$((?:[^$]|(?<=\\)\$)+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]",
     re.DOTALL)
-_INLINE_NEWLINE_RE = re.compile(r"^\s*\n|\n\s*$")
 # A number not glued to a preceding letter/closing paren (so "x-3", "2010-2015", "AZYUK2A" give 3, 2015, none);
 # thousands with commas or single spaces ("1,024", "1 000"), a decimal comma ("2,74"), a fraction "3/4".
 _NUMBER_RE = re.compile(
@@ -51,6 +62,8 @@ _NUMBER_RE = re.compile(
     r"(?:\.\d+)?(?:/\d+)?|(?<![A-Za-z\d.])\.\d+",
     re.ASCII,
 )
+_SPAN_JOINER_RE = re.compile(r"\s*(?:,\s*(?:and|or)?|and|or)\s*")  # between the math spans of one answer
+_PERCENT_AFTER_RE = re.compile(r"\s?(?:\\?%|percent\b)", re.IGNORECASE)
 _MATHLIKE_RE = re.compile(r"[\d$\\]")
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # an English word, not a \command
 _TEXT_RUN_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")  # "So", "cm": a reply with one is not all math
@@ -98,6 +111,10 @@ def _box_at(text: str, start: int) -> tuple[str | None, int]:
 def _joins(between: str) -> bool:
     """Whether the text between two boxes makes them one answer (see the module's rule 1)."""
     if len(between) > MAX_JOINER_CHARS or _BREAK_RE.search(between):
+        return False
+    words = [w.lower() for w in _TEXT_RUN_RE.findall(between)]
+    others = [w for w in words if w not in ("and", "or")]
+    if len(others) > MAX_JOINER_WORDS or RETRACTING.intersection(others):
         return False
     return bool(_CONNECTIVE_RE.search(between)) or not _LETTER_RE.search(_COMMAND_RE.sub("", between))
 
@@ -181,9 +198,16 @@ def _phrase_answer(text: str) -> tuple[int, str | None]:
     if last:
         phrase_at = last.start()
         tail = text[last.end() : last.end() + MAX_ANSWER_CHARS + 1]
-        phrase = None if last.group("neg") else _clip_phrase(tail.lstrip(" \t\n:*")).strip() or None
-        if phrase is not None:
-            phrase = _answer_in_sentence(phrase)
+        rest = tail.lstrip(" \t\n:*")
+        display = _MATH_SPAN_RE.match(rest)
+        if last.group("neg"):
+            phrase = None
+        elif display and "\n" in display.group(0):  # "The answer is\n$$\n42\n$$": a line would cut it
+            phrase = display.group(0)
+        else:
+            phrase = _clip_phrase(rest).strip() or None
+            if phrase is not None:
+                phrase = _answer_in_sentence(phrase)
     hash_at = text.rfind("####")
     if hash_at > phrase_at:
         line = text[hash_at + 4 : hash_at + 4 + MAX_ANSWER_CHARS + 1].split("\n", 1)[0].strip()
@@ -201,32 +225,48 @@ def _last_number(text: str) -> tuple[int, str | None]:
     last = None
     for last in _NUMBER_RE.finditer(text[offset : last_digit + 1]):
         pass
-    return (offset + last.end(), last.group(0)) if last else (-1, None)
-
-
-def _last_math_span(text: str) -> tuple[int, str | None]:
-    """(end, content) of the last `$..$` / `$$..$$` / `\\(..\\)` / `\\[..\\]` in the tail of `text`."""
-    offset = max(0, len(text) - TAIL_CHARS)
-    last = None
-    for last in _MATH_SPAN_RE.finditer(text, offset):
-        pass
     if last is None:
         return -1, None
-    inline = last.group(2) if last.group(2) is not None else last.group(3)
-    if inline is not None and _INLINE_NEWLINE_RE.search(inline):
-        return last.end(), None  # "$ \n 9 \n $": inline math does not span lines (math-verify's rule too)
-    content = next(g for g in last.groups() if g is not None).strip()
-    return (last.end(), content) if content and len(content) <= MAX_ANSWER_CHARS else (-1, None)
+    end = offset + last.end()
+    percent = _PERCENT_AFTER_RE.match(text, end)  # "25%", "5 percent": the percent is part of the answer
+    return (percent.end(), last.group(0) + "%") if percent else (end, last.group(0))
 
 
-def _unmarked_answer(text: str) -> str | None:
+def _span_content(span: re.Match) -> str | None:
+    inline = span.group(2) if span.group(2) is not None else span.group(3)
+    content = next(g for g in span.groups() if g is not None).strip()
+    if inline is not None and "\n" in content:
+        return None  # inline math runs over lines only by mistake ("$5 for him\nand $"): not a span
+    return content if content and len(content) <= MAX_ANSWER_CHARS else None
+
+
+def _last_math_spans(text: str) -> tuple[int, list[str] | None]:
+    """(end, contents) of the last `$..$` / `$$..$$` / `\\(..\\)` / `\\[..\\]` in the tail of `text`, with the spans
+    before it that a bare connective joins to it ("$x = 1$ and $x = -2$": both roots; as with boxes, at most
+    MAX_BOXES, a repeated one counted once)."""
+    offset = max(0, len(text) - TAIL_CHARS)
+    spans = list(_MATH_SPAN_RE.finditer(text, offset))
+    if not spans or _span_content(spans[-1]) is None:
+        return -1, None
+    group = [spans[-1]]
+    for span in reversed(spans[:-1]):
+        if (len(group) >= MAX_BOXES or _span_content(span) is None
+                or not _SPAN_JOINER_RE.fullmatch(text, span.end(), group[0].start())):
+            break
+        group.insert(0, span)
+    return spans[-1].end(), list(dict.fromkeys(_span_content(span) for span in group))
+
+
+def _unmarked_answer(text: str) -> list[str] | None:
     tail = text[-TAIL_CHARS:].strip()
     if len(tail) <= MAX_ANSWER_CHARS and tail == text.strip() and not _TEXT_RUN_RE.search(
             re.sub(r"\\text\{[^{}]*\}", "", tail)) and "$" not in tail:
-        return tail or None  # the whole reply is math: "17 + 25 = 42", "\frac{10}{9}", "1 000"
-    span_end, span = _last_math_span(text)
+        return [tail] if tail else None  # the whole reply is math: "17 + 25 = 42", "\frac{10}{9}", "1 000"
+    spans_end, spans = _last_math_spans(text)
     number_end, number = _last_number(text)
-    return span if span_end >= number_end else number
+    if spans_end >= number_end:
+        return spans
+    return None if number is None else [number]
 
 
 def _marked_answer(text: str) -> tuple[bool, list[str] | None]:
@@ -246,8 +286,7 @@ def final_answers(text: str) -> list[str] | None:
     found, answers = _marked_answer(text)
     if found:
         return answers
-    answer = _unmarked_answer(text)
-    return None if answer is None else [answer]
+    return _unmarked_answer(text)
 
 
 def extract_answer(text: str) -> str | None:

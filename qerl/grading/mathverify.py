@@ -1,11 +1,17 @@
-"""math-verify, asked in a worker process under a deadline: the grader's slow path, which cannot hang its caller.
+"""math-verify, asked in a worker process under a CPU-time budget: the grader's slow path, which cannot hang its caller.
 
 math-verify (HuggingFace's reference grader, the one TRL and open-r1 use) parses LaTeX into sympy and compares with
 sympy, which can take any time on a short input (`2^{2^{2^{2^{2}}}}`); its own timeouts use signal alarms, which only
-work on the main thread. Threads cannot be stopped, so math-verify runs in a child process (`python -m
-qerl.grading.mathverify_worker`) and a request that misses its deadline kills that process. The first worker starts
-when math-verify is first needed (or on `start()`); from then on a standby is kept started, so a request after a kill
-does not wait for an import of sympy (about a second).
+work on the main thread. So math-verify runs in a child process (`python -m qerl.grading.mathverify_worker`).
+
+A request's budget is the worker's own CPU time for that comparison (qerl.grading.mathverify_worker enforces it and
+stays alive), never wall time: a verdict must not depend on the machine's load, on a worker still loading, or on the
+answers graded before it (a wall-clock deadline made correct answers time out while a killed worker's replacement
+imported sympy: the "timeout cascade" of issue #47). Waiting is not charged: for a worker to load (up to
+STARTUP_TIMEOUT_S), for another request to finish. Only a worker that stops answering altogether (WALL_BACKSTOP_S, far
+beyond any budget) or dies (the kernel's CPU limit on a C call that Python cannot interrupt, memory) is killed; its
+standby, started as soon as the first worker was ready, takes over, and the next request waits for it if it is still
+loading.
 
 Everything here is thread-safe (requests are serialized); `equal()` never raises.
 """
@@ -29,7 +35,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 60.0  # a worker's import of math-verify and sympy (about 1 s; more on a loaded machine)
+STARTUP_TIMEOUT_S = 60.0  # a worker's import of math-verify and sympy and its warm-up (~2 s of CPU)
+# A worker that has not answered one request after this long is stuck (blocked, or starved far beyond any load a run
+# survives: a 2 s CPU budget at 1/30 of a core); it is killed. Not a deadline: scores must not depend on load.
+WALL_BACKSTOP_S = 60.0
 CACHE_SIZE = 4096  # the trainer grades each completion twice (reward mix, then accuracy): the second is free
 
 
@@ -92,15 +101,15 @@ class _Worker:
                 self.unavailable = hello.get("unavailable", "unknown reply")
         return self.version is not None
 
-    def ask(self, gold: str, pred: str, deadline: float) -> bool | None:
-        """math-verify's verdict, or None if it did not come by `deadline`."""
+    def ask(self, gold: str, pred: str, cpu_budget_s: float) -> dict | None:
+        """The worker's reply ({"equal": bool} or {"over_budget": true}), or None if it died or went past the
+        wall-clock backstop (then it must be killed)."""
         try:
-            self.proc.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+            self.proc.stdin.write(json.dumps({"gold": gold, "pred": pred, "cpu_s": cpu_budget_s}).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:
             return None
-        reply = self.read_line(deadline)
-        return None if reply is None else bool(reply.get("equal"))
+        return self.read_line(time.monotonic() + WALL_BACKSTOP_S)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -114,8 +123,8 @@ class _Worker:
 
 
 class MathVerify:
-    """The worker in use and a standby; `equal()` asks the first, and on a missed deadline kills it and promotes the
-    standby. Counts the requests that timed out (`timeouts`)."""
+    """The worker in use and a standby; `equal()` asks the first; if it dies or gets stuck, it is killed and the
+    standby promoted. Counts the requests over their CPU budget (`timeouts`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -150,62 +159,61 @@ class MathVerify:
             if self._standby is None and self._ever_ready:
                 self._standby = _Worker()
 
-    def equal(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
-        """(verdict, timed out now): whether math-verify finds `pred` equal to `gold` (both as its `parse` takes
-        them), None when it did not answer by `deadline` (a time.monotonic() value) or is unavailable. A pair asked
-        again gets the first verdict from a cache; a timeout too (counted once: "timed out now" is False), unless the
-        new request has clearly more time than the first had."""
-        key, budget = (gold, pred), deadline - time.monotonic()
+    def equal(self, gold: str, pred: str, cpu_budget_s: float) -> tuple[bool | None, bool]:
+        """(verdict, over budget now): whether math-verify finds `pred` equal to `gold` (both as its `parse` takes
+        them), None when it needed more than `cpu_budget_s` seconds of the worker's CPU time (or the worker died or
+        got stuck), or is unavailable. A pair asked again gets the first verdict from a cache; an over-budget one too
+        (counted once: "over budget now" is False), unless the new request has a larger budget."""
+        key = (gold, pred)
         with self._lock:
             if key in self._cache:
                 verdict, had = self._cache[key]
-                if verdict is not None or budget <= 1.5 * had:  # the same deadline give or take: no second try
+                if verdict is not None or cpu_budget_s <= had:
                     self._cache.move_to_end(key)
                     return verdict, False
-        verdict, timed_out = self._ask(gold, pred, deadline)
+        verdict, over_budget = self._ask(gold, pred, cpu_budget_s)
         with self._lock:
             if self.unavailable is None:
-                self._cache[key] = (verdict, budget)
+                self._cache[key] = (verdict, cpu_budget_s)
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return verdict, timed_out
+        return verdict, over_budget
 
-    def _ask(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
+    def _ask(self, gold: str, pred: str, cpu_budget_s: float) -> tuple[bool | None, bool]:
         with self._lock:
             self._ensure_started()
             if self.unavailable is not None:
                 return None, False
-            # The process's first worker may take its time to load (once; a trainer starts it before its first
-            # step). A replacement after a kill gets only the request's deadline: a run of hostile answers must not
-            # make every later answer wait for a restart.
-            first = not self._ever_ready
-            waiting_since = time.monotonic()
-            ready = self._active.wait_ready(waiting_since + STARTUP_TIMEOUT_S if first else deadline)
-            if not ready and not first:  # a replacement still loading (or dead): this answer waits no longer
-                self.timeouts += 1
-                if ready is False:
-                    self._retire_active()
-                return None, True
-            if ready is None:
-                self._active.unavailable = f"the worker did not load within {STARTUP_TIMEOUT_S:.0f} s"
-            if not ready:  # the process's first worker could not load math-verify: grade without it
+            if self._active.proc.poll() is not None and self._active.version is not None:
+                self._retire_active()  # died while idle (killed from outside): no answer's fault, the standby asks
+                self._ensure_started()
+            # Waiting for a worker to load is no part of any answer's budget: the process's first worker (a trainer
+            # starts it before its first step), or a standby that a kill promoted before it had loaded. A wall-clock
+            # deadline here made the answers after a kill time out while the replacement imported sympy.
+            ready = self._active.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
+            if not ready:  # the worker could not load math-verify: grade without it
+                if ready is None:
+                    self._active.unavailable = f"the worker did not load within {STARTUP_TIMEOUT_S:.0f} s"
                 self.unavailable = self._active.unavailable
                 log.warning("math-verify unavailable (%s): grading with qerl's own equality only", self.unavailable)
                 self.close_locked()
                 return None, False
-            if first:
+            if not self._ever_ready:
                 self._ever_ready = True
                 self._ensure_started()  # the standby
-                deadline += time.monotonic() - waiting_since  # the one-time start is no fault of this answer
-            verdict = self._active.ask(gold, pred, deadline)
-            if verdict is None:  # missed its deadline, or died (e.g. out of memory): the standby takes over
+            reply = self._active.ask(gold, pred, cpu_budget_s)
+            if reply is None:  # died (the kernel's CPU limit, memory) or stuck: the standby takes over
                 self.timeouts += 1
                 self._retire_active()
-            return verdict, verdict is None
+                return None, True
+            if reply.get("over_budget"):  # interrupted in the worker, which stays ready for the next request
+                self.timeouts += 1
+                return None, True
+            return bool(reply.get("equal")), False
 
     def _retire_active(self) -> None:
-        """Promote the standby; kill the old worker and start a new standby off the request's clock (on a loaded
-        machine that takes tens of milliseconds)."""
+        """Promote the standby; kill the old worker and start a new standby on a thread (reaping a killed process
+        takes tens of milliseconds on a loaded machine: no request waits for it)."""
         dead, self._active, self._standby = self._active, self._standby, None
         threading.Thread(target=self._replace, args=(dead, self._closes), daemon=True,
                          name="qerl-mathverify-replace").start()
@@ -215,6 +223,12 @@ class MathVerify:
         with self._lock:
             if self.unavailable is None and self._standby is None and self._closes == closes:
                 self._standby = _Worker()
+
+    def forget(self) -> None:
+        """Drop the cached verdicts: the next request of a pair asks the worker again (a benchmark or a test grading
+        the same answers twice)."""
+        with self._lock:
+            self._cache.clear()
 
     def close_locked(self) -> None:
         if self._pid != os.getpid():
@@ -274,17 +288,14 @@ class MathVerifyPool:
             m.start()
         self.members[0].start(wait)
 
-    def equal(self, gold: str, pred: str, deadline: float) -> tuple[bool | None, bool]:
+    def equal(self, gold: str, pred: str, cpu_budget_s: float) -> tuple[bool | None, bool]:
         with self._lock:
             if (gold, pred) in self._cache:
                 self._cache.move_to_end((gold, pred))
                 return self._cache[(gold, pred)], False
-        try:  # the first idle worker; none free by the deadline: a timeout like any other
-            member = self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return None, True
+        member = self._idle.get()  # the first idle worker: waiting for one is no part of the budget
         try:
-            verdict, timed_out = member.equal(gold, pred, deadline)
+            verdict, over_budget = member.equal(gold, pred, cpu_budget_s)
         finally:
             self._idle.put(member)
         if verdict is not None:
@@ -292,7 +303,13 @@ class MathVerifyPool:
                 self._cache[(gold, pred)] = verdict
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return verdict, timed_out
+        return verdict, over_budget
+
+    def forget(self) -> None:
+        with self._lock:
+            self._cache.clear()
+        for m in self.members:
+            m.forget()
 
     def close(self) -> None:
         for m in self.members:

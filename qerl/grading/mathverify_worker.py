@@ -1,15 +1,22 @@
 """The math-verify worker: a child process that answers "are these two answers equal?" with HuggingFace math-verify.
 
 Protocol (one JSON object per line): it first writes {"ready": VERSION} (or {"unavailable": REASON}), then for each
-request {"gold": ..., "pred": ...} on stdin one reply {"equal": bool} on stdout. It exits when stdin closes (its parent
-is gone). math-verify's own timeouts are off (they use signal alarms): the parent enforces a deadline by killing this
-process, the one way to stop sympy for sure.
+request {"gold": ..., "pred": ..., "cpu_s": BUDGET} on stdin one reply on stdout: {"equal": bool}, or
+{"over_budget": true} when the comparison needed more than BUDGET seconds of this process's CPU time. It exits when
+stdin closes (its parent is gone).
+
+The budget is CPU time, not wall time, so that a verdict depends on the answer alone, not on how busy the machine is
+or on what was graded before. A CPU timer (ITIMER_PROF) interrupts math-verify in Python, which keeps this process
+and its warm parser for the next request; math-verify's own timeouts (wall-clock signal alarms) are off. Python
+cannot interrupt one long C call (a huge integer power), so the kernel's CPU limit (RLIMIT_CPU, CPU_GRACE_S past the
+budget) kills the process then; the parent counts that as over budget too and its standby takes over.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -22,6 +29,22 @@ WARM_UP = [
     ("$F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}$", "$-2 \\le x \\le 7$"), ("$x^2/4 + y^2/3 = 1$", "$x \\in [-2,7]$"),
 ]
 MEMORY_LIMIT_BYTES = 4 << 30  # address space: a runaway sympy expansion fails with MemoryError, not an OOM kill
+CPU_GRACE_S = 2  # CPU seconds past the budget after which the kernel kills a worker stuck in one C call
+RETRY_S = 0.05  # the CPU timer fires again this often until its exception gets through (a bare `except:` in sympy)
+
+
+class OverBudget(BaseException):
+    """Raised by the CPU timer inside math-verify. A BaseException: math-verify catches every Exception (and its own
+    TimeoutException) while it compares, and must not swallow this one."""
+
+
+_armed = False  # whether the CPU timer may raise: never outside a comparison
+_HAS_CPU_TIMER = hasattr(signal, "setitimer") and hasattr(signal, "SIGPROF")  # not on Windows: the backstop only
+
+
+def _on_cpu_timer(signum, frame) -> None:
+    if _armed:
+        raise OverBudget
 
 
 def _exit_with_parent() -> None:
@@ -37,20 +60,65 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _set_limits() -> None:
+    """Memory and core-file limits, and the CPU timer's handler: what a process needs before its first _compare."""
+    if _HAS_CPU_TIMER:
+        signal.signal(signal.SIGPROF, _on_cpu_timer)
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a worker killed by RLIMIT_CPU leaves no core file
+    except (ImportError, ValueError, OSError):  # not on every platform; the parent's wall-clock backstop still holds
+        pass
+
+
+def _limit_cpu(seconds: float | None) -> None:
+    """The kernel kills this process once its total CPU time passes `seconds` (whole seconds; where supported);
+    None: no limit (between requests, so that the CPU an idle worker spends over a long run never kills it)."""
+    try:
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        soft = hard if seconds is None else int(seconds) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def _write(out, obj: dict) -> None:
     out.write(json.dumps(obj).encode() + b"\n")
     out.flush()
 
 
+def _compare(parse, verify, gold: str, pred: str, budget_s: float) -> dict:
+    """math-verify's verdict on one pair within `budget_s` CPU seconds of this process."""
+    global _armed
+    start = time.process_time()
+    _limit_cpu(start + budget_s + CPU_GRACE_S)
+    try:
+        _armed = _HAS_CPU_TIMER
+        if _HAS_CPU_TIMER:
+            signal.setitimer(signal.ITIMER_PROF, max(budget_s, 1e-6), RETRY_S)
+        equal = bool(verify(parse(gold, parsing_timeout=None), parse(pred, parsing_timeout=None),
+                            timeout_seconds=None))
+        _armed = False  # before any call, so that the timer cannot raise past this point
+        over = time.process_time() - start > budget_s  # finished after an interruption something swallowed
+    except OverBudget:
+        _armed = False
+        over = True
+    finally:
+        _armed = False
+        if _HAS_CPU_TIMER:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+        _limit_cpu(None)
+    return {"over_budget": True} if over else {"equal": equal}
+
+
 def main() -> None:
     _exit_with_parent()
     out = sys.stdout.buffer
-    try:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
-    except (ImportError, ValueError, OSError):  # not on every platform; the parent's deadline still holds
-        pass
+    _set_limits()
     try:
         import importlib.metadata
         import logging
@@ -68,9 +136,7 @@ def main() -> None:
     for line in sys.stdin.buffer:
         try:
             request = json.loads(line)
-            gold = parse(request["gold"], parsing_timeout=None)
-            pred = parse(request["pred"], parsing_timeout=None)
-            reply = {"equal": bool(verify(gold, pred, timeout_seconds=None))}
+            reply = _compare(parse, verify, request["gold"], request["pred"], float(request["cpu_s"]))
         except Exception as err:  # noqa: BLE001 - math-verify and sympy raise anything on odd input: not equal
             reply = {"equal": False, "error": f"{type(err).__name__}"}
         _write(out, reply)

@@ -4,6 +4,7 @@ canonical string, so that equal strings mean equal answers and the cheap compari
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNICODE = {"\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u00b7": "\\cdot ",
             "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt", "\u00b0": "^\\circ", "\u00b1": "\\pm "}
@@ -21,11 +22,24 @@ _THOUSANDS_RE = re.compile(r"^-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")  # not "0,1
 _SPACED_THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _WORDS_RE = re.compile(r"[A-Za-z][A-Za-z\s'.\-]*")
 _BARE_LETTER_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]")  # a letter that is not part of a \command
-_CHOICE_RE = re.compile(r"\(([a-zA-Z])\)|\(([A-E])\)[\d\\-].*")
+_REPEATING_RE = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{?(\d{1,20})\}?")  # 0.\overline{3}, 1.2\overline{45}
+_CHOICE_RE = re.compile(r"\(([a-zA-Z])\)|\(([A-E])\)([\d\\-].*)")
 
 
 def normalize_answer(answer: str) -> str:
     """Canonical string for an extracted answer; equal strings mean equal answers."""
+    s = _canonical(answer)
+    choice = _CHOICE_RE.fullmatch(s)  # multiple choice "(B)", "\textbf{(C)}\ 12"
+    return (choice.group(1) or choice.group(2)).upper() if choice else s
+
+
+def choice_value(answer: str) -> str | None:
+    """The value after a multiple-choice letter, normalized: "\\textbf{(D)}\\ 18" -> "18"; None for other answers."""
+    choice = _CHOICE_RE.fullmatch(_canonical(answer))
+    return choice.group(3) if choice else None
+
+
+def _canonical(answer: str) -> str:
     s = answer.strip()
     spaced_list = bool(re.search(r",\s", s))  # "32, 349" is a list of two numbers; "32,349", "32,\!349" one number
     for char, latex in _UNICODE.items():
@@ -61,8 +75,18 @@ def normalize_answer(answer: str) -> str:
     s = re.sub(r"_\{(\w)\}", r"_\1", s)
     if _THOUSANDS_RE.match(s) and not spaced_list:
         s = s.replace(",", "")
-    choice = _CHOICE_RE.fullmatch(s)  # multiple choice "(B)", "\textbf{(C)}\ 12"
-    return (choice.group(1) or choice.group(2)).upper() if choice else s
+    repeating = _REPEATING_RE.fullmatch(s)
+    if repeating:
+        s = _repeating_as_fraction(*repeating.groups())
+    return s
+
+
+def _repeating_as_fraction(sign: str, whole: str, fixed: str, period: str) -> str:
+    """"0.\\overline{3}" -> "1/3", "1.2\\overline{45}" -> "137/110": a repeating decimal is an exact fraction."""
+    value = Fraction(int(whole or "0")) + Fraction(int(fixed + period) - int(fixed or "0"),
+                                                   10 ** len(fixed) * (10 ** len(period) - 1))
+    value = -value if sign else value
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
 def is_words(s: str) -> bool:

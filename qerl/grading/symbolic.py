@@ -308,7 +308,7 @@ def to_sympy(s: str) -> sympy.Expr | None:
 def too_large(s: str) -> bool:
     """Whether a normalized answer is over a size cap of qerl's parser (`100000!`, `\\binom{100000}{50000}`,
     `(x^{10000})^{10000}`, thousands of tokens): such an answer is graded 0 without asking math-verify, which would
-    spend its whole deadline on it (and a worker process) for nothing."""
+    spend its whole CPU budget on it for nothing."""
     if len(s) > MAX_ANSWER_CHARS:
         return True
     try:
