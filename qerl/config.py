@@ -109,8 +109,8 @@ class QuantSettings:
     # the GPU, so that GEMMs at many rows (decoding 64+ rows, prefill) run on FP8 tensor cores instead of the 4-bit
     # GEMM, which is compute-bound there (the dispatch measures both per shape and M, and keeps the faster); the FP8
     # update (model.base_gemm: fp8) reads it too. 1 byte per weight beside the 4-bit codes' 0.56. auto: on a GPU with
-    # FP8 tensor cores where the copies take at most a quarter of its memory (7B and 14B on 80 GB or more, not 32B on
-    # 80 GB); true: wherever FP8 tensor cores are; false: 4-bit weights only. Rollouts then differ from the update's
+    # FP8 tensor cores where the copies take at most a fifth of its memory (7B and 14B on 80 GB or more, never 32B);
+    # true: wherever FP8 tensor cores are; false: 4-bit weights only. Rollouts then differ from the update's
     # bf16 GEMMs by FP8's rounding: BENCHMARKS.md, "Rollouts at RL batch sizes", measures the log-prob gap.
     fp8_weights: Literal["auto", True, False] = "auto"
 
