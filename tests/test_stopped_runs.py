@@ -130,6 +130,21 @@ def test_a_metrics_file_with_a_bad_line_before_the_last_names_file_and_line(fini
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[2])["step"] == 2  # left as it was
 
 
+@pytest.mark.parametrize("line", ["[1, 2]", "3", '"x"', "null", '{"step": "two"}', '{"reward_mean": 0.5}'])
+def test_a_metrics_line_that_is_no_step_record_names_file_and_line(finished, tmp_path, here, line):
+    """Whole JSON that is not a step's record is no torn write: named, never dropped, and nothing is rewritten."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], line, *rows[1:]]) + "\n")
+    before = (run / "metrics.jsonl").read_bytes()
+    code, err = here(run, "--resume")
+    assert code == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"tiny-trainer: error: {run / 'metrics.jsonl'}:2: not a metrics "
+                                                   "record (")
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MiB tmpfs of its own, so a test can fill a disk without filling the machine's. Needs root (mount)."""
