@@ -138,6 +138,29 @@ def test_overwrite_replaces_the_previous_run(finished_run, tmp_path):
     assert notes.read_text() == "mine"  # only the run's own outputs go
 
 
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+@pytest.mark.parametrize("linked", ["adapter", "checkpoints"])
+def test_a_run_folder_whose_outputs_are_links_is_refused_before_anything_is_deleted(finished_run, tmp_path, qerl_here,
+                                                                                     linked, flag):
+    elsewhere = tmp_path / "elsewhere" / linked
+    if linked == "adapter":
+        elsewhere.parent.mkdir()
+        (finished_run / "adapter").rename(elsewhere)
+    else:
+        (elsewhere / "step-000002").mkdir(parents=True)
+        (elsewhere / "step-000002" / "notes.txt").write_text("someone else's")
+    (finished_run / linked).symlink_to(elsewhere, target_is_directory=True)
+    before, theirs = snapshot(finished_run), snapshot(elsewhere)
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", finished_run, flag)
+    assert code == 2, err
+    assert err.splitlines() == [
+        f"qerl: error: {finished_run / linked} is a symbolic link (to {elsewhere}): a run folder's outputs must be its "
+        "own, so qerl neither writes nor deletes through it; replace it with the files themselves, or choose another "
+        "--out (nothing was changed)"]
+    assert snapshot(finished_run) == before and snapshot(elsewhere) == theirs  # the metrics too
+    assert (finished_run / linked).is_symlink()
+
+
 def test_resume_on_an_empty_folder_starts_at_step_zero(tmp_path):
     with make_trainer(tiny_settings(tmp_path), tmp_path / "new", resume=True) as trainer:
         assert trainer.step == 0

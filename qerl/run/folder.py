@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl.errors import naming_a_full_disk
+from qerl.errors import BadInput, naming_a_full_disk
 from qerl.run import atomic, checkpoints, safestate
 from qerl.run.lock import FolderLock, run_folder_lock
 from qerl.run.manifest import write_manifest
@@ -194,10 +194,23 @@ def traces(folder: Path) -> list[str]:
     return found
 
 
+class LinkedOutput(BadInput):
+    """One of a run folder's outputs is a symbolic link; the message names it."""
+
+
 def check_start(folder: Path, resume: bool, overwrite: bool, has_checkpoint: bool) -> None:
-    """Refuse to start where it would lose a previous run's outputs; with `overwrite`, remove them first."""
+    """Refuse to start where it would lose a previous run's outputs; with `overwrite`, remove them first. Everything
+    is checked before anything is deleted."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other: continue the run, or replace it")
+    # A link would have the run write (and --overwrite delete) outside its folder, or fail half-way through a
+    # deletion (rmtree refuses links) after the metrics were gone: a run folder's outputs are its own.
+    for name in OUTPUTS:
+        path = folder / name
+        if path.is_symlink():
+            raise LinkedOutput(f"{path} is a symbolic link (to {os.readlink(path)}): a run folder's outputs must be "
+                               "its own, so qerl neither writes nor deletes through it; replace it with the files "
+                               "themselves, or choose another --out (nothing was changed)")
     found = traces(folder)
     if not found:
         if resume:
