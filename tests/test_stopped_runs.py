@@ -162,6 +162,24 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+@pytest.mark.parametrize("free", [0, 4096])
+def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_trace(small_disk, here, free):
+    """Out of space before the run has written anything: exit 2 naming what could not be written, and no empty lock
+    file, metrics file or run folder left behind (nothing a run did not need)."""
+    from tests.tiny_trainer_process import fill
+
+    run, filler = small_disk / "run", small_disk / "filler"
+    fill(filler)
+    if free:
+        with filler.open("r+b") as f:
+            f.truncate(filler.stat().st_size - free)
+    code, err = here(run)
+    assert code == 2, err
+    # the lock file with no space at all, the parameters with one page: a file of the run, by its name
+    assert err.strip().splitlines()[-1].startswith(f"tiny-trainer: error: No space left on device: {run}/"), err
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_after_freeing_space(finished, small_disk,
                                                                                                finish_here):
     run, filler = small_disk / "run", small_disk / "filler"

@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from qerl.errors import BadInput
+from qerl.errors import BadInput, naming_a_full_disk
 
 
 class FolderLocked(BadInput, RuntimeError):
@@ -67,9 +67,15 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
         self._fd = fd
+        try:
+            with naming_a_full_disk(self.path):  # the holder's name is the one thing a lock writes
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+                         .encode())
+        except BaseException:
+            self.release()  # the file, and the folder if we made it: a start that failed leaves no trace
+            raise
         if self.hand_over:
             _handed_over[self._key()] = self
         return self

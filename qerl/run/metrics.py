@@ -60,6 +60,8 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (a resumed run rewrites the steps after its checkpoint)."""
-        kept = [r for r in self.read() if r.get("step", 0) <= step]
+        text = "".join(json.dumps(r) + "\n" for r in self.read() if r["step"] <= step)
+        if text == (self.path.read_text(encoding="utf-8", errors="replace") if self.path.exists() else ""):
+            return  # nothing to drop: a fresh start writes no empty file (nor needs any space)
         with naming_a_full_disk(self.path):
-            atomic.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            atomic.write_text(self.path, text)
