@@ -356,6 +356,23 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
     stays applied, with fresh adapters). Returns the adapter's settings.
     """
     adapter_dir = Path(adapter_dir)
+    settings, loaded, expected = _fitting_adapter(model, adapter_dir, dtype)
+    with torch.no_grad():  # trained norms keep their pre-load base copy: adapters_disabled stays the base model
+        for key, target in expected.items():
+            target.copy_(loaded[key])
+    return settings
+
+
+def check_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
+    """Raise what `load_adapter` would (a ValueError naming the file) if the adapter does not fit `model`, whose LoRA
+    is already applied; changes nothing."""
+    _fitting_adapter(model, Path(adapter_dir))
+
+
+def _fitting_adapter(model: nn.Module, adapter_dir: Path, dtype: torch.dtype | None = None
+                     ) -> tuple[LoraSettings, dict[str, Tensor], dict[str, Tensor]]:
+    """The adapter's settings, its tensors and the model's LoRA tensors they go into, once both are known to fit
+    (LoRA is applied from the adapter's config if the model has none yet)."""
     config, settings = read_adapter_config(adapter_dir)
     if settings.train_norms:  # PEFT matches modules_to_save as plain name suffixes
         other = [n for n, m in model.named_modules()
@@ -366,7 +383,10 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
     if not lora_layers(model):
         apply_lora(model, settings, dtype)
     else:
-        _check_settings_match(model, settings)
+        try:
+            _check_settings_match(model, settings)
+        except ValueError as e:  # the adapter's config says another shape: name it
+            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {e}") from None
 
     try:
         loaded = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
@@ -381,10 +401,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
                 if keys]
     if problems:
         raise ValueError(f"adapter {adapter_dir} does not fit the model: " + "; ".join(problems))
-    with torch.no_grad():  # trained norms keep their pre-load base copy: adapters_disabled stays the base model
-        for key, target in expected.items():
-            target.copy_(loaded[key])
-    return settings
+    return settings, loaded, expected
 
 
 # ---------------------------------------------------------------------------------------------------- merge

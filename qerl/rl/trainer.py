@@ -33,12 +33,13 @@ from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
 from qerl.model.runtime import load_base_model, load_tokenizer_and_context, resolve_device, seed_everything
 from qerl.quant.linear import held_weights, update_precision
-from qerl.rl import distributed, grpo, precompile
+from qerl.rl import distributed, grpo, precompile, state_check
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rollout import releasable
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
-from qerl.run.folder import Checkpoint, RunFolder
+from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
+from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -215,10 +216,11 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
         # Rank 0 resolves damaged checkpoints (it moves them aside) before the other ranks read the same folder.
-        resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS) if self.dist.is_main else None
+        resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint) \
+            if self.dist.is_main else None
         self.dist.barrier()
         if not self.dist.is_main:
-            resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS)
+            resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint)
         if resumed is not None:
             self.apply_checkpoint(resumed)
         if self._kernels is not None:
@@ -625,6 +627,19 @@ class Trainer:
             "settings": self.settings.to_dict(),
         }
         return self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"), keep=keep)
+
+    def check_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """`CheckpointCorrupt` naming the file if `apply_checkpoint` could not continue from `checkpoint` (its state
+        does not fit this trainer: `qerl.rl.state_check`, or its adapter does not fit the model); changes nothing."""
+        state_file = next(f for f in (checkpoint.path / STATE_FILE, checkpoint.path / PICKLED_STATE, None)
+                          if f is None or f.is_file())
+        problem = state_check.first_problem(checkpoint.state, self.optimizer)
+        if problem:
+            raise CheckpointCorrupt(f"{state_file or checkpoint.path}: {problem}")
+        try:
+            lora.check_adapter(self.model, checkpoint.path / "adapter")
+        except (ValueError, OSError) as e:  # the message names the adapter's file
+            raise CheckpointCorrupt(" ".join(str(e).split())) from None
 
     def apply_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Continue from `checkpoint` (the run folder's `checkpoint_to_resume`): adapter, optimizer, scheduler, data
