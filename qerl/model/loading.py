@@ -82,6 +82,15 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return _load_tokenizer(path)
 
 
+def model_skeleton(path: str | os.PathLike) -> Transformer | None:
+    """The model a folder's config.json describes, built on the meta device (no weights, no memory): its module
+    names and types, for checks before a load. None for a .gguf file, whose config comes with its weights."""
+    path = resolve_model(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return None
+    return Transformer.from_config(ModelConfig.from_hf(read_config(path)), device="meta")
+
+
 def context_length(path: str | os.PathLike) -> int:
     """The model's context window (max_position_embeddings, as `load_model` will configure it), without its weights."""
     path = resolve_model(path)

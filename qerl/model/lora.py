@@ -185,6 +185,23 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) -> l
     return list(dict.fromkeys(aliases.get(t, t) for t in targets))
 
 
+def target_layers(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Module]]:
+    """The (name, linear) pairs `target_modules` names (PEFT's matching, the family's aliases); a ValueError if it
+    names a module that is no linear, or nothing. Needs only the model's modules, not its weights: a model built on
+    the meta device answers before the weights load."""
+    names = resolve_targets(model, target_modules)
+    targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, names)]
+    wrong = [f"{name} ({type(m).__name__})" for name, m in targets if not _is_linear(m)]
+    if wrong:
+        raise ValueError(f"LoRA target_modules {list(target_modules)} match non-linear modules: "
+                         f"{', '.join(wrong[:5])}")
+    if not targets:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+        raise ValueError(f"LoRA target_modules {list(target_modules)} match no module; linear layers are named "
+                         f"{leaves}")
+    return targets
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | None = None) -> list[nn.Parameter]:
     """Wrap every linear whose name ends with a target in a LoraLinear, freeze the rest; return trainable params.
 
@@ -194,16 +211,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
     """
     if lora_layers(model):
         raise ValueError("LoRA is already applied to this model")
-    names = resolve_targets(model, settings.target_modules)
-    targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, names)]
-    wrong = [f"{name} ({type(m).__name__})" for name, m in targets if not _is_linear(m)]
-    if wrong:
-        raise ValueError(f"LoRA target_modules {settings.target_modules} match non-linear modules: "
-                         f"{', '.join(wrong[:5])}")
-    if not targets:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
-        raise ValueError(f"LoRA target_modules {settings.target_modules} match no module; linear layers are named "
-                         f"{leaves}")
+    targets = target_layers(model, settings.target_modules)
     model.requires_grad_(False)
     trainable: list[nn.Parameter] = []
     for name, base in targets:

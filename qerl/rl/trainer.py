@@ -31,7 +31,8 @@ from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
 from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
-from qerl.model.runtime import load_base_model, load_tokenizer_and_context, resolve_device, seed_everything
+from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, resolve_device,
+                                seed_everything)
 from qerl.quant.linear import held_weights, update_precision
 from qerl.rl import distributed, grpo, precompile, state_check
 from qerl.rl.phases import Phases, RolloutBatch
@@ -178,6 +179,12 @@ class Trainer:
             context = model_context(model)
         examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
                                source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
+        if s.rollout.prompts_per_step > len(examples):  # bounded by the data, before the model loads
+            raise ValueError(f"rollout.prompts_per_step = {s.rollout.prompts_per_step}: more than the "
+                             f"{len(examples)} training prompts of {d.path or d.name} (data.n = {d.n}): a step would "
+                             f"repeat prompts; set it to {len(examples)} or fewer")
+        if model is None:
+            check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
