@@ -161,6 +161,28 @@ def test_a_run_folder_whose_outputs_are_links_is_refused_before_anything_is_dele
     assert (finished_run / linked).is_symlink()
 
 
+def test_qerl_eval_refuses_an_out_in_a_live_run_folder_or_a_run_folder_itself(tmp_path, qerl_here):
+    """As `train` refuses them: an evaluation's files would land among a running run's, or beside a run's own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run_folder_lock(run).acquire()  # a live run (flock: another open file, so held against this process too)
+    try:
+        for out, inside in ((run / "eval", "inside "), (run, "")):
+            code, _, err = qerl_here("eval", "--params", "params/tiny.yaml", "--out", out)
+            assert code == 2, err
+            assert err.splitlines() == [f"qerl: error: --out {out} is {inside}run folder {run}, in use by PID "
+                                        f"{os.getpid()} on host {socket.gethostname()}: wait for the run to finish, "
+                                        "or choose another --out"]
+    finally:
+        lock.release()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a finished run: its own folder still is not for evaluations
+    code, _, err = qerl_here("eval", "--params", "params/tiny.yaml", "--out", run)
+    assert code == 2, err
+    assert err.splitlines() == [f"qerl: error: --out {run} holds a training run (metrics.jsonl): write the "
+                                f"evaluation elsewhere, e.g. --out {run / 'eval'}"]
+    assert sorted(p.name for p in run.rglob("*")) == ["metrics.jsonl"]  # nothing written, no lock file left
+
+
 def test_resume_on_an_empty_folder_starts_at_step_zero(tmp_path):
     with make_trainer(tiny_settings(tmp_path), tmp_path / "new", resume=True) as trainer:
         assert trainer.step == 0

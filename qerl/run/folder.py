@@ -28,7 +28,7 @@ from typing import Any
 
 from qerl.errors import BadInput, naming_a_full_disk
 from qerl.run import atomic, checkpoints, safestate
-from qerl.run.lock import FolderLock, run_folder_lock
+from qerl.run.lock import FolderLock, FolderLocked, run_folder_lock
 from qerl.run.manifest import write_manifest
 from qerl.run.metrics import MetricsLog
 
@@ -210,6 +210,22 @@ def traces(folder: Path) -> list[str]:
 
 class LinkedOutput(BadInput):
     """One of a run folder's outputs is a symbolic link; the message names it."""
+
+
+def refuse_run_folder(out: Path, name: str = "--out") -> None:
+    """For a command that is not a training run (`qerl eval`): `out` must not be a run's folder, nor lie inside a
+    folder a live run holds, where its files would land among the run's (and a `--overwrite` of it, or the run's
+    end, would decide their fate). One line naming it, exit 2; a finished run's sub-folder (`runs/x/eval`) is fine."""
+    for folder in (out.absolute(), *out.absolute().parents):
+        holder = run_folder_lock(folder).holder()
+        if holder is not None:
+            inside = "inside " if folder != out.absolute() else ""
+            raise FolderLocked(f"{name} {out} is {inside}run folder {folder}, in use by "
+                               f"{holder}: wait for the run to finish, or choose another {name}")
+    found = traces(out) if out.is_dir() else []
+    if found:
+        raise FileExistsError(f"{name} {out} holds a training run ({', '.join(found)}): write the evaluation "
+                              f"elsewhere, e.g. {name} {out / 'eval'}")
 
 
 def check_start(folder: Path, resume: bool, overwrite: bool, has_checkpoint: bool) -> None:

@@ -100,6 +100,23 @@ class FolderLock:
             except OSError:  # not empty, or gone
                 pass
 
+    def holder(self) -> str | None:
+        """'PID n on host h' if another lock holder holds the file now, else None; takes and creates nothing that
+        lasts (a lock file that is not there is held by nobody)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails only beside an exclusive holder
+        except BlockingIOError:
+            return _describe_holder(fd)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
     @property
     def held(self) -> bool:
         return self._fd is not None or self._joined
