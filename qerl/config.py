@@ -186,7 +186,9 @@ class GRPOSettings:
     # Sequences per forward/backward: gradients accumulate over the micro-batches of a step, one optimizer step per μ
     micro_batch_size: int = field(default=8, metadata=_check(gt=0))
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
-    dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards and draw more prompts
+    # DAPO: drop groups with equal rewards and draw more prompts. A step left with none makes no update, and the
+    # learning-rate schedule (which counts updates) does not advance.
+    dynamic_sampling: bool = False
     max_resample_rounds: int = field(default=3, metadata=_check(ge=0))
     tis_cap: Optional[float] = field(default=None, metadata=_check(gt=0))  # truncated importance sampling cap C
 

@@ -562,8 +562,10 @@ class Trainer:
     def finish_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Update on a scored batch, log the step's metrics, checkpoint when due; returns the metrics."""
         if not batch.examples:  # dynamic sampling found no informative group: skip the update, not the step
+            # The learning-rate schedule counts updates (as transformers' Trainer steps its scheduler only after an
+            # optimizer step that ran): stepping it here, with no optimizer step before, shifted the schedule and
+            # had torch warn "lr_scheduler.step() before optimizer.step()" when it was the run's first step.
             self.step += 1
-            self.scheduler.step()
             metrics = {"step": self.step, "skipped": 1.0, "sigma": batch.sigma}
         else:
             metrics = self.update(batch)
