@@ -22,7 +22,8 @@ from torch import Tensor
 
 def first_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
     """What first keeps `state` (a trainer state, its `step` already checked) from being applied to a trainer with
-    `optimizer`, as "<key path> ..." ; None if it fits."""
+    `optimizer`, in a few words starting with the key (`optimizer.state[0].exp_avg has shape ...`); None if it
+    fits."""
     for check in (_optimizer, _scheduler, _sampler, _rng, _aqn):
         problem = check(state, optimizer)
         if problem:

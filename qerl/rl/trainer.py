@@ -640,11 +640,10 @@ class Trainer:
     def check_checkpoint(self, checkpoint: Checkpoint) -> None:
         """`CheckpointCorrupt` naming the file if `apply_checkpoint` could not continue from `checkpoint` (its state
         does not fit this trainer: `qerl.rl.state_check`, or its adapter does not fit the model); changes nothing."""
-        state_file = next(f for f in (checkpoint.path / STATE_FILE, checkpoint.path / PICKLED_STATE, None)
-                          if f is None or f.is_file())
         problem = state_check.first_problem(checkpoint.state, self.optimizer)
-        if problem:
-            raise CheckpointCorrupt(f"{state_file or checkpoint.path}: {problem}")
+        if problem:  # the state was read from the JSON file, or from an older qerl's pickle in its place
+            file = STATE_FILE if (checkpoint.path / STATE_FILE).is_file() else PICKLED_STATE
+            raise CheckpointCorrupt(f"{checkpoint.path / file}: {problem}")
         try:
             lora.check_adapter(self.model, checkpoint.path / "adapter")
         except (ValueError, OSError) as e:  # the message names the adapter's file
