@@ -3,6 +3,7 @@ previous run is never overwritten without --resume or --overwrite."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -140,25 +141,27 @@ def test_overwrite_replaces_the_previous_run(finished_run, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
 @pytest.mark.parametrize("linked", ["adapter", "checkpoints"])
-def test_a_run_folder_whose_outputs_are_links_is_refused_before_anything_is_deleted(finished_run, tmp_path, qerl_here,
-                                                                                     linked, flag):
-    elsewhere = tmp_path / "elsewhere" / linked
+def test_a_run_folder_whose_outputs_are_links_is_refused_before_anything_is_deleted(tmp_path, qerl_here, linked, flag):
+    """--overwrite deleted metrics.jsonl, then failed on the link (rmtree refuses them) with exit 1: a half-deleted
+    run. The files stand for a run's (the refusal comes before anything reads them)."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere" / linked
+    (run / "adapter").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (elsewhere / "step-000002").mkdir(parents=True)
+    (elsewhere / "step-000002" / "notes.txt").write_text("someone else's")
     if linked == "adapter":
-        elsewhere.parent.mkdir()
-        (finished_run / "adapter").rename(elsewhere)
-    else:
-        (elsewhere / "step-000002").mkdir(parents=True)
-        (elsewhere / "step-000002" / "notes.txt").write_text("someone else's")
-    (finished_run / linked).symlink_to(elsewhere, target_is_directory=True)
-    before, theirs = snapshot(finished_run), snapshot(elsewhere)
-    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", finished_run, flag)
+        shutil.rmtree(run / "adapter")
+    (run / linked).symlink_to(elsewhere, target_is_directory=True)
+    before, theirs = snapshot(run), snapshot(elsewhere)
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", run, flag)
     assert code == 2, err
     assert err.splitlines() == [
-        f"qerl: error: {finished_run / linked} is a symbolic link (to {elsewhere}): a run folder's outputs must be its "
-        "own, so qerl neither writes nor deletes through it; replace it with the files themselves, or choose another "
-        "--out (nothing was changed)"]
-    assert snapshot(finished_run) == before and snapshot(elsewhere) == theirs  # the metrics too
-    assert (finished_run / linked).is_symlink()
+        f"qerl: error: {run / linked} is a symbolic link (to {elsewhere}): a run folder's outputs must be its own, so "
+        "qerl neither writes nor deletes through it; replace it with the files themselves, or choose another --out "
+        "(nothing was changed)"]
+    assert snapshot(run) == before and snapshot(elsewhere) == theirs  # the metrics too
+    assert (run / linked).is_symlink()
 
 
 def test_qerl_eval_refuses_an_out_in_a_live_run_folder_or_a_run_folder_itself(tmp_path, qerl_here):
