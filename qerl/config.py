@@ -42,7 +42,7 @@ def _check(**bounds: float) -> dict:
 
 
 # Seeds go to torch.manual_seed and torch.Generator, which take 64 bits (beyond: "Overflow when unpacking long long").
-SEED = _check(ge=0, le=2**64 - 1)
+_SEED = _check(ge=0, le=2**64 - 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ class AQNSettings:
     sigma_end: float = field(default=5e-4, metadata=_check(ge=0))
     num_stages: int = field(default=10, metadata=_check(ge=1))
     in_training_forward: bool = False  # also perturb the norms during the update's forward
-    seed: int = field(default=0, metadata=SEED)
+    seed: int = field(default=0, metadata=_SEED)
     # geometric: the paper's stages (sigma_start -> sigma_end, the first stage noise-free). entropy: sigma starts at
     # sigma_start and is multiplied by sigma_rate after each step whose policy entropy was below target_entropy,
     # divided by it otherwise, within [sigma_min, sigma_max] (qerl.model.aqn.EntropyTargetedSchedule).
@@ -250,7 +250,7 @@ class OptimSettings:
 @dataclass
 class TrainSettings:
     steps: int = field(default=100, metadata=_check(gt=0))
-    seed: int = field(default=0, metadata=SEED)
+    seed: int = field(default=0, metadata=_SEED)
     save_every: int = field(default=25, metadata=_check(gt=0))
     eval_every: int = field(default=0, metadata=_check(ge=0))  # 0 = only at the end (flows)
     out_dir: str = "runs/default"
@@ -286,7 +286,7 @@ class DataSettings:
     digits: int = field(default=2, metadata=_check(ge=1, le=12))  # arithmetic task knobs
     operators: str = "+-"
     steps: int = field(default=1, metadata=_check(ge=1, le=8))
-    seed: int = field(default=0, metadata=SEED)
+    seed: int = field(default=0, metadata=_SEED)
     system_prompt: Optional[str] = None  # None = qerl.data.problems.SYSTEM_PROMPT
     # A prompt longer than the model's context minus max_new_tokens: "error" names its file and line; "drop" leaves
     # such examples out (train and eval) and logs how many.
@@ -314,7 +314,7 @@ class EvalSettings:
     num_samples: int = field(default=1, metadata=_check(ge=1))  # k: mean accuracy and pass@k over k samples
     batch_size: int = field(default=16, metadata=_check(gt=0))
     out_dir: str = "runs/eval"
-    seed: int = field(default=0, metadata=SEED)
+    seed: int = field(default=0, metadata=_SEED)
 
     def validate(self) -> None:
         if self.num_samples > 1 and self.temperature == 0:
