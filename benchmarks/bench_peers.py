@@ -215,8 +215,8 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False) -> dict:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder = embedded_model_path()
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)  # as qerl: no model folder's code
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False)
         examples = data.examples_for(s.data)
         system = s.data.system_prompt
         score = rewards.get_reward_fn("accuracy")
@@ -357,7 +357,7 @@ def peer_model(args, tmp: str, quantized: bool, unsloth: bool):
         model, _ = FastLanguageModel.from_pretrained(
             str(folder), max_seq_length=w_len(args), load_in_4bit=args.device == "cuda", fast_inference=False,
             max_lora_rank=RANK, dtype=dtype, use_exact_model_name=True,  # a local folder: no hub name mapping
-            fix_tokenizer=False)
+            fix_tokenizer=False, trust_remote_code=False)
         model = FastLanguageModel.get_peft_model(model, r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
                                                  use_gradient_checkpointing="unsloth", random_state=0)
         return model, tokenizer
@@ -369,7 +369,7 @@ def peer_model(args, tmp: str, quantized: bool, unsloth: bool):
     # As TRL's docs run QLoRA: NF4 with bf16 compute (TRL then prepares the model for k-bit training).
     qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=args.device,
-                                                 quantization_config=qconfig)
+                                                 quantization_config=qconfig, trust_remote_code=False)
     return model, tokenizer
 
 

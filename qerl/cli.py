@@ -78,9 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_eval(args) -> int:
     from qerl.evaluation.evaluate import run_eval
+    from qerl.run.folder import refuse_run_folder
 
     settings = load_settings(args.params, args.overrides)
-    out = check_writable(args.out or settings.eval.out_dir, "--out" if args.out else "eval.out_dir")
+    named = "--out" if args.out else "eval.out_dir"
+    out = check_writable(args.out or settings.eval.out_dir, named)
+    refuse_run_folder(out, named)  # as `train` refuses a folder in use or holding a run
     result = run_eval(settings, adapter=args.adapter, out_dir=out, limit=args.limit)
     print(json.dumps({**result.metrics, **result.grader}, indent=2))  # the accuracy and what graded it
     print(f"wrote {out / 'metrics.json'} and {out / 'samples.jsonl'}")

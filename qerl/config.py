@@ -41,6 +41,10 @@ def _check(**bounds: float) -> dict:
     return {"bounds": bounds}
 
 
+# Seeds go to torch.manual_seed and torch.Generator, which take 64 bits (beyond: "Overflow when unpacking long long").
+_SEED = _check(ge=0, le=2**64 - 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The schema. Field metadata `bounds` takes gt/ge/lt/le; cross-field rules live in each section's `validate`.
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,7 +199,9 @@ class GRPOSettings:
     # Sequences per forward/backward: gradients accumulate over the micro-batches of a step, one optimizer step per μ
     micro_batch_size: int = field(default=8, metadata=_check(gt=0))
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
-    dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards and draw more prompts
+    # DAPO: drop groups with equal rewards and draw more prompts. A step left with none makes no update, and the
+    # learning-rate schedule (which counts updates) does not advance.
+    dynamic_sampling: bool = False
     max_resample_rounds: int = field(default=3, metadata=_check(ge=0))
     tis_cap: Optional[float] = field(default=None, metadata=_check(gt=0))  # truncated importance sampling cap C
 
@@ -207,7 +213,7 @@ class AQNSettings:
     sigma_end: float = field(default=5e-4, metadata=_check(ge=0))
     num_stages: int = field(default=10, metadata=_check(ge=1))
     in_training_forward: bool = False  # also perturb the norms during the update's forward
-    seed: int = 0
+    seed: int = field(default=0, metadata=_SEED)
     # geometric: the paper's stages (sigma_start -> sigma_end, the first stage noise-free). entropy: sigma starts at
     # sigma_start and is multiplied by sigma_rate after each step whose policy entropy was below target_entropy,
     # divided by it otherwise, within [sigma_min, sigma_max] (qerl.model.aqn.EntropyTargetedSchedule).
@@ -257,7 +263,7 @@ class OptimSettings:
 @dataclass
 class TrainSettings:
     steps: int = field(default=100, metadata=_check(gt=0))
-    seed: int = 0
+    seed: int = field(default=0, metadata=_SEED)
     save_every: int = field(default=25, metadata=_check(gt=0))
     eval_every: int = field(default=0, metadata=_check(ge=0))  # 0 = only at the end (flows)
     out_dir: str = "runs/default"
@@ -293,7 +299,7 @@ class DataSettings:
     digits: int = field(default=2, metadata=_check(ge=1, le=12))  # arithmetic task knobs
     operators: str = "+-"
     steps: int = field(default=1, metadata=_check(ge=1, le=8))
-    seed: int = 0
+    seed: int = field(default=0, metadata=_SEED)
     system_prompt: Optional[str] = None  # None = qerl.data.problems.SYSTEM_PROMPT
     # A prompt longer than the model's context minus max_new_tokens: "error" names its file and line; "drop" leaves
     # such examples out (train and eval) and logs how many.
@@ -321,7 +327,7 @@ class EvalSettings:
     num_samples: int = field(default=1, metadata=_check(ge=1))  # k: mean accuracy and pass@k over k samples
     batch_size: int = field(default=16, metadata=_check(gt=0))
     out_dir: str = "runs/eval"
-    seed: int = 0
+    seed: int = field(default=0, metadata=_SEED)
 
     def validate(self) -> None:
         if self.num_samples > 1 and self.temperature == 0:
@@ -399,7 +405,7 @@ def load_settings(path: str | Path | None = None, overrides: typing.Sequence[str
         raise ConfigError(f"{path}: the params file is empty (no sections); start from params/default.yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
-    lines = _key_lines(text)
+    lines = _key_lines(text, path)
     sources = {key: f"{path}:{line}" for key, line in lines.items()}
     for item in overrides:
         key, value = _parse_override(item)
@@ -435,15 +441,25 @@ def _set_path(raw: dict, key: str, value: Any, source: str) -> None:
     node[leaf] = value
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    """Map 'section.key' to its 1-based line in the YAML text, for error messages."""
+def _key_lines(text: str, source: Path) -> dict[str, int]:
+    """Map 'section.key' to its 1-based line in the YAML text, for error messages. A section or key set twice in one
+    mapping is refused naming both lines: YAML loaders keep the last silently, so a run would use a value the reader
+    of the file may not have seen (`rank: 16` above, `rank: 4` further down)."""
     lines: dict[str, int] = {}
 
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
             for key_node, value_node in node.value:
                 path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                lines[path] = key_node.start_mark.line + 1
+                line = key_node.start_mark.line + 1
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge" \
+                        and key_node.value in seen:
+                    raise ConfigError(f"{source}:{line}: {path} is set twice (lines {seen[key_node.value]} and "
+                                      f"{line}); keep one")
+                if isinstance(key_node, yaml.ScalarNode):
+                    seen[key_node.value] = line
+                lines[path] = line
                 walk(value_node, path)
 
     try:

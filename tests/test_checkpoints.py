@@ -89,6 +89,72 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back_to_the_prev
     assert steps(run) == [1, 2]
 
 
+def edit_state(folder: Path, edit) -> None:
+    """Change a checkpoint's trainer state and write its manifest again, as a tool (or an attacker) would: its bytes
+    then match, and only its content can tell."""
+    from qerl.run import safestate
+
+    state = safestate.load(folder / STATE, folder / TENSORS)
+    edit(state)
+    safestate.save(state, folder / STATE, folder / TENSORS)
+    write_manifest(folder)
+
+
+def first_moment_resized(state):
+    moments = state["optimizer"]["state"][0]
+    moments["exp_avg"] = torch.zeros(moments["exp_avg"].shape[0] + 1, *moments["exp_avg"].shape[1:])
+
+
+def adapter_rank_changed(folder: Path) -> None:
+    config = folder / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": 8}))
+    write_manifest(folder)
+
+
+INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of it)
+    "step not a number": (lambda f: edit_state(f, lambda s: s.update(step="three")), STATE, "step = 'three'"),
+    "optimizer a number": (lambda f: edit_state(f, lambda s: s.update(optimizer=42)), STATE, "optimizer = 42"),
+    "optimizer moment of another shape": (lambda f: edit_state(f, first_moment_resized), STATE,
+                                          "optimizer.state[0].exp_avg has shape (5, 32), its parameter (4, 32)"),
+    "optimizer for other parameters": (lambda f: edit_state(f, lambda s: s["optimizer"]["param_groups"][0]
+                                                            ["params"].pop()), STATE, "optimizer.param_groups[0]"),
+    "scheduler a string": (lambda f: edit_state(f, lambda s: s.update(scheduler="x")), STATE, "scheduler = 'x'"),
+    "sampler without position": (lambda f: edit_state(f, lambda s: s["sampler"].pop("position")), STATE,
+                                 "sampler"),
+    "rng of another generator": (lambda f: edit_state(f, lambda s: s["rng"].update(torch=torch.zeros(3))), STATE,
+                                 "rng.torch"),
+    "adapter rank changed in its config": (adapter_rank_changed, "adapter/adapter_config.json", "rank"),
+}
+
+
+@pytest.mark.parametrize("what", INCONSISTENT)
+def test_a_checkpoint_whose_content_is_inconsistent_is_named_set_aside_and_the_run_falls_back(run, what, caplog):
+    """Its manifest matches, but its state does not fit the run: checked before anything is applied, named by file in
+    one line, set aside like a damaged one; the run resumes from the previous checkpoint."""
+    damage, name, said = INCONSISTENT[what]
+    damage(run / "checkpoints" / "step-000004")
+    with caplog.at_level(logging.WARNING), make_trainer(tiny_settings(None), run, resume=True) as trainer:
+        assert trainer.step == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    named = [m for m in warnings if m.startswith(f"checkpoint step-000004 is damaged: "
+                                                 f"{run / 'checkpoints' / 'step-000004' / name}: ")]
+    assert len(named) == 1 and said in named[0] and "\n" not in named[0], warnings
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["corrupt-step-000004", "step-000002"]
+    assert steps(run) == [1, 2]
+
+
+def test_when_every_checkpoint_is_inconsistent_resume_is_one_line_exit_2(run, here):
+    for folder in (run / "checkpoints").iterdir():
+        edit_state(folder, lambda s: s.update(optimizer=42))
+    code, err = here(run, "--resume")
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"tiny-trainer: error: no intact checkpoint in {run / 'checkpoints'}: ")
+    assert all(f"{run / 'checkpoints' / step / STATE}: optimizer = 42" in last
+               for step in ("step-000004", "step-000002")), last
+    assert steps(run) == [1, 2, 3, 4]
+
+
 def test_a_checkpoint_whose_manifest_was_deleted_is_damaged(run, caplog):
     """qerl writes a manifest with every checkpoint: one without was tampered with, so it is not loaded unverified."""
     (run / "checkpoints" / "step-000004" / MANIFEST).unlink()

@@ -5,8 +5,10 @@ child process, as a user runs it); then the command's one-line errors, from its 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.patience import patience
@@ -176,6 +178,29 @@ def test_n_beyond_the_dataset_names_the_key_and_the_file_before_the_model_loads(
     assert code == 2
     assert err.splitlines()[-1] == (f"qerl: error: data.n = 3: {table} has only 2 examples (lower data.n, or "
                                             "set it to null for all of them)")
+
+
+@pytest.mark.parametrize("prompts", [17, 100_000_000])
+def test_prompts_per_step_beyond_the_data_is_one_line_before_the_model_loads(tmp_path, qerl_here, prompts):
+    """params/tiny.yaml trains on 16 prompts: more per step would repeat them (10^8 ran for minutes in step 1)."""
+    start = time.perf_counter()
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "-S", "tracking.backend=none",
+                             "-S", f"rollout.prompts_per_step={prompts}", "--out", tmp_path / "run")
+    assert code == 2, err
+    assert err.splitlines()[-1] == (f"qerl: error: rollout.prompts_per_step = {prompts}: more than the 16 training "
+                                    "prompts of arithmetic (data.n = 16): a step would repeat prompts; set it to 16 "
+                                    "or fewer")
+    assert "loaded" not in err and time.perf_counter() - start < 60 and not (tmp_path / "run").exists()
+
+
+def test_lora_targets_that_match_nothing_are_refused_from_the_config_before_the_weights_load(tmp_path, qerl_here):
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "-S", "tracking.backend=none",
+                             "-S", "lora.target_modules=[qkv, attn_out]", "--out", tmp_path / "run")
+    assert code == 2, err
+    assert err.splitlines()[-1] == (
+        "qerl: error: lora.target_modules: LoRA target_modules ['qkv', 'attn_out'] match no module; linear layers "
+        "are named ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']")
+    assert "loaded" not in err and not (tmp_path / "run").exists()  # the weights never loaded
 
 
 def test_a_damaged_parquet_file_is_one_line_without_the_datasets_librarys_own_lines(tmp_path, qerl_here):

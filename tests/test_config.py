@@ -165,3 +165,31 @@ def test_overlong_prompts_policy_is_validated():
     assert load_settings(overrides=["data.overlong_prompts=drop"]).data.overlong_prompts == "drop"
     with pytest.raises(ConfigError, match="-S data.overlong_prompts=truncate: .*'error', 'drop'"):
         load_settings(overrides=["data.overlong_prompts=truncate"])
+
+
+@pytest.mark.parametrize("key", ["train.seed", "aqn.seed", "data.seed", "eval.seed"])
+def test_a_seed_beyond_64_bits_is_a_range_error_naming_the_key(tmp_path, key):
+    """torch takes 64-bit seeds: a larger one said only 'Overflow when unpacking long long', after the data loaded."""
+    section, name = key.split(".")
+    params = tmp_path / "p.yaml"
+    params.write_text(f"{section}:\n  {name}: {2**64}\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(params)
+    assert str(err.value) == f"{params}:2: {key} = {2**64}: must be <= {2**64 - 1}"
+    with pytest.raises(ConfigError, match=rf"^-S {key}=-1: {key} = -1: must be >= 0$"):
+        load_settings(overrides=[f"{key}=-1"])
+    assert load_settings(params, [f"{key}={2**64 - 1}"]).to_dict()[section][name] == 2**64 - 1
+
+
+@pytest.mark.parametrize("text, line", [
+    ("lora:\n  rank: 16\n  alpha: 32\n  rank: 4\n", "{p}:4: lora.rank is set twice (lines 2 and 4); keep one"),
+    ("lora:\n  rank: 16\noptim:\n  lr: 1.0e-4\nlora:\n  alpha: 8\n",
+     "{p}:5: lora is set twice (lines 1 and 5); keep one"),
+])
+def test_a_section_or_key_set_twice_is_refused_naming_both_lines(tmp_path, qerl_here, text, line):
+    """YAML loaders keep the last of two equal keys without a word: the run used rank 4 where the file also said 16."""
+    params = tmp_path / "p.yaml"
+    params.write_text(text)
+    code, _, err = qerl_here("params", "--params", params)
+    assert code == 2
+    assert err.strip() == "qerl: error: " + line.format(p=params)

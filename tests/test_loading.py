@@ -249,3 +249,58 @@ def test_embedded_folder_is_converted_once_atomically(tiny_gguf, tmp_path, monke
     ids = torch.tensor([tokenizer.encode("the tether")])
     with torch.no_grad():
         assert (model(ids) - source(ids).logits).abs().max() < 1e-2
+
+
+# A model folder that names code of its own: transformers would ask "Do you wish to run the custom code? [y/N]" and
+# import it on a yes. This module writes a marker when imported: it must never be.
+EVIL_MODULE = '''
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+from transformers import PreTrainedTokenizerFast, LlamaConfig
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+class EvilConfig(LlamaConfig):
+    model_type = "evil"
+'''
+CUSTOM_CODE = {  # the file that names the code, and what it adds to the folder's own
+    "tokenizer_config.json": {"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]}},
+    "config.json": {"auto_map": {"AutoConfig": "evil.EvilConfig"}},
+}
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("file", CUSTOM_CODE)
+def test_a_model_folder_that_names_custom_code_is_refused_in_one_line_and_runs_nothing(tiny_llama_dir, tmp_path,
+                                                                                     qerl_here, monkeypatch, file,
+                                                                                     command):
+    import io
+
+    folder, marker = copy_folder(tiny_llama_dir, tmp_path / "model"), tmp_path / "ran"
+    (folder / "evil.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    (folder / file).write_text(json.dumps({**json.loads((folder / file).read_text()), **CUSTOM_CODE[file]}))
+    answer = io.StringIO("y\n")  # what a user might type at transformers' prompt: nothing may ask
+    monkeypatch.setattr("sys.stdin", answer)
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # where transformers would copy the code
+    code, out, err = qerl_here(command, "--params", "params/tiny.yaml", "-S", "tracking.backend=none",
+                               "-S", f"model.path={folder}", "--out", tmp_path / "out")
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"qerl: error: {folder / file}: key 'auto_map' names custom code to run "
+        f"({', '.join(CUSTOM_CODE[file]['auto_map'])}); qerl runs no code from a model folder: use a model whose "
+        "architecture transformers implements, or remove 'auto_map' if the folder does not need it")
+    assert not marker.exists()
+    assert answer.tell() == 0 and "custom code?" not in out + err  # no prompt, nothing read from stdin
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_transformers_load_in_qerl_refuses_remote_code():
+    """Beside the check above, each `from_pretrained` call of qerl's says trust_remote_code=False itself."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for file in [*(root / "qerl").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]:
+        for call in re.finditer(r"\w+\.from_pretrained\((?:[^()]|\([^()]*\))*\)", file.read_text()):
+            if "PeftModel" in call.group(0) or '"' + "{" in call.group(0):  # an adapter; text written for users
+                continue
+            assert "trust_remote_code=False" in call.group(0), f"{file}: {call.group(0)}"

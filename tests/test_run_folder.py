@@ -3,6 +3,7 @@ previous run is never overwritten without --resume or --overwrite."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -136,6 +137,53 @@ def test_overwrite_replaces_the_previous_run(finished_run, tmp_path):
     assert steps(finished_run) == [1, 2] and "old" not in (finished_run / "metrics.jsonl").read_text()
     assert (finished_run / "adapter" / "adapter_model.safetensors").read_bytes() != old_adapter
     assert notes.read_text() == "mine"  # only the run's own outputs go
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+@pytest.mark.parametrize("linked", ["adapter", "checkpoints"])
+def test_a_run_folder_whose_outputs_are_links_is_refused_before_anything_is_deleted(tmp_path, qerl_here, linked, flag):
+    """--overwrite deleted metrics.jsonl, then failed on the link (rmtree refuses them) with exit 1: a half-deleted
+    run. The files stand for a run's (the refusal comes before anything reads them)."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere" / linked
+    (run / "adapter").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (elsewhere / "step-000002").mkdir(parents=True)
+    (elsewhere / "step-000002" / "notes.txt").write_text("someone else's")
+    if linked == "adapter":
+        shutil.rmtree(run / "adapter")
+    (run / linked).symlink_to(elsewhere, target_is_directory=True)
+    before, theirs = snapshot(run), snapshot(elsewhere)
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", run, flag)
+    assert code == 2, err
+    assert err.splitlines() == [
+        f"qerl: error: {run / linked} is a symbolic link (to {elsewhere}): a run folder's outputs must be its own, so "
+        "qerl neither writes nor deletes through it; replace it with the files themselves, or choose another --out "
+        "(nothing was changed)"]
+    assert snapshot(run) == before and snapshot(elsewhere) == theirs  # the metrics too
+    assert (run / linked).is_symlink()
+
+
+def test_qerl_eval_refuses_an_out_in_a_live_run_folder_or_a_run_folder_itself(tmp_path, qerl_here):
+    """As `train` refuses them: an evaluation's files would land among a running run's, or beside a run's own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run_folder_lock(run).acquire()  # a live run (flock: another open file, so held against this process too)
+    try:
+        for out, inside in ((run / "eval", "inside "), (run, "")):
+            code, _, err = qerl_here("eval", "--params", "params/tiny.yaml", "--out", out)
+            assert code == 2, err
+            assert err.splitlines() == [f"qerl: error: --out {out} is {inside}run folder {run}, in use by PID "
+                                        f"{os.getpid()} on host {socket.gethostname()}: wait for the run to finish, "
+                                        "or choose another --out"]
+    finally:
+        lock.release()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a finished run: its own folder still is not for evaluations
+    code, _, err = qerl_here("eval", "--params", "params/tiny.yaml", "--out", run)
+    assert code == 2, err
+    assert err.splitlines() == [f"qerl: error: --out {run} holds a training run (metrics.jsonl): write the "
+                                f"evaluation elsewhere, e.g. --out {run / 'eval'}"]
+    assert sorted(p.name for p in run.rglob("*")) == ["metrics.jsonl"]  # nothing written, no lock file left
 
 
 def test_resume_on_an_empty_folder_starts_at_step_zero(tmp_path):

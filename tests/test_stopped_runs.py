@@ -130,6 +130,21 @@ def test_a_metrics_file_with_a_bad_line_before_the_last_names_file_and_line(fini
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[2])["step"] == 2  # left as it was
 
 
+@pytest.mark.parametrize("line", ["[1, 2]", "3", '"x"', "null", '{"step": "two"}', '{"reward_mean": 0.5}'])
+def test_a_metrics_line_that_is_no_step_record_names_file_and_line(finished, tmp_path, here, line):
+    """Whole JSON that is not a step's record is no torn write: named, never dropped, and nothing is rewritten."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], line, *rows[1:]]) + "\n")
+    before = (run / "metrics.jsonl").read_bytes()
+    code, err = here(run, "--resume")
+    assert code == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"tiny-trainer: error: {run / 'metrics.jsonl'}:2: not a metrics "
+                                                   "record (")
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MiB tmpfs of its own, so a test can fill a disk without filling the machine's. Needs root (mount)."""
@@ -145,6 +160,24 @@ def small_disk(tmp_path):
         yield disk
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("free", [0, 4096])
+def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_trace(small_disk, here, free):
+    """Out of space before the run has written anything: exit 2 naming what could not be written, and no empty lock
+    file, metrics file or run folder left behind (nothing a run did not need)."""
+    from tests.tiny_trainer_process import fill
+
+    run, filler = small_disk / "run", small_disk / "filler"
+    fill(filler)
+    if free:
+        with filler.open("r+b") as f:
+            f.truncate(filler.stat().st_size - free)
+    code, err = here(run)
+    assert code == 2, err
+    # the lock file with no space at all, the parameters with one page: a file of the run, by its name
+    assert err.strip().splitlines()[-1].startswith(f"tiny-trainer: error: No space left on device: {run}/"), err
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_after_freeing_space(finished, small_disk,

@@ -266,6 +266,31 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     assert metrics.get("skipped") == 1.0
 
 
+def test_a_skipped_step_leaves_the_learning_rate_schedule_alone_and_warns_nothing(tmp_path):
+    """A step without an update (dynamic sampling kept no group) stepped the scheduler with no optimizer step before
+    it: torch warned "lr_scheduler.step() before optimizer.step()" when that was the run's first step. The schedule
+    counts updates, as transformers' Trainer steps its scheduler only after an optimizer step that ran."""
+    import warnings
+
+    from qerl.data import rewards
+
+    settings = tiny_settings(tmp_path, grpo={"dynamic_sampling": True, "max_resample_rounds": 0},
+                             optim={"warmup_steps": 2, "schedule": "cosine"},
+                             train={"steps": 3, "rewards": {"tests.test_trainer:even_gold_reward": 1.0}})
+    with warnings.catch_warnings(record=True) as caught, make_trainer(settings, tmp_path / "run") as trainer:
+        warnings.simplefilter("always")
+        assert trainer.train_step().get("skipped") == 1.0  # no group with a learning signal: no update
+        first_lr = trainer.optimizer.param_groups[0]["lr"]
+        trainer.reward_fn = rewards.combined_reward({"tests.test_trainer:ones_reward": 1.0})
+        metrics = trainer.train_step()
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if "lr_scheduler" in str(w.message) or "/qerl/" in w.filename]
+    assert not ours, ours
+    assert "skipped" not in metrics and trainer.step == 2
+    assert first_lr == pytest.approx(settings.optim.lr * lr_lambda(0, 2, 3, "cosine", 0.1))  # the first update's
+    assert trainer.scheduler.last_epoch == 1  # one update so far
+
+
 @pytest.mark.parametrize("keep, checkpointing, budget", [
     ("auto", "auto", 5 * 2**30),  # the spare memory the plan leaves
     ("auto", True, 0),  # a run that asked for memory first keeps none

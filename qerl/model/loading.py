@@ -33,6 +33,18 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file and the tensor."""
 
 
+class CustomCodeRefused(CheckpointError):
+    """A model folder that asks transformers to import Python code of its own: refused, naming the file and key."""
+
+
+# Where a model folder names code of its own for transformers to import (`"auto_map": {"AutoTokenizer":
+# ["tokenization_x.XTokenizer", null]}`): transformers would ask "run the custom code? [y/N]" and run it on a yes.
+# Nothing from a model folder runs in qerl: these are refused before transformers sees the folder, and every
+# `from_pretrained` passes trust_remote_code=False as well.
+_CODE_FILES = ("config.json", "tokenizer_config.json")
+_CODE_KEY = "auto_map"
+
+
 # ---------------------------------------------------------------------------------------------- public API
 
 
@@ -68,6 +80,15 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     if path.is_file() and path.suffix == ".gguf":
         return _load_tokenizer(path.parent, gguf_file=path.name)
     return _load_tokenizer(path)
+
+
+def model_skeleton(path: str | os.PathLike) -> Transformer | None:
+    """The model a folder's config.json describes, built on the meta device (no weights, no memory): its module
+    names and types, for checks before a load. None for a .gguf file, whose config comes with its weights."""
+    path = resolve_model(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return None
+    return Transformer.from_config(ModelConfig.from_hf(read_config(path)), device="meta")
 
 
 def context_length(path: str | os.PathLike) -> int:
@@ -146,14 +167,32 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    """config.json of a model folder, as a dict."""
+    """config.json of a model folder, as a dict (refused if the folder names code of its own)."""
     file = folder / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    refuse_custom_code(folder)
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file}: invalid JSON ({e})") from None
+
+
+def refuse_custom_code(folder: Path) -> None:
+    """`CustomCodeRefused` naming the file and key if the folder's config.json or tokenizer_config.json names Python
+    code of its own (`auto_map`). A file that is not JSON is left to its reader, which names it."""
+    for name in _CODE_FILES:
+        file = folder / name
+        try:
+            content = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+        except ValueError:  # JSON or UTF-8
+            continue
+        code = content.get(_CODE_KEY) if isinstance(content, dict) else None
+        if code:
+            named = ", ".join(sorted(map(str, code))) if isinstance(code, dict) else repr(code)
+            raise CustomCodeRefused(f"{file}: key {_CODE_KEY!r} names custom code to run ({named}); qerl runs no "
+                                    "code from a model folder: use a model whose architecture transformers "
+                                    f"implements, or remove {_CODE_KEY!r} if the folder does not need it")
 
 
 def quant_scheme(hf_config: dict[str, Any], folder: Path | str = "") -> str | None:
@@ -272,11 +311,12 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, Tensor]:
 def _load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
+    refuse_custom_code(folder)
     if gguf_file is not None:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 # ---------------------------------------------------------------------------------------------- GGUF

@@ -185,6 +185,23 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) -> l
     return list(dict.fromkeys(aliases.get(t, t) for t in targets))
 
 
+def target_layers(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Module]]:
+    """The (name, linear) pairs `target_modules` names (PEFT's matching, the family's aliases); a ValueError if it
+    names a module that is no linear, or nothing. Needs only the model's modules, not its weights: a model built on
+    the meta device answers before the weights load."""
+    names = resolve_targets(model, target_modules)
+    targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, names)]
+    wrong = [f"{name} ({type(m).__name__})" for name, m in targets if not _is_linear(m)]
+    if wrong:
+        raise ValueError(f"LoRA target_modules {list(target_modules)} match non-linear modules: "
+                         f"{', '.join(wrong[:5])}")
+    if not targets:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+        raise ValueError(f"LoRA target_modules {list(target_modules)} match no module; linear layers are named "
+                         f"{leaves}")
+    return targets
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | None = None) -> list[nn.Parameter]:
     """Wrap every linear whose name ends with a target in a LoraLinear, freeze the rest; return trainable params.
 
@@ -194,16 +211,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
     """
     if lora_layers(model):
         raise ValueError("LoRA is already applied to this model")
-    names = resolve_targets(model, settings.target_modules)
-    targets = [(name, m) for name, m in model.named_modules() if name and _matches(name, names)]
-    wrong = [f"{name} ({type(m).__name__})" for name, m in targets if not _is_linear(m)]
-    if wrong:
-        raise ValueError(f"LoRA target_modules {settings.target_modules} match non-linear modules: "
-                         f"{', '.join(wrong[:5])}")
-    if not targets:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
-        raise ValueError(f"LoRA target_modules {settings.target_modules} match no module; linear layers are named "
-                         f"{leaves}")
+    targets = target_layers(model, settings.target_modules)
     model.requires_grad_(False)
     trainable: list[nn.Parameter] = []
     for name, base in targets:
@@ -356,6 +364,23 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
     stays applied, with fresh adapters). Returns the adapter's settings.
     """
     adapter_dir = Path(adapter_dir)
+    settings, loaded, expected = _fitting_adapter(model, adapter_dir, dtype)
+    with torch.no_grad():  # trained norms keep their pre-load base copy: adapters_disabled stays the base model
+        for key, target in expected.items():
+            target.copy_(loaded[key])
+    return settings
+
+
+def check_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
+    """Raise what `load_adapter` would (a ValueError naming the file) if the adapter does not fit `model`, whose LoRA
+    is already applied; changes nothing."""
+    _fitting_adapter(model, Path(adapter_dir))
+
+
+def _fitting_adapter(model: nn.Module, adapter_dir: Path, dtype: torch.dtype | None = None
+                     ) -> tuple[LoraSettings, dict[str, Tensor], dict[str, Tensor]]:
+    """The adapter's settings, its tensors and the model's LoRA tensors they go into, once both are known to fit
+    (LoRA is applied from the adapter's config if the model has none yet)."""
     config, settings = read_adapter_config(adapter_dir)
     if settings.train_norms:  # PEFT matches modules_to_save as plain name suffixes
         other = [n for n, m in model.named_modules()
@@ -366,7 +391,10 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
     if not lora_layers(model):
         apply_lora(model, settings, dtype)
     else:
-        _check_settings_match(model, settings)
+        try:
+            _check_settings_match(model, settings)
+        except ValueError as e:  # the adapter's config says another shape: name it
+            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {e}") from None
 
     try:
         loaded = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
@@ -381,10 +409,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, dtype: torch.
                 if keys]
     if problems:
         raise ValueError(f"adapter {adapter_dir} does not fit the model: " + "; ".join(problems))
-    with torch.no_grad():  # trained norms keep their pre-load base copy: adapters_disabled stays the base model
-        for key, target in expected.items():
-            target.copy_(loaded[key])
-    return settings
+    return settings, loaded, expected
 
 
 # ---------------------------------------------------------------------------------------------------- merge

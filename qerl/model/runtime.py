@@ -89,6 +89,20 @@ def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
     return load_tokenizer(source), context_length(source)
 
 
+def check_lora_targets(settings: Settings) -> None:
+    """`lora.target_modules` against the base's modules, from its config alone: a name that matches nothing fails
+    in a second, not after the weights have loaded (a GGUF base is checked when LoRA is applied)."""
+    from qerl.model import lora
+    from qerl.model.loading import model_skeleton
+
+    skeleton = model_skeleton(settings.quant.quantized_path or settings.model.path)
+    if skeleton is not None:
+        try:
+            lora.target_layers(skeleton, settings.lora.target_modules)
+        except ValueError as e:
+            raise ValueError(f"lora.target_modules: {e}") from None
+
+
 def load_policy(settings: Settings, adapter: str | None = None):
     """The base model, plus the adapter in `adapter` (a PEFT folder) if given; without one, the bare base model."""
     from qerl.model import lora

@@ -1,7 +1,7 @@
 """The RL algorithm and its loop: rollout -> score -> GRPO/DAPO update of the LoRA weights.
 
 Owns `grpo` (advantages and losses), `trainer` (the loop, its steps and metrics; the run folder keeps its state),
-`phases` (the loop's phases and the batch passed between them, which the Prefect flow wraps as tasks),
+`state_check` (a checkpoint's state checked before the trainer applies it), `phases` (the loop's phases and the batch passed between them, which the Prefect flow wraps as tasks),
 `distributed` (data-parallel training over torch.distributed), `launch` (`torchrun` as a subprocess), `tracking` (the
 tracker interface the loop logs through) and `plots` (training curves as PNGs).
 

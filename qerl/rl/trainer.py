@@ -31,14 +31,16 @@ from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
 from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
-from qerl.model.runtime import load_base_model, load_tokenizer_and_context, resolve_device, seed_everything
+from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, resolve_device,
+                                seed_everything)
 from qerl.quant.linear import held_weights, update_precision
-from qerl.rl import distributed, grpo, precompile
+from qerl.rl import distributed, grpo, precompile, state_check
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rollout import releasable
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
-from qerl.run.folder import Checkpoint, RunFolder
+from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
+from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,12 @@ class Trainer:
             context = model_context(model)
         examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
                                source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
+        if s.rollout.prompts_per_step > len(examples):  # bounded by the data, before the model loads
+            raise ValueError(f"rollout.prompts_per_step = {s.rollout.prompts_per_step}: more than the "
+                             f"{len(examples)} training prompts of {d.path or d.name} (data.n = {d.n}): a step would "
+                             f"repeat prompts; set it to {len(examples)} or fewer")
+        if model is None:
+            check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
@@ -216,10 +224,11 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
         # Rank 0 resolves damaged checkpoints (it moves them aside) before the other ranks read the same folder.
-        resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS) if self.dist.is_main else None
+        resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint) \
+            if self.dist.is_main else None
         self.dist.barrier()
         if not self.dist.is_main:
-            resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS)
+            resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint)
         if resumed is not None:
             self.apply_checkpoint(resumed)
         if self._kernels is not None:
@@ -554,8 +563,10 @@ class Trainer:
     def finish_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Update on a scored batch, log the step's metrics, checkpoint when due; returns the metrics."""
         if not batch.examples:  # dynamic sampling found no informative group: skip the update, not the step
+            # The learning-rate schedule counts updates (as transformers' Trainer steps its scheduler only after an
+            # optimizer step that ran): stepping it here, with no optimizer step before, shifted the schedule and
+            # had torch warn "lr_scheduler.step() before optimizer.step()" when it was the run's first step.
             self.step += 1
-            self.scheduler.step()
             metrics = {"step": self.step, "skipped": 1.0, "sigma": batch.sigma}
         else:
             metrics = self.update(batch)
@@ -626,6 +637,18 @@ class Trainer:
             "settings": self.settings.to_dict(),
         }
         return self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"), keep=keep)
+
+    def check_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """`CheckpointCorrupt` naming the file if `apply_checkpoint` could not continue from `checkpoint` (its state
+        does not fit this trainer: `qerl.rl.state_check`, or its adapter does not fit the model); changes nothing."""
+        problem = state_check.first_problem(checkpoint.state, self.optimizer)
+        if problem:  # the state was read from the JSON file, or from an older qerl's pickle in its place
+            file = STATE_FILE if (checkpoint.path / STATE_FILE).is_file() else PICKLED_STATE
+            raise CheckpointCorrupt(f"{checkpoint.path / file}: {problem}")
+        try:
+            lora.check_adapter(self.model, checkpoint.path / "adapter")
+        except (ValueError, OSError) as e:  # the message names the adapter's file
+            raise CheckpointCorrupt(" ".join(str(e).split())) from None
 
     def apply_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Continue from `checkpoint` (the run folder's `checkpoint_to_resume`): adapter, optimizer, scheduler, data

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl.errors import naming_a_full_disk
+from qerl.errors import BadInput, naming_a_full_disk
 from qerl.run import atomic, checkpoints, safestate
-from qerl.run.lock import FolderLock, run_folder_lock
+from qerl.run.lock import FolderLock, FolderLocked, run_folder_lock
 from qerl.run.manifest import write_manifest
 from qerl.run.metrics import MetricsLog
 
@@ -93,14 +93,23 @@ class RunFolder:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def checkpoint_to_resume(self, settings: dict[str, Any], required: Iterable[str] = ()) -> Checkpoint | None:
+    def checkpoint_to_resume(self, settings: dict[str, Any], required: Iterable[str] = (),
+                             check: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:
         """With `resume`, the newest intact checkpoint (damaged newer ones are named and moved aside) whose state holds
-        `required`; else, or if the run has none, None. The main rank also names the `settings` (a `to_dict()`) that
-        differ from the checkpoint's, refusing `FIXED_ON_RESUME`, and cuts the metrics log back to the checkpoint's
-        step (to nothing for a fresh start). Other ranks call it after the main one has (a barrier between)."""
-        found = None
-        if self.resume:
-            found = checkpoints.newest_intact(self.path / CHECKPOINTS, lambda p: read_checkpoint(p, required))
+        `required` and passes `check` (which raises `CheckpointCorrupt` naming the file for a state the trainer
+        cannot continue from, before any of it is applied); else, or if the run has none, None. A checkpoint trained
+        with other `FIXED_ON_RESUME` settings (`settings`: a `to_dict()`) is refused, never set aside: the run's
+        settings are wrong, not the checkpoint. The main rank also names the other settings that differ from the
+        checkpoint's and cuts the metrics log back to the checkpoint's step (to nothing for a fresh start). Other
+        ranks call it after the main one has (a barrier between)."""
+        def read(path: Path) -> dict[str, Any]:
+            state = read_checkpoint(path, required)
+            check_resumed_settings(path, state.get("settings"), settings, name_changes=False)
+            if check is not None:
+                check(Checkpoint(path, state))
+            return state
+
+        found = checkpoints.newest_intact(self.path / CHECKPOINTS, read) if self.resume else None
         resumed = Checkpoint(*found) if found is not None else None
         if self.main:
             if resumed is not None:
@@ -163,6 +172,11 @@ def read_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
         missing = ({"step"} | set(required)) - set(state)
         if missing:
             raise KeyError(f"lacks {', '.join(sorted(missing))}")
+        step, saved = state["step"], state.get("settings", {})
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise checkpoints.CheckpointCorrupt(f"{file}: step = {step!r}: not a step number")
+        if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+            raise checkpoints.CheckpointCorrupt(f"{file}: settings: not the run's settings (sections of keys)")
         for file in sorted(p for p in path.rglob("*.safetensors") if p != path / STATE_TENSORS):
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
@@ -194,10 +208,39 @@ def traces(folder: Path) -> list[str]:
     return found
 
 
+class LinkedOutput(BadInput):
+    """One of a run folder's outputs is a symbolic link; the message names it."""
+
+
+def refuse_run_folder(out: Path, name: str = "--out") -> None:
+    """For a command that is not a training run (`qerl eval`): `out` must not be a run's folder, nor lie inside a
+    folder a live run holds, where its files would land among the run's (and a `--overwrite` of it, or the run's
+    end, would decide their fate). One line naming it, exit 2; a finished run's sub-folder (`runs/x/eval`) is fine."""
+    for folder in (out.absolute(), *out.absolute().parents):
+        holder = run_folder_lock(folder).holder()
+        if holder is not None:
+            inside = "inside " if folder != out.absolute() else ""
+            raise FolderLocked(f"{name} {out} is {inside}run folder {folder}, in use by "
+                               f"{holder}: wait for the run to finish, or choose another {name}")
+    found = traces(out) if out.is_dir() else []
+    if found:
+        raise FileExistsError(f"{name} {out} holds a training run ({', '.join(found)}): write the evaluation "
+                              f"elsewhere, e.g. {name} {out / 'eval'}")
+
+
 def check_start(folder: Path, resume: bool, overwrite: bool, has_checkpoint: bool) -> None:
-    """Refuse to start where it would lose a previous run's outputs; with `overwrite`, remove them first."""
+    """Refuse to start where it would lose a previous run's outputs; with `overwrite`, remove them first. Everything
+    is checked before anything is deleted."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other: continue the run, or replace it")
+    # A link would have the run write (and --overwrite delete) outside its folder, or fail half-way through a
+    # deletion (rmtree refuses links) after the metrics were gone: a run folder's outputs are its own.
+    for name in OUTPUTS:
+        path = folder / name
+        if path.is_symlink():
+            raise LinkedOutput(f"{path} is a symbolic link (to {os.readlink(path)}): a run folder's outputs must be "
+                               "its own, so qerl neither writes nor deletes through it; replace it with the files "
+                               "themselves, or choose another --out (nothing was changed)")
     found = traces(folder)
     if not found:
         if resume:
@@ -224,10 +267,12 @@ def check_start(folder: Path, resume: bool, overwrite: bool, has_checkpoint: boo
         log.warning("--overwrite: deleted the previous run's outputs in %s (%s)", folder, listed)
 
 
-def check_resumed_settings(checkpoint: Path, saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+def check_resumed_settings(checkpoint: Path, saved: dict[str, Any] | None, current: dict[str, Any],
+                           name_changes: bool = True) -> None:
     """Name in one line the settings that differ from those the checkpoint was trained with: the run continues with
     the new values (a longer `train.steps`, a lower learning rate), except for `FIXED_ON_RESUME`, which are refused.
-    Keys the checkpoint does not know (settings added to qerl since) are not differences."""
+    Keys the checkpoint does not know (settings added to qerl since) are not differences. `name_changes=False`:
+    only refuse."""
     old, new = _flat(saved or {}), _flat(current)
     changed = [key for key in new if key in old and old[key] != new[key]]
     if not changed:
@@ -238,7 +283,9 @@ def check_resumed_settings(checkpoint: Path, saved: dict[str, Any] | None, curre
         raise ValueError(f"--resume: {checkpoint} was trained with other {', '.join(fixed)} ({listed}); its adapter "
                          "and optimizer state belong to those: resume with the run's own params.yaml, or pass "
                          "--overwrite to start over")
-    log.warning("--resume: settings changed since %s (%s): the run continues with the new values", checkpoint, listed)
+    if name_changes:
+        log.warning("--resume: settings changed since %s (%s): the run continues with the new values", checkpoint,
+                    listed)
 
 
 def _flat(settings: dict[str, Any]) -> dict[str, Any]:

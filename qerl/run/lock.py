@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from qerl.errors import BadInput
+from qerl.errors import BadInput, naming_a_full_disk
 
 
 class FolderLocked(BadInput, RuntimeError):
@@ -67,9 +67,15 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
         self._fd = fd
+        try:
+            with naming_a_full_disk(self.path):  # the holder's name is the one thing a lock writes
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+                         .encode())
+        except BaseException:
+            self.release()  # the file, and the folder if we made it: a start that failed leaves no trace
+            raise
         if self.hand_over:
             _handed_over[self._key()] = self
         return self
@@ -93,6 +99,23 @@ class FolderLock:
                 self.path.parent.rmdir()
             except OSError:  # not empty, or gone
                 pass
+
+    def holder(self) -> str | None:
+        """'PID n on host h' if another lock holder holds the file now, else None; takes and creates nothing that
+        lasts (a lock file that is not there is held by nobody)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails only beside an exclusive holder
+        except BlockingIOError:
+            return _describe_holder(fd)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
 
     @property
     def held(self) -> bool:

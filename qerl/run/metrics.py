@@ -16,6 +16,8 @@ from qerl.run import atomic
 
 log = logging.getLogger(__name__)
 
+_JSON_TYPES = {list: "array", int: "number", float: "number", str: "string", bool: "boolean", type(None): "null"}
+
 
 class MetricsLog:
     """Appends one JSON object per line and flushes, so a killed run keeps every finished step."""
@@ -38,17 +40,28 @@ class MetricsLog:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError as e:
                 if number == len(lines):
                     log.warning("%s: dropped its last line, cut short by a write that was killed or ran out of disk "
                                 "space (%r)", self.path, line[:60])
                     break
                 raise ValueError(f"{self.path}:{number}: not a JSON record ({e})") from None
+            # Whole JSON that is no step's record (`[1, 2]`, `3`, a step that is no number) was written by someone
+            # else: not a torn write, so it is named rather than dropped.
+            step = record.get("step") if isinstance(record, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):
+                what = f"a JSON {_JSON_TYPES.get(type(record), type(record).__name__)}" if not isinstance(
+                    record, dict) else f"an object whose step is {step!r}"
+                raise ValueError(f"{self.path}:{number}: not a metrics record ({what}; each line is an object with "
+                                 "an integer \"step\"): restore the file, or delete the line") from None
+            records.append(record)
         return records
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (a resumed run rewrites the steps after its checkpoint)."""
-        kept = [r for r in self.read() if r.get("step", 0) <= step]
+        text = "".join(json.dumps(r) + "\n" for r in self.read() if r["step"] <= step)
+        if text == (self.path.read_text(encoding="utf-8", errors="replace") if self.path.exists() else ""):
+            return  # nothing to drop: a fresh start writes no empty file (nor needs any space)
         with naming_a_full_disk(self.path):
-            atomic.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            atomic.write_text(self.path, text)

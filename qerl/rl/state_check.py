@@ -1,0 +1,121 @@
+"""Can the trainer continue from a checkpoint's state? Its structure checked before any of it is applied.
+
+A checkpoint whose files match its manifest can still be inconsistent: edited by hand or by a tool that wrote the
+manifest again, or written for other shapes. Applied as it was, such a state failed half-way (`"step": "three"`, an
+optimizer state that is a number: a traceback after the adapter was loaded) or, worse, later: a moment tensor of
+another shape loads without complaint and fails at the first optimizer step. `first_problem` says what does not fit
+in a few words, and the trainer has the run folder set such a checkpoint aside as it does one with damaged bytes.
+
+What is checked is what `Trainer.apply_checkpoint` hands to PyTorch, numpy and Python, which check little: the
+optimizer against the live one's parameters, the scheduler, the data sampler, the RNG states, the AQN schedule.
+Values stay the checkpoint's business (a learning rate, a position within range are checked by their owners).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def first_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """What first keeps `state` (a trainer state, its `step` already checked) from being applied to a trainer with
+    `optimizer`, in a few words starting with the key (`optimizer.state[0].exp_avg has shape ...`); None if it
+    fits."""
+    for check in (_optimizer, _scheduler, _sampler, _rng, _aqn):
+        problem = check(state, optimizer)
+        if problem:
+            return problem
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if not isinstance(value, (dict, list, tuple, Tensor, np.ndarray)) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    saved = state["optimizer"]
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) \
+            or not isinstance(saved.get("param_groups"), list):
+        return f"optimizer = {_shown(saved)}: not an optimizer state (state and param_groups)"
+    live = optimizer.param_groups
+    if len(saved["param_groups"]) != len(live):
+        return f"optimizer has {len(saved['param_groups'])} parameter groups, this run {len(live)}"
+    shapes: dict[int, torch.Size] = {}
+    for i, (group, ours) in enumerate(zip(saved["param_groups"], live)):
+        params = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(params, list) or not all(map(_is_int, params)) or len(params) != len(ours["params"]):
+            return (f"optimizer.param_groups[{i}] holds {len(params) if isinstance(params, list) else 'no'} "
+                    f"parameters, this run {len(ours['params'])} (another adapter shape)")
+        shapes.update({index: p.shape for index, p in zip(params, ours["params"])})
+    for index, moments in saved["state"].items():
+        if index not in shapes or not isinstance(moments, dict):
+            return f"optimizer.state[{index!r}] = {_shown(moments)}: no parameter of this run"
+        for name, value in moments.items():
+            if isinstance(value, Tensor) and value.dim() and value.shape != shapes[index]:
+                return (f"optimizer.state[{index}].{name} has shape {tuple(value.shape)}, its parameter "
+                        f"{tuple(shapes[index])}")
+    return None
+
+
+def _scheduler(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    saved = state["scheduler"]
+    if not isinstance(saved, dict):
+        return f"scheduler = {_shown(saved)}: not a learning-rate scheduler state"
+    if not _is_int(saved.get("last_epoch")):
+        return f"scheduler.last_epoch = {_shown(saved.get('last_epoch'))}: not a step count"
+    base = saved.get("base_lrs")
+    if not isinstance(base, list) or len(base) != len(optimizer.param_groups) or not all(map(_is_number, base)):
+        return f"scheduler.base_lrs = {_shown(base)}: not one learning rate per parameter group"
+    return None
+
+
+def _sampler(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    saved = state["sampler"]
+    keys = ("seed", "epoch", "position", "num_examples")  # qerl.data.problems.PromptSampler.state_dict
+    if not isinstance(saved, dict) or not all(_is_int(saved.get(k)) for k in keys):
+        return f"sampler = {_shown(saved)}: not a data position ({', '.join(keys)}: integers)"
+    return None
+
+
+def _rng(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    saved = state["rng"]
+    if not isinstance(saved, dict):
+        return f"rng = {_shown(saved)}: not the random generators' states"
+    python = saved.get("python")
+    if not (isinstance(python, tuple) and len(python) == 3 and isinstance(python[1], tuple)
+            and all(map(_is_int, python[1]))):
+        return "rng.python: not a state of Python's random module"
+    numpy = saved.get("numpy")
+    if not (isinstance(numpy, tuple) and len(numpy) == 5 and isinstance(numpy[1], np.ndarray)
+            and numpy[1].shape == np.random.get_state()[1].shape):
+        return "rng.numpy: not a state of numpy's global generator"
+    if not _is_byte_state(saved.get("torch"), torch.get_rng_state()):
+        return "rng.torch: not a state of torch's CPU generator"
+    cuda = saved.get("cuda")  # None: saved without CUDA (a CPU run)
+    if cuda is not None and not (isinstance(cuda, list) and all(_is_byte_state(t) for t in cuda)):
+        return "rng.cuda: not the states of CUDA generators"
+    return None
+
+
+def _is_byte_state(value: Any, like: Tensor | None = None) -> bool:
+    return isinstance(value, Tensor) and value.dtype == torch.uint8 and value.dim() == 1 \
+        and (like is None or value.shape == like.shape)
+
+
+def _aqn(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    saved = state.get("aqn", {})  # older checkpoints: none (a geometric schedule, which keeps no state)
+    if not isinstance(saved, dict) or not all(map(_is_number, saved.values())):
+        return f"aqn = {_shown(saved)}: not an AQN schedule's state"
+    return None
