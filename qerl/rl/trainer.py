@@ -54,7 +54,7 @@ class _StepTotals:
     grad_norm: float = 0.0
     entropy_sum: float = 0.0  # over the first iteration's tokens
     entropy_count: float = 0.0
-    sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens
+    sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens / μ
     peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
     recomputed_blocks: int = 0  # blocks that recomputed their forward in backward (model.gradient_checkpointing)
     held_gib: float = 0.0  # dequantized base weights kept through the update (model.keep_dequantized)
@@ -491,7 +491,9 @@ class Trainer:
                         loss = loss * (m.stop - m.start) / step_rows
                     if loss.requires_grad:  # not when every row of the micro-batch is idle
                         loss.backward()
-                totals.add(loss.item(), metrics, weight=float(mask[m].sum()), entropy=entropy, mask=t["mask"][m])
+                # The loss metrics: token means over the step, averaged over its μ iterations.
+                totals.add(loss.item(), metrics, weight=float(mask[m].sum()) / s.grpo.num_iterations,
+                           entropy=entropy, mask=t["mask"][m])
             for p in self.params:  # idle rows only: a zero gradient, as their backward would have left (AdamW
                 if p.grad is None:  # still steps on its moments)
                     p.grad = torch.zeros_like(p)
