@@ -293,3 +293,41 @@ def test_update_holds_dequantized_weights_in_the_memory_the_plan_leaves(tmp_path
     make_trainer(settings, tmp_path / "run").train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert budgets == [budget] and row["held_weights_gib"] == 1.5
+
+
+NOISY_ROLLOUTS = {"schedule": "entropy", "target_entropy": 3.0, "sigma_start": 0.05, "sigma_min": 0.01,
+                  "sigma_max": 0.1}  # AQN noise from step 1 on: a rollout/trainer gap for the correction to act on
+
+
+@pytest.mark.parametrize("grpo, aqn", [
+    ({"loss_type": "cispo", "importance_sampling_level": "sequence", "top_entropy_quantile": 0.5,
+      "correction": "mis", "correction_level": "sequence"}, {}),
+    # μ = 2: both iterations mask by the sampling policy's entropies
+    ({"loss_type": "sapo", "top_entropy_quantile": 0.3, "correction": "tis", "num_iterations": 2}, {}),
+    ({"loss_type": "dr_grpo", "importance_sampling_level": "sequence", "correction": "mis",
+      "correction_level": "sequence", "correction_cap": 1.05}, NOISY_ROLLOUTS),
+], ids=["gspo-cispo-entropy-mis", "sapo-entropy-tis-mu2", "gspo-dr_grpo-mis"])
+def test_the_losses_update_does_not_depend_on_the_micro_batching(tmp_path, grpo, aqn):
+    """Micro-batches of 3 rows (cutting across the groups of 4) give the update of one micro-batch of all 8: the
+    top-entropy mask takes the whole step's quantile, not each micro-batch's; the correction and the sequence-level
+    ratios are per row. The loss's metrics reach the step's."""
+    runs = []
+    for micro in (8, 3):
+        settings = tiny_settings(tmp_path, train={"steps": 1}, grpo={**grpo, "micro_batch_size": micro}, aqn=aqn)
+        make_trainer(settings, tmp_path / str(micro)).train()
+        runs.append(([json.loads(x) for x in (tmp_path / str(micro) / "metrics.jsonl").read_text().splitlines()],
+                     adapter_tensors(tmp_path / str(micro))))
+    (whole_rows, whole_adapter), (micro_rows, micro_adapter) = runs
+    name = "mis_weight" if grpo["correction"] == "mis" else "tis_weight"
+    keys = ["loss", "grad_norm", "ratio/mean", f"{name}/mean"]
+    keys += ["entropy_mask/kept"] if "top_entropy_quantile" in grpo else []
+    for a, b in zip(whole_rows, micro_rows):
+        assert a["reward_mean"] == b["reward_mean"]
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    if "top_entropy_quantile" in grpo:  # about the quantile's share of the tokens (ties and interpolation aside)
+        assert abs(whole_rows[0]["entropy_mask/kept"] - grpo["top_entropy_quantile"]) < 0.1
+    assert abs(whole_rows[0]["ratio/mean"] - 1) < 0.05  # a mean over the μ iterations, not their sum
+    if aqn:  # the noisy rollouts' sequences beyond the cap are dropped, and no more
+        assert 0 < whole_rows[0]["mis_weight/masked"] < 1
+    assert all(torch.allclose(micro_adapter[k], whole_adapter[k], atol=1e-5) for k in whole_adapter)
