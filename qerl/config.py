@@ -75,6 +75,11 @@ class ModelSettings:
     # GRPO group's completions) repeat it (Decoder.forward_shared_prompts): the same log-probs and gradients to
     # float rounding, with 1/G of the prompt tokens. Not with LoRA dropout, whose masks the rows would share.
     share_prompts: bool = True
+    # The update runs only the real tokens through the blocks' GEMMs and the LM head: the completions of a
+    # micro-batch packed without their right padding (and the prompts without their left padding), attention still
+    # per row on the padded layout. A micro-batch whose completions differ in length then costs its tokens, not rows
+    # x the longest. Same log-probs and gradients to float rounding (tests); opt-in until measured on the GPU.
+    pack_completions: bool = False
     # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run their
     # forward without autograd: no backward, no kept activations; the loss and its metrics still see them. Only
     # without the KL term (grpo.beta = 0), which gives every row a gradient.

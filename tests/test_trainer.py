@@ -165,6 +165,28 @@ def test_shared_prompts_update_is_the_plain_update(tmp_path):
     assert all(torch.allclose(shared_adapter[k], plain_adapter[k], atol=1e-5) for k in plain_adapter)
 
 
+def test_packed_update_is_the_padded_update(tmp_path):
+    """model.pack_completions: only the real tokens through the GEMMs and the head (completions of different lengths
+    here, shorter than max_new_tokens), with shared prompts or not: the padded update's metrics and adapter."""
+    runs = []
+    for name, model in [("padded", {}), ("packed", {"pack_completions": True}),
+                        ("packed-unshared", {"pack_completions": True, "share_prompts": False})]:
+        # One step: a second one's AdamW, at this lr, moves elements whose gradient is a rounding residue (~1e-8)
+        settings = tiny_settings(tmp_path, train={"steps": 1}, model=model,
+                                 rollout={"stop_strings": ["+", "-", "="]})  # completions that end early
+        make_trainer(settings, tmp_path / name).train()
+        runs.append(([json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()],
+                     adapter_tensors(tmp_path / name)))
+    (padded_rows, padded_adapter), *packed_runs = runs
+    assert min(r["response_length"] for r in padded_rows) < 6  # some completions ended early: padding to skip
+    for packed_rows, packed_adapter in packed_runs:
+        for a, b in zip(packed_rows, padded_rows):
+            assert a["reward_mean"] == b["reward_mean"]
+            for key in ("loss", "entropy", "grad_norm", "clip_ratio/region", "rollout_logp_gap/mean"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert all(torch.allclose(packed_adapter[k], padded_adapter[k], atol=1e-5) for k in padded_adapter)
+
+
 @pytest.mark.parametrize("reward", ["odd_gold_ones_reward", "even_gold_reward"])
 def test_idle_rows_without_autograd_give_the_plain_update(tmp_path, reward):
     """On the CPU rows of zero advantage run their forward without autograd (and a micro-batch of only such rows no

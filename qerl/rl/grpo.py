@@ -259,29 +259,45 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
 
 
 def completion_log_probs(model, ids: Tensor, attn: Tensor, P: int, temperature: float, share_prompts: bool,
-                         want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                         want_entropy: bool, pack: bool = False) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropies) of the completion tokens ``ids[:, P:]`` under ``model`` (a
     ``qerl.model.transformer.Transformer``) at the sampling ``temperature``: the update's forward.
 
     Only the positions that predict completion tokens go through the LM head, and ``head_log_probs`` runs it a chunk
     of tokens at a time: the ``[B, C, V]`` float32 logits (and their gradient) are never built. With
-    ``share_prompts`` the rows that repeat a prompt run it through the blocks once (``forward_shared_prompts``).
+    ``share_prompts`` the rows that repeat a prompt run it through the blocks once (``forward_shared_prompts``). With
+    ``pack`` only the real tokens (``attn`` 1) go through the blocks' GEMMs and the head, and the padding positions'
+    log-probs and entropies are 0 (the loss masks them).
     """
     C = ids.shape[1] - P
     predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
     decoder = model.model
-    if share_prompts and hasattr(decoder, "forward_shared_prompts"):
-        hidden = decoder.forward_shared_prompts(ids, attn, P)[:, predicting]
+    if (share_prompts or pack) and hasattr(decoder, "forward_shared_prompts"):
+        hidden = decoder.forward_shared_prompts(ids, attn, P, share=share_prompts, pack=pack)[:, predicting]
     else:
         hidden = decoder(ids, attention_mask=attn)[:, predicting]
+    targets = ids[:, P:]
+    real = attn[:, P:].bool() if pack else None
+    if real is not None:  # one row of the real tokens: the head's chunks hold no padding
+        hidden, targets = hidden[real][None], targets[real][None]
+    logp, entropy = _head_log_probs(model, hidden, targets, temperature, want_entropy)
+    if real is not None:
+        logp = logp.new_zeros(real.shape).index_put((real,), logp[0])
+        entropy = None if entropy is None else entropy.new_zeros(real.shape).index_put((real,), entropy[0])
+    return logp, entropy
+
+
+def _head_log_probs(model, hidden: Tensor, targets: Tensor, temperature: float,
+                    want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """`completion_log_probs`' LM head on the hidden states that predict `targets`."""
     head = model.lm_head
     if type(head) is torch.nn.Linear and head.bias is None and model.config.final_logit_softcapping is None:
-        return head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
+        return head_log_probs(hidden, head.weight, targets, temperature, want_entropy=want_entropy)
     # A head that is not a plain linear (LoRA named lm_head), or logits softcapped as the sampler's are (Gemma's
     # final_logit_softcapping): its logits, once, in float32.
     logits = model.softcap(head(hidden).float()).div_(temperature)
     entropy = entropy_from_logits(logits.detach()) if want_entropy else None
-    return selective_log_softmax(logits, ids[:, P:]), entropy
+    return selective_log_softmax(logits, targets), entropy
 
 
 # ----------------------------------------------------------------------------- loss

@@ -192,6 +192,7 @@ class Trainer:
         # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
         # dropout, whose masks would be shared by the rows.
         self.share_prompts = s.model.share_prompts and not s.lora.dropout
+        self.pack_completions = s.model.pack_completions  # only the real tokens through the GEMMs and the head
         # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run
         # their forward without autograd (`model.skip_idle_rows`); the loss and its metrics still see every row.
         # Only without the KL term (beta = 0), which gives every row a gradient.
@@ -364,7 +365,7 @@ class Trainer:
     def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
         return grpo.completion_log_probs(self.model, ids, attn, P, self.settings.rollout.temperature,
-                                         self.share_prompts, want_entropy)
+                                         self.share_prompts, want_entropy, self.pack_completions)
 
     def _micro_logp(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool,
                     live: Tensor | None) -> tuple[Tensor, Tensor | None]:
