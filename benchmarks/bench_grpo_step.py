@@ -20,8 +20,12 @@ The update with and without each group's prompt computed once (`model.share_prom
 256 + 1,024 and of 2,048 + 512 tokens (micro-batches of 8: one group's rows, so a micro-batch runs its prompt once):
 
     for shape in "--prompt 256 --new 1024" "--prompt 2048 --new 512"; do
-      PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4 --micro 8 $shape \
-        --variants 'shared:model.share_prompts=true;plain:model.share_prompts=false' --out DIR; done
+      PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4 --micro 8 $shape --out DIR \
+        --variants 'shared:model.share_prompts=true;plain:model.share_prompts=false;packed:model.pack_completions=true'
+    done
+
+(`packed`: `model.pack_completions` on top of shared prompts. A random policy's completions all run to `--new`, so
+this arm measures what packing costs where there is no padding to skip, not what it saves on real completions.)
 """
 from __future__ import annotations
 
