@@ -137,7 +137,8 @@ def test_top_entropy_mask_over_two_ranks_takes_the_whole_steps_quantile(tmp_path
     assert run_ranks(tmp_path, tmp_path / "two", **sections) == [0, 0]
     (expected,), (got,) = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert expected.keys() == got.keys() and "entropy_mask/kept" in got
-    for k in expected.keys() - TIMINGS:
+    # (the plain grader's score of the step misses its deadline now and then on a loaded machine: not the update's)
+    for k in expected.keys() - TIMINGS - {"accuracy", "grader_timeouts"}:
         assert got[k] == pytest.approx(expected[k], rel=1e-4, abs=1e-5), k
     ta, tb = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "two")
     for k in ta:

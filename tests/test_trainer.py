@@ -263,11 +263,13 @@ def test_existing_run_without_resume_is_refused(tmp_path):
         make_trainer(settings, tmp_path / "run")
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo", "sapo", "gspo"])
 def test_reward_rises_on_a_learnable_task(tmp_path, loss_type):
+    grpo = {"loss_type": "grpo", "importance_sampling_level": "sequence"} if loss_type == "gspo" else \
+        {"loss_type": loss_type}
     settings = tiny_settings(tmp_path, train={"steps": 8, "save_every": 100},
                              rollout={"prompts_per_step": 4, "group_size": 8},
-                             grpo={"loss_type": loss_type, "micro_batch_size": 16},
+                             grpo={**grpo, "micro_batch_size": 16},
                              optim={"lr": 3e-2})
     trainer = make_trainer(settings, tmp_path / "run")
     trainer.train()
