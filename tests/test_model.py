@@ -257,9 +257,10 @@ def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
 
 
 @pytest.mark.parametrize("case", ["llama-untied-llama3-rope", "gemma3"])  # the chunked head; the softcapped one
-def test_packed_update_log_probs_equal_the_padded_ones(case):
-    """`model.pack_completions`: the update's log-probs, entropies and LoRA gradients from only the real tokens
-    equal the padded forward's on every completion token, and are 0 on padding."""
+def test_update_log_probs_with_shared_prompts_and_packing_equal_the_plain_ones(case):
+    """The update's log-probs, entropies and LoRA gradients with each prompt computed once (`model.share_prompts`)
+    and/or only the real tokens through the GEMMs and the head (`model.pack_completions`) equal the plain padded
+    forward's on every completion token, to fp32 rounding; packed, padding's are 0."""
     from qerl.model.lora import LoraSettings, apply_lora
     from qerl.rl.grpo import completion_log_probs
 
@@ -273,18 +274,22 @@ def test_packed_update_log_probs_equal_the_padded_ones(case):
     ids, mask, prompt_len = grouped_rows()
     real = mask[:, prompt_len:].bool()
     upstream = torch.randn(real.shape, generator=torch.Generator().manual_seed(2))
-    results = []
-    for pack in (False, True):
+
+    def logps_and_grads(share: bool, pack: bool):
         for p in params:
             p.grad = None
-        logp, entropy = completion_log_probs(model, ids, mask, prompt_len, 0.7, True, True, pack=pack)
+        logp, entropy = completion_log_probs(model, ids, mask, prompt_len, 0.7, share, True, pack=pack)
         (logp * upstream * real).sum().backward()
-        results.append((logp.detach(), entropy, torch.cat([p.grad.flatten() for p in params])))
-    (padded, padded_entropy, padded_grad), (packed, packed_entropy, packed_grad) = results
-    torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
-    torch.testing.assert_close(packed_entropy[real], padded_entropy[real], rtol=0, atol=1e-5)
-    assert packed[~real].abs().max() == 0 and packed_entropy[~real].abs().max() == 0
-    assert (packed_grad - padded_grad).abs().max() < 2e-5 * padded_grad.abs().max()
+        return logp.detach(), entropy, torch.cat([p.grad.flatten() for p in params])
+
+    plain_logp, plain_entropy, plain_grad = logps_and_grads(False, False)
+    for share, pack in [(True, False), (True, True), (False, True)]:
+        logp, entropy, grad = logps_and_grads(share, pack)
+        torch.testing.assert_close(logp[real], plain_logp[real], rtol=0, atol=1e-5)
+        torch.testing.assert_close(entropy[real], plain_entropy[real], rtol=0, atol=1e-5)
+        assert (grad - plain_grad).abs().max() < 2e-5 * plain_grad.abs().max(), (share, pack)
+        if pack:
+            assert logp[~real].abs().max() == 0 and entropy[~real].abs().max() == 0
 
 
 def test_shared_prompts_forward_of_distinct_prompts_is_forward(tiny_pair):
