@@ -15,6 +15,17 @@ so the completions run to `--new` tokens. Step 1 also pays the one-offs (graph c
 dispatch measurement, humming-kernels' JIT); the last step is reported, step 1 next to it. Results:
 DIR/grpo_step.jsonl and a markdown table. The nf4-bnb arm is QLoRA as its users run it (bitsandbytes NF4 + LoRA;
 needs `pip install -e ".[qlora]"`, else it is skipped).
+
+The update with and without each group's prompt computed once (`model.share_prompts`, issue 48), at 64 rows of
+256 + 1,024 and of 2,048 + 512 tokens (micro-batches of 8: one group's rows, so a micro-batch runs its prompt once):
+
+    for shape in "--prompt 256 --new 1024" "--prompt 2048 --new 512"; do
+      PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4 --micro 8 $shape --out DIR \
+        --variants 'shared:model.share_prompts=true;plain:model.share_prompts=false;packed:model.pack_completions=true'
+    done
+
+(`packed`: `model.pack_completions` on top of shared prompts. A random policy's completions all run to `--new`, so
+this arm measures what packing costs where there is no padding to skip, not what it saves on real completions.)
 """
 from __future__ import annotations
 
@@ -99,6 +110,13 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
             f"train.steps={steps}", "train.eval_every=0", f"train.save_every={steps}", "data.name=arithmetic",
             "tracking.backend=none", *overrides])
         s.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        # Tokens through the blocks per forward of the update: every row's prompt and completion, or with
+        # model.share_prompts each micro-batch's distinct prompts once (rows are group-major; a random policy's
+        # completions run to `new` tokens)
+        rows = prompts * group
+        shared = sum(len({row // group for row in range(first, min(first + micro, rows))})
+                     for first in range(0, rows, micro)) if s.model.share_prompts else rows
+        r["update_tokens"] = shared * prompt_len + rows * new
         s.data.system_prompt = system
         # "hash" / "sparse": stand-ins that cost nothing; "accuracy": the product's default reward, the math grader
         # (math-verify in a worker process where installed) on these completions: what grading costs in a step
@@ -131,7 +149,7 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | base | variant | recomputed blocks | weights GiB | KV GiB | rollout s (tok/s) | scoring s | "
-             "update s | step s (step 1) | peak GiB | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
+             "update s (tokens) | step s (step 1) | peak GiB | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     step = {(r["model"], r["scheme"], r["variant"]): r["step_s"] for r in rows}
 
@@ -142,7 +160,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['model']} | {r['scheme']} | {r['variant']} | {r['recomputed_blocks']} | "
                      f"{r['weights_gib']:.1f} | {r['kv_gib']:.1f} | "
-                     f"{r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['scoring_s']:.2f} | {r['update_s']:.1f} | "
+                     f"{r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['scoring_s']:.2f} | "
+                     f"{r['update_s']:.1f} ({r.get('update_tokens', 0):,}) | "
                      f"{r['step_s']:.1f} ({r['first_step_s']:.1f}) | {r['peak_gib']:.1f} | {r['reserved_gib']:.1f} | "
                      f"{r['rollout_logp_gap']:.3f} | {speedup(r, 'bf16')} / {speedup(r, 'nf4-bnb')} |")
     return "\n".join(lines)
@@ -164,7 +183,8 @@ def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], ar
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
         cmd = [sys.executable, os.path.abspath(__file__), "--arm", name, scheme, variant, "--row", str(result),
-               "--prompts", str(args.prompts), "--new", str(args.new), "--micro", str(args.micro), "--sigma", str(args.sigma),
+               "--prompts", str(args.prompts), "--prompt", str(args.prompt), "--new", str(args.new),
+               "--micro", str(args.micro), "--sigma", str(args.sigma),
                "--steps", str(args.steps), "--reward", args.reward, *(x for o in overrides for x in ("--set", o))]
         rc = subprocess.run(cmd).returncode
         if rc != 0 or not result.exists():
@@ -176,7 +196,8 @@ def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], ar
 def one_arm(args) -> int:
     name, scheme, variant = args.arm
     try:
-        r = grpo_step(name, scheme, prompts=args.prompts, new=args.new, micro=args.micro, sigma=args.sigma, steps=args.steps,
+        r = grpo_step(name, scheme, prompts=args.prompts, prompt_len=args.prompt, new=args.new, micro=args.micro,
+                      sigma=args.sigma, steps=args.steps,
                       overrides=tuple(args.set), variant=variant, reward=args.reward)
     except ImportError as e:  # the QLoRA arm without bitsandbytes
         print(f"[{name} {scheme}] skipped: {e}", flush=True)
@@ -194,7 +215,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="7b,14b")
     ap.add_argument("--schemes", default="nvfp4,bf16,nf4-bnb", help=f"any of {', '.join(SCHEMES)}")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (8 completions each): 8 = 64 rows")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (8 samples each): 8 = 64 rows")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (about: a system prompt of random words "
+                    "before a short question)")
     ap.add_argument("--new", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--sigma", type=float, default=1e-2)

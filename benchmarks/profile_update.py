@@ -1,5 +1,6 @@
 """Where the GRPO update's GPU time goes: torch.profiler over the second step's update of bench_grpo_step's work
-(the 7B of the published shape, 64 x (256 + 1,024) tokens, micro-batch 4), as `qerl train` runs it.
+(the 7B of the published shape, 64 x (256 + 1,024) tokens, micro-batch 4; --prompt, --new, --micro change them), as
+`qerl train` runs it.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/profile_update.py --scheme nvfp4 --set model.base_gemm=fp8 --out DIR
 
@@ -40,6 +41,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="7b")
     ap.add_argument("--scheme", default="nvfp4")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (e.g. 2048 with --new 512)")
+    ap.add_argument("--new", type=int, default=1024, help="completion tokens")
+    ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
     ap.add_argument("--set", action="append", default=[], help="a setting, key=value (repeatable)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", default="outputs/profile")
@@ -47,7 +51,8 @@ def main() -> None:
                     "write <label>_stacks.txt, where each is called from (Python stacks; slows the profiled update)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    label = "_".join([args.model, args.scheme, *[s.replace("=", "-") for s in args.set]])
+    label = "_".join([args.model, args.scheme, f"{args.prompt}+{args.new}x{args.micro}",
+                      *[s.replace("=", "-") for s in args.set]])
     optimize, calls = trainer_module.Trainer._optimize, []
 
     def profiled(self, *a, **k):
@@ -78,7 +83,8 @@ def main() -> None:
         return result
 
     trainer_module.Trainer._optimize = profiled
-    g.grpo_step(args.model, args.scheme, steps=2, overrides=tuple(args.set))
+    g.grpo_step(args.model, args.scheme, prompt_len=args.prompt, new=args.new, micro=args.micro, steps=2,
+                overrides=tuple(args.set))
 
 
 if __name__ == "__main__":

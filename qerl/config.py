@@ -79,6 +79,11 @@ class ModelSettings:
     # GRPO group's completions) repeat it (Decoder.forward_shared_prompts): the same log-probs and gradients to
     # float rounding, with 1/G of the prompt tokens. Not with LoRA dropout, whose masks the rows would share.
     share_prompts: bool = True
+    # The update runs only the real tokens through the blocks' GEMMs and the LM head: the completions of a
+    # micro-batch packed without their right padding (and the prompts without their left padding), attention still
+    # per row on the padded layout. A micro-batch whose completions differ in length then costs its tokens, not rows
+    # x the longest. Same log-probs and gradients to float rounding (tests); opt-in until measured on the GPU.
+    pack_completions: bool = False
     # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run their
     # forward without autograd: no backward, no kept activations; the loss and its metrics still see them. Only
     # without the KL term (grpo.beta = 0), which gives every row a gradient.
@@ -188,12 +193,28 @@ class RolloutSettings:
     kv_cache_dtype: Literal["model", "fp8"] = "model"
 
 
+# The ratio's clip range where the params leave it unset (null), by importance_sampling_level: DAPO's clip-higher per
+# token; the GSPO paper's per sequence (its one ratio per sequence is a mean over tokens: far closer to 1).
+CLIP_RANGE = {"token": (0.2, 0.28), "sequence": (3e-4, 4e-4)}
+CISPO_CAP = 5.0  # loss_type cispo's epsilon_high, the weight's cap itself, where unset (TRL's and ScaleRL's value)
+
+
 @dataclass
 class GRPOSettings:
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    # The surrogate and how it is averaged (qerl.rl.grpo.LossConfig; README "The policy losses"): grpo (per-sequence
+    # mean), dapo (per token over the step), dr_grpo (over B x max_new_tokens), bnpo (per token over each
+    # micro-batch), cispo (MiniMax-M1: REINFORCE weighted by the ratio capped at epsilon_high, per token over the
+    # step), sapo (a sigmoid gate on the ratio instead of the clip, per-sequence mean).
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"  # "none" is Dr. GRPO (no division by the std)
-    epsilon_low: float = field(default=0.2, metadata=_check(ge=0, lt=1))
-    epsilon_high: float = field(default=0.28, metadata=_check(ge=0))  # DAPO's clip-higher
+    # Clip range [1 - epsilon_low, 1 + epsilon_high] of the ratio; null: CLIP_RANGE of importance_sampling_level
+    # (0.2 / 0.28 per token, 3e-4 / 4e-4 per sequence). cispo: epsilon_high is the cap itself (null: 5.0).
+    epsilon_low: Optional[float] = field(default=None, metadata=_check(ge=0, lt=1))
+    epsilon_high: Optional[float] = field(default=None, metadata=_check(ge=0))
+    # token: one ratio per token; sequence: GSPO's one per sequence, exp(mean over its tokens of the log-ratio)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    sapo_temperature_pos: float = field(default=1.0, metadata=_check(gt=0))  # SAPO's gate, tokens with A > 0
+    sapo_temperature_neg: float = field(default=1.05, metadata=_check(gt=0))  # and with A <= 0
     beta: float = field(default=0.0, metadata=_check(ge=0))  # KL weight; reference = base with adapters off
     num_iterations: int = field(default=1, metadata=_check(ge=1))  # μ: updates per rollout batch
     # Sequences per forward/backward: gradients accumulate over the micro-batches of a step, one optimizer step per μ
@@ -203,7 +224,35 @@ class GRPOSettings:
     # learning-rate schedule (which counts updates) does not advance.
     dynamic_sampling: bool = False
     max_resample_rounds: int = field(default=3, metadata=_check(ge=0))
-    tis_cap: Optional[float] = field(default=None, metadata=_check(gt=0))  # truncated importance sampling cap C
+    # The rollout-to-trainer correction: a weight exp(trainer logp - sampler logp) per token (correction_level:
+    # token) or its product per sequence (sequence); tis truncates it at correction_cap, mis drops the token's (or
+    # sequence's) loss beyond it, none applies none. Metrics: tis_weight/mean, tis_weight/truncated or
+    # mis_weight/mean, mis_weight/masked (shares of loss tokens), and rollout_logp_gap/mean always.
+    correction: Literal["none", "tis", "mis"] = "none"
+    correction_level: Literal["token", "sequence"] = "token"
+    correction_cap: Optional[float] = field(default=None, metadata=_check(gt=0))  # null: tis_cap if set, else 2.0
+    # Shorthand kept from before `correction`: tis_cap: C is correction: tis with correction_cap: C
+    tis_cap: Optional[float] = field(default=None, metadata=_check(gt=0))
+    # The loss only on the tokens whose entropy is in this top quantile of the step's loss tokens (the 80/20 paper:
+    # 0.2); 1.0: every token. Below 1 it costs a forward without autograd per step (none when num_iterations > 1).
+    top_entropy_quantile: float = field(default=1.0, metadata=_check(ge=0, le=1))
+
+    def __post_init__(self) -> None:
+        low, high = CLIP_RANGE.get(self.importance_sampling_level, CLIP_RANGE["token"])  # other levels: refused
+        if self.epsilon_low is None:
+            self.epsilon_low = low
+        if self.epsilon_high is None:
+            self.epsilon_high = CISPO_CAP if self.loss_type == "cispo" else high
+
+    def validate(self) -> None:
+        if self.loss_type == "cispo" and self.epsilon_high <= 1:
+            raise _RuleError(("epsilon_high", "loss_type"), f"epsilon_high = {self.epsilon_high}: loss_type 'cispo' "
+                             "caps the importance weight at epsilon_high itself (e.g. 5.0, or null for that); a cap "
+                             "<= 1 would down-weight every on-policy token")
+        if self.tis_cap is not None and (self.correction == "mis" or self.correction_cap not in (None, self.tis_cap)):
+            raise _RuleError(("tis_cap", "correction", "correction_cap"), f"tis_cap = {self.tis_cap} is short for "
+                             f"correction: tis, correction_cap: {self.tis_cap}; it contradicts correction = "
+                             f"{self.correction!r}, correction_cap = {self.correction_cap}: set one or the other")
 
 
 @dataclass

@@ -50,7 +50,8 @@ def test_unset_keys_take_defaults():
         ("lora.rnak=3", "-S lora.rnak=3: unknown key 'lora.rnak' (did you mean 'rank'?)"),
         ("lora.rank=-1", "-S lora.rank=-1: lora.rank = -1: must be > 0"),
         ("lora.rank=2.5", "-S lora.rank=2.5: lora.rank = 2.5: expected an integer"),
-        ("grpo.loss_type=ppo", "-S grpo.loss_type=ppo: grpo.loss_type = 'ppo': expected one of 'grpo', 'dapo', 'dr_grpo'"),
+        ("grpo.loss_type=ppo", "-S grpo.loss_type=ppo: grpo.loss_type = 'ppo': expected one of 'grpo', 'dapo', 'dr_grpo', "
+                               "'bnpo', 'cispo', 'sapo'"),
         ("optim.lr=fast", "-S optim.lr=fast: optim.lr = 'fast': expected a number"),
         ("aqn.enabled=3", "-S aqn.enabled=3: aqn.enabled = 3: expected true or false"),
         ("rollout.top_p=1.5", "-S rollout.top_p=1.5: rollout.top_p = 1.5: must be <= 1"),
@@ -193,3 +194,34 @@ def test_a_section_or_key_set_twice_is_refused_naming_both_lines(tmp_path, qerl_
     code, _, err = qerl_here("params", "--params", params)
     assert code == 2
     assert err.strip() == "qerl: error: " + line.format(p=params)
+
+
+def test_loss_settings_take_their_papers_defaults_and_name_contradictions(tmp_path):
+    assert (Settings().grpo.epsilon_low, Settings().grpo.epsilon_high) == (0.2, 0.28)  # DAPO's, per token
+    gspo = settings_from_dict({"grpo": {"importance_sampling_level": "sequence"}}).grpo
+    assert (gspo.epsilon_low, gspo.epsilon_high) == (3e-4, 4e-4)  # the GSPO paper's
+    nulls = load_settings(overrides=["grpo.importance_sampling_level=sequence", "grpo.epsilon_low=null",
+                                     "grpo.epsilon_high=null"])  # the default params spell out 0.2 / 0.28
+    assert (nulls.grpo.epsilon_low, nulls.grpo.epsilon_high) == (3e-4, 4e-4)
+    assert settings_from_dict({"grpo": {"loss_type": "cispo"}}).grpo.epsilon_high == 5.0  # the weight's cap
+    params = tmp_path / "p.yaml"
+    params.write_text("grpo:\n  loss_type: dapo\n  epsilon_high: 0.28\n  tis_cap: 2.0\n")
+    assert load_settings(params).grpo.tis_cap == 2.0  # the shorthand stays valid
+    cases = [
+        (["grpo.correction=mis"], "-S grpo.correction=mis: grpo.tis_cap = 2.0 is short for correction: tis, "
+                                  "correction_cap: 2.0; it contradicts correction = 'mis'"),
+        (["grpo.correction_cap=3"], "-S grpo.correction_cap=3: grpo.tis_cap = 2.0 is short for"),
+        (["grpo.loss_type=cispo"], "-S grpo.loss_type=cispo: grpo.epsilon_high = 0.28: loss_type 'cispo' caps the "
+                                   "importance weight at epsilon_high itself"),
+        (["grpo.top_entropy_quantile=1.5"], "-S grpo.top_entropy_quantile=1.5: grpo.top_entropy_quantile = 1.5: "
+                                            "must be <= 1"),
+        (["grpo.correction=is"], "-S grpo.correction=is: grpo.correction = 'is': expected one of 'none', 'tis', "
+                                 "'mis'"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as err:
+            load_settings(params, overrides)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    params.write_text("grpo:\n  loss_type: cispo\n  epsilon_high: 0.28\n")
+    with pytest.raises(ConfigError, match=rf"^{params}:3: grpo.epsilon_high = 0.28: loss_type 'cispo'"):
+        load_settings(params)

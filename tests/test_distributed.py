@@ -122,6 +122,29 @@ def test_dynamic_sampling_over_two_ranks_equals_one_process(tmp_path):
         torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5)
 
 
+def test_top_entropy_mask_over_two_ranks_takes_the_whole_steps_quantile(tmp_path):
+    """grpo.top_entropy_quantile: the threshold is the quantile of every rank's loss tokens (each rank's own would
+    keep other tokens), with GSPO's sequence ratios and sequence-level MIS: the one-process run's metrics and
+    adapter."""
+    sections = {"grpo": {"top_entropy_quantile": 0.4, "loss_type": "cispo", "importance_sampling_level": "sequence",
+                         "correction": "mis", "correction_level": "sequence"},
+                "train": {"steps": 1, "save_every": 1},
+                # Adam's first step is ~lr * sign(g) down to |g| ~ eps: with most tokens masked a few LoRA elements'
+                # gradients are ~2e-8 (cancellation residues), whose step the two processes' rounding would move
+                "optim": {"eps": 1e-6}}
+    one = make_trainer(settings_2xP(tmp_path, **sections), tmp_path / "one")
+    one.train()
+    assert run_ranks(tmp_path, tmp_path / "two", **sections) == [0, 0]
+    (expected,), (got,) = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert expected.keys() == got.keys() and "entropy_mask/kept" in got
+    # (the plain grader's score of the step misses its deadline now and then on a loaded machine: not the update's)
+    for k in expected.keys() - TIMINGS - {"accuracy", "grader_timeouts"}:
+        assert got[k] == pytest.approx(expected[k], rel=1e-4, abs=1e-5), k
+    ta, tb = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "two")
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5)
+
+
 def coin_reward(completion: str, gold: str) -> float:
     """1 for completions of odd length: some groups all-equal (dropped), others mixed (kept)."""
     return float(len(completion) % 2)

@@ -8,6 +8,7 @@ import torch
 from qerl.rl.grpo import (
     LossConfig,
     entropy_from_logits,
+    entropy_threshold,
     head_log_probs,
     group_advantages,
     informative_groups,
@@ -283,3 +284,239 @@ def test_loss_config_takes_every_loss_field_from_the_grpo_settings():
     assert LossConfig.from_settings(settings, max_completion_length=24) == LossConfig(
         loss_type="dr_grpo", epsilon_low=0.1, epsilon_high=0.3, beta=0.05, max_completion_length=24,
         mask_truncated=True, tis_cap=2.0)
+    assert LossConfig.from_settings(settings, 24).correction == "tis"  # the shorthand, as params files use it
+
+
+# ----------------------------------------------------------------------------- the losses beside TRL's
+# References written from each paper's formula, one sequence and one token at a time, on random tensors: the
+# vectorised loss must equal them, on the whole batch and accumulated over micro-batches (as the trainer does).
+
+def paper_loss(logp, old, adv, mask, loss_type, level="token", eps_low=0.2, eps_high=0.28, tau_pos=1.0,
+               tau_neg=1.05, max_len=None, weights=None, kept=None):
+    """The objective's negative, summed and normalised per `loss_type`; `weights`: the correction weight of each
+    token (a [B, T] list), `kept`: the entropy mask (1/0 per token)."""
+    B, T = logp.shape
+    token_terms = []  # per sequence: its tokens' loss terms
+    for i in range(B):
+        tokens = [t for t in range(T) if mask[i, t]]
+        a = float(adv[i])
+        # GSPO (eq. 7): s_i = (pi / pi_old)^(1 / |y_i|) = exp(mean_t (logp - old)), one ratio for every token of y_i
+        seq_ratio = torch.exp(sum(logp[i, t] - old[i, t] for t in tokens) / max(len(tokens), 1))
+        terms = []
+        for t in tokens:
+            r = seq_ratio if level == "sequence" else torch.exp(logp[i, t] - old[i, t])
+            if loss_type == "cispo":  # MiniMax-M1 eq. 4 (TRL/ScaleRL cap): sg(min(r, eps_max)) * A * log pi
+                term = -min(r.detach(), torch.tensor(eps_high, dtype=r.dtype)) * a * logp[i, t]
+            elif loss_type == "sapo":  # SAPO eq. 4: f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau by the sign of A
+                tau = tau_pos if a > 0 else tau_neg
+                term = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+            else:  # the PPO clip of GRPO / DAPO / Dr. GRPO / BNPO
+                term = -torch.minimum(r * a, r.clamp(1 - eps_low, 1 + eps_high) * a)
+            if weights is not None:
+                term = term * weights[i][t]
+            if kept is not None:
+                term = term * kept[i][t]
+            terms.append(term)
+        token_terms.append(terms)
+    total = sum(sum(terms) for terms in token_terms)
+    tokens = sum(len(terms) for terms in token_terms)
+    if loss_type in ("grpo", "sapo"):  # 1/G sum_i 1/|y_i| sum_t
+        return sum(sum(terms) / max(len(terms), 1) for terms in token_terms) / B
+    if loss_type == "dr_grpo":
+        return total / (B * max_len)
+    return total / tokens  # dapo, cispo (over the batch's tokens), bnpo (its micro-batch's: one here)
+
+
+def random_batch(seed=0, B=6, T=7, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    # ratios from ~0.6 to ~1.6 per token: every clip side binds somewhere
+    logp = (old + 0.5 * torch.randn(B, T, generator=g, dtype=dtype)).requires_grad_(True)
+    adv = torch.randn(B, generator=g, dtype=dtype)
+    lengths = torch.tensor([7, 1, 4, 2, 6, 5])[:B]  # unequal lengths: the aggregations differ
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    rollout = old + 0.4 * torch.randn(B, T, generator=g, dtype=dtype)
+    entropy = torch.rand(B, T, generator=g, dtype=dtype) * 3
+    return logp, old, adv, mask, rollout, entropy
+
+
+def accumulated(logp, old, adv, mask, cfg, micro, **extra):
+    """The trainer's accumulation: per micro-batch, `token_normalizer` = the step's loss tokens where the type is
+    normalised by them, else the micro-batch's mean weighted by its share of the rows; plus the micro-batch's
+    slice of every [B, ...] extra."""
+    B = len(logp)
+    step_tokens = float(loss_mask(mask, cfg).sum())
+    total = 0
+    for s in micro:
+        part_extra = {k: v[s] if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        loss, _ = policy_loss(logp[s], old[s], adv[s], mask[s], cfg, token_normalizer=step_tokens, **part_extra)
+        total = total + (loss if cfg.normalized_by_step_tokens else loss * (s.stop - s.start) / B)
+    return total
+
+
+CASES = {  # name: (LossConfig keywords, paper_loss keywords)
+    "grpo": ({"loss_type": "grpo"}, {}),
+    "dapo": ({"loss_type": "dapo"}, {}),
+    "dr_grpo": ({"loss_type": "dr_grpo", "max_completion_length": 9}, {"max_len": 9}),
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.3}, {"eps_high": 1.3}),  # a low cap: some weights bind
+    "sapo": ({"loss_type": "sapo", "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, {}),
+    "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon_low": 0.1, "epsilon_high": 0.15},
+             {"level": "sequence", "eps_low": 0.1, "eps_high": 0.15}),
+    "gspo-dapo": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon_low": 0.1,
+                   "epsilon_high": 0.15}, {"level": "sequence", "eps_low": 0.1, "eps_high": 0.15}),
+    "cispo-sequence": ({"loss_type": "cispo", "epsilon_high": 1.2, "importance_sampling_level": "sequence"},
+                       {"eps_high": 1.2, "level": "sequence"}),
+    "sapo-sequence": ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, {"level": "sequence"}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_loss_equals_its_papers_formula_whole_and_accumulated(case):
+    cfg_kwargs, paper_kwargs = CASES[case]
+    cfg = LossConfig(**cfg_kwargs)
+    logp, old, adv, mask, _, _ = random_batch()
+    reference = paper_loss(logp, old, adv, mask, cfg.loss_type, **paper_kwargs)
+    (reference_grad,) = torch.autograd.grad(reference, logp)
+
+    whole, _ = policy_loss(logp, old, adv, mask, cfg)
+    (whole_grad,) = torch.autograd.grad(whole, logp)
+    assert whole.item() == pytest.approx(reference.item(), abs=1e-12)
+    torch.testing.assert_close(whole_grad, reference_grad, rtol=0, atol=1e-12)
+
+    if cfg.loss_type == "bnpo":
+        return
+    # micro-batches of 2, 3 and 1 rows (unequal, cutting across nothing in particular) add up to the whole batch
+    acc = accumulated(logp, old, adv, mask, cfg, [slice(0, 2), slice(2, 5), slice(5, 6)])
+    (acc_grad,) = torch.autograd.grad(acc, logp)
+    assert acc.item() == pytest.approx(reference.item(), abs=1e-12)
+    torch.testing.assert_close(acc_grad, reference_grad, rtol=0, atol=1e-12)
+    assert whole_grad.abs().sum() > 0 and whole_grad[~mask.bool()].abs().max() == 0
+
+
+def test_bnpo_normalises_by_each_micro_batchs_tokens():
+    """TRL's bnpo: each micro-batch's token mean, averaged over the (equal) micro-batches; one micro-batch is dapo."""
+    logp, old, adv, mask, _, _ = random_batch()
+    cfg = LossConfig(loss_type="bnpo")
+    halves = [slice(0, 3), slice(3, 6)]
+    reference = sum(paper_loss(logp[s], old[s], adv[s], mask[s], "bnpo") for s in halves) / 2
+    acc = accumulated(logp, old, adv, mask, cfg, halves)
+    assert acc.item() == pytest.approx(reference.item(), abs=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(acc, logp)[0], torch.autograd.grad(reference, logp)[0],
+                               rtol=0, atol=1e-12)
+    whole, _ = policy_loss(logp, old, adv, mask, cfg)
+    dapo, _ = policy_loss(logp, old, adv, mask, LossConfig(loss_type="dapo"))
+    assert whole.item() == dapo.item() != pytest.approx(acc.item())
+
+
+def test_cispo_keeps_a_gradient_where_the_clip_would_cut_it():
+    """The hand-computed fixture's clipped tokens (r = 1.5 with A > 0, r = 0.7 with A < 0): the PPO clip zeroes
+    their gradient, CISPO's capped weight does not (d/dlogp = -min(r, cap) * A / tokens)."""
+    logp, old, adv, mask = make_inputs(requires_grad=True)
+    loss, m = policy_loss(logp, old, adv, mask, LossConfig(loss_type="cispo", epsilon_high=1.28))
+    loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(-1.28 * 1 / 5)  # r = 1.5 capped at 1.28
+    assert logp.grad[1, 1].item() == pytest.approx(-0.7 * -2 / 5)
+    assert logp.grad[1, 2] == 0  # padding
+    assert m["clip_ratio/high"] == pytest.approx(1 / 5) and m["clip_ratio/low"] == 0  # only r = 1.5 exceeds 1.28
+
+
+def test_sapo_gate_is_the_plain_gradient_on_policy_and_fades_off_policy():
+    """SAPO's d/dlogp = -4 s (1 - s) r A, s = sigmoid(tau (r - 1)): -A at r = 1 (as every loss on-policy), smaller
+    far from it."""
+    logp = torch.log(torch.tensor([[1.0, 3.0]], dtype=torch.float64)).requires_grad_(True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    loss, m = policy_loss(logp, old, torch.ones(1, dtype=torch.float64), torch.ones(1, 2),
+                          LossConfig(loss_type="sapo"))
+    loss.backward()
+    s = 1 / (1 + math.exp(-2.0))  # tau = 1 (A > 0), r = 3
+    assert logp.grad[0].tolist() == pytest.approx([-1 / 2, -4 * s * (1 - s) * 3 / 2])
+    assert "clip_ratio/region" not in m
+
+
+def test_gspo_ratio_is_the_length_normalised_sequence_ratio():
+    """Row 0's token ratios 1.5, 0.5, 1.0 give s = (0.75)^(1/3) for all three tokens; the metric counts its tokens."""
+    logp, old, adv, mask = make_inputs()
+    cfg = LossConfig(loss_type="dapo", importance_sampling_level="sequence", epsilon_low=0.05, epsilon_high=0.05)
+    loss, m = policy_loss(logp, old, adv, mask, cfg)
+    s0, s1 = 0.75 ** (1 / 3), (1.1 * 0.7) ** (1 / 2)  # 0.909 (A > 0: unclipped), 0.877 (A < 0: clipped at 0.95)
+    assert loss.item() == pytest.approx((3 * -s0 * 1 + 2 * -0.95 * -2) / 5)
+    assert m["ratio/mean"] == pytest.approx((3 * s0 + 2 * s1) / 5)
+    assert m["clip_ratio/low"] == pytest.approx(2 / 5) and m["clip_ratio/high"] == 0
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_equals_its_definition_whole_and_accumulated(correction, level):
+    """TIS truncates exp(old - rollout) at the cap, MIS drops what is beyond it; per token, or the product over a
+    sequence's tokens; no gradient through the weights."""
+    logp, old, adv, mask, rollout, _ = random_batch(seed=1)
+    cap = 1.4
+    cfg = LossConfig(loss_type="dapo", correction=correction, correction_level=level, correction_cap=cap)
+    weights, beyond = [], []
+    for i in range(len(logp)):
+        tokens = [t for t in range(logp.shape[1]) if mask[i, t]]
+        if level == "sequence":
+            w = math.prod(math.exp(old[i, t] - rollout[i, t]) for t in tokens)
+            row = [w] * logp.shape[1]
+        else:
+            row = [math.exp(old[i, t] - rollout[i, t]) for t in range(logp.shape[1])]
+        weights.append([min(w, cap) if correction == "tis" else (w if w <= cap else 0.0) for w in row])
+        beyond.append(sum(row[t] > cap for t in tokens))
+    reference = paper_loss(logp, old, adv, mask, "dapo", weights=weights)
+    loss, m = policy_loss(logp, old, adv, mask, cfg, rollout_logp=rollout)
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(reference, logp)[0],
+                               rtol=0, atol=1e-12)
+    acc = accumulated(logp, old, adv, mask, cfg, [slice(0, 4), slice(4, 6)], rollout_logp=rollout)
+    assert acc.item() == pytest.approx(reference.item(), abs=1e-12)
+    name, cut = ("tis_weight", "truncated") if correction == "tis" else ("mis_weight", "masked")
+    tokens = int(mask.sum())
+    assert m[f"{name}/{cut}"] == pytest.approx(sum(beyond) / tokens) and 0 < sum(beyond) < tokens
+    assert m[f"{name}/mean"] == pytest.approx(sum(weights[i][t] for i in range(len(logp))
+                                                  for t in range(logp.shape[1]) if mask[i, t]) / tokens)
+
+
+def test_mis_drops_the_tokens_beyond_the_cap_and_tis_shorthand_is_token_tis():
+    """The TIS fixture's weights 3 and 0.5 at cap 2: MIS drops the first token's loss (it still counts in the
+    normaliser, as TRL's), keeps the second's; `tis_cap` is token-level TIS at that cap."""
+    logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    rollout = torch.tensor([[-math.log(3), math.log(2)]], dtype=torch.float64)
+    adv, mask = torch.ones(1, dtype=torch.float64), torch.ones(1, 2)
+    loss, m = policy_loss(logp, old, adv, mask, LossConfig(correction="mis", correction_cap=2.0),
+                          rollout_logp=rollout)
+    assert loss.item() == pytest.approx(-0.5 / 2) and m["mis_weight/masked"] == 0.5
+    shorthand = LossConfig(tis_cap=2.0)
+    assert (shorthand.correction, shorthand.correction_level, shorthand.correction_cap) == ("tis", "token", 2.0)
+    assert LossConfig(correction="tis").correction_cap == 2.0  # the default cap
+    with pytest.raises(ValueError, match="tis_cap"):
+        LossConfig(tis_cap=2.0, correction="mis")
+    with pytest.raises(ValueError, match="tis_cap"):
+        LossConfig(tis_cap=2.0, correction_cap=3.0)
+    with pytest.raises(ValueError, match="rollout_logp"):
+        policy_loss(logp, old, adv, mask, LossConfig(correction="mis"))
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 0.0])
+def test_top_entropy_mask_keeps_the_batchs_top_quantile_whole_and_accumulated(quantile):
+    """The 80/20 rule: only tokens at or above the batch's (1 - rho) entropy quantile keep their loss; every loss
+    token still counts in the normaliser. Micro-batches given the whole batch's threshold add up to the batch."""
+    logp, old, adv, mask, _, entropy = random_batch(seed=2)
+    cfg = LossConfig(loss_type="dapo", top_entropy_quantile=quantile)
+    values = sorted(entropy[mask.bool()].tolist())
+    position = (1 - quantile) * (len(values) - 1)  # the linearly interpolated quantile, as numpy's default
+    below = values[math.floor(position)]
+    cut = below + (values[math.ceil(position)] - below) * (position - math.floor(position))
+    kept = (entropy >= cut).long().tolist()
+    reference = paper_loss(logp, old, adv, mask, "dapo", kept=kept)
+    loss, m = policy_loss(logp, old, adv, mask, cfg, entropy=entropy)
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-12)
+    assert m["entropy_mask/kept"] == pytest.approx(sum(v >= cut for v in values) / len(values))
+    threshold = entropy_threshold(entropy[mask.bool()], quantile)
+    assert threshold == pytest.approx(cut, abs=1e-12)
+    acc = accumulated(logp, old, adv, mask, cfg, [slice(0, 2), slice(2, 6)], entropy=entropy, entropy_cut=threshold)
+    assert acc.item() == pytest.approx(reference.item(), abs=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(acc, logp)[0], torch.autograd.grad(reference, logp)[0],
+                               rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(logp, old, adv, mask, cfg)

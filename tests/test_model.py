@@ -220,7 +220,8 @@ def grouped_rows(prompt_len=9, completion_len=7, groups=3, size=4, vocab=200, se
 def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
     """The CPU update runs each distinct prompt of a micro-batch once (`forward_shared_prompts`): every real token's
     hidden state and the LoRA gradients are `forward`'s, in fp32, whatever the family (sliding windows shorter than
-    the prompt, Gemma's sandwich norms, Qwen3's q/k norms, Phi-3's stacked projections)."""
+    the prompt, Gemma's sandwich norms, Qwen3's q/k norms, Phi-3's stacked projections). So with `pack` (only the
+    real tokens through the GEMMs: prompts and completions of different lengths), shared or not."""
     from qerl.model.lora import LoraSettings, apply_lora
 
     family, overrides = CASES[case]
@@ -233,17 +234,62 @@ def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
     ids, mask, prompt_len = grouped_rows()
     weights = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     weights *= mask[..., None]  # padded positions compute something finite that nothing reads
-    results = []
-    for shared in (False, True):
+
+    def hidden_and_grads(forward):
         for p in params:
             p.grad = None
-        hidden = model.model.forward_shared_prompts(ids, mask, prompt_len) if shared \
-            else model.model(ids, attention_mask=mask)
+        hidden = forward()
         (hidden * weights).sum().backward()
-        results.append((hidden.detach() * mask[..., None], torch.cat([p.grad.flatten() for p in params])))
-    (plain, plain_grad), (shared, shared_grad) = results
-    assert (plain - shared).abs().max() < 2e-5 * plain.abs().max()
-    assert (plain_grad - shared_grad).abs().max() < 2e-5 * plain_grad.abs().max()
+        return hidden.detach() * mask[..., None], torch.cat([p.grad.flatten() for p in params])
+
+    plain, plain_grad = hidden_and_grads(lambda: model.model(ids, attention_mask=mask))
+    tokens = []  # what the blocks' GEMMs see: the embedded tokens
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: tokens.append(out.shape[:-1].numel()))
+    for share, pack in [(True, False), (True, True), (False, True)]:
+        hidden, grad = hidden_and_grads(
+            lambda: model.model.forward_shared_prompts(ids, mask, prompt_len, share=share, pack=pack))
+        assert (plain - hidden).abs().max() < 2e-5 * plain.abs().max(), (share, pack)
+        assert (plain_grad - grad).abs().max() < 2e-5 * plain_grad.abs().max(), (share, pack)
+        distinct = 3 if share else 12  # prompts: 3 groups of 4 rows
+        real_prompt_tokens = int(mask[:, :prompt_len].sum()) // (4 if share else 1)
+        assert tokens.pop() == (real_prompt_tokens + int(mask[:, prompt_len:].sum()) if pack
+                                else distinct * prompt_len + ids[:, prompt_len:].numel()), (share, pack)
+
+
+@pytest.mark.parametrize("case", ["llama-untied-llama3-rope", "gemma3"])  # the chunked head; the softcapped one
+def test_update_log_probs_with_shared_prompts_and_packing_equal_the_plain_ones(case):
+    """The update's log-probs, entropies and LoRA gradients with each prompt computed once (`model.share_prompts`)
+    and/or only the real tokens through the GEMMs and the head (`model.pack_completions`) equal the plain padded
+    forward's on every completion token, to fp32 rounding; packed, padding's are 0."""
+    from qerl.model.lora import LoraSettings, apply_lora
+    from qerl.rl.grpo import completion_log_probs
+
+    family, overrides = CASES[case]
+    model = ours_from(hf_model(family, **overrides)).train()
+    model.requires_grad_(False)
+    params = apply_lora(model, LoraSettings(rank=4, alpha=8), dtype=torch.float32)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05)
+    ids, mask, prompt_len = grouped_rows()
+    real = mask[:, prompt_len:].bool()
+    upstream = torch.randn(real.shape, generator=torch.Generator().manual_seed(2))
+
+    def logps_and_grads(share: bool, pack: bool):
+        for p in params:
+            p.grad = None
+        logp, entropy = completion_log_probs(model, ids, mask, prompt_len, 0.7, share, True, pack=pack)
+        (logp * upstream * real).sum().backward()
+        return logp.detach(), entropy, torch.cat([p.grad.flatten() for p in params])
+
+    plain_logp, plain_entropy, plain_grad = logps_and_grads(False, False)
+    for share, pack in [(True, False), (True, True), (False, True)]:
+        logp, entropy, grad = logps_and_grads(share, pack)
+        torch.testing.assert_close(logp[real], plain_logp[real], rtol=0, atol=1e-5)
+        torch.testing.assert_close(entropy[real], plain_entropy[real], rtol=0, atol=1e-5)
+        assert (grad - plain_grad).abs().max() < 2e-5 * plain_grad.abs().max(), (share, pack)
+        if pack:
+            assert logp[~real].abs().max() == 0 and entropy[~real].abs().max() == 0
 
 
 def test_shared_prompts_forward_of_distinct_prompts_is_forward(tiny_pair):
@@ -296,7 +342,7 @@ def test_training_log_probs_are_softcapped_as_sampling_is():
     assert model.config.final_logit_softcapping == 10.0
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
     P, temperature = 5, 0.7
-    host = SimpleNamespace(model=model, share_prompts=False,
+    host = SimpleNamespace(model=model, share_prompts=False, pack_completions=False,
                            settings=SimpleNamespace(rollout=SimpleNamespace(temperature=temperature)))
     with torch.no_grad():
         logp, entropy = Trainer._logp_and_entropy(host, ids, torch.ones_like(ids), P, want_entropy=True)

@@ -165,6 +165,28 @@ def test_shared_prompts_update_is_the_plain_update(tmp_path):
     assert all(torch.allclose(shared_adapter[k], plain_adapter[k], atol=1e-5) for k in plain_adapter)
 
 
+def test_packed_update_is_the_padded_update(tmp_path):
+    """model.pack_completions: only the real tokens through the GEMMs and the head (completions of different lengths
+    here, shorter than max_new_tokens), with shared prompts or not: the padded update's metrics and adapter."""
+    runs = []
+    for name, model in [("padded", {}), ("packed", {"pack_completions": True}),
+                        ("packed-unshared", {"pack_completions": True, "share_prompts": False})]:
+        # One step: a second one's AdamW, at this lr, moves elements whose gradient is a rounding residue (~1e-8)
+        settings = tiny_settings(tmp_path, train={"steps": 1}, model=model,
+                                 rollout={"stop_strings": ["+", "-", "="]})  # completions that end early
+        make_trainer(settings, tmp_path / name).train()
+        runs.append(([json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()],
+                     adapter_tensors(tmp_path / name)))
+    (padded_rows, padded_adapter), *packed_runs = runs
+    assert min(r["response_length"] for r in padded_rows) < 6  # some completions ended early: padding to skip
+    for packed_rows, packed_adapter in packed_runs:
+        for a, b in zip(packed_rows, padded_rows):
+            assert a["reward_mean"] == b["reward_mean"]
+            for key in ("loss", "entropy", "grad_norm", "clip_ratio/region", "rollout_logp_gap/mean"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert all(torch.allclose(packed_adapter[k], padded_adapter[k], atol=1e-5) for k in padded_adapter)
+
+
 @pytest.mark.parametrize("reward", ["odd_gold_ones_reward", "even_gold_reward"])
 def test_idle_rows_without_autograd_give_the_plain_update(tmp_path, reward):
     """On the CPU rows of zero advantage run their forward without autograd (and a micro-batch of only such rows no
@@ -241,11 +263,13 @@ def test_existing_run_without_resume_is_refused(tmp_path):
         make_trainer(settings, tmp_path / "run")
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo", "sapo", "gspo"])
 def test_reward_rises_on_a_learnable_task(tmp_path, loss_type):
+    grpo = {"loss_type": "grpo", "importance_sampling_level": "sequence"} if loss_type == "gspo" else \
+        {"loss_type": loss_type}
     settings = tiny_settings(tmp_path, train={"steps": 8, "save_every": 100},
                              rollout={"prompts_per_step": 4, "group_size": 8},
-                             grpo={"loss_type": loss_type, "micro_batch_size": 16},
+                             grpo={**grpo, "micro_batch_size": 16},
                              optim={"lr": 3e-2})
     trainer = make_trainer(settings, tmp_path / "run")
     trainer.train()
@@ -318,3 +342,41 @@ def test_update_holds_dequantized_weights_in_the_memory_the_plan_leaves(tmp_path
     make_trainer(settings, tmp_path / "run").train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert budgets == [budget] and row["held_weights_gib"] == 1.5
+
+
+NOISY_ROLLOUTS = {"schedule": "entropy", "target_entropy": 3.0, "sigma_start": 0.05, "sigma_min": 0.01,
+                  "sigma_max": 0.1}  # AQN noise from step 1 on: a rollout/trainer gap for the correction to act on
+
+
+@pytest.mark.parametrize("grpo, aqn", [
+    ({"loss_type": "cispo", "importance_sampling_level": "sequence", "top_entropy_quantile": 0.5,
+      "correction": "mis", "correction_level": "sequence"}, {}),
+    # μ = 2: both iterations mask by the sampling policy's entropies
+    ({"loss_type": "sapo", "top_entropy_quantile": 0.3, "correction": "tis", "num_iterations": 2}, {}),
+    ({"loss_type": "dr_grpo", "importance_sampling_level": "sequence", "correction": "mis",
+      "correction_level": "sequence", "correction_cap": 1.05}, NOISY_ROLLOUTS),
+], ids=["gspo-cispo-entropy-mis", "sapo-entropy-tis-mu2", "gspo-dr_grpo-mis"])
+def test_the_losses_update_does_not_depend_on_the_micro_batching(tmp_path, grpo, aqn):
+    """Micro-batches of 3 rows (cutting across the groups of 4) give the update of one micro-batch of all 8: the
+    top-entropy mask takes the whole step's quantile, not each micro-batch's; the correction and the sequence-level
+    ratios are per row. The loss's metrics reach the step's."""
+    runs = []
+    for micro in (8, 3):
+        settings = tiny_settings(tmp_path, train={"steps": 1}, grpo={**grpo, "micro_batch_size": micro}, aqn=aqn)
+        make_trainer(settings, tmp_path / str(micro)).train()
+        runs.append(([json.loads(x) for x in (tmp_path / str(micro) / "metrics.jsonl").read_text().splitlines()],
+                     adapter_tensors(tmp_path / str(micro))))
+    (whole_rows, whole_adapter), (micro_rows, micro_adapter) = runs
+    name = "mis_weight" if grpo["correction"] == "mis" else "tis_weight"
+    keys = ["loss", "grad_norm", "ratio/mean", f"{name}/mean"]
+    keys += ["entropy_mask/kept"] if "top_entropy_quantile" in grpo else []
+    for a, b in zip(whole_rows, micro_rows):
+        assert a["reward_mean"] == b["reward_mean"]
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    if "top_entropy_quantile" in grpo:  # about the quantile's share of the tokens (ties and interpolation aside)
+        assert abs(whole_rows[0]["entropy_mask/kept"] - grpo["top_entropy_quantile"]) < 0.1
+    assert abs(whole_rows[0]["ratio/mean"] - 1) < 0.05  # a mean over the μ iterations, not their sum
+    if aqn:  # the noisy rollouts' sequences beyond the cap are dropped, and no more
+        assert 0 < whole_rows[0]["mis_weight/masked"] < 1
+    assert all(torch.allclose(micro_adapter[k], whole_adapter[k], atol=1e-5) for k in whole_adapter)

@@ -439,16 +439,18 @@ class Attention(nn.Module):
 
     def forward_shared(self, x: Tensor, shared: "SharedPrompts", sliding: bool = False) -> Tensor:
         """`forward` over a micro-batch packed by `SharedPrompts`: x [tokens, hidden] holds each distinct prompt's
-        tokens once, then every row's completion tokens. The prompts attend within themselves; each completion
-        attends to its own prompt's keys and values (gathered per row) and causally to its own tokens: what every
-        row computes in `forward`, without repeating a prompt for each completion that shares it."""
+        tokens once, then every row's completion tokens (with `shared.index`, only the real ones). The prompts attend
+        within themselves; each completion attends to its own prompt's keys and values (gathered per row) and
+        causally to its own tokens: what every row computes in `forward`, without repeating a prompt for each
+        completion that shares it. Attention runs on the padded layout (packed tokens scattered into it)."""
         q, k, v = self.project_qkv(x)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = shared.unpack(q), shared.unpack(k), shared.unpack(v)
         (cos_p, sin_p, mask_p), (cos_c, sin_c, mask_c) = shared.tables[sliding]
-        n, prompts, rows = shared.prompt_tokens, shared.prompts, shared.rows
+        n, prompts, rows = shared.prompts * shared.prompt_len, shared.prompts, shared.rows
 
         def parts(t: Tensor) -> tuple[Tensor, Tensor]:  # [prompts, heads, P, dim], [rows, heads, C, dim]
             # One split, not two slices: backward then writes the gradient once (a cat), where each slice's
@@ -473,8 +475,8 @@ class Attention(nn.Module):
             k_c, v_c = k_c.repeat_interleave(groups, dim=1), v_c.repeat_interleave(groups, dim=1)
         out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask_p, **options)
         out_c = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask_c, **options)
-        out = torch.cat([out_p.transpose(1, 2).reshape(n, -1), out_c.transpose(1, 2).reshape(x.shape[0] - n, -1)])
-        return self.o_proj(out)
+        out = torch.cat([out_p.transpose(1, 2).reshape(n, -1), out_c.transpose(1, 2).reshape(q.shape[0] - n, -1)])
+        return self.o_proj(shared.pack(out))
 
     @property
     def _scale(self) -> dict[str, float]:
@@ -689,17 +691,27 @@ class SharedPrompts:
     that each distinct prompt runs through the blocks once (`Decoder.forward_shared_prompts`): the tokens are each
     distinct prompt's, then every row's completion's. `tables[sliding]` holds the RoPE tables and attention masks
     of the prompt part ([prompts, 1, P, ...]) and of the completion part ([rows, 1, C, ...], over all T keys), sliced
-    from what `forward` builds for the whole micro-batch, so both compute the same positions and masks."""
+    from what `forward` builds for the whole micro-batch, so both compute the same positions and masks.
+    With `index` the tokens are only the real ones (no padding): their places in that padded layout."""
 
     prompts: int  # distinct prompts
     rows: int
     prompt_len: int
+    completion_len: int
     owner: Tensor  # [rows]: each row's distinct prompt
     tables: dict[bool, tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]]
+    index: Tensor | None = None  # packed: the real tokens' places in the padded [prompts * P + rows * C] layout
 
-    @property
-    def prompt_tokens(self) -> int:
-        return self.prompts * self.prompt_len
+    def unpack(self, packed: Tensor) -> Tensor:
+        """Packed tokens [tokens, ...] in the padded layout [prompts * P + rows * C, ...], zeros at padding."""
+        if self.index is None:
+            return packed
+        slots = self.prompts * self.prompt_len + self.rows * self.completion_len
+        return packed.new_zeros((slots, *packed.shape[1:])).index_copy(0, self.index, packed)
+
+    def pack(self, padded: Tensor) -> Tensor:
+        """The real tokens of the padded layout (`unpack`'s inverse)."""
+        return padded if self.index is None else padded.index_select(0, self.index)
 
 
 def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
@@ -777,15 +789,24 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, mask, cache_position)
         return self.norm(x)
 
-    def forward_shared_prompts(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+    def forward_shared_prompts(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, share: bool = True,
+                               pack: bool = False) -> Tensor:
         """`forward(input_ids, attention_mask=attention_mask)` for rows that are a prompt in the first `prompt_len`
-        columns (left-padded) and a completion after it, computing each distinct prompt once however many rows
-        repeat it: a GRPO micro-batch of G-sample groups runs its prompt tokens 1/G as often. Each row's prompt
-        positions hold its prompt's hidden states. Same hidden states and gradients as `forward` (the GEMMs' shapes
-        differ, so to float rounding). Rows that all differ: `forward` itself."""
+        columns (left-padded) and a completion after it (right-padded), computing each distinct prompt once however
+        many rows repeat it: a GRPO micro-batch of G-sample groups runs its prompt tokens 1/G as often. Each row's
+        prompt positions hold its prompt's hidden states. Same hidden states and gradients as `forward` (the GEMMs'
+        shapes differ, so to float rounding). Rows that all differ, without `pack`: `forward` itself.
+
+        `share=False`: every row keeps its own prompt (LoRA dropout, whose masks shared rows would share). `pack`:
+        only the real tokens (attention mask 1) go through the blocks' projections and MLPs, without padding;
+        attention scatters them into the padded layout per row. Rows of different lengths then cost their own
+        tokens, not the longest's; the padding positions' hidden states are 0."""
         batch, seq = input_ids.shape
-        owner, first = distinct_prompts(input_ids, attention_mask, prompt_len)
-        if len(first) == batch or prompt_len == 0 or prompt_len >= seq:
+        if share:
+            owner, first = distinct_prompts(input_ids, attention_mask, prompt_len)
+        else:
+            owner = first = torch.arange(batch, device=input_ids.device)
+        if (len(first) == batch and not pack) or prompt_len == 0 or prompt_len >= seq:
             return self(input_ids, attention_mask=attention_mask)
         device, p = input_ids.device, prompt_len
         position_ids, mask = _positions_and_mask(batch, seq, attention_mask, None, None, None, device)
@@ -797,8 +818,14 @@ class Decoder(nn.Module):
                           masks[kind][first][:, :, :p, :p]),
                          (cos[:, p:][:, None].contiguous(), sin[:, p:][:, None].contiguous(), masks[kind][:, :, p:]))
                   for kind, (cos, sin) in self._rope(position_ids).items() if kind in masks}
-        shared = SharedPrompts(len(first), batch, p, owner, tables)
-        x = self.embed(torch.cat([input_ids[first, :p].reshape(-1), input_ids[:, p:].reshape(-1)]))
+        tokens = torch.cat([input_ids[first, :p].reshape(-1), input_ids[:, p:].reshape(-1)])
+        index = None
+        if pack:
+            real = torch.cat([attention_mask[first, :p].reshape(-1), attention_mask[:, p:].reshape(-1)]).bool()
+            index = real.nonzero().squeeze(1)
+            tokens = tokens[index]
+        shared = SharedPrompts(len(first), batch, p, seq - p, owner, tables, index)
+        x = self.embed(tokens)
         plan = self.gradient_checkpointing
         recompute = (len(self.layers) if plan is True else int(plan)) if self.training and torch.is_grad_enabled() \
             else 0
@@ -807,8 +834,8 @@ class Decoder(nn.Module):
                 x = checkpoint(layer.forward_shared, x, shared, use_reentrant=False)
             else:
                 x = layer.forward_shared(x, shared)
-        x = self.norm(x)
-        n = shared.prompt_tokens
+        x = shared.unpack(self.norm(x))
+        n = shared.prompts * p
         return torch.cat([x[:n].view(shared.prompts, p, -1)[owner], x[n:].view(batch, seq - p, -1)], dim=1)
 
     def decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,

@@ -1,10 +1,14 @@
-"""GRPO / DAPO / Dr. GRPO policy loss as pure functions over tensors.
+"""GRPO / DAPO / Dr. GRPO / BNPO / CISPO / SAPO / GSPO policy losses as pure functions over tensors.
 
-Semantics follow TRL's ``GRPOTrainer`` (``_generate_and_score_completions`` for advantages,
-``_compute_loss`` for the clipped surrogate, the k3 KL, the loss aggregations and the
-rollout importance-sampling correction), DAPO (arXiv 2503.14476: decoupled clip range,
-token-level aggregation, dynamic sampling) and Dr. GRPO (arXiv 2503.20783: no std scaling,
-constant length normaliser).
+Semantics follow TRL's ``GRPOTrainer`` (``_generate_and_score_completions`` for advantages and the
+rollout importance-sampling correction, ``_compute_loss`` for the surrogates, the k3 KL, the loss
+aggregations and the top-entropy mask), DAPO (arXiv 2503.14476: decoupled clip range, token-level
+aggregation, dynamic sampling), Dr. GRPO (arXiv 2503.20783: no std scaling, constant length
+normaliser), CISPO (MiniMax-M1, arXiv 2506.13585: clipped, detached importance weights on a
+REINFORCE term), SAPO (arXiv 2511.20347: a sigmoid gate instead of the hard clip), GSPO (arXiv
+2507.18071: one length-normalised ratio per sequence), TIS / MIS (Yao et al. 2025; Liu et al. 2025:
+truncated or masked rollout-to-trainer weights) and the 80/20 rule (arXiv 2506.01939: the loss on the
+highest-entropy tokens only).
 
 Shapes: ``B`` sequences of ``T`` completion tokens, vocabulary ``V``; rewards are laid out
 group-major (``G`` consecutive completions of the same prompt).
@@ -12,6 +16,7 @@ group-major (``G`` consecutive completions of the same prompt).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -20,7 +25,10 @@ from torch import Tensor
 
 from qerl.model import training_ops
 
-LossType = Literal["grpo", "dapo", "dr_grpo"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
+Level = Literal["token", "sequence"]
+Correction = Literal["none", "tis", "mis"]
+DEFAULT_CORRECTION_CAP = 2.0  # C of TIS (Yao et al.) and of verl's rollout_is_threshold
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -251,29 +259,45 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
 
 
 def completion_log_probs(model, ids: Tensor, attn: Tensor, P: int, temperature: float, share_prompts: bool,
-                         want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                         want_entropy: bool, pack: bool = False) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropies) of the completion tokens ``ids[:, P:]`` under ``model`` (a
     ``qerl.model.transformer.Transformer``) at the sampling ``temperature``: the update's forward.
 
     Only the positions that predict completion tokens go through the LM head, and ``head_log_probs`` runs it a chunk
     of tokens at a time: the ``[B, C, V]`` float32 logits (and their gradient) are never built. With
-    ``share_prompts`` the rows that repeat a prompt run it through the blocks once (``forward_shared_prompts``).
+    ``share_prompts`` the rows that repeat a prompt run it through the blocks once (``forward_shared_prompts``). With
+    ``pack`` only the real tokens (``attn`` 1) go through the blocks' GEMMs and the head, and the padding positions'
+    log-probs and entropies are 0 (the loss masks them).
     """
     C = ids.shape[1] - P
     predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
     decoder = model.model
-    if share_prompts and hasattr(decoder, "forward_shared_prompts"):
-        hidden = decoder.forward_shared_prompts(ids, attn, P)[:, predicting]
+    if (share_prompts or pack) and hasattr(decoder, "forward_shared_prompts"):
+        hidden = decoder.forward_shared_prompts(ids, attn, P, share=share_prompts, pack=pack)[:, predicting]
     else:
         hidden = decoder(ids, attention_mask=attn)[:, predicting]
+    targets = ids[:, P:]
+    real = attn[:, P:].bool() if pack else None
+    if real is not None:  # one row of the real tokens: the head's chunks hold no padding
+        hidden, targets = hidden[real][None], targets[real][None]
+    logp, entropy = _head_log_probs(model, hidden, targets, temperature, want_entropy)
+    if real is not None:
+        logp = logp.new_zeros(real.shape).index_put((real,), logp[0])
+        entropy = None if entropy is None else entropy.new_zeros(real.shape).index_put((real,), entropy[0])
+    return logp, entropy
+
+
+def _head_log_probs(model, hidden: Tensor, targets: Tensor, temperature: float,
+                    want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """`completion_log_probs`' LM head on the hidden states that predict `targets`."""
     head = model.lm_head
     if type(head) is torch.nn.Linear and head.bias is None and model.config.final_logit_softcapping is None:
-        return head_log_probs(hidden, head.weight, ids[:, P:], temperature, want_entropy=want_entropy)
+        return head_log_probs(hidden, head.weight, targets, temperature, want_entropy=want_entropy)
     # A head that is not a plain linear (LoRA named lm_head), or logits softcapped as the sampler's are (Gemma's
     # final_logit_softcapping): its logits, once, in float32.
     logits = model.softcap(head(hidden).float()).div_(temperature)
     entropy = entropy_from_logits(logits.detach()) if want_entropy else None
-    return selective_log_softmax(logits, ids[:, P:]), entropy
+    return selective_log_softmax(logits, targets), entropy
 
 
 # ----------------------------------------------------------------------------- loss
@@ -281,20 +305,39 @@ def completion_log_probs(model, ids: Tensor, attn: Tensor, P: int, temperature: 
 
 @dataclass
 class LossConfig:
-    """Policy-loss hyperparameters.
+    """Policy-loss hyperparameters (the params file's `grpo` keys of the same names; README "The policy losses").
 
     Attributes:
-        loss_type: ``"grpo"`` mean over each sequence's tokens, then over sequences;
-            ``"dapo"`` sum over all tokens / tokens in the batch (no length bias between
-            sequences); ``"dr_grpo"`` sum / (B * max_completion_length).
+        loss_type: the surrogate and its aggregation. ``"grpo"`` clipped ratio, mean over each
+            sequence's tokens, then over sequences; ``"dapo"`` clipped ratio, sum over all tokens /
+            tokens in the whole (accumulated) batch (no length bias between sequences);
+            ``"dr_grpo"`` clipped ratio, sum / (B * max_completion_length); ``"bnpo"`` clipped
+            ratio, sum / tokens of the micro-batch (TRL's: with one micro-batch it is ``"dapo"``);
+            ``"cispo"`` ``-sg(min(ratio, epsilon_high)) * A * logp``, aggregated as ``"dapo"``:
+            every token keeps a gradient, the clip only bounds its weight; ``"sapo"``
+            ``-sigmoid(tau * (ratio - 1)) * 4 / tau * A`` (tau by the advantage's sign), aggregated
+            as ``"grpo"``: a smooth gate that fades off-policy tokens out instead of cutting them.
         epsilon_low, epsilon_high: ratio clip range ``[1 - epsilon_low, 1 + epsilon_high]``
             (DAPO's clip-higher: a larger upper bound keeps low-probability tokens rising,
-            which delays entropy collapse).
+            which delays entropy collapse). ``"cispo"``: ``epsilon_high`` is the weight's cap
+            itself (TRL's and ScaleRL's ``epsilon_max``, e.g. 5), ``epsilon_low`` is unused.
         beta: weight of the k3 KL to the reference policy; 0 disables it (DAPO).
         max_completion_length: the constant normaliser of ``"dr_grpo"``.
         mask_truncated: drop sequences that hit the length limit (DAPO overlong filtering):
             their missing ending makes the reward noise.
-        tis_cap: truncated importance sampling cap ``C``; None disables TIS.
+        importance_sampling_level: ``"token"`` one ratio per token; ``"sequence"`` GSPO's one
+            ratio per sequence, ``exp(mean over its tokens of (logp - old_logp))``.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for tokens of
+            positive and of non-positive advantage.
+        correction: the rollout-to-trainer correction, a weight ``exp(old_logp - rollout_logp)``
+            per token (``correction_level="token"``) or its product per sequence (``"sequence"``);
+            ``"tis"`` truncates it at ``correction_cap``, ``"mis"`` zeroes it beyond the cap
+            (the token's or sequence's loss is dropped), ``"none"`` applies none.
+        correction_cap: the cap ``C``; None: ``tis_cap`` if set, else ``DEFAULT_CORRECTION_CAP``.
+        tis_cap: shorthand kept from before ``correction``: ``tis_cap=C`` is ``correction="tis"``
+            with ``correction_cap=C`` (at ``correction_level``, token by default).
+        top_entropy_quantile: keep in the loss only the tokens whose entropy is in this top
+            quantile of the batch's loss tokens (1.0: all; the 80/20 paper's 0.2).
     """
 
     loss_type: LossType = "dapo"
@@ -303,7 +346,14 @@ class LossConfig:
     beta: float = 0.0
     max_completion_length: int | None = None
     mask_truncated: bool = False
+    importance_sampling_level: Level = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    correction: Correction = "none"
+    correction_level: Level = "token"
+    correction_cap: float | None = None
     tis_cap: float | None = None
+    top_entropy_quantile: float = 1.0
 
     @classmethod
     def from_settings(cls, settings: object, max_completion_length: int | None) -> "LossConfig":
@@ -313,14 +363,41 @@ class LossConfig:
         return cls(max_completion_length=max_completion_length, **{n: getattr(settings, n) for n in names})
 
     def __post_init__(self) -> None:
-        if self.loss_type not in ("grpo", "dapo", "dr_grpo"):
+        if self.loss_type not in ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"):
             raise ValueError(f"unknown loss_type {self.loss_type!r}")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
         if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0 and self.beta >= 0):
             raise ValueError("need 0 <= epsilon_low < 1, epsilon_high >= 0, beta >= 0")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError("tis_cap must be positive")
+        if self.loss_type == "cispo" and self.epsilon_high <= 1:
+            raise ValueError(f"loss_type='cispo' caps the importance weight at epsilon_high itself (e.g. 5.0); "
+                             f"epsilon_high={self.epsilon_high} <= 1 would down-weight every on-policy token")
+        if min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
+            raise ValueError("the SAPO temperatures must be positive")
+        if self.importance_sampling_level not in ("token", "sequence") or \
+                self.correction_level not in ("token", "sequence"):
+            raise ValueError("importance_sampling_level and correction_level: 'token' or 'sequence'")
+        if self.correction not in ("none", "tis", "mis"):
+            raise ValueError(f"unknown correction {self.correction!r}; expected 'none', 'tis' or 'mis'")
+        if any(c is not None and c <= 0 for c in (self.tis_cap, self.correction_cap)):
+            raise ValueError("tis_cap and correction_cap must be positive")
+        if self.tis_cap is not None:  # the shorthand: correction tis at this cap
+            if self.correction == "mis" or self.correction_cap not in (None, self.tis_cap):
+                raise ValueError(f"tis_cap={self.tis_cap} means correction='tis' with correction_cap={self.tis_cap}; "
+                                 f"it contradicts correction={self.correction!r}, "
+                                 f"correction_cap={self.correction_cap}: set one or the other")
+            self.correction, self.correction_cap = "tis", self.tis_cap
+        if self.correction_cap is None:
+            self.correction_cap = DEFAULT_CORRECTION_CAP
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError("top_entropy_quantile must lie in [0, 1]")
+
+    @property
+    def normalized_by_step_tokens(self) -> bool:
+        """The loss divides by the loss tokens of the whole accumulated step (``token_normalizer``), so micro-batch
+        losses add up to the step's; the other types are per-micro-batch means, weighted by the micro-batch's share
+        of the rows."""
+        return self.loss_type in ("dapo", "cispo")
 
 
 def loss_mask(mask: Tensor, cfg: LossConfig, truncated: Tensor | None = None) -> Tensor:
@@ -334,6 +411,31 @@ def loss_mask(mask: Tensor, cfg: LossConfig, truncated: Tensor | None = None) ->
     return mask
 
 
+def entropy_threshold(entropies: Tensor, quantile: float) -> float:
+    """The entropy at or above which a token is in the top ``quantile`` of ``entropies`` (the 1-D entropies of a
+    whole batch's loss tokens): their ``1 - quantile`` quantile, linearly interpolated (TRL's
+    ``get_high_entropy_mask``). inf for no tokens: then none is kept."""
+    if not entropies.numel():
+        return math.inf
+    return torch.quantile(entropies.to(torch.promote_types(entropies.dtype, torch.float32)), 1 - quantile).item()
+
+
+def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
+                       cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    """The rollout-to-trainer correction weights (``cfg.correction``: tis or mis) and where the ratio exceeded the
+    cap, both ``[B, T]`` (``correction_level="token"``) or ``[B, 1]`` (``"sequence"``). The ratio is
+    ``exp(old_logp - rollout_logp)``: the trainer's probability of the sampled token over the sampler's (quantized
+    kernels, AQN); per sequence it is the product over its loss tokens, as TRL and verl take it. The weights carry no
+    gradient (a constant reweighting of each token's)."""
+    log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)  # padding may hold -inf: keep it out
+    if cfg.correction_level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    ratio = torch.exp(log_ratio).detach()
+    beyond = ratio > cfg.correction_cap
+    weight = ratio.clamp(max=cfg.correction_cap) if cfg.correction == "tis" else torch.where(beyond, 0.0, ratio)
+    return weight, beyond
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor | None,
@@ -344,20 +446,25 @@ def policy_loss(
     rollout_logp: Tensor | None = None,
     truncated: Tensor | None = None,
     token_normalizer: float | None = None,
+    entropy: Tensor | None = None,
+    entropy_cut: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped-surrogate policy loss of one (micro-)batch, plus metrics.
+    """Policy loss of one (micro-)batch, plus metrics.
 
-    Per token: ``ratio = exp(logp - old_logp)``, ``loss = -min(ratio * A, clip(ratio) * A)``;
-    times the TIS weight ``min(exp(old_logp - rollout_logp), tis_cap)`` when ``cfg.tis_cap`` is
-    set (corrects for the rollout engine sampling from a slightly different distribution than
-    the trainer computes: quantized kernels, AQN; Yao et al. 2025); plus
-    ``beta * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 KL estimator: unbiased, always
-    >= 0) when ``cfg.beta > 0`` and ``ref_logp`` is given. Then aggregated per ``cfg.loss_type``.
+    Per token, with ``ratio = exp(logp - old_logp)`` (``cfg.importance_sampling_level="sequence"``: GSPO's
+    ``exp(mean_t(logp - old_logp))``, one per sequence): the clipped surrogate ``-min(ratio * A, clip(ratio) * A)``,
+    or CISPO's / SAPO's (see `LossConfig`); times the rollout correction weight (`rollout_correction`) when
+    ``cfg.correction`` is set (corrects for the rollout engine sampling from a slightly different distribution than
+    the trainer computes: quantized kernels, AQN); times 0 for tokens below the batch's top-entropy quantile when
+    ``cfg.top_entropy_quantile < 1``; plus ``beta * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 KL estimator:
+    unbiased, always >= 0) when ``cfg.beta > 0`` and ``ref_logp`` is given. Then aggregated per ``cfg.loss_type``;
+    a token dropped by MIS or the entropy mask still counts in the normaliser (TRL, and the 80/20 paper's formula).
 
-    Gradient accumulation: for ``"dapo"`` pass ``token_normalizer`` = the loss-token count of
-    the whole accumulated batch (sum of :func:`loss_mask`), and the micro-batch losses sum to
-    the big-batch loss exactly. ``"grpo"``/``"dr_grpo"`` return per-micro-batch means: divide
-    by the number of (equal-sized) micro-batches, as TRL does.
+    Gradient accumulation: where ``cfg.normalized_by_step_tokens`` (dapo, cispo) pass ``token_normalizer`` = the
+    loss-token count of the whole accumulated batch (sum of :func:`loss_mask`), and the micro-batch losses sum to
+    the big-batch loss exactly. The other types return per-micro-batch means: weight each by its share of the rows
+    (equal micro-batches: divide by their number, as TRL does). With the entropy mask, pass ``entropy_cut`` =
+    :func:`entropy_threshold` of the whole batch's loss tokens, so every micro-batch keeps the same tokens.
 
     Args:
         logp: ``[B, T]`` log-probs of the policy being trained (with grad).
@@ -366,32 +473,54 @@ def policy_loss(
         advantages: ``[B]`` per-sequence (or ``[B, T]`` per-token) advantages.
         mask: ``[B, T]`` 1 for completion tokens, 0 for padding.
         ref_logp: ``[B, T]`` reference-policy log-probs, for the KL term.
-        rollout_logp: ``[B, T]`` log-probs reported by the rollout engine, for TIS and the
-            rollout/train gap metrics.
+        rollout_logp: ``[B, T]`` log-probs reported by the rollout engine, for the correction and
+            the rollout/train gap metrics.
         truncated: ``[B]`` bool, True where the completion hit the length limit.
+        entropy: ``[B, T]`` per-token entropies, for ``cfg.top_entropy_quantile < 1``.
+        entropy_cut: the entropy threshold of the whole batch; None: this batch's.
     Returns:
         ``(loss, metrics)``: scalar loss; float metrics over the loss tokens:
         ``clip_ratio/low`` (ratio < 1-eps_low with A < 0), ``clip_ratio/high`` (ratio > 1+eps_high
-        with A > 0), ``clip_ratio/region`` (either), ``ratio/mean``, ``kl`` (if computed),
-        ``rollout_logp_gap/mean`` and ``/max`` (|old_logp - rollout_logp|, if rollout_logp),
-        ``tis_weight/mean`` (if TIS).
+        with A > 0; cispo: ratio > epsilon_high, the cap), ``clip_ratio/region`` (either; none for sapo, which does
+        not clip), ``ratio/mean``, ``kl`` (if computed), ``rollout_logp_gap/mean`` and ``/max``
+        (|old_logp - rollout_logp|, if rollout_logp), ``tis_weight/mean`` and ``tis_weight/truncated`` (the share of
+        tokens whose weight, or their sequence's, was cut to the cap) or ``mis_weight/mean`` and
+        ``mis_weight/masked`` (the share dropped), ``entropy_mask/kept`` (the share kept by the entropy mask).
     """
     old_logp = logp.detach() if old_logp is None else old_logp
     mask = loss_mask(mask, cfg, truncated).to(logp.dtype)
+    keep = mask.bool()
     adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
     adv = adv.to(logp.dtype)
 
-    ratio = torch.exp(logp - old_logp)
-    clipped_ratio = ratio.clamp(1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped_ratio * adv)
+    # where(), not a product: a NaN/inf at a padding position (e.g. rollout_logp padding) must not leak.
+    log_ratio = torch.where(keep, logp - old_logp, 0.0)
+    if cfg.importance_sampling_level == "sequence":  # GSPO: [B, 1], the length-normalised sequence ratio
+        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(log_ratio)
+    if cfg.loss_type == "cispo":  # REINFORCE on logp, weighted by the capped ratio: no token loses its gradient
+        per_token = -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logp
+    elif cfg.loss_type == "sapo":  # d/dlogp = 4 s(1-s) * ratio, s = sigmoid(tau (ratio - 1)): 1 on-policy
+        tau = torch.full_like(adv, cfg.sapo_temperature_neg).masked_fill_(adv > 0, cfg.sapo_temperature_pos)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    else:
+        clipped_ratio = ratio.clamp(1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped_ratio * adv)
 
-    tis_weight = None
-    if cfg.tis_cap is not None:
+    correction = None
+    if cfg.correction != "none":
         if rollout_logp is None:
-            raise ValueError("cfg.tis_cap needs rollout_logp")
-        # A constant reweighting of each token's gradient: no gradient through it.
-        tis_weight = torch.exp(old_logp - rollout_logp).clamp(max=cfg.tis_cap).detach()
-        per_token = per_token * tis_weight
+            raise ValueError(f"correction={cfg.correction!r} needs rollout_logp")
+        correction = rollout_correction(old_logp, rollout_logp, mask, cfg)
+        per_token = per_token * correction[0]
+
+    kept_by_entropy = None
+    if cfg.top_entropy_quantile < 1:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
+        cut = entropy_threshold(entropy[keep], cfg.top_entropy_quantile) if entropy_cut is None else entropy_cut
+        kept_by_entropy = entropy >= cut
+        per_token = per_token * kept_by_entropy
 
     per_token_kl = None
     if cfg.beta > 0 and ref_logp is not None:
@@ -399,18 +528,20 @@ def policy_loss(
         per_token_kl = torch.exp(delta) - delta - 1
         per_token = per_token + cfg.beta * per_token_kl
 
-    # where(), not a product: a NaN/inf at a padding position (e.g. rollout_logp padding) must not leak.
-    per_token = torch.where(mask.bool(), per_token, 0.0)
+    per_token = torch.where(keep, per_token, 0.0)  # [B, T] also where the ratio is one per sequence
     masked_sum = per_token.sum()
-    if cfg.loss_type == "grpo":
+    if cfg.loss_type in ("grpo", "sapo"):
         loss = (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif cfg.loss_type == "dapo":
+    elif cfg.loss_type == "bnpo":
+        loss = masked_sum / mask.sum().clamp(min=1.0)
+    elif cfg.normalized_by_step_tokens:  # dapo, cispo
         denominator = token_normalizer if token_normalizer is not None else mask.sum().clamp(min=1.0)
         loss = masked_sum / denominator
     else:  # dr_grpo: a constant denominator, so long and short answers weigh the same per token
         loss = masked_sum / (logp.shape[0] * cfg.max_completion_length)
 
-    metrics = _metrics(ratio, adv, mask, cfg, per_token_kl, old_logp, rollout_logp, tis_weight)
+    metrics = _metrics(ratio.expand_as(logp), adv, mask, cfg, per_token_kl, old_logp, rollout_logp, correction,
+                       kept_by_entropy)
     return loss, metrics
 
 
@@ -423,7 +554,8 @@ def _metrics(
     per_token_kl: Tensor | None,
     old_logp: Tensor,
     rollout_logp: Tensor | None,
-    tis_weight: Tensor | None,
+    correction: tuple[Tensor, Tensor] | None,
+    kept_by_entropy: Tensor | None,
 ) -> dict[str, float]:
     """Masked token means of the loss's diagnostics (TRL's clip-ratio definitions)."""
     keep = mask.bool()
@@ -432,21 +564,29 @@ def _metrics(
     def masked_mean(x: Tensor) -> float:
         return (torch.where(keep, x.to(mask.dtype), 0.0).sum() / count).item()
 
-    # Clipping only bites when it lowers the objective: high side for A > 0, low side for A < 0.
-    low = (ratio < 1 - cfg.epsilon_low) & (adv < 0)
-    high = (ratio > 1 + cfg.epsilon_high) & (adv > 0)
-    metrics = {
-        "clip_ratio/low": masked_mean(low),
-        "clip_ratio/high": masked_mean(high),
-        "clip_ratio/region": masked_mean(low | high),
-        "ratio/mean": masked_mean(ratio),
-    }
+    metrics = {}
+    if cfg.loss_type == "cispo":  # the cap binds whatever the advantage's sign; there is no lower bound
+        high = ratio > cfg.epsilon_high
+        metrics.update({"clip_ratio/low": 0.0, "clip_ratio/high": masked_mean(high),
+                        "clip_ratio/region": masked_mean(high)})
+    elif cfg.loss_type != "sapo":
+        # Clipping only bites when it lowers the objective: high side for A > 0, low side for A < 0.
+        low = (ratio < 1 - cfg.epsilon_low) & (adv < 0)
+        high = (ratio > 1 + cfg.epsilon_high) & (adv > 0)
+        metrics.update({"clip_ratio/low": masked_mean(low), "clip_ratio/high": masked_mean(high),
+                        "clip_ratio/region": masked_mean(low | high)})
+    metrics["ratio/mean"] = masked_mean(ratio)
     if per_token_kl is not None:
         metrics["kl"] = masked_mean(per_token_kl)
     if rollout_logp is not None:
         gap = (old_logp - rollout_logp).abs()
         metrics["rollout_logp_gap/mean"] = masked_mean(gap)
         metrics["rollout_logp_gap/max"] = gap[keep].max().item() if keep.any() else 0.0
-    if tis_weight is not None:
-        metrics["tis_weight/mean"] = masked_mean(tis_weight)
+    if correction is not None:
+        weight, beyond = (x.expand_as(mask) for x in correction)
+        name, cut = ("tis_weight", "truncated") if cfg.correction == "tis" else ("mis_weight", "masked")
+        metrics[f"{name}/mean"] = masked_mean(weight)
+        metrics[f"{name}/{cut}"] = masked_mean(beyond)
+    if kept_by_entropy is not None:
+        metrics["entropy_mask/kept"] = masked_mean(kept_by_entropy)
     return metrics

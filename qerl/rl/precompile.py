@@ -280,8 +280,10 @@ def run_update(model, job: dict[str, Any]) -> None:
     with update_precision(m.base_gemm), held_weights(0 if m.keep_dequantized is False else 1 << 40):
         with torch.no_grad():  # the frozen log-probs (μ > 1, β > 0), and the rows without a gradient (entropies)
             for want_entropy in (False, True):
-                grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], want_entropy)
-        logp, _ = grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], True)
+                grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], want_entropy,
+                                          m.pack_completions)
+        logp, _ = grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], True,
+                                            m.pack_completions)
         logp.sum().backward()
 
 

@@ -56,7 +56,7 @@ class _StepTotals:
     grad_norm: float = 0.0
     entropy_sum: float = 0.0  # over the first iteration's tokens
     entropy_count: float = 0.0
-    sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens
+    sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens / μ
     peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
     recomputed_blocks: int = 0  # blocks that recomputed their forward in backward (model.gradient_checkpointing)
     held_gib: float = 0.0  # dequantized base weights kept through the update (model.keep_dequantized)
@@ -200,6 +200,7 @@ class Trainer:
         # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
         # dropout, whose masks would be shared by the rows.
         self.share_prompts = s.model.share_prompts and not s.lora.dropout
+        self.pack_completions = s.model.pack_completions  # only the real tokens through the GEMMs and the head
         # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run
         # their forward without autograd (`model.skip_idle_rows`); the loss and its metrics still see every row.
         # Only without the KL term (beta = 0), which gives every row a gradient.
@@ -374,7 +375,7 @@ class Trainer:
     def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
         return grpo.completion_log_probs(self.model, ids, attn, P, self.settings.rollout.temperature,
-                                         self.share_prompts, want_entropy)
+                                         self.share_prompts, want_entropy, self.pack_completions)
 
     def _micro_logp(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool,
                     live: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -436,9 +437,9 @@ class Trainer:
                                     s.gradient_checkpointing)
             self.model.gradient_checkpointing = memory.recomputed_blocks
             with held_weights(_held_weights_budget(s, memory)) as held_bytes:
-                old_logp, ref_logp = self._frozen_logps(on_device, padded["P"], micro)
+                old_logp, ref_logp, entropy = self._frozen_logps(on_device, padded["P"], micro)
                 totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
-                                        ref_logp)
+                                        ref_logp, entropy)
                 totals.recomputed_blocks, totals.held_gib = memory.recomputed_blocks, held_bytes() / recompute.GIB
         self.scheduler.step()
         self.step += 1
@@ -457,23 +458,32 @@ class Trainer:
         return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
 
     @torch.no_grad()
-    def _frozen_logps(self, t: dict[str, Tensor], P: int, micro: list[slice]) -> tuple[Tensor | None, Tensor | None]:
-        """Log-probs that stay fixed through the step's μ iterations: the sampling policy's (only needed when μ > 1;
-        at μ = 1 the loss uses the live ones, detached) and the reference's (adapters off; only when beta > 0)."""
-        def logps() -> Tensor:
-            return torch.cat([self._logp_and_entropy(t["ids"][m], t["attn"][m], P, False)[0] for m in micro])
+    def _frozen_logps(self, t: dict[str, Tensor], P: int,
+                      micro: list[slice]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """What stays fixed through the step's μ iterations: the sampling policy's log-probs (only needed when μ > 1;
+        at μ = 1 the loss uses the live ones, detached) and entropies (only for grpo.top_entropy_quantile < 1: the
+        tokens it keeps are the whole step's top quantile, so all of them are needed before the first backward;
+        from the same forward), and the reference's log-probs (adapters off; only when beta > 0)."""
+        def logps(want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+            parts = [self._logp_and_entropy(t["ids"][m], t["attn"][m], P, want_entropy) for m in micro]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if want_entropy else None
 
         g = self.settings.grpo
-        old_logp = logps() if g.num_iterations > 1 else None
-        ref_logp = None
+        old_logp = entropy = ref_logp = None
+        want_entropy = self.loss_cfg.top_entropy_quantile < 1
+        if g.num_iterations > 1 or want_entropy:
+            logp, entropy = logps(want_entropy)
+            old_logp = logp if g.num_iterations > 1 else None
         if g.beta > 0:
             with lora.adapters_disabled(self.model):
-                ref_logp = logps()
-        return old_logp, ref_logp
+                ref_logp = logps(False)[0]
+        return old_logp, ref_logp, entropy
 
     def _optimize(self, batch: RolloutBatch, t: dict[str, Tensor], P: int, micro: list[slice], advantages: Tensor,
-                  mask: Tensor, truncated: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None) -> "_StepTotals":
-        """The μ optimizer steps, each accumulating the gradients of every micro-batch; returns the step's sums."""
+                  mask: Tensor, truncated: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
+                  frozen_entropy: Tensor | None) -> "_StepTotals":
+        """The μ optimizer steps, each accumulating the gradients of every micro-batch; returns the step's sums.
+        `frozen_entropy`: the sampling policy's, for the top-entropy mask (None without one)."""
         s = self.settings
         dev = self.device
         totals = _StepTotals()
@@ -485,6 +495,12 @@ class Trainer:
         # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
         token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
         totals.token_count = max(token_count, 1.0)
+        entropy_cut = None  # the top-entropy mask's threshold: the quantile of the whole step's loss tokens
+        if frozen_entropy is not None:
+            entropies = frozen_entropy[mask.to(dev).bool()]
+            if self.dist.active:  # every rank's
+                entropies = torch.tensor(self.dist.gather(entropies.tolist()))
+            entropy_cut = grpo.entropy_threshold(entropies, s.grpo.top_entropy_quantile)
         for iteration in range(s.grpo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             totals.loss = 0.0
@@ -496,12 +512,15 @@ class Trainer:
                         logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
                         self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
                         rollout_logp=t["rollout_logp"][m], truncated=truncated[m].to(dev),
-                        token_normalizer=totals.token_count)
-                    if self.loss_cfg.loss_type != "dapo":  # per-micro-batch means: weight by the micro-batch's share
+                        token_normalizer=totals.token_count, entropy_cut=entropy_cut,
+                        entropy=None if frozen_entropy is None else frozen_entropy[m])
+                    if not self.loss_cfg.normalized_by_step_tokens:  # means: weight by the micro-batch's share
                         loss = loss * (m.stop - m.start) / step_rows
                     if loss.requires_grad:  # not when every row of the micro-batch is idle
                         loss.backward()
-                totals.add(loss.item(), metrics, weight=float(mask[m].sum()), entropy=entropy, mask=t["mask"][m])
+                # The loss metrics: token means over the step, averaged over its μ iterations.
+                totals.add(loss.item(), metrics, weight=float(mask[m].sum()) / s.grpo.num_iterations,
+                           entropy=entropy, mask=t["mask"][m])
             for p in self.params:  # idle rows only: a zero gradient, as their backward would have left (AdamW
                 if p.grad is None:  # still steps on its moments)
                     p.grad = torch.zeros_like(p)
