@@ -227,8 +227,12 @@ class GRPOSettings:
     # The rollout-to-trainer correction: a weight exp(trainer logp - sampler logp) per token (correction_level:
     # token) or its product per sequence (sequence); tis truncates it at correction_cap, mis drops the token's (or
     # sequence's) loss beyond it, none applies none. Metrics: tis_weight/mean, tis_weight/truncated or
-    # mis_weight/mean, mis_weight/masked (shares of loss tokens), and rollout_logp_gap/mean always.
-    correction: Literal["none", "tis", "mis"] = "none"
+    # mis_weight/mean, mis_weight/masked (shares of loss tokens), and rollout_logp_gap/mean always. auto: tis where
+    # the rollouts and the update compute in different precisions (the NVFP4 base's FP8 weight copies,
+    # quant.fp8_weights; the FP8 KV cache; the FP8 update, model.base_gemm), whose log-prob gaps measured over 0.03
+    # nats per token (BENCHMARKS.md, 2026-11-27 and -28), none elsewhere (the CPU, bf16 GEMMs on both sides: ~0.02);
+    # the trainer says which in one log line.
+    correction: Literal["auto", "none", "tis", "mis"] = "auto"
     correction_level: Literal["token", "sequence"] = "token"
     correction_cap: Optional[float] = field(default=None, metadata=_check(gt=0))  # null: tis_cap if set, else 2.0
     # Shorthand kept from before `correction`: tis_cap: C is correction: tis with correction_cap: C

@@ -215,7 +215,7 @@ def test_loss_settings_take_their_papers_defaults_and_name_contradictions(tmp_pa
                                    "importance weight at epsilon_high itself"),
         (["grpo.top_entropy_quantile=1.5"], "-S grpo.top_entropy_quantile=1.5: grpo.top_entropy_quantile = 1.5: "
                                             "must be <= 1"),
-        (["grpo.correction=is"], "-S grpo.correction=is: grpo.correction = 'is': expected one of 'none', 'tis', "
+        (["grpo.correction=is"], "-S grpo.correction=is: grpo.correction = 'is': expected one of 'auto', 'none', 'tis', "
                                  "'mis'"),
     ]
     for overrides, message in cases:

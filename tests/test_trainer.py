@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import logging
 import shutil
 
 import pytest
@@ -380,3 +381,31 @@ def test_the_losses_update_does_not_depend_on_the_micro_batching(tmp_path, grpo,
     if aqn:  # the noisy rollouts' sequences beyond the cap are dropped, and no more
         assert 0 < whole_rows[0]["mis_weight/masked"] < 1
     assert all(torch.allclose(micro_adapter[k], whole_adapter[k], atol=1e-5) for k in whole_adapter)
+
+
+def test_correction_auto_turns_tis_on_only_where_rollouts_compute_in_less_precision(tmp_path, caplog):
+    """grpo.correction: auto (the default) is none where the sampler computes as the update does (the CPU, 4-bit
+    rollouts), and tis at the default cap, said in one log line, where it does not (FP8 weight copies or an FP8 KV
+    cache on a GPU; here layers marked as the GPU plan marks them); an explicit choice is kept."""
+    from qerl.quant.linear import QuantLinear, quantize_model
+
+    def trainer(out, marked, **sections):
+        tok = char_tokenizer()
+        model = tiny_model(tok)
+        quantize_model(model, "nvfp4")
+        model.requires_grad_(False)
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.fp8_weights = marked  # what plan_fp8_weights marks on a GPU with FP8 tensor cores
+        return Trainer(tiny_settings(tmp_path, **sections), tmp_path / out, model=model, tokenizer=tok, progress=False)
+
+    with trainer("plain", False) as t:
+        assert t.loss_cfg.correction == "none" and not t.rollout_backend.reduced_precision()
+    caplog.set_level(logging.INFO, logger="qerl.rl.trainer")
+    with trainer("fp8", True) as t:
+        assert (t.loss_cfg.correction, t.loss_cfg.correction_cap) == ("tis", 2.0)
+    assert [r.getMessage() for r in caplog.records if "grpo.correction auto" in r.getMessage()] == [
+        "grpo.correction auto: tis at cap 2.0, since the rollouts run on the NVFP4 base's FP8 weight copies "
+        "(quant.fp8_weights) (log-prob gap to the update over 0.03 nats/token; set grpo.correction to choose)"]
+    with trainer("chosen", True, grpo={"correction": "none"}) as t:
+        assert t.loss_cfg.correction == "none"

@@ -16,7 +16,7 @@ import random
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +158,24 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
+    def _correction(self) -> str:
+        """grpo.correction with `auto` resolved: tis where the rollouts and the update compute in different
+        precisions (RolloutBackend.reduced_precision, or the FP8 update), none elsewhere; said in one line when it
+        turns tis on."""
+        g = self.settings.grpo
+        if g.correction != "auto":
+            return g.correction
+        paths = self.rollout_backend.reduced_precision()
+        fp8_update = self.settings.model.base_gemm == "fp8" and self.device.type == "cuda" \
+            and torch.cuda.get_device_capability(self.device) >= (8, 9)  # else it runs bf16 (update_precision)
+        if fp8_update:  # the update in FP8, the rollouts not: 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
+            paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
+        if paths and g.tis_cap is None:
+            cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP
+            log.info("grpo.correction auto: tis at cap %s, since the rollouts run on %s (log-prob gap to the update "
+                     "over 0.03 nats/token; set grpo.correction to choose)", cap, " and ".join(paths))
+        return "tis" if paths else "none"
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -221,7 +239,8 @@ class Trainer:
                                                                 kv_cache_dtype=s.rollout.kv_cache_dtype)
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
         self._phase_peaks: list[float] = []  # this step's rollout peaks (GiB), measured before the KV cache sleeps
-        self.loss_cfg = grpo.LossConfig.from_settings(s.grpo, max_completion_length=s.rollout.max_new_tokens)
+        self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
+                                                      max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0
         # Rank 0 resolves damaged checkpoints (it moves them aside) before the other ranks read the same folder.

@@ -95,6 +95,14 @@ class RolloutBackend:
     def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:  # pragma: no cover
         raise NotImplementedError
 
+    def reduced_precision(self) -> list[str]:
+        """The parts of this sampler that compute in less precision than the update (each named for a log line):
+        the NVFP4 layers' FP8 weight copies (quant.fp8_weights), which many-row GEMMs read outside the update. Their
+        rollouts' log-probs measured 0.035 nats per token from the update's (BENCHMARKS.md, 2026-11-28), over the
+        0.03 at which the trainer corrects by default (grpo.correction: auto)."""
+        fp8 = any(getattr(m, "fp8_weights", False) for m in self.model.modules())
+        return ["the NVFP4 base's FP8 weight copies (quant.fp8_weights)"] if fp8 else []
+
     def free(self) -> None:
         """Hand back memory held between calls (the engine's KV cache and graphs)."""
 
@@ -128,6 +136,12 @@ class EngineBackend(RolloutBackend):
 
     def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
         return self.engine.generate(self.tokenizer, prompts, progress=progress, **sampling.kwargs(per_row=False))
+
+    def reduced_precision(self) -> list[str]:
+        """Also the FP8 KV cache (rollout.kv_cache_dtype: fp8; 0.10 nats per token against 0.02 on a small GPU
+        test model)."""
+        kv8 = ["the FP8 KV cache (rollout.kv_cache_dtype)"] if self.engine.kv8 else []
+        return super().reduced_precision() + kv8
 
     def free(self) -> None:
         self.engine.free()
