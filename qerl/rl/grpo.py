@@ -358,9 +358,13 @@ class LossConfig:
     @classmethod
     def from_settings(cls, settings: object, max_completion_length: int | None) -> "LossConfig":
         """The loss fields of a settings object (the params file's `grpo` section: same names), plus the one value
-        that lives elsewhere (`rollout.max_new_tokens`). Duck-typed, so this module stays free of the config."""
+        that lives elsewhere (`rollout.max_new_tokens`). Duck-typed, so this module stays free of the config.
+        correction "auto" is the trainer's to resolve (it knows the sampler's precision); unresolved, it is none."""
         names = [f.name for f in fields(cls) if f.name != "max_completion_length"]
-        return cls(max_completion_length=max_completion_length, **{n: getattr(settings, n) for n in names})
+        values = {n: getattr(settings, n) for n in names}
+        if values.get("correction") == "auto":
+            values["correction"] = "none"
+        return cls(max_completion_length=max_completion_length, **values)
 
     def __post_init__(self) -> None:
         if self.loss_type not in ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"):
