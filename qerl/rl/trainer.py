@@ -16,7 +16,7 @@ import random
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,8 @@ from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
 from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
-from qerl.model.runtime import load_base_model, load_tokenizer_and_context, resolve_device, seed_everything
+from qerl.model.runtime import (load_base_model, load_tokenizer_and_context, pin_cpu_threads, resolve_device,
+                                seed_everything)
 from qerl.quant.linear import held_weights, update_precision
 from qerl.rl import distributed, grpo, precompile, stopping
 from qerl.rl.phases import Phases, RolloutBatch
@@ -161,7 +162,8 @@ class Trainer:
 
     def _start(self, settings: Settings, tracker: Tracker | None, model, tokenizer, progress: bool,
                rollout_backend: RolloutBackend | None) -> None:
-        self.settings = s = settings
+        # The thread count in use is part of the run's settings: params.yaml, checkpoints and MLflow record it
+        self.settings = s = replace(settings, model=pin_cpu_threads(settings.model))
         self.tracker = tracker or NullTracker()
         self.progress = progress
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
