@@ -571,7 +571,7 @@ class Trainer:
     def train(self, max_steps: int | None = None, phases: Phases | None = None) -> Path:
         """Run until `train.steps` (or `max_steps` more steps); export and return the final adapter folder.
         `phases` decides how each phase is called (default: directly). SIGTERM or SIGINT meanwhile: the step in
-        progress finishes, a checkpoint is written and `qerl.errors.Stopped` raised (`qerl.rl.stopping`)."""
+        progress finishes, a checkpoint is written and `qerl.rl.stopping.TrainingStopped` raised."""
         phases = phases or Phases()
         total, eval_every = self.settings.train.steps, self.settings.train.eval_every
         stop = total if max_steps is None else min(total, self.step + max_steps)
@@ -594,7 +594,7 @@ class Trainer:
                         break
             if self.step < total and self.step % self.settings.train.save_every and self.dist.is_main:
                 self.save_checkpoint()  # stopped early: --resume continues from here, not from the last save
-        if stopped_by and self.step < stop:  # (in the run's last step, the run is done: it ends as it would have)
+        if stopped_by and self.step < stop:  # (a signal in the last step asked for: the run ends as it would have)
             raise stopping.TrainingStopped(stopped_by, self.step, total, self.run.checkpoint_path(self.step),
                                            steps_left=stop - self.step)
         adapter = self.out / "adapter"
