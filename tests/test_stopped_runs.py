@@ -23,6 +23,7 @@ import yaml
 from tests.patience import patience
 from tests.processes import kill_9
 from tests.test_checkpoints import adapter, finished  # noqa: F401 - finished: the uninterrupted run, a fixture
+from tests.test_determinism import threads_restored  # noqa: F401 - a fixture
 from tests.test_run_folder import REPO, steps, tiny_process, wait_for
 
 
@@ -173,9 +174,10 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_after_f
 @pytest.fixture
 def six_steps(tmp_path, tiny_llama_dir) -> Path:
     """params/tiny.yaml on the tiny random Llama (bf16: nothing to quantize), 6 steps without a periodic checkpoint:
-    under a second a step, long enough to still be training when the signal comes after step 1."""
+    under a second a step, long enough to still be training when the signal comes after step 1. Two threads in the
+    child and here, whatever an earlier test left in this process (README "Determinism")."""
     raw = yaml.safe_load((REPO / "params" / "tiny.yaml").read_text())
-    raw["model"]["path"] = str(tiny_llama_dir)
+    raw["model"].update(path=str(tiny_llama_dir), cpu_threads=2)
     raw["quant"]["scheme"] = "bf16"
     raw["train"].update(steps=6, save_every=100, eval_every=0)
     raw["tracking"]["backend"] = "none"
@@ -193,7 +195,7 @@ def learned(run: Path) -> list[dict]:
 
 
 def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_resumed_run_is_the_uninterrupted_one(
-        six_steps, tmp_path, qerl_here):
+        six_steps, tmp_path, qerl_here, threads_restored):
     """A real `qerl train` child, preempted (SIGTERM) once its first step is logged; the resume and the uninterrupted
     reference run here. The step in progress when the signal lands (usually the second) is finished, then saved."""
     run = tmp_path / "run"
