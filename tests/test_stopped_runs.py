@@ -241,3 +241,16 @@ def test_a_second_signal_stops_at_once_as_the_signal_would_have():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_resume_command_keeps_the_overrides_and_what_is_left_of_max_steps():
+    from qerl.errors import report
+    from qerl.rl.stopping import TrainingStopped
+
+    stop = TrainingStopped(signal.SIGINT, 3, 15, Path("runs/x/checkpoints/step-000003"), steps_left=2)
+    stop.resume_with(["qerl", "train"], "params/default.yaml", ["lora.rank=8", "data.name=my data.jsonl"], "runs/x",
+                     max_steps=5)
+    assert str(stop) == ("stopped by SIGINT after step 3 of 15 (checkpoint runs/x/checkpoints/step-000003); resume "
+                         "with: qerl train --params params/default.yaml -S lora.rank=8 -S 'data.name=my data.jsonl' "
+                         "--out runs/x --max-steps 2 --resume")
+    assert report("qerl", stop) == 130  # 128 + SIGINT, as after Ctrl-C
