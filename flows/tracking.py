@@ -215,7 +215,8 @@ class MlflowTracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        status = "FINISHED" if exc_type is None else ("KILLED" if exc_type is KeyboardInterrupt else "FAILED")
+        # KILLED: Ctrl-C, or a stop on SIGTERM (qerl.errors.Stopped, a KeyboardInterrupt), the run resumable
+        status = "FINISHED" if exc_type is None else ("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
         self.end(status)
 
 

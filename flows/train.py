@@ -24,6 +24,7 @@ from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.evaluate import eval_examples
 from qerl.rl.phases import Phases
 from qerl.rl.plots import REWARD_CURVE, TRAINING_CURVES
+from qerl.rl.stopping import TrainingStopped
 from qerl.rl.tracking import log_step
 from qerl.run.lock import FolderLock, run_folder_lock
 from qerl.run.metrics import MetricsLog
@@ -262,8 +263,12 @@ def _run(args: argparse.Namespace) -> str:
     with claim_run_folder(out_dir, args.nproc):  # first: a folder in use fails before MLflow and Prefect start
         if settings.tracking.backend == "mlflow":
             probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
-        result = train(args.params, args.overrides, out_dir, args.max_steps, args.resume, overwrite=args.overwrite,
-                       nproc=args.nproc)
+        try:
+            result = train(args.params, args.overrides, out_dir, args.max_steps, args.resume,
+                           overwrite=args.overwrite, nproc=args.nproc)
+        except TrainingStopped as stop:  # SIGTERM / Ctrl-C: checkpoint written; its line says how to continue
+            stop.resume_with(["python", "-m", "flows.train"], args.params, args.overrides, out_dir, args.max_steps)
+            raise
     return (f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
             + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
 

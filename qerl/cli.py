@@ -114,6 +114,7 @@ def _read_text(path: Path) -> str:
 
 def _cmd_train(args) -> int:
     from qerl.rl.distributed import DistributedError, process_group
+    from qerl.rl.stopping import TrainingStopped
     from qerl.rl.trainer import Trainer
 
     settings = load_settings(args.params, args.overrides)
@@ -133,6 +134,9 @@ def _cmd_train(args) -> int:
             raise
         print(f"qerl: error: {exc}", file=sys.stderr)
         return 1
+    except TrainingStopped as stop:  # SIGTERM / Ctrl-C after a checkpoint: its line says how to continue
+        stop.resume_with(["qerl", "train"], args.params, args.overrides, out, args.max_steps)
+        raise
     if group.is_main:
         print(f"adapter: {adapter}")
     return 0

@@ -93,6 +93,11 @@ class ModelSettings:
     # ~21 s of workers that overlap the load; BENCHMARKS.md "The first step on a fresh machine"). Skipped when this
     # machine's Triton cache already holds them (a stamp per code version, shapes and settings). Opt-in for now.
     precompile_kernels: bool = False
+    # PyTorch's intra-op threads on the CPU for training and evaluation (torch.set_num_threads); None: torch's own
+    # choice, one per core. CPU results depend on it (a reduction split over 2 threads rounds otherwise than over 1),
+    # so a run records the count it used (params.yaml, the checkpoints' settings, MLflow) and --resume names a
+    # different one. README "Determinism".
+    cpu_threads: Optional[int] = field(default=None, metadata=_check(gt=0))
 
 
 def quant_schemes() -> tuple[str, ...]:

@@ -2,7 +2,9 @@
 unless asked for (`--debug` or QERL_DEBUG=1), like DVC's `ERROR: ...` and its `-v`.
 
 Exit codes: 2 for what the user can fix (parameters, data files, paths, a run folder in use or holding another run,
-damaged checkpoints, a full disk), 1 for anything else (a bug, out of memory), 130 for Ctrl-C.
+damaged checkpoints, a full disk), 1 for anything else (a bug, out of memory), 130 for Ctrl-C; a training stopped by
+a signal after its checkpoint (`Stopped`) exits 128 + the signal's number (143 for SIGTERM), as a shell reports a
+process that signal ended, so a scheduler sees a preempted job, not a finished or a failed one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,25 @@ class BadInput(Exception):
 
 class MissingExtra(ImportError):
     """A setting needs an optional dependency that is not installed; the message says which extra to install."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped on a signal (SIGTERM: a preempted job, a scheduler's cancel; SIGINT: Ctrl-C) once its state
+    was saved. A KeyboardInterrupt, so that whatever lets Ctrl-C through (no `except Exception` swallows it; Prefect
+    marks the flow run crashed) lets this through too. `resume_command` is filled in by the entry point, which knows
+    its own arguments; the message then says how to continue."""
+
+    def __init__(self, what: str, signum: int):
+        super().__init__(what)
+        self.what, self.signum = what, signum
+        self.resume_command: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return self.what + (f"; resume with: {self.resume_command}" if self.resume_command else "")
 
 
 class DiskFull(RuntimeError):
@@ -74,6 +95,9 @@ def one_line(exc: BaseException) -> str:
 
 def report(prog: str, exc: BaseException, debug: bool = False) -> int:
     """Print `exc` for the user and return the exit code; with `debug`, the traceback comes first."""
+    if isinstance(exc, Stopped):  # asked for, not an error: its line says where the state is and how to resume
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return exc.exit_code
     if isinstance(exc, KeyboardInterrupt):
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

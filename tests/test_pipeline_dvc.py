@@ -70,6 +70,25 @@ def test_metrics_and_plots_show(repro):
     assert (repo / "plots-html" / "index.html").is_file()
 
 
+def test_qerl_eval_and_the_evaluate_stage_evaluate_one_base(repro):
+    """The evaluate stage loads its base from the quantize stage's folder; a plain `qerl eval` quantizes the model in
+    memory. Both are one base, so one truncation rate: the folder used to store the embeddings in bf16, and on the
+    default params' first question one reply ended (truncation rate 0.0) where the other ran into the token limit
+    (1.0). The embedded model's, since its replies stop within the limit (a tiny random model's never do)."""
+    repo, _ = repro
+    command = ["qerl", "eval", "--params", str(ROOT / "params" / "default.yaml"), "--limit", "1"]
+    run(repo, *command, "--out", "in-memory")
+    run(repo, *command, "-S", "quant.quantized_path=runs/dvc/quantized", "--out", "from-folder")
+    metrics, samples = {}, {}
+    for out in ("in-memory", "from-folder"):
+        metrics[out] = json.loads((repo / out / "metrics.json").read_text())
+        samples[out] = [(row["completion"], row["stop_reason"])
+                        for row in map(json.loads, (repo / out / "samples.jsonl").read_text().splitlines())]
+    assert samples["in-memory"] == samples["from-folder"]
+    for key in ("accuracy", "truncation_rate", "mean_completion_tokens"):
+        assert metrics["in-memory"][key] == metrics["from-folder"][key], key
+
+
 def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro):
     repo, _ = repro
     proc = run(repo, "dvc", "exp", "run", "-S", "params/default.yaml:eval.max_new_tokens=8")

@@ -87,9 +87,9 @@ def test_written_folder_layout_dtypes_and_shapes(src: Path, quantized: dict, sch
                 t = after.pop(f"{module}.{name}")
                 assert (tuple(t.shape), t.dtype) == (shape, dtype), f"{module}.{name}"
             assert 0.05 < report.layer_errors[f"{module}.weight"] < 0.13
-    for name, t in before.items():  # embeddings, lm_head, norms, biases: same shape, bf16
-        assert after[name].dtype == torch.bfloat16 and after[name].shape == t.shape, name
-        assert torch.equal(after[name], t.to(torch.bfloat16))
+    for name, t in before.items():  # embeddings, lm_head, norms, biases: unchanged, in the source's dtype (fp32)
+        assert after[name].dtype == t.dtype == torch.float32, name
+        assert torch.equal(after[name], t), name
     assert set(after) == set(before)
     assert len(report.layer_errors) == 14 and not report.kept_dense
     assert report.bytes_after < 0.5 * report.bytes_before
@@ -97,7 +97,7 @@ def test_written_folder_layout_dtypes_and_shapes(src: Path, quantized: dict, sch
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"] == quantization_config(scheme)
     assert scheme_from_config(config["quantization_config"]) == scheme
-    assert config["dtype" if "dtype" in config else "torch_dtype"] == "bfloat16"
+    assert config["dtype" if "dtype" in config else "torch_dtype"] == "bfloat16"  # what to run it in (A16)
 
 
 def test_nvfp4_tensors_are_compressed_tensors_quantization_with_fused_scales(src: Path, quantized: dict) -> None:
@@ -149,7 +149,7 @@ def test_transformers_and_compressed_tensors_load_our_folder_to_our_weights(quan
             assert torch.equal(theirs.view(torch.int16), ours.view(torch.int16)), module
 
 
-def test_ragged_layer_kept_in_bf16_with_warning_or_strict_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_ragged_layer_kept_dense_with_warning_or_strict_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = write_tiny_llama(tmp_path / "src", intermediate=200, max_shard_size=None)  # down_proj K = 200
     with caplog.at_level(logging.WARNING, logger="qerl.quant.checkpoint"):
         report = quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
@@ -157,7 +157,7 @@ def test_ragged_layer_kept_in_bf16_with_warning_or_strict_error(tmp_path: Path, 
     assert set(report.kept_dense) == {f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)}
     assert len(report.layer_errors) == 12
     after = read_all(tmp_path / "out")
-    assert after["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(after["model.layers.0.mlp.down_proj.weight"], read_all(src)["model.layers.0.mlp.down_proj.weight"])
     assert "model.layers.0.mlp.down_proj.weight_packed" not in after
     ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
     assert ignore == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]

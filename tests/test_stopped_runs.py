@@ -8,17 +8,23 @@ process (conftest's `finish_here`): they read and write nothing but the run fold
 interpreter's start-up (torch, the grader's worker: most of a tiny run's time) to each."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.patience import patience
 from tests.processes import kill_9
 from tests.test_checkpoints import adapter, finished  # noqa: F401 - finished: the uninterrupted run, a fixture
-from tests.test_run_folder import steps, tiny_process, wait_for
+from tests.test_determinism import threads_restored  # noqa: F401 - a fixture
+from tests.test_run_folder import REPO, steps, tiny_process, wait_for
 
 
 def assert_same_adapter(a: Path, b: Path) -> None:
@@ -196,3 +202,88 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_after_f
     assert "step-000002 (step 2)" in err and "damaged" not in err
     assert steps(run) == [1, 2, 3, 4]
     assert_same_adapter(finished, run)
+
+
+@pytest.fixture
+def six_steps(tmp_path, tiny_llama_dir) -> Path:
+    """params/tiny.yaml on the tiny random Llama (bf16: nothing to quantize), 6 steps without a periodic checkpoint:
+    under a second a step, long enough to still be training when the signal comes after step 1. Two threads in the
+    child and here, whatever an earlier test left in this process (README "Determinism")."""
+    raw = yaml.safe_load((REPO / "params" / "tiny.yaml").read_text())
+    raw["model"].update(path=str(tiny_llama_dir), cpu_threads=2)
+    raw["quant"]["scheme"] = "bf16"
+    raw["train"].update(steps=6, save_every=100, eval_every=0)
+    raw["tracking"]["backend"] = "none"
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+LEARNED = ("reward_mean", "accuracy", "entropy", "loss", "grad_norm", "lr", "response_length", "sigma")
+
+
+def learned(run: Path) -> list[dict]:
+    """What each step learned and measured, without its timings."""
+    return [{k: row[k] for k in ("step", *LEARNED)} for row in map(json.loads, (run / "metrics.jsonl").open())]
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_resumed_run_is_the_uninterrupted_one(
+        six_steps, tmp_path, qerl_here, threads_restored):
+    """A real `qerl train` child, preempted (SIGTERM) once its first step is logged; the resume and the uninterrupted
+    reference run here. The step in progress when the signal lands (usually the second) is finished, then saved."""
+    run = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", "--params", str(six_steps), "--out", str(run)],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + patience(120)
+    while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().endswith("\n"):
+        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+        time.sleep(0.02)
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=patience(60))
+
+    stopped = steps(run)[-1]
+    assert child.returncode == 143, err  # 128 + SIGTERM, as a shell reports a process the signal ended
+    assert 1 <= stopped < 6 and steps(run) == list(range(1, stopped + 1))
+    checkpoint = run / "checkpoints" / f"step-{stopped:06d}"
+    assert err.splitlines()[-1] == (f"qerl: stopped by SIGTERM after step {stopped} of 6 (checkpoint {checkpoint}); "
+                                    f"resume with: qerl train --params {six_steps} --out {run} --resume")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [checkpoint.name]  # the only one (save_every 100)
+    assert not (run / "adapter").exists() and not (run / ".qerl.lock").exists()
+
+    code, _, resumed = qerl_here("train", "--params", six_steps, "--out", run, "--resume")
+    assert code == 0 and f"resuming from {checkpoint} (step {stopped})" in resumed
+    code, _, _ = qerl_here("train", "--params", six_steps, "--out", tmp_path / "uninterrupted")
+    assert code == 0
+    assert learned(run) == learned(tmp_path / "uninterrupted")  # every step's numbers, bit for bit
+    assert_same_adapter(run, tmp_path / "uninterrupted")
+
+
+def test_a_second_signal_stops_at_once_as_the_signal_would_have():
+    """In this process, with Python's own Ctrl-C handler behind: the first SIGINT is noted, the second is Python's
+    KeyboardInterrupt; afterwards the handler is Python's again."""
+    from qerl.rl.stopping import StopSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100):  # Python runs the handler between bytecodes of the main thread
+            if signals.signum:
+                break
+            time.sleep(0.01)
+        assert signals.signum == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_resume_command_keeps_the_overrides_and_what_is_left_of_max_steps():
+    from qerl.errors import report
+    from qerl.rl.stopping import TrainingStopped
+
+    stop = TrainingStopped(signal.SIGINT, 3, 15, Path("runs/x/checkpoints/step-000003"), steps_left=2)
+    stop.resume_with(["qerl", "train"], "params/default.yaml", ["lora.rank=8", "data.name=my data.jsonl"], "runs/x",
+                     max_steps=5)
+    assert str(stop) == ("stopped by SIGINT after step 3 of 15 (checkpoint runs/x/checkpoints/step-000003); resume "
+                         "with: qerl train --params params/default.yaml -S lora.rank=8 -S 'data.name=my data.jsonl' "
+                         "--out runs/x --max-steps 2 --resume")
+    assert report("qerl", stop) == 130  # 128 + SIGINT, as after Ctrl-C

@@ -163,8 +163,9 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
     Samples with `backend` (e.g. the trainer's), else with `settings.rollout.backend` built for the model."""
     from qerl.data.problems import SYSTEM_PROMPT
     from qerl.data.prompt_length import fit_prompts, model_context
-    from qerl.model.runtime import load_policy, load_tokenizer_and_context
+    from qerl.model.runtime import load_policy, load_tokenizer_and_context, pin_cpu_threads
 
+    pin_cpu_threads(settings.model)
     e = settings.eval
     examples = eval_examples(settings, limit)  # before the model: bad data fails in a second, not after a load
     if model is None:

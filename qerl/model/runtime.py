@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -28,6 +29,14 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
         # bf16 matmuls are slow on most CPUs and fp32 keeps CPU runs exact; GPUs want bf16.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, setting)
+
+
+def pin_cpu_threads(model: ModelSettings) -> ModelSettings:
+    """Run torch's CPU ops on `model.cpu_threads` threads (unset: keep torch's count); returns the settings with the
+    count in use filled in, for the run to record: CPU results depend on it."""
+    if model.cpu_threads is not None:
+        torch.set_num_threads(model.cpu_threads)
+    return dataclasses.replace(model, cpu_threads=torch.get_num_threads())
 
 
 def seed_everything(seed: int) -> None:

@@ -1,7 +1,11 @@
 """Quantize a Hugging Face checkpoint folder shard by shard: ``quantize_checkpoint(src, dst, scheme)``.
 
 Every 2-D weight of a linear layer inside the decoder blocks (``*.layers.N.*.weight``; never embeddings,
-lm_head or norms) becomes its codec's tensors; everything else is written in bf16. The output keeps the
+lm_head or norms) becomes its codec's tensors; everything else is stored in the source's dtype, so a base loaded
+from the folder in the run's dtype is the base quantized in memory (``qerl.quant.linear.quantize_model``) bit for
+bit: on the CPU (fp32) the embedded SmolLM2's bf16-rounded embeddings gave other replies than `qerl eval`'s
+in-memory base. The "bf16" scheme alone writes everything in bf16 (that is what it is for); config.json says
+bfloat16, the dtype vLLM and transformers run a 16-bit-activation format in. The output keeps the
 source's shard layout. NVFP4 and MXFP4 folders carry the ``quantization_config`` llm-compressor writes
 (compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``), so vLLM, transformers and
 compressed-tensors load them; NF4 gets a qerl config. Peak memory is about one output shard plus one
@@ -45,7 +49,7 @@ class QuantizeReport:
     dst: Path
     scheme: str
     layer_errors: dict[str, float] = field(default_factory=dict)  # tensor -> ||W - deq(q(W))|| / ||W||
-    kept_dense: dict[str, str] = field(default_factory=dict)  # tensor -> why it stayed bf16
+    kept_dense: dict[str, str] = field(default_factory=dict)  # tensor -> why it was not quantized
     bytes_before: int = 0  # all tensors of the source
     bytes_after: int = 0  # all tensors written
     perplexity_before: float | None = None
@@ -63,7 +67,7 @@ class QuantizeReport:
             worst = max(self.layer_errors, key=self.layer_errors.__getitem__)
             lines.append(f"relative weight error: mean {self.mean_error:.4f}, max {self.layer_errors[worst]:.4f} ({worst})")
         if self.kept_dense:
-            lines.append(f"kept in bf16: {', '.join(f'{k} ({v})' for k, v in self.kept_dense.items())}")
+            lines.append(f"kept dense: {', '.join(f'{k} ({v})' for k, v in self.kept_dense.items())}")
         if self.perplexity_before is not None:
             lines.append(f"perplexity: {self.perplexity_before:.3f} -> {self.perplexity_after:.3f}")
         return "\n".join(lines)
@@ -216,17 +220,20 @@ def _check_destination(src: Path, dst: Path) -> None:
 def _quantize_tensor(name: str, w: torch.Tensor, codec: Codec, scales: _SharedScales | None,
                      report: QuantizeReport, strict: bool, device: torch.device) -> dict[str, torch.Tensor]:
     """The CPU tensors to write for one source tensor (quantized if it is a decoder linear weight)."""
-    if not is_quantizable_weight(name, w.shape) or codec.scheme == "bf16":
+    if codec.scheme == "bf16":
         return {name: w.to(torch.bfloat16) if w.is_floating_point() else w}
+    # Unquantized tensors as they are (see the module's docstring: bf16 here made a second, different base).
+    if not is_quantizable_weight(name, w.shape):
+        return {name: w}
     module = name.removesuffix(".weight")
     try:
         codec.check_shape(*w.shape, name=name)
     except ValueError as e:
         if strict:
             raise
-        log.warning("%s; keeping it in bf16", e)
+        log.warning("%s; keeping it dense", e)
         report.kept_dense[name] = f"in_features {w.shape[1]} not a multiple of {codec.block_size}"
-        return {name: w.to(torch.bfloat16)}
+        return {name: w}
     w = w.to(device)
     shared = scales.get(name) if scales is not None else None
     tensors = codec.quantize(w, shared) if shared is not None else codec.quantize(w)
@@ -249,6 +256,8 @@ def _write_config(src: Path, dst: Path, scheme: str, ignore: list[str]) -> None:
     config.pop("quantization_config", None)
     if qc is not None:
         config["quantization_config"] = qc
+    # The dtype to run in: 16-bit activations (A16), which compressed-tensors' decompression into transformers
+    # needs (an fp32 model fails on its bf16 weights). The tensors it did not quantize keep their own dtype.
     config["dtype" if "dtype" in config else "torch_dtype"] = "bfloat16"
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -268,7 +277,7 @@ def quantize_checkpoint(
         dst: output folder; must not exist (or be empty).
         scheme: "nvfp4" (compressed-tensors NVFP4A16), "mxfp4", "nf4" or "bf16".
         progress: tqdm bar over tensors.
-        strict: raise instead of keeping in bf16 a linear whose in_features does not fit the block size.
+        strict: raise instead of keeping dense a linear whose in_features does not fit the block size.
         device: where to quantize (default: CUDA if available, else CPU; results are bit-identical).
     """
     from safetensors.torch import save_file

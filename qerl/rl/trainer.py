@@ -31,10 +31,10 @@ from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
 from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
-from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, resolve_device,
-                                seed_everything)
+from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
+                                resolve_device, seed_everything)
 from qerl.quant.linear import held_weights, update_precision
-from qerl.rl import distributed, grpo, precompile, state_check
+from qerl.rl import distributed, grpo, precompile, state_check, stopping
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rollout import releasable
@@ -181,7 +181,8 @@ class Trainer:
 
     def _start(self, settings: Settings, tracker: Tracker | None, model, tokenizer, progress: bool,
                rollout_backend: RolloutBackend | None) -> None:
-        self.settings = s = settings
+        # The thread count in use is part of the run's settings: params.yaml, checkpoints and MLflow record it
+        self.settings = s = replace(settings, model=pin_cpu_threads(settings.model))
         self.tracker = tracker or NullTracker()
         self.progress = progress
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
@@ -618,17 +619,33 @@ class Trainer:
 
     def train(self, max_steps: int | None = None, phases: Phases | None = None) -> Path:
         """Run until `train.steps` (or `max_steps` more steps); export and return the final adapter folder.
-        `phases` decides how each phase is called (default: directly)."""
+        `phases` decides how each phase is called (default: directly). SIGTERM or SIGINT meanwhile: the step in
+        progress finishes, a checkpoint is written and `qerl.rl.stopping.TrainingStopped` raised."""
         phases = phases or Phases()
         total, eval_every = self.settings.train.steps, self.settings.train.eval_every
         stop = total if max_steps is None else min(total, self.step + max_steps)
         log.info("training %s -> step %d of %d in %s", self.settings.model.path, stop, total, self.out)
-        while self.step < stop:
-            self.train_step(phases)
-            if eval_every and self.step % eval_every == 0 and self.step < stop:
-                phases.evaluate(self)
-        if self.step < total and self.step % self.settings.train.save_every and self.dist.is_main:
-            self.save_checkpoint()  # stopped early (--max-steps): --resume continues from here, not the last save
+        with stopping.StopSignals() as signals:
+            stopped_by = 0
+
+            def stop_requested() -> bool:  # every rank takes the same decision, whichever rank the signal reached
+                nonlocal stopped_by
+                stopped_by = int(self.dist.max([float(signals.signum or 0)])[0])
+                return stopped_by > 0
+
+            while self.step < stop:
+                self.train_step(phases)
+                if stop_requested():
+                    break
+                if eval_every and self.step % eval_every == 0 and self.step < stop:
+                    phases.evaluate(self)
+                    if stop_requested():
+                        break
+            if self.step < total and self.step % self.settings.train.save_every and self.dist.is_main:
+                self.save_checkpoint()  # stopped early: --resume continues from here, not from the last save
+        if stopped_by and self.step < stop:  # (a signal in the last step asked for: the run ends as it would have)
+            raise stopping.TrainingStopped(stopped_by, self.step, total, self.run.checkpoint_path(self.step),
+                                           steps_left=stop - self.step)
         adapter = self.out / "adapter"
         if self.dist.is_main:
             adapter = phases.export(self)

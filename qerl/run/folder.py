@@ -126,7 +126,7 @@ class RunFolder:
         The `keep` newest are kept, so a damaged newest one has a predecessor to fall back to."""
         root = self.path / CHECKPOINTS
         step = int(state["step"])
-        final = root / f"{checkpoints.PREFIX}{step:06d}"
+        final = self.checkpoint_path(step)
         tmp = checkpoints.temp_folder(root, step, os.getpid())
         try:
             with naming_a_full_disk(final, "the older checkpoints are intact: free space, then --resume"):
@@ -145,6 +145,10 @@ class RunFolder:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", final)
         return final
+
+    def checkpoint_path(self, step: int) -> Path:
+        """Where the checkpoint of `step` is (or would be)."""
+        return self.path / CHECKPOINTS / f"{checkpoints.PREFIX}{step:06d}"
 
     def write_params(self, text: str) -> None:
         """The run's resolved parameters, `params.yaml` (main rank only)."""
