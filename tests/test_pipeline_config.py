@@ -136,3 +136,43 @@ def test_promotion_rule():
 
     assert beats(0.6, 0.5) and not beats(0.5, 0.5) and not beats(0.4, 0.5)
     assert not beats(0.55, 0.5, min_improvement=0.1) and beats(0.0, 0.0, min_improvement=-1)
+
+
+HOLD_AND_QUANTIZE = """
+import sys, time
+from qerl.quant.checkpoint import quantize_checkpoint
+from qerl.run.lock import output_lock
+src, dst = sys.argv[1:3]
+with output_lock(dst, hand_over=True):  # as a flow's quantize task holds it, its core call joining
+    print("holding", flush=True)
+    time.sleep(1)
+    quantize_checkpoint(src, dst, "nvfp4", progress=False)
+"""
+
+
+def test_a_flow_waits_for_a_quantization_in_progress_and_reuses_it(tmp_path, tiny_llama_dir, caplog):
+    """Two flows with Prefect homes of their own share no cache: the second used to fail (exit 2) on the folder's
+    lock while the first quantized. Now it says once whom it waits for, then takes the folder the first wrote. ~8 s
+    (a child that imports torch)."""
+    pytest.importorskip("prefect")
+    import socket
+    import subprocess
+    import sys
+
+    from tasks.quantize import quantize_checkpoint, quantized_dir
+
+    root = tmp_path / "quantized"
+    dst = quantized_dir(str(tiny_llama_dir), "nvfp4", str(root))
+    first = subprocess.Popen([sys.executable, "-c", HOLD_AND_QUANTIZE, str(tiny_llama_dir), str(dst)], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == "holding\n"
+        with caplog.at_level("INFO"):
+            got = quantize_checkpoint.fn(str(tiny_llama_dir), "nvfp4", str(root))
+    finally:
+        first.communicate(timeout=patience(60))
+    assert first.returncode == 0
+    assert got == str(dst) and (dst / "config.json").is_file()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"waiting for PID {first.pid} on host {socket.gethostname()}, which is quantizing {tiny_llama_dir} to nvfp4 "
+        f"in {dst}; this run reuses it"]  # and it quantized nothing itself (the core would log its report)
