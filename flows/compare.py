@@ -30,7 +30,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.arms import ARMS, DEFAULT_ARMS, parse_arm
 from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
 from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
@@ -271,6 +271,7 @@ def _run(args: argparse.Namespace) -> str:
     for spec in args.arms:  # fail in a line, before Prefect and the model start up
         parse_arm(spec)
     probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
+    prefect_api.connect()
     if args.worker:
         out = Path(args.out) if args.out else default_out_dir(args.params)
         trained = work(args.params, list(args.overrides), dict(parse_arm(s) for s in args.arms), args.seeds, out,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
 from qerl.config import load_settings
@@ -58,6 +58,7 @@ def _run(args: argparse.Namespace) -> str:
     settings = load_settings(args.params, args.overrides)
     if settings.tracking.backend == "mlflow" or args.alias:
         probe(resolve_tracking_uri(settings))
+    prefect_api.connect()
     result = evaluate(args.params, args.overrides, args.adapter, args.alias, args.out, args.limit)
     return f"{EVAL_METRIC}: {result['metrics'][EVAL_METRIC]:.4f}  ({result['out_dir']})"
 

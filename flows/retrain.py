@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
 from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, describe, log_eval, run_tags,
                          train_and_evaluate)
@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace) -> str:
     out_dir = args.out or default_out_dir(settings)
     with claim_run_folder(out_dir):  # first: a folder in use fails before MLflow and Prefect start
         probe(resolve_tracking_uri(settings))
+        prefect_api.connect()
         return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir)["verdict"]
 
 

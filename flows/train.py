@@ -18,7 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.evaluate import eval_examples
@@ -262,6 +262,7 @@ def _run(args: argparse.Namespace) -> str:
     with claim_run_folder(out_dir, args.nproc):  # first: a folder in use fails before MLflow and Prefect start
         if settings.tracking.backend == "mlflow":
             probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
+        prefect_api.connect()
         result = train(args.params, args.overrides, out_dir, args.max_steps, args.resume, overwrite=args.overwrite,
                        nproc=args.nproc)
     return (f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
