@@ -112,7 +112,8 @@ def train_arm_seed(params: str, overrides: list[str], arm: str, seed: int, run_d
     with MlflowTracker.from_settings(
             settings, run_name=f"{arm}-seed{seed}", parent_run_id=parent_run_id,
             run_id=earlier["run_id"] if earlier else None,
-            tags=run_tags(settings, **{"qerl.flow": "compare", "arm": arm, "seed": seed, "out_dir": run_dir})
+            tags=run_tags(settings, params, overrides,
+                          **{"qerl.flow": "compare", "arm": arm, "seed": seed, "out_dir": run_dir})
     ) as tracker:
         _write_json(folder / MLFLOW_RUN, {"run_id": tracker.run_id, "settings": settings.fingerprint()})
         if earlier:

@@ -35,8 +35,8 @@ def evaluate(params: str = "params/default.yaml", overrides: list[str] | None = 
         adapter = str(registry.download(version, Path(out_dir) / "adapter"))
     settings = with_quantized_base(settings, quantized_root)
     name = f"eval-{alias or (Path(adapter).parent.name if adapter else 'base')}"
-    tags = run_tags(settings, **{"qerl.flow": "evaluate", "adapter": adapter,
-                                 "model_version": version.version if version else None})
+    tags = run_tags(settings, params, overrides or [], **{"qerl.flow": "evaluate", "adapter": adapter,
+                                                         "model_version": version.version if version else None})
     with open_tracker(settings, run_name=name, tags=tags) as tracker:
         result = evaluate_task(settings, adapter=adapter, out_dir=out_dir, limit=limit)
         log_eval(tracker, result.metrics, step=0)

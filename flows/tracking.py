@@ -271,6 +271,11 @@ class Registry:
                 return None
             raise
 
+    def recorded_settings(self, version) -> dict[str, str]:
+        """The flat settings (`lora.rank`, ...) the run behind a ModelVersion logged as its parameters; empty for a
+        version without a run."""
+        return dict(self.client.get_run(version.run_id).data.params) if version.run_id else {}
+
     def promote(self, version: str) -> None:
         self.client.set_registered_model_alias(self.name, CHAMPION, version)
 

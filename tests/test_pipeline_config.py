@@ -138,6 +138,58 @@ def test_promotion_rule():
     assert not beats(0.55, 0.5, min_improvement=0.1) and beats(0.0, 0.0, min_improvement=-1)
 
 
+def test_the_verdict_names_a_margin_only_when_there_is_one():
+    pytest.importorskip("prefect")
+    from flows.retrain import margin
+
+    assert margin(0.0) == "" and margin(0.01) == " by more than 0.01" and margin(-1) == " by more than -1"
+
+
+def test_a_retrain_takes_the_champions_adapter_settings_and_refuses_another_base():
+    """The champion's run recorded its settings: its adapter's win over the params; a champion on another base is
+    refused in one line saying what to do (exit 2: a ConfigError)."""
+    pytest.importorskip("prefect")
+    from flows.retrain import ChampionMismatch, champion_overrides
+    from qerl.config import ConfigError
+
+    smoke = {k: str(v) for k, v in load_settings(ROOT / "params/tiny.yaml").to_flat_dict().items()}
+    nightly = load_settings(ROOT / "params/default.yaml")
+    assert champion_overrides(smoke, nightly, "1") == ["lora.rank=8", "lora.alpha=16.0"]
+    assert load_settings(ROOT / "params/default.yaml", ["lora.rank=8", "lora.alpha=16.0"]).lora.rank == 8
+    assert champion_overrides({}, nightly, "1") == []  # a version without recorded settings: the params' own
+    with pytest.raises(ChampionMismatch) as info:
+        champion_overrides({**smoke, "quant.scheme": "bf16"}, nightly, "3")
+    assert isinstance(info.value, ConfigError) and str(info.value) == (
+        "champion version 3 of 'qerl-adapter' was trained on quant.scheme=bf16, not quant.scheme=nvfp4: retrain with "
+        "its base (-S quant.scheme=bf16), or train an adapter on this base with flows.train and move the 'champion' "
+        "alias to its version (MLflow UI, Models)")
+
+
+def test_a_smoke_run_registers_apart_from_the_team_model():
+    """tiny.yaml's first registered adapter becomes the champion of its own registry, not of the one the nightly
+    retrain (default.yaml) continues."""
+    assert _flat("params/tiny.yaml")["tracking.registered_model"] != _flat("params/default.yaml")[
+        "tracking.registered_model"]
+
+
+def test_run_names_and_tags_say_what_differs():
+    pytest.importorskip("prefect")
+    from flows.train import run_name, run_tags, settings_hash
+
+    overrides = ["optim.lr=1e-4", "tracking.backend=mlflow"]
+    settings = load_settings(ROOT / "params/default.yaml", overrides)
+    digest = settings_hash(settings)
+    assert run_name(settings, "params/default.yaml", overrides) == f"nvfp4-aqn default optim.lr=1e-4 {digest}"
+    assert digest != settings_hash(load_settings(ROOT / "params/default.yaml"))  # the learning rate differs
+    assert digest == settings_hash(load_settings(ROOT / "params/default.yaml", ["optim.lr=1e-4"]))  # tracking doesn't
+    tags = run_tags(settings, "params/default.yaml", overrides)
+    assert {k: tags[k] for k in ("qerl.params", "qerl.params_file", "qerl.overrides", "qerl.settings_hash")} == {
+        "qerl.params": "default", "qerl.params_file": "params/default.yaml", "qerl.overrides": "optim.lr=1e-4",
+        "qerl.settings_hash": digest}
+    named = load_settings(ROOT / "params/default.yaml", ["tracking.run_name=mine"])
+    assert run_name(named, "params/default.yaml", ["tracking.run_name=mine"]) == "mine"
+
+
 HOLD_AND_QUANTIZE = """
 import sys, time
 from qerl.quant.checkpoint import quantize_checkpoint
