@@ -191,3 +191,62 @@ def test_two_processes_setting_up_a_fresh_sqlite_store_at_once_both_succeed(tmp_
     for proc in procs:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-2000:]
+
+
+def _ui_bundle() -> str:
+    """The installed MLflow UI's main script (its routes and URL parameters)."""
+    import mlflow
+
+    scripts = list((Path(mlflow.__file__).parent / "server/js/build/static/js").glob("main.*.js"))
+    assert len(scripts) == 1, scripts
+    return scripts[0].read_text(errors="replace")
+
+
+def test_the_experiment_link_names_a_route_and_view_of_the_installed_ui():
+    """MLflow 3.17's UI opens an experiment in the view its URL's `workflowType` names, else the browser's stored
+    choice (GenAI when fresh), whatever the experiment's kind tag: the link must name the runs route and the machine
+    learning view, as the installed UI spells them (an MLflow upgrade that renames them fails here)."""
+    from flows.tracking import experiment_url, run_url
+
+    bundle = _ui_bundle()
+    assert '"/experiments/:experimentId/runs"' in bundle and '"/experiments/:experimentId/runs/:runUuid"' in bundle
+    assert 'get("workflowType")' in bundle and 'MACHINE_LEARNING="machine_learning"' in bundle
+    assert experiment_url("http://127.0.0.1:5000/", "7") == (
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning")
+    assert run_url("http://h:5000", "7", "abc") == "http://h:5000/#/experiments/7/runs/abc?workflowType=machine_learning"
+
+
+@pytest.mark.slow
+def test_a_run_on_a_tracking_server_prints_links_to_the_runs_table(tmp_path, capfd):
+    """MLflow printed `#/experiments/<id>` (the GenAI overview in a fresh browser) when a run on a server ended; the
+    tracker prints the runs table instead, once. ~20 s: a real `mlflow server` on loopback."""
+    import urllib.request
+
+    from tests.prefect_server import free_port
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                               "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
+                               "--default-artifact-root", str(tmp_path / "artifacts")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not come up"
+                time.sleep(0.5)
+        capfd.readouterr()
+        with MlflowTracker(uri, "qerl-links", run_name="nvfp4-aqn tiny abc123") as tracker:
+            pass
+        out = capfd.readouterr().out
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(30)
+    base = f"{uri}/#/experiments/{tracker.experiment_id}/runs"
+    assert out.splitlines() == [
+        f"🏃 View run nvfp4-aqn tiny abc123 at: {base}/{tracker.run_id}?workflowType=machine_learning",
+        f"🧪 View experiment at: {base}?workflowType=machine_learning"]
