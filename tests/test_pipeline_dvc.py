@@ -47,10 +47,13 @@ def test_repro_runs_every_stage_and_tracks_outputs_with_dvc(repro):
     metrics = json.loads((repo / "runs/dvc/eval/metrics.json").read_text())
     assert metrics["num_examples"] == 4 and 0 <= metrics["accuracy"] <= 1
     assert (repo / "runs/dvc/train/adapter/adapter_model.safetensors").is_file()
-    assert len((repo / "runs/dvc/train/curves.csv").read_text().splitlines()) == 1 + 2  # header + 2 steps
+    assert len((repo / "runs/dvc/curves/curves.csv").read_text().splitlines()) == 1 + 2  # header + 2 steps
+    assert (repo / "runs/dvc/curves/reward_curve.png").read_bytes() == (
+        repo / "runs/dvc/train/reward_curve.png").read_bytes()
 
     lock = (repo / "dvc.lock").read_text()
-    for out in ("runs/dvc/train/adapter", "runs/dvc/train/checkpoints", "runs/dvc/quantized", "data/prepared"):
+    for out in ("runs/dvc/train/adapter", "runs/dvc/train/checkpoints", "runs/dvc/quantized", "data/prepared",
+                "runs/dvc/curves/curves.csv"):
         assert f"path: {out}" in lock  # hashed by DVC (the train stage's outputs are not cached: dvc.yaml says why)
     status = run(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
     # git sees none of the outputs but the metrics, a git file once committed (dvc.yaml: `dvc exp show`'s baseline)
@@ -70,13 +73,33 @@ def test_metrics_and_plots_show(repro):
     assert (repo / "plots-html" / "index.html").is_file()
 
 
-def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro):
+@pytest.fixture(scope="module")
+def experiments(repro):
+    """Two experiments on the reproduced clone: one that changes only the evaluation, one that trains again."""
     repo, _ = repro
-    proc = run(repo, "dvc", "exp", "run", "-S", "params/default.yaml:eval.max_new_tokens=8")
+    return {name: run(repo, "dvc", "exp", "run", "--name", name, "-S", f"params/default.yaml:{change}")
+            for name, change in (("short-eval", "eval.max_new_tokens=8"), ("high-lr", "optim.lr=1e-3"))}
+
+
+def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro, experiments):
+    repo, _ = repro
+    proc = experiments["short-eval"]
     assert "Running stage 'evaluate'" in proc.stdout
     assert "Running stage 'train'" not in proc.stdout and "Running stage 'quantize'" not in proc.stdout
+    assert "Running stage 'train'" in experiments["high-lr"].stdout
     table = run(repo, "dvc", "exp", "show", "--csv").stdout
     assert "eval.max_new_tokens" in table.splitlines()[0] and ",8," in table
+
+
+def test_plots_diff_of_two_experiments_shows_both_curves(repro, experiments):
+    """The train stage's run folder is not cached (a live run's safety), so its curves existed only in the workspace:
+    `dvc plots diff` of two experiments could load neither. The cached copies in runs/dvc/curves it can. ~5 s."""
+    repo, _ = repro
+    shown = json.loads(run(repo, "dvc", "plots", "diff", "short-eval", "high-lr", "--json").stdout)
+    assert not shown.get("errors"), shown["errors"]
+    rows = shown["data"]["reward"][0]["content"]["data"]["values"]
+    assert {rev: {int(r["step"]) for r in rows if r["rev"] == rev} for rev in ("short-eval", "high-lr")} == {
+        "short-eval": {1, 2}, "high-lr": {1, 2}}, rows
 
 
 def test_prepare_reruns_when_the_data_change_and_not_otherwise(tmp_path):
