@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -70,7 +71,12 @@ def test_metrics_and_plots_show(repro):
     plots = run(repo, "dvc", "plots", "show", "--json").stdout
     assert "reward_mean" in plots and "reward_curve.png" in plots
     run(repo, "dvc", "plots", "show", "-o", "plots-html")
-    assert (repo / "plots-html" / "index.html").is_file()
+    page = (repo / "plots-html" / "index.html").read_text()
+    # offline: vega inlined from .dvc/plots_offline.html (DVC's own page loads it from a CDN), the PNGs local files
+    assert "<script src=" not in page and "cdn.jsdelivr" not in page and "vegaEmbed(" in page
+    images = re.findall(r'<img src="([^"]+)"', page)
+    assert len(images) == 2 and all(src.startswith("data:image") or (repo / "plots-html" / src).is_file()
+                                    for src in images), images
 
 
 @pytest.fixture(scope="module")
