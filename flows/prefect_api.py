@@ -19,6 +19,9 @@ from pathlib import Path
 from qerl.run.lock import FolderLock
 
 PROBE_TIMEOUT_S = 3.0
+# Prefect gives its temporary server 20 s to start by default; a fresh one took 22 s on 2 cores at load 6, and the
+# command failed with no run at all. A longer limit configured by the user is kept.
+MIN_STARTUP_S = 120
 START_LOCK = ".qerl-server-start.lock"  # in PREFECT_HOME, beside the database it guards
 
 
@@ -57,6 +60,7 @@ def start_temporary_server(home: Path) -> None:
     waiting for another command's start-up does not count against Prefect's start-up limit."""
     from prefect.logging import get_logger
     from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
     server = SubprocessASGIServer()  # the instance Prefect's client takes when no API URL is set
     if server.running:
@@ -65,5 +69,14 @@ def start_temporary_server(home: Path) -> None:
     lock = FolderLock(home / START_LOCK, what=f"Prefect home {home}",
                       on_wait=lambda holder: log.info("waiting for %s to start its temporary Prefect server on %s",
                                                       holder, home))
+    limit = max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), MIN_STARTUP_S)
     with lock:
-        server.start()
+        try:
+            server.start(timeout=limit)
+        except RuntimeError as exc:
+            if "Timed out" not in str(exc):
+                raise
+            raise PrefectUnavailable(
+                f"Prefect's temporary server did not start within {limit} s (a busy machine?): set "
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher, or start a server (prefect server start) and "
+                "prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api") from None
