@@ -99,9 +99,9 @@ def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro, experi
 
 
 def test_the_readmes_exp_show_command_shows_what_each_experiment_changed(repro, experiments):
-    """Bare `dvc exp show` (and `--only-changed`) is wider than a terminal: the dependencies' hashes, timings and
-    timestamps that change with every run pushed the changed parameter out of the table. The README's command, on a
-    150-column terminal, shows both experiments' parameter and the accuracy. ~3 s."""
+    """Bare `dvc exp show` (and `--only-changed`) is wider than a terminal: the dependencies' hashes, the grader's
+    name and versions, timings and timestamps pushed the changed parameter out of the table. The README's command,
+    on a 150-column terminal, shows both experiments' parameter and the accuracy. ~3 s."""
     repo, _ = repro
     line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("dvc exp show "))
     shown = run(repo, *shlex.split(line, comments=True), "--no-pager", COLUMNS="150").stdout
