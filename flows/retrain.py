@@ -51,6 +51,15 @@ def champion_overrides(recorded: dict[str, str], settings: Settings, version: st
     return [f"{k}={v}" for k, v in recorded.items() if k.startswith(ADAPTER_KEYS) and v != flat.get(k)]
 
 
+def require_champion(registry: Registry):
+    """The champion's ModelVersion, or NoChampion saying how to make one."""
+    champion = registry.champion()
+    if champion is None:
+        raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
+                         "first (its first registered adapter becomes the champion)")
+    return champion
+
+
 def beats(candidate: float, champion: float, min_improvement: float = 0.0) -> bool:
     """Promotion rule: strictly better than the champion by more than `min_improvement` (ties keep the champion)."""
     return candidate > champion + min_improvement
@@ -84,10 +93,7 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
     out_dir = out_dir or default_out_dir(settings)
     with claim_run_folder(out_dir):  # before the registry and MLflow: a folder in use fails here, in a line
         registry = Registry.from_settings(settings)
-        champion = registry.champion()
-        if champion is None:
-            raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
-                              "first (its first registered adapter becomes the champion)")
+        champion = require_champion(registry)
         champion_version = str(champion.version)
         adopted = champion_overrides(registry.recorded_settings(champion), settings, champion_version)
         if adopted:
@@ -142,6 +148,7 @@ def _run(args: argparse.Namespace) -> str:
     out_dir = args.out or default_out_dir(settings)
     with claim_run_folder(out_dir):  # first: a folder in use fails before MLflow and Prefect start
         probe(resolve_tracking_uri(settings))
+        require_champion(Registry.from_settings(settings))  # in a line, not after Prefect's traceback of the flow run
         prefect_api.connect()
         return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir)["verdict"]
 

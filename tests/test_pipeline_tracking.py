@@ -250,3 +250,19 @@ def test_a_run_on_a_tracking_server_prints_links_to_the_runs_table(tmp_path, cap
     assert out.splitlines() == [
         f"🏃 View run nvfp4-aqn tiny abc123 at: {base}/{tracker.run_id}?workflowType=machine_learning",
         f"🧪 View experiment at: {base}?workflowType=machine_learning"]
+
+
+def test_retrain_without_a_champion_is_one_line_before_prefect_starts(store, tmp_path, main_here, monkeypatch):
+    """It used to start Prefect's temporary server and run the flow, whose failure Prefect logs with a traceback,
+    before the same line."""
+    from flows.retrain import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    out = tmp_path / "run"
+    code, stdout, err = main_here(main, "--params", "params/tiny.yaml", "--out", out)
+    assert (code, stdout) == (1, "")
+    lines = [line for line in err.splitlines() if "INFO mlflow" not in line]  # a fresh store's set-up
+    assert lines == [
+        "python -m flows.retrain: error: registered model 'qerl-smoke' has no 'champion' version yet: run the train "
+        "flow first (its first registered adapter becomes the champion)"]
+    assert not out.exists()
