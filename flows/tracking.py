@@ -280,10 +280,14 @@ class Registry:
 
     def champion(self):
         """The ModelVersion behind the `champion` alias, or None (no model or no alias yet)."""
+        return self.version(CHAMPION)
+
+    def version(self, alias: str):
+        """The ModelVersion behind `alias`, or None (no model or no such alias yet)."""
         from mlflow.exceptions import MlflowException
 
         try:
-            return self.client.get_model_version_by_alias(self.name, CHAMPION)
+            return self.client.get_model_version_by_alias(self.name, alias)
         except MlflowException as exc:
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 return None

@@ -266,3 +266,15 @@ def test_retrain_without_a_champion_is_one_line_before_prefect_starts(store, tmp
         "python -m flows.retrain: error: registered model 'qerl-smoke' has no 'champion' version yet: run the train "
         "flow first (its first registered adapter becomes the champion)"]
     assert not out.exists()
+
+
+def test_evaluate_of_an_alias_that_is_not_there_is_one_line_before_prefect_starts(store, main_here, monkeypatch):
+    """It was MLflow's "Registered Model with name=... not found" after Prefect's traceback, called unexpected."""
+    from flows.evaluate import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    code, stdout, err = main_here(main, "--params", "params/default.yaml", "--alias", "champion")
+    assert (code, stdout) == (1, "")
+    assert [line for line in err.splitlines() if "INFO mlflow" not in line] == [
+        "python -m flows.evaluate: error: registered model 'qerl-adapter' has no 'champion' version: train one first "
+        "(python -m flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass --adapter DIR"]
