@@ -82,8 +82,10 @@ def test_metrics_and_plots_show(repro):
 
 @pytest.fixture(scope="module")
 def experiments(repro):
-    """Two experiments on the reproduced clone: one that changes only the evaluation, one that trains again."""
+    """Two experiments on the reproduced clone, committed as their baseline (as a user commits dvc.lock after a
+    repro): one that changes only the evaluation, one that trains again."""
     repo, _ = repro
+    run(repo, "git", "commit", "-qam", "the tiny parameters and their repro as the baseline")
     return {name: run(repo, "dvc", "exp", "run", "--name", name, "-S", f"params/default.yaml:{change}")
             for name, change in (("short-eval", "eval.max_new_tokens=8"), ("high-lr", "optim.lr=1e-3"))}
 
