@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 versions=(vega@5.20.2 vega-lite@5.2.0 vega-embed@6.18.2)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-(cd "$work" && npm pack --silent "${versions[@]}" >/dev/null && for f in *.tgz; do mkdir "${f%.tgz}"; tar -xzf "$f" -C "${f%.tgz}"; done)
+(cd "$work" && npm pack --silent "${versions[@]}" >/dev/null &&
+  for f in *.tgz; do mkdir "${f%.tgz}"; tar -xzf "$f" -C "${f%.tgz}"; done)
 out=.dvc/plots_offline.html
 {
   echo '<!DOCTYPE html>'

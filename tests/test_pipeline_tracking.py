@@ -213,7 +213,8 @@ def test_the_experiment_link_names_a_route_and_view_of_the_installed_ui():
     assert 'get("workflowType")' in bundle and 'MACHINE_LEARNING="machine_learning"' in bundle
     assert experiment_url("http://127.0.0.1:5000/", "7") == (
         "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning")
-    assert run_url("http://h:5000", "7", "abc") == "http://h:5000/#/experiments/7/runs/abc?workflowType=machine_learning"
+    assert run_url("http://h:5000", "7", "abc") == (
+        "http://h:5000/#/experiments/7/runs/abc?workflowType=machine_learning")
 
 
 @pytest.mark.slow
