@@ -33,7 +33,7 @@ _BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")  # MLflow rejects e.g. "@" i
 # its search filters. The UI of MLflow 3.17 no longer opens an experiment by this tag, though: see RUNS_VIEW.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 # MLflow 3.17's UI takes an experiment page's view from its URL's `workflowType` parameter, else from the browser's
-# stored choice (the sidebar's GenAI / Machine learning switch), GenAI in a fresh browser: MLflow's own "View
+# stored choice (the sidebar's GenAI / Model training switch), GenAI in a fresh browser: MLflow's own "View
 # experiment" link (#/experiments/<id>) opened ours on the empty GenAI overview. These links name the runs table and
 # the machine-learning view (routes `/experiments/:experimentId/runs` and `?workflowType=machine_learning` in the
 # UI's bundle; tests/test_pipeline_tracking.py checks the installed bundle still has them).
