@@ -26,7 +26,8 @@ START_LOCK = ".qerl-server-start.lock"  # in PREFECT_HOME, beside the database i
 
 
 class PrefectUnavailable(RuntimeError):
-    """PREFECT_API_URL names a server that does not answer: a one-line message naming the URL and what to do."""
+    """No Prefect API to run on (PREFECT_API_URL's server does not answer, or the temporary one did not start in
+    time): a one-line message saying what to do."""
 
 
 def connect() -> None:
