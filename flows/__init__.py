@@ -7,3 +7,9 @@ import os as _os
 # traceback on runs that succeeded. Off unless the user says otherwise; a server you run yourself keeps its own
 # setting. Set here, before Prefect is imported, so the temporary server (a child process) inherits it.
 _os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+# MLflow prints "View run / View experiment" links when a run on a tracking server ends; its experiment link opens
+# MLflow 3.17's UI on the GenAI overview in a fresh browser. The flows print their own links to the runs table
+# instead (flows.tracking.experiment_url), unless the user turned MLflow's links off.
+PRINT_MLFLOW_LINKS = _os.environ.get("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "").lower() not in ("true", "1")
+_os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"

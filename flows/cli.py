@@ -1,8 +1,8 @@
 """The one command-line shape of `python -m flows.<name>`: each module declares its own arguments and what to run;
 this builds the parser (with --params and -S overrides), sets up logging and ends every error in one line.
 
-Exit codes are `qerl.errors`': 2 for bad input, 1 for anything else (an unreachable tracking server included), 130
-for Ctrl-C; QERL_DEBUG=1 shows the traceback.
+Exit codes are `qerl.errors`': 2 for bad input, 1 for anything else (an unreachable tracking or Prefect server
+included), 130 for Ctrl-C; QERL_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import sys
 from typing import Callable
 
+from flows.prefect_api import PrefectUnavailable
 from flows.tracking import TrackingUnavailable
 from qerl.errors import FAILURE_EXIT, debug_requested, report
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None, *, module: str, doc: str | None,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         summary = run(args)
-    except (TrackingUnavailable, *expected) as exc:
+    except (TrackingUnavailable, PrefectUnavailable, *expected) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return FAILURE_EXIT
     except (Exception, KeyboardInterrupt) as exc:  # one line (exit 2 for bad input); QERL_DEBUG=1: the traceback

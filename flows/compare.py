@@ -30,7 +30,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.arms import ARMS, DEFAULT_ARMS, parse_arm
 from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
 from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
@@ -112,7 +112,8 @@ def train_arm_seed(params: str, overrides: list[str], arm: str, seed: int, run_d
     with MlflowTracker.from_settings(
             settings, run_name=f"{arm}-seed{seed}", parent_run_id=parent_run_id,
             run_id=earlier["run_id"] if earlier else None,
-            tags=run_tags(settings, **{"qerl.flow": "compare", "arm": arm, "seed": seed, "out_dir": run_dir})
+            tags=run_tags(settings, params, overrides,
+                          **{"qerl.flow": "compare", "arm": arm, "seed": seed, "out_dir": run_dir})
     ) as tracker:
         _write_json(folder / MLFLOW_RUN, {"run_id": tracker.run_id, "settings": settings.fingerprint()})
         if earlier:
@@ -271,6 +272,7 @@ def _run(args: argparse.Namespace) -> str:
     for spec in args.arms:  # fail in a line, before Prefect and the model start up
         parse_arm(spec)
     probe(resolve_tracking_uri(load_settings(args.params, args.overrides)))
+    prefect_api.connect()
     if args.worker:
         out = Path(args.out) if args.out else default_out_dir(args.params)
         trained = work(args.params, list(args.overrides), dict(parse_arm(s) for s in args.arms), args.seeds, out,

@@ -12,11 +12,25 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
 from qerl.config import load_settings
 from tasks import evaluate as evaluate_task
+
+
+class NoVersion(LookupError):
+    """The registered model has no version behind the alias asked for."""
+
+
+def require_version(registry: Registry, alias: str):
+    """The ModelVersion behind `alias`, or NoVersion saying how to get one."""
+    version = registry.version(alias)
+    if version is None:
+        raise NoVersion(f"registered model {registry.name!r} has no {alias!r} version: train one first (python -m "
+                        "flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass "
+                        "--adapter DIR")
+    return version
 
 
 @flow(name="qerl-evaluate", log_prints=True)
@@ -31,12 +45,12 @@ def evaluate(params: str = "params/default.yaml", overrides: list[str] | None = 
     version = None
     if alias is not None:
         registry = Registry.from_settings(settings)
-        version = registry.client.get_model_version_by_alias(registry.name, alias)
+        version = require_version(registry, alias)
         adapter = str(registry.download(version, Path(out_dir) / "adapter"))
     settings = with_quantized_base(settings, quantized_root)
     name = f"eval-{alias or (Path(adapter).parent.name if adapter else 'base')}"
-    tags = run_tags(settings, **{"qerl.flow": "evaluate", "adapter": adapter,
-                                 "model_version": version.version if version else None})
+    tags = run_tags(settings, params, overrides or [], **{"qerl.flow": "evaluate", "adapter": adapter,
+                                                         "model_version": version.version if version else None})
     with open_tracker(settings, run_name=name, tags=tags) as tracker:
         result = evaluate_task(settings, adapter=adapter, out_dir=out_dir, limit=limit)
         log_eval(tracker, result.metrics, step=0)
@@ -58,12 +72,15 @@ def _run(args: argparse.Namespace) -> str:
     settings = load_settings(args.params, args.overrides)
     if settings.tracking.backend == "mlflow" or args.alias:
         probe(resolve_tracking_uri(settings))
+    if args.alias:  # in a line, not after Prefect's traceback of the flow run
+        require_version(Registry.from_settings(settings), args.alias)
+    prefect_api.connect()
     result = evaluate(args.params, args.overrides, args.adapter, args.alias, args.out, args.limit)
     return f"{EVAL_METRIC}: {result['metrics'][EVAL_METRIC]:.4f}  ({result['out_dir']})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="flows.evaluate", doc=__doc__, arguments=_arguments, run=_run)
+    return cli.main(argv, module="flows.evaluate", doc=__doc__, arguments=_arguments, run=_run, expected=(NoVersion,))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
-from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, describe, log_eval, run_tags,
+from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, log_eval, run_name, run_tags,
                          train_and_evaluate)
-from qerl.config import load_settings
+from qerl.config import ConfigError, Settings, load_settings
 from tasks import evaluate, find_newest_data
 
 
@@ -25,9 +25,49 @@ class NoChampion(LookupError):
     """The registered model has no `champion` alias yet."""
 
 
+class ChampionMismatch(ConfigError):
+    """The champion was trained on another base (model or quantization) than the settings name: exit 2."""
+
+
+# What the champion's adapter is continued with, whatever the params say: its shape and how it is scaled (the
+# adapter's weights only fit these). The other settings (data, rollout, optimizer) are the retrain's own.
+ADAPTER_KEYS = ("lora.",)
+BASE_KEYS = ("model.path", "quant.scheme")  # an adapter continues only on the base it was trained on
+
+
+def champion_overrides(recorded: dict[str, str], settings: Settings, version: str) -> list[str]:
+    """`section.key=value` overrides that give `settings` the champion's adapter settings, from the parameters its
+    MLflow run recorded. A champion on another base is refused in one line that says what to do: a smoke run
+    registered as the champion of a team's model used to fail every nightly retrain on the adapter's shape."""
+    flat = {k: str(v) for k, v in settings.to_flat_dict().items()}
+    other_base = {k: recorded[k] for k in BASE_KEYS if k in recorded and recorded[k] != flat[k]}
+    if other_base:
+        said = ", ".join(f"{k}={flat[k]}" for k in other_base)
+        raise ChampionMismatch(
+            f"champion version {version} of {settings.tracking.registered_model!r} was trained on "
+            f"{', '.join(f'{k}={v}' for k, v in other_base.items())}, not {said}: retrain with its base (-S "
+            f"{' -S '.join(f'{k}={v}' for k, v in other_base.items())}), or train an adapter on this base with "
+            f"flows.train and move the {CHAMPION!r} alias to its version (MLflow UI, Models)")
+    return [f"{k}={v}" for k, v in recorded.items() if k.startswith(ADAPTER_KEYS) and v != flat.get(k)]
+
+
+def require_champion(registry: Registry):
+    """The champion's ModelVersion, or NoChampion saying how to make one."""
+    champion = registry.champion()
+    if champion is None:
+        raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
+                         "first (its first registered adapter becomes the champion)")
+    return champion
+
+
 def beats(candidate: float, champion: float, min_improvement: float = 0.0) -> bool:
     """Promotion rule: strictly better than the champion by more than `min_improvement` (ties keep the champion)."""
     return candidate > champion + min_improvement
+
+
+def margin(min_improvement: float) -> str:
+    """The verdict's margin clause: none for the default 0 (a plain "beats")."""
+    return f" by more than {min_improvement:g}" if min_improvement else ""
 
 
 @flow(name="qerl-retrain", log_prints=True)
@@ -41,21 +81,25 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
     """
     logger = get_run_logger()
     overrides = list(overrides or [])
+    given = list(overrides)  # the caller's, for the run's name and tags (the data and the champion's are tagged apart)
     newest = find_newest_data(data_dir)
     if newest:
         overrides += [f"data.name={newest}", "data.n=null", "data.path=null"]  # path belongs to gsm8k/math500 names
         logger.info("training on the newest data: %s", newest)
     else:
         logger.info("no *.jsonl in %s: training on the data the params name", data_dir)
-    settings = load_settings(params, overrides + ["tracking.backend=mlflow"])  # the registry lives in MLflow
+    overrides.append("tracking.backend=mlflow")  # the registry lives in MLflow
+    settings = load_settings(params, overrides)
     out_dir = out_dir or default_out_dir(settings)
     with claim_run_folder(out_dir):  # before the registry and MLflow: a folder in use fails here, in a line
         registry = Registry.from_settings(settings)
-        champion = registry.champion()
-        if champion is None:
-            raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
-                              "first (its first registered adapter becomes the champion)")
+        champion = require_champion(registry)
         champion_version = str(champion.version)
+        adopted = champion_overrides(registry.recorded_settings(champion), settings, champion_version)
+        if adopted:
+            settings = load_settings(params, overrides + adopted)
+            logger.info("continuing champion version %s with its own adapter settings: %s", champion_version,
+                        " ".join(adopted))
         champion_adapter = str(registry.download(champion, Path(out_dir) / "champion"))
         logger.info("continuing from %s version %s (run %s)", registry.name, champion_version, champion.run_id)
 
@@ -67,9 +111,10 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
             scores["champion"] = result.metrics[EVAL_METRIC]
             log_eval(tracker, result.metrics, trainer.step, prefix="champion_eval")
 
-        tags = run_tags(settings, **{"qerl.flow": "retrain", "out_dir": out_dir, "parent_version": champion_version,
-                                     "data": newest})
-        with MlflowTracker.from_settings(settings, run_name=f"retrain-{describe(settings)}", tags=tags) as tracker:
+        tags = run_tags(settings, params, given, **{"qerl.flow": "retrain", "out_dir": out_dir,
+                                                     "parent_version": champion_version, "data": newest})
+        with MlflowTracker.from_settings(settings, run_name=run_name(settings, params, given, prefix="retrain-"),
+                                         tags=tags) as tracker:
             outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
                                          init_adapter=champion_adapter, before_training=score_champion)
             candidate = outcome.eval[EVAL_METRIC]
@@ -80,11 +125,10 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
             if promoted:
                 registry.promote(version)
                 verdict = (f"promoted {registry.name} version {version} to {CHAMPION}: {EVAL_METRIC} {candidate:.4f} "
-                           f"beats version {champion_version}'s {scores['champion']:.4f} by more than "
-                           f"{min_improvement:+g}")
+                           f"beats version {champion_version}'s {scores['champion']:.4f}{margin(min_improvement)}")
             else:
                 verdict = (f"kept {CHAMPION} version {champion_version}: candidate version {version} {EVAL_METRIC} "
-                           f"{candidate:.4f} does not beat {scores['champion']:.4f} by more than {min_improvement:+g}")
+                           f"{candidate:.4f} does not beat {scores['champion']:.4f}{margin(min_improvement)}")
             logger.info(verdict)
             tracker.set_tags({"promoted": promoted, "model_version": version, "verdict": verdict})
             tracker.log_metrics({"promoted": float(promoted)}, step=outcome.steps)
@@ -104,6 +148,8 @@ def _run(args: argparse.Namespace) -> str:
     out_dir = args.out or default_out_dir(settings)
     with claim_run_folder(out_dir):  # first: a folder in use fails before MLflow and Prefect start
         probe(resolve_tracking_uri(settings))
+        require_champion(Registry.from_settings(settings))  # in a line, not after Prefect's traceback of the flow run
+        prefect_api.connect()
         return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir)["verdict"]
 
 

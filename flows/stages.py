@@ -2,7 +2,7 @@
 
     python -m flows.stages fingerprint --params params/default.yaml --out data/fingerprint.json
     python -m flows.stages prepare --params params/default.yaml --out data/prepared
-    python -m flows.stages curves runs/dvc/train/metrics.jsonl runs/dvc/train/curves.csv
+    python -m flows.stages curves runs/dvc/train runs/dvc/curves
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -66,6 +67,24 @@ def curves(metrics_jsonl: str | Path, out_csv: str | Path) -> Path:
     return out
 
 
+def plot_sources(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """The run's curves as `dvc plots` reads them: `curves.csv` from metrics.jsonl, and copies of the trainer's PNGs.
+
+    A folder of its own, outside the run folder, so that dvc.yaml can cache it: `dvc plots diff exp-a exp-b` then
+    loads each experiment's curves from the cache, while the run folder's own outputs stay uncached (`dvc exp run`
+    checks cached outputs out before a stage runs, and must not write into a live run's folder).
+    """
+    from qerl.rl.plots import REWARD_CURVE, TRAINING_CURVES
+
+    run, out = Path(run_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    curves(run / "metrics.jsonl", out / "curves.csv")
+    for png in (REWARD_CURVE, TRAINING_CURVES):
+        if (run / png).is_file():
+            shutil.copyfile(run / png, out / png)
+    return out
+
+
 def _arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="write train.jsonl and test.jsonl from the data/eval parameters")
@@ -74,9 +93,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("fingerprint", help="write the fingerprints of the data/eval datasets as JSON")
     cli.add_params(p, default=None)
     p.add_argument("--out", required=True)
-    p = sub.add_parser("curves", help="metrics.jsonl -> CSV for dvc plots")
-    p.add_argument("metrics_jsonl")
-    p.add_argument("out_csv")
+    p = sub.add_parser("curves", help="a run's metrics.jsonl -> curves.csv, and its PNG curves, for dvc plots")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -85,7 +104,7 @@ def _run(args: argparse.Namespace) -> str:
         return "\n".join(f"{name}: {path} ({sum(1 for _ in path.open())} examples)" for name, path in written.items())
     if args.command == "fingerprint":
         return fingerprint(load_settings(args.params, args.overrides), args.out).read_text().rstrip("\n")
-    return str(curves(args.metrics_jsonl, args.out_csv))
+    return str(plot_sources(args.run_dir, args.out_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import flows
 from qerl.config import Settings
 from qerl.rl.tracking import NullTracker
 
@@ -28,10 +29,24 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 CHAMPION = "champion"  # the registry alias the retrain flow continues from and promotes to
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter value
 _BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")  # MLflow rejects e.g. "@" in metric names ("pass@4")
-# MLflow 3's UI opens an experiment on the page its kind calls for (this experiment tag, which the UI's own kind
-# selector sets); untagged, ours opened on the empty GenAI overview, the runs one click away. "Machine learning"
-# opens on the runs.
+# The experiment's kind as MLflow 3's UI kind selector sets it ("Machine learning"): read by MLflow's older UIs and
+# its search filters. The UI of MLflow 3.17 no longer opens an experiment by this tag, though: see RUNS_VIEW.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+# MLflow 3.17's UI takes an experiment page's view from its URL's `workflowType` parameter, else from the browser's
+# stored choice (the sidebar's GenAI / Model training switch), GenAI in a fresh browser: MLflow's own "View
+# experiment" link (#/experiments/<id>) opened ours on the empty GenAI overview. These links name the runs table and
+# the machine-learning view (routes `/experiments/:experimentId/runs` and `?workflowType=machine_learning` in the
+# UI's bundle; tests/test_pipeline_tracking.py checks the installed bundle still has them).
+RUNS_VIEW = "workflowType=machine_learning"
+
+
+def experiment_url(host: str, experiment_id: str) -> str:
+    """The experiment's runs table in the MLflow UI at `host` (a tracking server's address)."""
+    return f"{host.rstrip('/')}/#/experiments/{experiment_id}/runs?{RUNS_VIEW}"
+
+
+def run_url(host: str, experiment_id: str, run_id: str) -> str:
+    return f"{host.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{RUNS_VIEW}"
 
 
 class TrackingUnavailable(RuntimeError):
@@ -209,7 +224,10 @@ class MlflowTracker:
         return str(version.version)
 
     def end(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)
+        self.client.set_terminated(self.run_id, status)  # MLflow's own links are off: flows/__init__.py
+        if urlparse(self.tracking_uri).scheme in ("http", "https") and flows.PRINT_MLFLOW_LINKS:
+            print(f"🏃 View run {self.run_name} at: {run_url(self.tracking_uri, self.experiment_id, self.run_id)}")
+            print(f"🧪 View experiment at: {experiment_url(self.tracking_uri, self.experiment_id)}")
 
     def __enter__(self) -> "MlflowTracker":
         return self
@@ -263,14 +281,23 @@ class Registry:
 
     def champion(self):
         """The ModelVersion behind the `champion` alias, or None (no model or no alias yet)."""
+        return self.version(CHAMPION)
+
+    def version(self, alias: str):
+        """The ModelVersion behind `alias`, or None (no model or no such alias yet)."""
         from mlflow.exceptions import MlflowException
 
         try:
-            return self.client.get_model_version_by_alias(self.name, CHAMPION)
+            return self.client.get_model_version_by_alias(self.name, alias)
         except MlflowException as exc:
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 return None
             raise
+
+    def recorded_settings(self, version) -> dict[str, str]:
+        """The flat settings (`lora.rank`, ...) the run behind a ModelVersion logged as its parameters; empty for a
+        version without a run."""
+        return dict(self.client.get_run(version.run_id).data.params) if version.run_id else {}
 
     def promote(self, version: str) -> None:
         self.client.set_registered_model_alias(self.name, CHAMPION, version)

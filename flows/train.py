@@ -18,7 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows import cli
+from flows import cli, prefect_api
 from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.evaluate import eval_examples
@@ -47,15 +47,37 @@ class TrainOutcome:
 
 
 def describe(settings: Settings) -> str:
-    """A run name users can tell apart in `mlflow ui`: nvfp4-aqn, bf16-lora, ..."""
+    """What kind of run it is: nvfp4-aqn, bf16-lora, ..."""
     return f"{settings.quant.scheme}-{'aqn' if settings.aqn.enabled else 'lora'}"
 
 
-def run_tags(settings: Settings, **extra: Any) -> dict[str, str]:
+def settings_hash(settings: Settings) -> str:
+    """Six hex digits that tell two runs' settings apart (where results go and tracking aside)."""
+    return settings.fingerprint(*(f.name for f in dataclasses.fields(settings) if f.name != "tracking"))[:6]
+
+
+def shown_overrides(overrides: list[str]) -> list[str]:
+    """The `-S` overrides that make a run differ: tracking's (e.g. the deployment's tracking.backend=mlflow) do not."""
+    return [o for o in overrides if not o.strip().startswith("tracking.")]
+
+
+def run_name(settings: Settings, params: str, overrides: list[str], prefix: str = "") -> str:
+    """A run name that says what differs, for `mlflow ui`'s list and compare page: kind, params file, overrides and
+    the settings' short hash, e.g. `nvfp4-aqn default optim.lr=1e-4 3fa2c1` (`tracking.run_name` wins)."""
+    if settings.tracking.run_name:
+        return settings.tracking.run_name
+    return " ".join([prefix + describe(settings), Path(params).stem, *shown_overrides(overrides),
+                     settings_hash(settings)])
+
+
+def run_tags(settings: Settings, params: str, overrides: list[str], **extra: Any) -> dict[str, str]:
+    """Tags to filter runs by in MLflow (e.g. `tags.qerl.params = 'tiny'`, `tags.qerl.settings_hash = '3fa2c1'`)."""
     from prefect.runtime import flow_run
 
     tags = {"quant.scheme": settings.quant.scheme, "aqn.enabled": settings.aqn.enabled,
-            "model.path": settings.model.path, "prefect.flow_run_id": flow_run.id, **extra}
+            "model.path": settings.model.path, "prefect.flow_run_id": flow_run.id, "qerl.params": Path(params).stem,
+            "qerl.params_file": params, "qerl.overrides": " ".join(shown_overrides(overrides)) or None,
+            "qerl.settings_hash": settings_hash(settings), **extra}
     return {k: str(v) for k, v in tags.items() if v is not None}
 
 
@@ -213,8 +235,9 @@ def train(params: str = "params/default.yaml", overrides: list[str] | None = Non
         raise ConfigError("resume=True needs out_dir: the run folder whose checkpoints to continue from")
     out_dir = out_dir or default_out_dir(settings)
     with claim_run_folder(out_dir, nproc), \
-            open_tracker(settings, run_name=settings.tracking.run_name or describe(settings),
-                         tags=run_tags(settings, **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
+            open_tracker(settings, run_name=run_name(settings, params, overrides or []),
+                         tags=run_tags(settings, params, overrides or [],
+                                       **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
         if nproc == 1:
             outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
                                          max_steps=max_steps, resume=resume, overwrite=overwrite)
@@ -263,6 +286,7 @@ def _run(args: argparse.Namespace) -> str:
     with claim_run_folder(out_dir, args.nproc):  # first: a folder in use fails before MLflow and Prefect start
         if settings.tracking.backend == "mlflow":
             probe(resolve_tracking_uri(settings))  # fail in a line, before Prefect and the model start up
+        prefect_api.connect()
         try:
             result = train(args.params, args.overrides, out_dir, args.max_steps, args.resume,
                            overwrite=args.overwrite, nproc=args.nproc)

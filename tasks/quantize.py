@@ -8,10 +8,12 @@ is the caller's to refresh (`flows.train.with_quantized_base` does).
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.exceptions import MissingContextError
 
 from tasks.retry import retry_transient
 
@@ -58,8 +60,28 @@ def quantize_checkpoint(model_path: str, scheme: str, out_root: str = "runs/quan
     """Quantize `model_path`'s decoder linears to `scheme`; returns the folder (a `quant.quantized_path`)."""
     from qerl.model.loading import resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint as quantize
+    from qerl.run.lock import output_lock
 
     dst = quantized_dir(model_path, scheme, out_root)
-    if not is_complete(dst):  # e.g. a fresh Prefect home has no record of a folder made earlier
-        quantize(resolve_model(model_path), dst, scheme, progress=False)
+    if is_complete(dst):  # e.g. a fresh Prefect home has no record of a folder made earlier
+        return str(dst)
+
+    def waiting(holder: str) -> None:
+        _logger().info("waiting for %s, which is quantizing %s to %s in %s; this run reuses it", holder, model_path,
+                       scheme, dst)
+
+    # Another flow (one with a Prefect home of its own, whose cache knows nothing of this one's) may be writing the
+    # same folder: wait for it and reuse its result instead of failing on the folder's lock. The core's own lock on
+    # `dst` joins this one (hand_over), so no third process can slip in between the check and the write.
+    with output_lock(dst, hand_over=True, on_wait=waiting):
+        if not is_complete(dst):
+            quantize(resolve_model(model_path), dst, scheme, progress=False)
     return str(dst)
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task run's logger (its lines reach the Prefect UI), or this module's outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)

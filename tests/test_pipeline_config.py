@@ -136,3 +136,95 @@ def test_promotion_rule():
 
     assert beats(0.6, 0.5) and not beats(0.5, 0.5) and not beats(0.4, 0.5)
     assert not beats(0.55, 0.5, min_improvement=0.1) and beats(0.0, 0.0, min_improvement=-1)
+
+
+def test_the_verdict_names_a_margin_only_when_there_is_one():
+    pytest.importorskip("prefect")
+    from flows.retrain import margin
+
+    assert margin(0.0) == "" and margin(0.01) == " by more than 0.01" and margin(-1) == " by more than -1"
+
+
+def test_a_retrain_takes_the_champions_adapter_settings_and_refuses_another_base():
+    """The champion's run recorded its settings: its adapter's win over the params; a champion on another base is
+    refused in one line saying what to do (exit 2: a ConfigError)."""
+    pytest.importorskip("prefect")
+    from flows.retrain import ChampionMismatch, champion_overrides
+    from qerl.config import ConfigError
+
+    smoke = {k: str(v) for k, v in load_settings(ROOT / "params/tiny.yaml").to_flat_dict().items()}
+    nightly = load_settings(ROOT / "params/default.yaml")
+    assert champion_overrides(smoke, nightly, "1") == ["lora.rank=8", "lora.alpha=16.0"]
+    assert load_settings(ROOT / "params/default.yaml", ["lora.rank=8", "lora.alpha=16.0"]).lora.rank == 8
+    assert champion_overrides({}, nightly, "1") == []  # a version without recorded settings: the params' own
+    with pytest.raises(ChampionMismatch) as info:
+        champion_overrides({**smoke, "quant.scheme": "bf16"}, nightly, "3")
+    assert isinstance(info.value, ConfigError) and str(info.value) == (
+        "champion version 3 of 'qerl-adapter' was trained on quant.scheme=bf16, not quant.scheme=nvfp4: retrain with "
+        "its base (-S quant.scheme=bf16), or train an adapter on this base with flows.train and move the 'champion' "
+        "alias to its version (MLflow UI, Models)")
+
+
+def test_a_smoke_run_registers_apart_from_the_team_model():
+    """tiny.yaml's first registered adapter becomes the champion of its own registry, not of the one the nightly
+    retrain (default.yaml) continues."""
+    assert _flat("params/tiny.yaml")["tracking.registered_model"] != _flat("params/default.yaml")[
+        "tracking.registered_model"]
+
+
+def test_run_names_and_tags_say_what_differs():
+    pytest.importorskip("prefect")
+    from flows.train import run_name, run_tags, settings_hash
+
+    overrides = ["optim.lr=1e-4", "tracking.backend=mlflow"]
+    settings = load_settings(ROOT / "params/default.yaml", overrides)
+    digest = settings_hash(settings)
+    assert run_name(settings, "params/default.yaml", overrides) == f"nvfp4-aqn default optim.lr=1e-4 {digest}"
+    assert digest != settings_hash(load_settings(ROOT / "params/default.yaml"))  # the learning rate differs
+    assert digest == settings_hash(load_settings(ROOT / "params/default.yaml", ["optim.lr=1e-4"]))  # tracking doesn't
+    tags = run_tags(settings, "params/default.yaml", overrides)
+    assert {k: tags[k] for k in ("qerl.params", "qerl.params_file", "qerl.overrides", "qerl.settings_hash")} == {
+        "qerl.params": "default", "qerl.params_file": "params/default.yaml", "qerl.overrides": "optim.lr=1e-4",
+        "qerl.settings_hash": digest}
+    named = load_settings(ROOT / "params/default.yaml", ["tracking.run_name=mine"])
+    assert run_name(named, "params/default.yaml", ["tracking.run_name=mine"]) == "mine"
+
+
+HOLD_AND_QUANTIZE = """
+import sys, time
+from qerl.quant.checkpoint import quantize_checkpoint
+from qerl.run.lock import output_lock
+src, dst = sys.argv[1:3]
+with output_lock(dst, hand_over=True):  # as a flow's quantize task holds it, its core call joining
+    print("holding", flush=True)
+    time.sleep(1)
+    quantize_checkpoint(src, dst, "nvfp4", progress=False)
+"""
+
+
+def test_a_flow_waits_for_a_quantization_in_progress_and_reuses_it(tmp_path, tiny_llama_dir, caplog):
+    """Two flows with Prefect homes of their own share no cache: the second used to fail (exit 2) on the folder's
+    lock while the first quantized. Now it says once whom it waits for, then takes the folder the first wrote. ~8 s
+    (a child that imports torch)."""
+    pytest.importorskip("prefect")
+    import socket
+    import subprocess
+    import sys
+
+    from tasks.quantize import quantize_checkpoint, quantized_dir
+
+    root = tmp_path / "quantized"
+    dst = quantized_dir(str(tiny_llama_dir), "nvfp4", str(root))
+    first = subprocess.Popen([sys.executable, "-c", HOLD_AND_QUANTIZE, str(tiny_llama_dir), str(dst)], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == "holding\n"
+        with caplog.at_level("INFO"):
+            got = quantize_checkpoint.fn(str(tiny_llama_dir), "nvfp4", str(root))
+    finally:
+        first.communicate(timeout=patience(60))
+    assert first.returncode == 0
+    assert got == str(dst) and (dst / "config.json").is_file()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"waiting for PID {first.pid} on host {socket.gethostname()}, which is quantizing {tiny_llama_dir} to nvfp4 "
+        f"in {dst}; this run reuses it"]  # and it quantized nothing itself (the core would log its report)

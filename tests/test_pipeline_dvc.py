@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,8 +27,8 @@ ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "qerl-test", "G
        "GIT_COMMITTER_NAME": "qerl-test", "GIT_COMMITTER_EMAIL": "test@qerl"}
 
 
-def run(repo: Path, *cmd: str, timeout: float = patience(1500)) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=repo, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(repo: Path, *cmd: str, timeout: float = patience(1500), **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=repo, env={**ENV, **env}, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -47,10 +49,13 @@ def test_repro_runs_every_stage_and_tracks_outputs_with_dvc(repro):
     metrics = json.loads((repo / "runs/dvc/eval/metrics.json").read_text())
     assert metrics["num_examples"] == 4 and 0 <= metrics["accuracy"] <= 1
     assert (repo / "runs/dvc/train/adapter/adapter_model.safetensors").is_file()
-    assert len((repo / "runs/dvc/train/curves.csv").read_text().splitlines()) == 1 + 2  # header + 2 steps
+    assert len((repo / "runs/dvc/curves/curves.csv").read_text().splitlines()) == 1 + 2  # header + 2 steps
+    assert (repo / "runs/dvc/curves/reward_curve.png").read_bytes() == (
+        repo / "runs/dvc/train/reward_curve.png").read_bytes()
 
     lock = (repo / "dvc.lock").read_text()
-    for out in ("runs/dvc/train/adapter", "runs/dvc/train/checkpoints", "runs/dvc/quantized", "data/prepared"):
+    for out in ("runs/dvc/train/adapter", "runs/dvc/train/checkpoints", "runs/dvc/quantized", "data/prepared",
+                "runs/dvc/curves/curves.csv"):
         assert f"path: {out}" in lock  # hashed by DVC (the train stage's outputs are not cached: dvc.yaml says why)
     status = run(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
     # git sees none of the outputs but the metrics, a git file once committed (dvc.yaml: `dvc exp show`'s baseline)
@@ -67,7 +72,12 @@ def test_metrics_and_plots_show(repro):
     plots = run(repo, "dvc", "plots", "show", "--json").stdout
     assert "reward_mean" in plots and "reward_curve.png" in plots
     run(repo, "dvc", "plots", "show", "-o", "plots-html")
-    assert (repo / "plots-html" / "index.html").is_file()
+    page = (repo / "plots-html" / "index.html").read_text()
+    # offline: vega inlined from .dvc/plots_offline.html (DVC's own page loads it from a CDN), the PNGs local files
+    assert "<script src=" not in page and "cdn.jsdelivr" not in page and "vegaEmbed(" in page
+    images = re.findall(r'<img src="([^"]+)"', page.split("<body>", 1)[1])  # the plots, not the inlined code
+    assert len(images) == 2 and all(src.startswith("data:image") or (repo / "plots-html" / src).is_file()
+                                    for src in images), images
 
 
 def test_qerl_eval_and_the_evaluate_stage_evaluate_one_base(repro):
@@ -89,13 +99,47 @@ def test_qerl_eval_and_the_evaluate_stage_evaluate_one_base(repro):
         assert metrics["in-memory"][key] == metrics["from-folder"][key], key
 
 
-def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro):
+@pytest.fixture(scope="module")
+def experiments(repro):
+    """Two experiments on the reproduced clone, committed as their baseline (as a user commits dvc.lock after a
+    repro): one that changes only the evaluation, one that trains again."""
     repo, _ = repro
-    proc = run(repo, "dvc", "exp", "run", "-S", "params/default.yaml:eval.max_new_tokens=8")
+    run(repo, "git", "commit", "-qam", "the tiny parameters and their repro as the baseline")
+    return {name: run(repo, "dvc", "exp", "run", "--name", name, "-S", f"params/default.yaml:{change}")
+            for name, change in (("short-eval", "eval.max_new_tokens=8"), ("high-lr", "optim.lr=1e-3"))}
+
+
+def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro, experiments):
+    repo, _ = repro
+    proc = experiments["short-eval"]
     assert "Running stage 'evaluate'" in proc.stdout
     assert "Running stage 'train'" not in proc.stdout and "Running stage 'quantize'" not in proc.stdout
+    assert "Running stage 'train'" in experiments["high-lr"].stdout
     table = run(repo, "dvc", "exp", "show", "--csv").stdout
     assert "eval.max_new_tokens" in table.splitlines()[0] and ",8," in table
+
+
+def test_the_readmes_exp_show_command_shows_what_each_experiment_changed(repro, experiments):
+    """Bare `dvc exp show` (and `--only-changed`) is wider than a terminal: the dependencies' hashes, the grader's
+    name and versions, timings and timestamps pushed the changed parameter out of the table. The README's command,
+    on a 150-column terminal, shows both experiments' parameter (and the accuracy where it differs). ~3 s."""
+    repo, _ = repro
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("dvc exp show "))
+    shown = run(repo, *shlex.split(line, comments=True), "--no-pager", COLUMNS="150").stdout
+    for text in ("short-eval", "high-lr", "optim.lr", "0.001", "eval.max_new_tokens"):
+        assert text in shown, shown
+    assert "seconds" not in shown and "Created" not in shown, shown
+
+
+def test_plots_diff_of_two_experiments_shows_both_curves(repro, experiments):
+    """The train stage's run folder is not cached (a live run's safety), so its curves existed only in the workspace:
+    `dvc plots diff` of two experiments could load neither. The cached copies in runs/dvc/curves it can. ~5 s."""
+    repo, _ = repro
+    shown = json.loads(run(repo, "dvc", "plots", "diff", "short-eval", "high-lr", "--json").stdout)
+    assert not shown.get("errors"), shown["errors"]
+    rows = shown["data"]["reward"][0]["content"]["data"]["values"]
+    assert {rev: {int(r["step"]) for r in rows if r["rev"] == rev} for rev in ("short-eval", "high-lr")} == {
+        "short-eval": {1, 2}, "high-lr": {1, 2}}, rows
 
 
 def test_prepare_reruns_when_the_data_change_and_not_otherwise(tmp_path):

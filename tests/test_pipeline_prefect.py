@@ -22,6 +22,8 @@ pytest.importorskip("mlflow")
 pytestmark = pytest.mark.slow
 
 TINY = str(ROOT / "params" / "tiny.yaml")
+DEFAULT = str(ROOT / "params" / "default.yaml")
+SMOKE_MODEL = "qerl-smoke"  # tiny.yaml's registry: the smoke run never becomes the team's champion
 POOL = "qerl-process"  # the work pool prefect.yaml names
 # The flows after the deployment run need no more than one short step and two eval examples to show their logic.
 QUICK = ["train.steps=1", "eval.n=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8"]
@@ -93,7 +95,10 @@ def test_deployment_run_completes_with_an_mlflow_run(stack, deployed_run):
     runs = client.search_runs([experiment.experiment_id], filter_string="tags.`qerl.flow` = 'train'")
     assert len(runs) == 1
     mlrun = runs[0]
-    assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == "nvfp4-aqn"
+    # named by what differs (no -S overrides but the deployment's tracking.backend), and tagged for filtering
+    tags = mlrun.data.tags
+    assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == f"nvfp4-aqn tiny {tags['qerl.settings_hash']}"
+    assert tags["qerl.params"] == "tiny" and tags["qerl.params_file"] == TINY and "qerl.overrides" not in tags
     assert mlrun.data.params["rollout.group_size"] == "2" and mlrun.data.params["aqn.enabled"] == "True"
     rewards = client.get_metric_history(mlrun.info.run_id, "reward_mean")
     assert [m.step for m in rewards] == [1, 2]
@@ -105,8 +110,9 @@ def test_deployment_run_completes_with_an_mlflow_run(stack, deployed_run):
     assert {"plots/reward_curve.png", "plots/training_curves.png"} <= plots
     assert {f.path for f in client.list_artifacts(mlrun.info.run_id, "eval")} == {"eval/samples.json"}
 
-    champion = client.get_model_version_by_alias("qerl-adapter", "champion")  # the first version becomes champion
+    champion = client.get_model_version_by_alias(SMOKE_MODEL, "champion")  # the first version becomes champion
     assert champion.run_id == mlrun.info.run_id and "eval.accuracy" in champion.tags
+    assert client.search_registered_models() == [client.get_registered_model(SMOKE_MODEL)]  # not the team's model
 
 
 def _task_states(flow_run_id) -> dict[str, str]:
@@ -143,24 +149,25 @@ def test_retrain_promotes_only_a_better_adapter(stack, deployed_run, incoming, m
 
     assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
     client = MlflowClient(stack.tracking_uri)
-    before = client.get_model_version_by_alias("qerl-adapter", "champion")
+    before = client.get_model_version_by_alias(SMOKE_MODEL, "champion")
     folder, newest = incoming
     state = retrain(params=TINY, overrides=QUICK, data_dir=str(folder),
                     min_improvement=min_improvement, out_dir=str(stack.tmp / "runs" / f"retrain-{promoted}"),
                     quantized_root=stack.quantized_root, return_state=True)
     result = state.result()
-    after = client.get_model_version_by_alias("qerl-adapter", "champion")
+    after = client.get_model_version_by_alias(SMOKE_MODEL, "champion")
 
     assert result["promoted"] is promoted
     assert result["previous_champion_version"] == str(before.version)
     assert (str(after.version) == result["candidate_version"]) is promoted
     assert (after.version == before.version) is not promoted
     assert ("promoted" if promoted else "kept champion") in result["verdict"]
+    assert f"by more than {min_improvement:g}" in result["verdict"]
     mlrun = client.get_run(result["run_id"])
     assert mlrun.data.tags["promoted"] == str(promoted) and mlrun.data.tags["data"] == str(newest)
     assert mlrun.data.tags["parent_version"] == str(before.version)
     assert "champion_eval/accuracy" in mlrun.data.metrics and "eval/accuracy" in mlrun.data.metrics
-    candidate = client.get_model_version("qerl-adapter", result["candidate_version"])
+    candidate = client.get_model_version(SMOKE_MODEL, result["candidate_version"])
     assert candidate.tags["promoted"] == str(promoted)
     # the base was quantized by the deployment run: this flow run took it from Prefect's cache
     assert _task_states(state.state_details.flow_run_id)["quantize-checkpoint"] == "Cached"
@@ -191,9 +198,30 @@ def test_bf16_lora_run_sits_next_to_the_nvfp4_run(stack, deployed_run):
     result = train(params=TINY, overrides=["quant.scheme=bf16", "aqn.enabled=false", *QUICK],
                    out_dir=str(stack.tmp / "runs" / "bf16"), quantized_root=stack.quantized_root)
     client = MlflowClient(stack.tracking_uri)
-    runs = {r.info.run_name: r for r in client.search_runs(
+    runs = {r.info.run_name.split()[0]: r for r in client.search_runs(
         [client.get_experiment_by_name("qerl").experiment_id], filter_string="tags.`qerl.flow` = 'train'")}
     assert set(runs) == {"nvfp4-aqn", "bf16-lora"} and runs["bf16-lora"].info.run_id == result["run_id"]
+    assert runs["bf16-lora"].info.run_name.startswith("bf16-lora tiny quant.scheme=bf16 aqn.enabled=false ")
     assert set(runs["bf16-lora"].data.metrics) == set(runs["nvfp4-aqn"].data.metrics)
     assert runs["bf16-lora"].data.metrics["sigma"] == 0.0 and runs["bf16-lora"].data.tags["quant.scheme"] == "bf16"
     assert runs["bf16-lora"].data.params["quant.quantized_path"] == "None"  # nothing quantized for the baseline
+
+
+def test_the_nightly_retrain_continues_a_smoke_champion_of_another_adapter_shape(stack, deployed_run, incoming):
+    """The nightly's params (default.yaml: rank 16, alpha 32) against a champion trained on tiny.yaml's (rank 8, alpha
+    16): it failed on the adapter's shape ("settings (rank 8, ...) disagree with ... (rank 16, ...)"); now the retrain
+    continues the champion with the adapter settings its run recorded, and says so. Quick sizes, the smoke registry."""
+    from mlflow import MlflowClient
+
+    from flows.retrain import retrain
+
+    assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
+    folder, _ = incoming
+    result = retrain(params=DEFAULT, data_dir=str(folder), min_improvement=1.0,
+                     out_dir=str(stack.tmp / "runs" / "retrain-default"), quantized_root=stack.quantized_root,
+                     overrides=[*QUICK, f"tracking.registered_model={SMOKE_MODEL}", "rollout.prompts_per_step=2",
+                                "rollout.group_size=2", "grpo.micro_batch_size=4"])
+    assert result["promoted"] is False  # +1 is never beaten: the champion stays
+    mlrun = MlflowClient(stack.tracking_uri).get_run(result["run_id"])
+    assert mlrun.data.params["lora.rank"] == "8" and mlrun.data.params["lora.alpha"] == "16.0"
+    assert mlrun.info.run_name.startswith("retrain-nvfp4-aqn default train.steps=1 ")

@@ -121,7 +121,7 @@ def test_dvc_repro_and_exp_run_leave_a_live_run_untouched_and_name_it(tmp_path, 
 
     run = repo / "runs" / "dvc" / "train"
     written_once = {name: snapshot(run / name) if (run / name).is_dir() else (run / name).read_bytes()
-                    for name in ("adapter", "curves.csv", "reward_curve.png")}  # what the live run leaves alone
+                    for name in ("adapter", "reward_curve.png", "training_curves.png")}  # the live run's, untouched
     command = stage["cmd"][0].split() + ["-S", "train.steps=1000"]
     command[command.index("--overwrite")] = "--resume"
     live = start(command, repo, env, tmp_path / "live.log")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import patience
+
 pytest.importorskip("mlflow")
 
 from flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry, TrackingUnavailable,  # noqa: E402
@@ -69,7 +71,7 @@ def test_tracker_logs_params_metrics_artifacts_table_and_registers(store, tmp_pa
     client = MlflowClient(store)
     run = client.get_run(tracker.run_id)
     assert run.info.status == "FINISHED"
-    # the UI opens the experiment on its runs ("Machine learning"), not on the empty GenAI overview
+    # the experiment kind the UI's selector sets ("Machine learning"); the landing view is the link's: see below
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert run.data.params["lora.rank"] == "8" and json.loads(run.data.params["lora.target_modules"])
     assert len(run.data.params) == len(settings.to_flat_dict())
@@ -191,3 +193,132 @@ def test_two_processes_setting_up_a_fresh_sqlite_store_at_once_both_succeed(tmp_
     for proc in procs:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-2000:]
+
+
+def _ui_bundle() -> str:
+    """The installed MLflow UI's main script (its routes and URL parameters)."""
+    import mlflow
+
+    scripts = list((Path(mlflow.__file__).parent / "server/js/build/static/js").glob("main.*.js"))
+    assert len(scripts) == 1, scripts
+    return scripts[0].read_text(errors="replace")
+
+
+def test_the_experiment_link_names_a_route_and_view_of_the_installed_ui():
+    """MLflow 3.17's UI opens an experiment in the view its URL's `workflowType` names, else the browser's stored
+    choice (GenAI when fresh), whatever the experiment's kind tag: the link must name the runs route and the machine
+    learning view, as the installed UI spells them (an MLflow upgrade that renames them fails here)."""
+    from flows.tracking import experiment_url, run_url
+
+    bundle = _ui_bundle()
+    assert '"/experiments/:experimentId/runs"' in bundle and '"/experiments/:experimentId/runs/:runUuid"' in bundle
+    assert 'get("workflowType")' in bundle and 'MACHINE_LEARNING="machine_learning"' in bundle
+    assert experiment_url("http://127.0.0.1:5000/", "7") == (
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning")
+    assert run_url("http://h:5000", "7", "abc") == (
+        "http://h:5000/#/experiments/7/runs/abc?workflowType=machine_learning")
+
+
+@pytest.fixture(scope="module")
+def served_store(tmp_path_factory):
+    """A real `mlflow server` on loopback (SQLite behind it), stopped when the module ends: its address."""
+    import urllib.request
+
+    from tests.prefect_server import free_port
+
+    tmp = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                               "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
+                               "--default-artifact-root", str(tmp / "artifacts")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not come up"
+                time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def served_run(served_store):
+    """One finished run on the server, and what the tracker printed when it ended."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), MlflowTracker(served_store, "qerl-links",
+                                                            run_name="nvfp4-aqn tiny abc123") as tracker:
+        pass
+    return tracker, printed.getvalue()
+
+
+@pytest.mark.slow
+def test_a_run_on_a_tracking_server_prints_links_to_the_runs_table(served_store, served_run):
+    """MLflow printed `#/experiments/<id>` (the GenAI overview in a fresh browser) when a run on a server ended; the
+    tracker prints the runs table instead, once. ~20 s: a real `mlflow server` on loopback (shared by the module)."""
+    tracker, printed = served_run
+    base = f"{served_store}/#/experiments/{tracker.experiment_id}/runs"
+    assert printed.splitlines() == [
+        f"🏃 View run nvfp4-aqn tiny abc123 at: {base}/{tracker.run_id}?workflowType=machine_learning",
+        f"🧪 View experiment at: {base}?workflowType=machine_learning"]
+
+
+@pytest.mark.slow
+def test_the_experiment_link_opens_the_runs_table_in_a_headless_browser(served_store, served_run, tmp_path):
+    """What a user sees: the printed link in a fresh headless Chromium shows the runs table with the run; MLflow's
+    own form of the link shows the GenAI overview (why the flows print theirs). Skipped without Chromium (Debian:
+    apt-get install chromium). ~30 s: two page loads."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no Chromium to load the page in (apt-get install chromium)")
+    tracker, printed = served_run
+    link = printed.splitlines()[1].split(": ", 1)[1]
+
+    def rendered(url: str, profile: str) -> str:  # a fresh profile: no view chosen earlier in this browser
+        return subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
+                               f"--user-data-dir={tmp_path / profile}", "--dump-dom", url], capture_output=True,
+                              text=True, timeout=patience(120)).stdout
+
+    ours = rendered(link, "ours")
+    assert ">Runs<" in ours and "nvfp4-aqn tiny abc123" in ours and ">Overview<" not in ours
+    mlflows = rendered(f"{served_store}/#/experiments/{tracker.experiment_id}", "mlflows")
+    assert ">Overview<" in mlflows and "nvfp4-aqn tiny abc123" not in mlflows
+
+
+def test_retrain_without_a_champion_is_one_line_before_prefect_starts(store, tmp_path, main_here, monkeypatch):
+    """It used to start Prefect's temporary server and run the flow, whose failure Prefect logs with a traceback,
+    before the same line."""
+    from flows.retrain import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    out = tmp_path / "run"
+    code, stdout, err = main_here(main, "--params", "params/tiny.yaml", "--out", out)
+    assert (code, stdout) == (1, "")
+    lines = [line for line in err.splitlines() if "INFO mlflow" not in line]  # a fresh store's set-up
+    assert lines == [
+        "python -m flows.retrain: error: registered model 'qerl-smoke' has no 'champion' version yet: run the train "
+        "flow first (its first registered adapter becomes the champion)"]
+    assert not out.exists()
+
+
+def test_evaluate_of_an_alias_that_is_not_there_is_one_line_before_prefect_starts(store, main_here, monkeypatch):
+    """It was MLflow's "Registered Model with name=... not found" after Prefect's traceback, called unexpected."""
+    from flows.evaluate import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    code, stdout, err = main_here(main, "--params", "params/default.yaml", "--alias", "champion")
+    assert (code, stdout) == (1, "")
+    assert [line for line in err.splitlines() if "INFO mlflow" not in line] == [
+        "python -m flows.evaluate: error: registered model 'qerl-adapter' has no 'champion' version: train one first "
+        "(python -m flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass --adapter DIR"]

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from qerl.errors import BadInput, naming_a_full_disk
 
@@ -31,13 +32,17 @@ class FolderLock:
 
     Fails at once (no waiting): two trainers on one folder is a mistake to report, not a queue to form. With
     `hand_over`, later locks of the same file in this process join this one (their release is a no-op): for a
-    caller that takes the folder early on behalf of what it starts next.
+    caller that takes the folder early on behalf of what it starts next. With `on_wait`, a lock held elsewhere is
+    waited for instead, after one call `on_wait(holder)` ("PID n on host h"): for work that the holder does for both
+    (a shared output the waiter then reuses).
     """
 
-    def __init__(self, lock_file: str | Path, what: str, hand_over: bool = False):
+    def __init__(self, lock_file: str | Path, what: str, hand_over: bool = False,
+                 on_wait: Callable[[str], None] | None = None):
         self.path = Path(lock_file)
         self.what = what
         self.hand_over = hand_over
+        self.on_wait = on_wait
         self._fd: int | None = None
         self._joined = False
         self._made_folder = False
@@ -49,15 +54,21 @@ class FolderLock:
         if holder is not None and holder.held:
             self._joined = True
             return self
+        told = False
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _describe_holder(fd)
-                os.close(fd)
-                raise FolderLocked(f"{self.what} is in use by {holder} (lock file {self.path}); wait for it to "
-                                   "finish or stop it, or choose another folder") from None
+                if self.on_wait is None:
+                    os.close(fd)
+                    raise FolderLocked(f"{self.what} is in use by {holder} (lock file {self.path}); wait for it to "
+                                       "finish or stop it, or choose another folder") from None
+                if not told:  # said once, however often the file changes hands meanwhile
+                    self.on_wait(holder)
+                    told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the holder releases (or dies)
             # The previous holder unlinks the file on release: a lock taken on an unlinked file protects nothing,
             # so make sure the path still names the file we locked, else try again on the new one.
             try:
@@ -153,8 +164,10 @@ def run_folder_lock(folder: str | Path, hand_over: bool = False) -> FolderLock:
     return FolderLock(Path(folder) / ".qerl.lock", what=f"run folder {folder}", hand_over=hand_over)
 
 
-def output_lock(target: str | Path) -> FolderLock:
+def output_lock(target: str | Path, hand_over: bool = False,
+                on_wait: Callable[[str], None] | None = None) -> FolderLock:
     """The lock of a folder that appears atomically (a quantized checkpoint): a sibling `.<name>.lock`, since the
-    folder itself does not exist until the write succeeds."""
+    folder itself does not exist until the write succeeds (`hand_over`, `on_wait`: see `FolderLock`)."""
     target = Path(target)
-    return FolderLock(target.parent / f".{target.name}.lock", what=f"output folder {target}")
+    return FolderLock(target.parent / f".{target.name}.lock", what=f"output folder {target}", hand_over=hand_over,
+                      on_wait=on_wait)
