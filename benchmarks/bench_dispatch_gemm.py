@@ -69,7 +69,8 @@ def main() -> None:
     with open(os.path.join(args.out, "dispatch_gemm.jsonl"), "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    print("\n| shape | M | cuBLAS bf16 µs | product, FP8 copy (backend) | vs cuBLAS | product, 4-bit only (backend) | vs cuBLAS |")
+    print("\n| shape | M | cuBLAS bf16 µs | product, FP8 copy (backend) | vs cuBLAS | product, 4-bit only (backend) "
+          "| vs cuBLAS |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         a, b = r["fp8 copy"], r["4-bit only"]

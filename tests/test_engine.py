@@ -351,7 +351,8 @@ def test_fp8_kv_kernels_in_the_interpreter():
             mask = torch.zeros(rows, window)
             mask[0, :5] = float("-inf")
             got = K.decode_attention(q, kp, vp, mask, Hkv * G, Hkv, D, target_programs=programs)
-            ref = F.scaled_dot_product_attention(q.view(rows, Hkv, G, D), kv8.unpack(kp[:rows, :, :window], torch.float32),
+            ref = F.scaled_dot_product_attention(q.view(rows, Hkv, G, D),
+                                                 kv8.unpack(kp[:rows, :, :window], torch.float32),
                                                  kv8.unpack(vp[:rows, :, :window], torch.float32),
                                                  attn_mask=mask[:, None, None, :]).reshape(rows, -1)
             assert (got - ref).abs().max() < 5e-3, (got - ref).abs().max()  # fp16 operands (q, probabilities)

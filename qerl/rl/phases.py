@@ -31,7 +31,7 @@ class RolloutBatch:
     rewards: Tensor | None = None
     accuracy: Tensor | None = None
     score_seconds: float = 0.0
-    grader_timeouts: int = 0  # completions scored 0 because grading missed its deadline (qerl.grading)
+    grader_timeouts: int = 0  # completions scored 0: math-verify went over its CPU budget (qerl.grading)
     extra: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:

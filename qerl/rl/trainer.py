@@ -581,7 +581,7 @@ class Trainer:
             "rollout_tokens_per_s": float(lengths.sum()) / max(seconds_rollout, 1e-9),
             "seconds_rollout": seconds_rollout,
             "seconds_scoring": seconds_scoring,
-            "grader_timeouts": int(grader_timeouts),  # completions scored 0 because grading missed its deadline
+            "grader_timeouts": int(grader_timeouts),  # completions scored 0: math-verify went over its CPU budget
             "seconds_update": seconds_update,
             "peak_memory_gb": peak_memory,
             "recomputed_blocks": totals.recomputed_blocks,
@@ -661,7 +661,7 @@ class Trainer:
             keys = ("reward_mean", "accuracy", "entropy", "clip_ratio/region", "response_length", "sigma",
                     "rollout_tokens_per_s", "seconds_rollout", "seconds_update")
             shown = " ".join(f"{k.split('/')[0]}={metrics[k]:.4g}" for k in keys if k in metrics)
-            if metrics.get("grader_timeouts"):  # completions scored 0 only because grading missed its deadline
+            if metrics.get("grader_timeouts"):  # scored 0 only because math-verify went over its CPU budget
                 shown += f" grader_timeouts={metrics['grader_timeouts']}"
             log.info("step %d/%d %s", metrics["step"], self.settings.train.steps, shown)
 
