@@ -72,6 +72,7 @@ def _run(args: argparse.Namespace) -> str:
     settings = load_settings(args.params, args.overrides)
     if settings.tracking.backend == "mlflow" or args.alias:
         probe(resolve_tracking_uri(settings))
+    prefect_api.check()
     if args.alias:  # in a line, not after Prefect's traceback of the flow run
         require_version(Registry.from_settings(settings), args.alias)
     prefect_api.connect()

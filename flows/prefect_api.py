@@ -32,13 +32,21 @@ class PrefectUnavailable(RuntimeError):
 
 def connect() -> None:
     """Check the configured Prefect server, or start the temporary one (serialized with other flow commands)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED
+    from prefect.settings import PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if not check() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():  # else Prefect says it needs PREFECT_API_URL
+        start_temporary_server(Path(PREFECT_HOME.value()))
+
+
+def check() -> bool:
+    """Whether PREFECT_API_URL is set; if it is, its server must answer. For commands that check more before they
+    start anything (a stale URL still fails first)."""
+    from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
     if url:
         probe(url)
-    elif PREFECT_SERVER_EPHEMERAL_ENABLED.value():  # else Prefect itself says that it needs PREFECT_API_URL
-        start_temporary_server(Path(PREFECT_HOME.value()))
+    return bool(url)
 
 
 def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> None:

@@ -148,6 +148,7 @@ def _run(args: argparse.Namespace) -> str:
     out_dir = args.out or default_out_dir(settings)
     with claim_run_folder(out_dir):  # first: a folder in use fails before MLflow and Prefect start
         probe(resolve_tracking_uri(settings))
+        prefect_api.check()
         require_champion(Registry.from_settings(settings))  # in a line, not after Prefect's traceback of the flow run
         prefect_api.connect()
         return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir)["verdict"]

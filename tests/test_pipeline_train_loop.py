@@ -129,7 +129,10 @@ def test_two_processes_train_then_the_flow_evaluates_logs_and_registers(tmp_path
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= adapter
     assert {f.path for f in client.list_artifacts(run.info.run_id, "plots")} == {"plots/reward_curve.png",
                                                                                    "plots/training_curves.png"}
-    assert client.get_model_version_by_alias("qerl-adapter", "champion").run_id == run.info.run_id
+    from qerl.config import load_settings
+
+    registered = load_settings(params_file).tracking.registered_model  # tiny.yaml's: qerl-smoke
+    assert client.get_model_version_by_alias(registered, "champion").run_id == run.info.run_id
 
 
 def test_a_failed_job_fails_the_flow_with_its_last_lines(tmp_path, params_file, prefect_home,
