@@ -216,12 +216,8 @@ def grouped_rows(prompt_len=9, completion_len=7, groups=3, size=4, vocab=200, se
     return ids[order], mask[order], prompt_len
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
-    """The CPU update runs each distinct prompt of a micro-batch once (`forward_shared_prompts`): every real token's
-    hidden state and the LoRA gradients are `forward`'s, in fp32, whatever the family (sliding windows shorter than
-    the prompt, Gemma's sandwich norms, Qwen3's q/k norms, Phi-3's stacked projections). So with `pack` (only the
-    real tokens through the GEMMs: prompts and completions of different lengths), shared or not."""
+def model_with_live_lora(case: str):
+    """Our model of CASES[case] in training mode, frozen, with non-zero fp32 LoRA r=4 on every linear: (model, params)."""
     from qerl.model.lora import LoraSettings, apply_lora
 
     family, overrides = CASES[case]
@@ -231,6 +227,16 @@ def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
     with torch.no_grad():
         for p in params:
             p.normal_(0, 0.05)
+    return model, params
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
+    """The CPU update runs each distinct prompt of a micro-batch once (`forward_shared_prompts`): every real token's
+    hidden state and the LoRA gradients are `forward`'s, in fp32, whatever the family (sliding windows shorter than
+    the prompt, Gemma's sandwich norms, Qwen3's q/k norms, Phi-3's stacked projections). So with `pack` (only the
+    real tokens through the GEMMs: prompts and completions of different lengths), shared or not."""
+    model, params = model_with_live_lora(case)
     ids, mask, prompt_len = grouped_rows()
     weights = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     weights *= mask[..., None]  # padded positions compute something finite that nothing reads
@@ -261,16 +267,9 @@ def test_update_log_probs_with_shared_prompts_and_packing_equal_the_plain_ones(c
     """The update's log-probs, entropies and LoRA gradients with each prompt computed once (`model.share_prompts`)
     and/or only the real tokens through the GEMMs and the head (`model.pack_completions`) equal the plain padded
     forward's on every completion token, to fp32 rounding; packed, padding's are 0."""
-    from qerl.model.lora import LoraSettings, apply_lora
     from qerl.rl.grpo import completion_log_probs
 
-    family, overrides = CASES[case]
-    model = ours_from(hf_model(family, **overrides)).train()
-    model.requires_grad_(False)
-    params = apply_lora(model, LoraSettings(rank=4, alpha=8), dtype=torch.float32)
-    with torch.no_grad():
-        for p in params:
-            p.normal_(0, 0.05)
+    model, params = model_with_live_lora(case)
     ids, mask, prompt_len = grouped_rows()
     real = mask[:, prompt_len:].bool()
     upstream = torch.randn(real.shape, generator=torch.Generator().manual_seed(2))
