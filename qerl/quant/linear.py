@@ -59,6 +59,16 @@ def _gpu_gemm() -> ModuleType | None:
     return gemm
 
 
+def fp8_available(device: torch.device | None = None) -> bool:
+    """FP8 tensor cores and E4M3 conversions: a CUDA GPU (`device`, default the current one) of compute capability
+    8.9 (Ada) or newer. What model.base_gemm: fp8, the FP8 weight copies and the FP8 KV cache need."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda")
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def update_precision(precision: str) -> contextlib.AbstractContextManager:
     """A block whose frozen-base GEMMs at training sizes run in `precision` (model.base_gemm: bf16 or fp8). fp8
     applies on a CUDA GPU with FP8 tensor cores (compute capability 8.9 or more) to NVFP4 layers
@@ -69,7 +79,7 @@ def update_precision(precision: str) -> contextlib.AbstractContextManager:
     if precision == "bf16":  # the GPU kernels still hear of it: inside the update no GEMM reads an FP8 copy
         gemm = _gpu_gemm()
         return gemm.update_precision("bf16") if gemm is not None else contextlib.nullcontext()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    if not fp8_available():
         warnings.warn(f"model.base_gemm = {precision} needs a CUDA GPU with FP8 tensor cores (Ada, Hopper or "
                       "newer); the update runs bf16 here", stacklevel=2)
         return contextlib.nullcontext()
@@ -100,8 +110,7 @@ def plan_fp8_weights(model: nn.Module, setting: bool | str, device: torch.device
     FP8_WEIGHTS_AUTO_SHARE of the GPU's memory. Returns the decision."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.codec.gpu_kernel]
     copy_bytes = sum(m.in_features * m.out_features for m in layers)  # one E4M3 byte per weight
-    gemm = _gpu_gemm()
-    on = bool(layers) and setting is not False and gemm is not None and gemm.fp8_supported(device)
+    on = bool(layers) and setting is not False and _gpu_gemm() is not None and fp8_available(device)
     if on and setting == "auto":
         total = torch.cuda.get_device_properties(device).total_memory
         on = copy_bytes <= FP8_WEIGHTS_AUTO_SHARE * total

@@ -33,7 +33,7 @@ from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
 from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
-from qerl.quant.linear import held_weights, update_precision
+from qerl.quant.linear import fp8_available, held_weights, update_precision
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
@@ -166,9 +166,8 @@ class Trainer:
         if g.correction != "auto":
             return g.correction
         paths = self.rollout_backend.reduced_precision()
-        fp8_update = self.settings.model.base_gemm == "fp8" and self.device.type == "cuda" \
-            and torch.cuda.get_device_capability(self.device) >= (8, 9)  # else it runs bf16 (update_precision)
-        if fp8_update:  # the update in FP8, the rollouts not: 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
+        # an FP8 update where FP8 tensor cores are (elsewhere update_precision runs it bf16)
+        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):  # the update in FP8, the rollouts not: 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
             paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
         if paths and g.tis_cap is None:
             cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP
