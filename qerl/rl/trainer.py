@@ -166,8 +166,9 @@ class Trainer:
         if g.correction != "auto":
             return g.correction
         paths = self.rollout_backend.reduced_precision()
-        # an FP8 update where FP8 tensor cores are (elsewhere update_precision runs it bf16)
-        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):  # the update in FP8, the rollouts not: 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
+        # The update in FP8 (where FP8 tensor cores are; elsewhere update_precision runs it bf16), the rollouts not:
+        # 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
+        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):
             paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
         if paths and g.tis_cap is None:
             cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP
