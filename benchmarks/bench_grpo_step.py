@@ -86,11 +86,26 @@ def numbered_tokenizer(vocab: int, distinct_pad: bool = False):
 
 def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_len: int = 256, new: int = 1024,
               micro: int = 4, sigma: float = 1e-2, steps: int = 2, lora_rank: int = 16,
-              overrides: tuple[str, ...] = (), variant: str = "default", reward: str = "hash") -> dict:
+              overrides: tuple[str, ...] = (), variant: str = "default", reward: str = "hash",
+              folder: str = "/tmp/qerl-vllm-bench") -> dict:
     r: dict = {"model": name, "scheme": scheme, "variant": variant, "settings": list(overrides),
                "rows": prompts * group, "prompt": prompt_len, "new": new, "micro_batch": micro}
     torch.cuda.reset_peak_memory_stats()
-    model = build_model(name, scheme, lora_rank=0)  # the trainer applies LoRA, after the fusion, as in `qerl train`
+    base: list[str] = []
+    if "rollout.backend=vllm" in overrides:
+        # vLLM loads its base from a folder: the trainer's base is loaded from the same one (bench_vllm.py writes it)
+        from bench_vllm import write_folder
+        from qerl.model.runtime import load_base_model
+
+        write_folder(name, Path(folder))
+        base = [f"model.path={folder}/bf16", "model.device=cuda"]
+        if scheme.startswith("nvfp4"):
+            base.append(f"quant.quantized_path={folder}/nvfp4")
+        fp8 = ["quant.fp8_weights=false"] if scheme == "nvfp4-4bit" else []
+        loaded = load_settings(overrides=[*base, f"quant.scheme={scheme.replace('-4bit', '')}", *fp8])
+        model, _ = load_base_model(loaded.model, loaded.quant)
+    else:
+        model = build_model(name, scheme, lora_rank=0)  # the trainer applies LoRA after the fusion, as `qerl train`
     r["weights_gib"] = torch.cuda.memory_allocated() / GIB
     vocab = model.config.vocab_size
     tokenizer = numbered_tokenizer(vocab)
@@ -102,7 +117,7 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         quant = ["quant.scheme=nvfp4", "quant.fp8_weights=false"] if scheme == "nvfp4-4bit" \
             else [f"quant.scheme={scheme}"]  # the model is built so (bench_rollout.build_model); recorded as such
         s = load_settings(overrides=[
-            f"model.path=random-{name}", *quant, f"lora.rank={lora_rank}",
+            f"model.path=random-{name}", *quant, *base, f"lora.rank={lora_rank}",
             f"lora.alpha={2 * lora_rank}", f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
             f"rollout.max_new_tokens={new}", "rollout.temperature=1.0", "grpo.loss_type=dapo",
             f"grpo.micro_batch_size={micro}", "grpo.dynamic_sampling=false", "grpo.mask_truncated=false",
@@ -127,7 +142,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer) as trainer:
             r["setup_s"] = time.perf_counter() - start  # the trainer's own setup (the model is built before it)
             trainer.train()
-            r["kv_gib"] = trainer.rollout_backend.engine.memory_bytes() / GIB
+            engine = getattr(trainer.rollout_backend, "engine", None)  # the vLLM backend holds its own
+            r["kv_gib"] = engine.memory_bytes() / GIB if engine is not None else float("nan")
             rows = trainer.run.metrics.read()
             trainer.rollout_backend.free()
     first, last = rows[0], rows[-1]
@@ -185,7 +201,7 @@ def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], ar
         cmd = [sys.executable, os.path.abspath(__file__), "--arm", name, scheme, variant, "--row", str(result),
                "--prompts", str(args.prompts), "--prompt", str(args.prompt), "--new", str(args.new),
                "--micro", str(args.micro), "--sigma", str(args.sigma),
-               "--steps", str(args.steps), "--reward", args.reward, *(x for o in overrides for x in ("--set", o))]
+               "--steps", str(args.steps), "--reward", args.reward, "--folder", args.folder, *(x for o in overrides for x in ("--set", o))]
         rc = subprocess.run(cmd).returncode
         if rc != 0 or not result.exists():
             print(f"[{name} {scheme} {variant}] arm process failed (exit {rc})", flush=True)
@@ -198,7 +214,7 @@ def one_arm(args) -> int:
     try:
         r = grpo_step(name, scheme, prompts=args.prompts, prompt_len=args.prompt, new=args.new, micro=args.micro,
                       sigma=args.sigma, steps=args.steps,
-                      overrides=tuple(args.set), variant=variant, reward=args.reward)
+                      overrides=tuple(args.set), variant=variant, reward=args.reward, folder=args.folder)
     except ImportError as e:  # the QLoRA arm without bitsandbytes
         print(f"[{name} {scheme}] skipped: {e}", flush=True)
         return 3
@@ -226,6 +242,8 @@ def main() -> None:
                     help="hash: a free stand-in; sparse: 1 for ~1 completion in 8 (groups of all zeros); "
                     "accuracy: the default math grader (its cost is the scoring column)")
     ap.add_argument("--out", default="outputs/bench")
+    ap.add_argument("--folder", default="/tmp/qerl-vllm-bench", help="where arms with rollout.backend=vllm find (or "
+                    "write) the base folder vLLM loads (benchmarks/bench_vllm.py)")
     ap.add_argument("--variants", default="", help="arms of settings, e.g. 'ckpt:model.gradient_checkpointing=true;"
                     "auto:' (label:key=value,...; each arm runs every scheme); default: the product's defaults")
     ap.add_argument("--arm", nargs=3, help=argparse.SUPPRESS)  # internal: run one arm in this process

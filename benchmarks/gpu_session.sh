@@ -2,10 +2,11 @@
 # One device call: install the optional GPU wheels carried in .whl/, run the GPU tests, then the benchmarks named
 # in $BENCH (a ;-separated list of commands). Logs go to $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD QERL_GEMM_CACHE=$OUT/gemm_dispatch.json
+# What PYTHONPATH already holds stays behind ours (vLLM staged by benchmarks/stage_vllm.sh, for one).
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} QERL_GEMM_CACHE=$OUT/gemm_dispatch.json
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ -n "${TESTS:-}" ]; then

@@ -34,12 +34,18 @@ def qerl(*args, timeout=patience(900), env=None):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("smollm2-shaped"), hidden_size=576, intermediate_size=1536,
+                       num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3)
+
+
+def write_model(folder: Path, peaked: bool = False, **shape) -> Path:
+    """A random bf16 Llama of `shape` with a byte-level BPE tokenizer trained on the arithmetic task, in `folder`;
+    `peaked`: weights larger than transformers' init, so greedy decoding meets few near-ties."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from qerl.data.problems import load_dataset  # the task's own prompts and answers train the tokenizer
 
-    folder = tmp_path_factory.mktemp("smollm2-shaped")
     corpus = [f"{e.question} {e.gold}" for e in load_dataset("arithmetic", n=400, digits=2, split="train")]
     special = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
     bpe = Tokenizer(models.BPE())
@@ -51,11 +57,15 @@ def model_dir(tmp_path_factory):
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
 
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=len(tokenizer), max_position_embeddings=2048,
+    config = LlamaConfig(**shape, vocab_size=len(tokenizer), max_position_embeddings=2048,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16")
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    model = LlamaForCausalLM(config)
+    if peaked:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else p.shape[-1] ** -0.5 * torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(folder)
     return folder
 
 

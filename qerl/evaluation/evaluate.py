@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from qerl.config import Settings
+from qerl.model.served import vllm_options
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
 from qerl.run import atomic
 
@@ -177,8 +178,9 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
                            setting="eval.max_new_tokens", policy=settings.data.overlong_prompts)
     if model is None:
         model, tokenizer = load_policy(settings, adapter=adapter)
-    backend = backend or make_backend(model, tokenizer, settings.rollout.backend,
-                                     kv_cache_dtype=settings.rollout.kv_cache_dtype)
+    backend = backend or make_backend(
+        model, tokenizer, settings.rollout.backend, kv_cache_dtype=settings.rollout.kv_cache_dtype,
+        vllm=vllm_options(settings, model_context(model)) if settings.rollout.backend == "vllm" else None)
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
                       system_prompt=settings.data.system_prompt, progress=progress, backend=backend)

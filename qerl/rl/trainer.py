@@ -31,6 +31,7 @@ from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
 from qerl.model import lora, recompute, training_ops
 from qerl.model.aqn import build_schedule
+from qerl.model.served import vllm_options
 from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
 from qerl.quant.linear import fp8_available, held_weights, update_precision
@@ -236,8 +237,9 @@ class Trainer:
         self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
-        self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend,
-                                                                kv_cache_dtype=s.rollout.kv_cache_dtype)
+        self.rollout_backend = rollout_backend or make_backend(
+            model, tokenizer, s.rollout.backend, kv_cache_dtype=s.rollout.kv_cache_dtype,
+            vllm=vllm_options(s, model_context(model)) if s.rollout.backend == "vllm" else None)
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
         self._phase_peaks: list[float] = []  # this step's rollout peaks (GiB), measured before the KV cache sleeps
         self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),

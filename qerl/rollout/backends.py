@@ -14,6 +14,8 @@ written into the RMSNorm weights in place for the block and removed bit-exactly 
 * `ReferenceBackend`: `qerl.rollout.generate.generate`, the exact oracle (any device, no graphs).
 * `EngineBackend`: the model's `RolloutEngine` (static KV cache kept across calls, CUDA graphs, compaction).
   Trainer and evaluation on one model share its engine (`engine_for`), so they share its graphs and cache.
+* `qerl.rollout.vllm_backend.VLLMBackend`: a colocated vLLM engine (its own copy of the base, the LoRA handed over
+  each step), as TRL's colocate mode; optional.
 
 "auto" takes the engine on CUDA and the reference on the CPU. On the CPU the engine computes the same logits, but
 it samples padded power-of-two buckets of rows, so a seed draws other random numbers than the reference does;
@@ -35,7 +37,7 @@ from qerl.rollout.generate import Rollout, generate
 
 __all__ = ["Sampling", "RolloutBackend", "ReferenceBackend", "EngineBackend", "make_backend", "BACKENDS"]
 
-BACKENDS = ("auto", "engine", "reference")
+BACKENDS = ("auto", "engine", "reference", "vllm")
 
 
 @dataclass(frozen=True)
@@ -150,12 +152,20 @@ class EngineBackend(RolloutBackend):
         self.engine.sleep()
 
 
-def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine", "reference"] = "auto",
-                 **engine_kwargs) -> RolloutBackend:
-    """The rollout backend `kind` for `model`: "engine", "reference", or "auto" (the engine on CUDA, the reference
-    elsewhere; see the module docstring). `engine_kwargs` go to the `RolloutEngine` when this call creates it."""
+def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine", "reference", "vllm"] = "auto",
+                 vllm: dict[str, Any] | None = None, **engine_kwargs) -> RolloutBackend:
+    """The rollout backend `kind` for `model`: "engine", "reference", "vllm" (built from `vllm`, the keyword arguments
+    of `VLLMOptions`: `qerl.model.served.vllm_options`), or "auto" (the engine on CUDA, the reference elsewhere; see
+    the module docstring). `engine_kwargs` go to the `RolloutEngine` when this call creates it."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown rollout backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+    if kind == "vllm":
+        from qerl.rollout.vllm_backend import VLLMBackend, VLLMOptions, require_vllm
+
+        require_vllm()  # one line naming the extra, before the options (which may quantize a folder) are used
+        if vllm is None:
+            raise ValueError("rollout backend vllm needs its options (qerl.model.served.vllm_options)")
+        return VLLMBackend(model, tokenizer, VLLMOptions(**vllm))
     if kind == "auto":
         kind = "engine" if next(model.parameters()).device.type == "cuda" else "reference"
     return EngineBackend(model, tokenizer, **engine_kwargs) if kind == "engine" else ReferenceBackend(model, tokenizer)

@@ -1,0 +1,235 @@
+"""qerl's rollout engine beside vLLM, the engine NVlabs/QeRL, TRL, Unsloth and verl roll out with: bf16 + LoRA and
+NVFP4 + LoRA on each side, random-weight Qwen2.5 shapes, the same prompts and lengths, each arm in its own process.
+
+    PYTHONPATH=. python3 benchmarks/bench_vllm.py --model 7b --rows 1,8,64,128,256 --new 1024 --long 64x4096 \
+        --arms vllm-bf16,vllm-nvfp4,qerl-bf16,qerl-nvfp4 --folder /tmp/qerl-vllm-7b --out DIR
+
+vLLM's arms load a folder this script writes once (`--folder`): a random bf16 Hugging Face checkpoint of the shape,
+its NVFP4 form written by qerl's own `quantize_checkpoint` (compressed-tensors `nvfp4-pack-quantized`, which vLLM
+runs with its Marlin FP4 kernels on Hopper), and a random rank-16 PEFT adapter on all seven projections. vLLM runs as
+users run it offline: `LLM(...)` with its defaults (torch.compile, piecewise CUDA graphs, FlashAttention 3 on
+Hopper), LoRA enabled, the engine core in this process, `gpu_memory_utilization` 0.85. qerl's arms run
+`benchmarks/bench_rollout.py`'s model (the same shape built in memory, `quant.fp8_weights: auto` for NVFP4) through
+`RolloutEngine`, as `qerl train` does.
+
+Every row samples exactly `new` tokens (EOS ignored, temperature 1) from 256-token random prompts. Tokens/s = rows *
+new / wall time of one generate call of all rows, prefill included, after a warm-up call (vLLM: its compile and graph
+capture at start; qerl: `engine.prepare`); both are reported apart. Results: DIR/vllm.jsonl, a table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+ARMS = ("vllm-bf16", "vllm-nvfp4", "qerl-bf16", "qerl-nvfp4")
+LORA_RANK = 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ------------------------------------------------------------------------------------------------------- the folder
+def write_folder(model: str, folder: Path) -> None:
+    """`folder`/bf16 (random weights), `folder`/nvfp4 (qerl's quantize_checkpoint of it), `folder`/lora (PEFT)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bench_rollout import hf_config
+    from qerl.quant.checkpoint import quantize_checkpoint
+
+    if (folder / "done").is_file():
+        return
+    t0 = time.perf_counter()
+    cfg = {**hf_config(model), "architectures": ["Qwen2ForCausalLM"], "torch_dtype": "bfloat16",
+           "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu", "attention_dropout": 0.0}
+    h, i, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // heads
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape, std: (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()  # noqa: E731
+    bf16 = folder / "bf16"
+    bf16.mkdir(parents=True, exist_ok=True)
+    index, shard, shard_no, size = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, shard_no, size
+        if shard:
+            name = f"model-{shard_no:05d}.safetensors"
+            save_file(shard, str(bf16 / name), metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard, shard_no, size = {}, shard_no + 1, 0
+
+    def add(name, t):
+        nonlocal size
+        shard[name] = t
+        size += t.numel() * 2
+        if size > 4 << 30:
+            flush()
+
+    add("model.embed_tokens.weight", rand(cfg["vocab_size"], h, std=1.0))
+    for layer in range(n_layers):
+        p = f"model.layers.{layer}."
+        shapes = {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h), "self_attn.v_proj": (kv * d, h),
+                  "self_attn.o_proj": (h, heads * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+                  "mlp.down_proj": (h, i)}
+        for name, (out_f, in_f) in shapes.items():
+            add(p + name + ".weight", rand(out_f, in_f, std=in_f ** -0.5))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            add(p + f"self_attn.{name}.bias", rand(shapes[f"self_attn.{name}"][0], std=0.02))
+        add(p + "input_layernorm.weight", torch.ones(h, dtype=torch.bfloat16))
+        add(p + "post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16))
+    add("model.norm.weight", torch.ones(h, dtype=torch.bfloat16))
+    add("lm_head.weight", rand(cfg["vocab_size"], h, std=h ** -0.5))
+    flush()
+    (bf16 / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    print(f"bf16 folder written in {time.perf_counter() - t0:.0f} s", flush=True)
+    t0 = time.perf_counter()
+    quantize_checkpoint(bf16, folder / "nvfp4", "nvfp4", progress=False)
+    print(f"nvfp4 folder written in {time.perf_counter() - t0:.0f} s", flush=True)
+    lora = folder / "lora"
+    lora.mkdir(exist_ok=True)
+    tensors = {}
+    for layer in range(n_layers):
+        for name, (out_f, in_f) in {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h),
+                                    "self_attn.v_proj": (kv * d, h), "self_attn.o_proj": (h, heads * d),
+                                    "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}.items():
+            key = f"base_model.model.model.layers.{layer}.{name}"
+            tensors[f"{key}.lora_A.weight"] = rand(LORA_RANK, in_f, std=in_f ** -0.5)
+            tensors[f"{key}.lora_B.weight"] = rand(out_f, LORA_RANK, std=1e-3)
+    save_file(tensors, str(lora / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (lora / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": list(PROJECTIONS),
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(bf16)}))
+    (folder / "done").write_text("ok")
+
+
+# ---------------------------------------------------------------------------------------------------------- the arms
+def configs(args) -> list[tuple[int, int]]:
+    out = [(int(r), args.new) for r in args.rows.split(",") if r]
+    out += [tuple(int(x) for x in c.split("x")) for c in args.long.split(",") if c]
+    return out
+
+
+def vllm_arm(args, scheme: str) -> list[dict]:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from bench_rollout import random_prompts
+
+    import vllm
+    folder = Path(args.folder)
+    longest = max(n for _, n in configs(args))
+    t0 = time.perf_counter()
+    llm = LLM(model=str(folder / scheme), skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_lora=True,
+              max_lora_rank=LORA_RANK, max_loras=1, max_model_len=args.prompt + longest,
+              max_num_seqs=max(r for r, _ in configs(args)), gpu_memory_utilization=args.gpu_memory_utilization)
+    start_s = time.perf_counter() - t0
+    lora = LoRARequest("bench", 1, str(folder / "lora"))
+    free, total = torch.cuda.mem_get_info()
+    vocab = json.loads((folder / "bf16" / "config.json").read_text())["vocab_size"]
+    rows = []
+    for batch, new in configs(args):
+        params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, seed=0,
+                                detokenize=False)
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(batch, args.prompt, vocab)]
+        llm.generate(prompts[: min(batch, 8)], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
+                     use_tqdm=False, lora_request=lora)  # warm-up: the adapter loaded, the batch's graphs used once
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == new for o in out)
+        rows.append({"engine": f"vLLM {vllm.__version__} {scheme}+LoRA", "batch": batch, "new": new,
+                     "seconds": seconds, "tokens_per_s": batch * new / seconds, "start_s": start_s,
+                     "held_gib": (total - free) / 2**30})
+        print(f"  {rows[-1]['engine']} b{batch} x{new}: {rows[-1]['tokens_per_s']:,.0f} tok/s", flush=True)
+    return rows
+
+
+def qerl_arm(args, scheme: str) -> list[dict]:
+    import torch
+
+    from bench_rollout import build_model, time_engine
+    from qerl.rollout.engine import RolloutEngine
+
+    t0 = time.perf_counter()
+    model = build_model(args.model, scheme, lora_rank=LORA_RANK)
+    start_s = time.perf_counter() - t0
+    weights = torch.cuda.memory_allocated() / 2**30
+    engine = RolloutEngine(model)
+    rows = []
+    for batch, new in configs(args):
+        r = time_engine(engine, batch, args.prompt, new, model.config.vocab_size)
+        rows.append({"engine": f"qerl {scheme}+LoRA", "batch": batch, "new": new, "seconds": r["seconds"],
+                     "tokens_per_s": r["tokens_per_s"], "start_s": start_s + r["capture_s"],
+                     "held_gib": torch.cuda.max_memory_allocated() / 2**30, "weights_gib": weights})
+        print(f"  {rows[-1]['engine']} b{batch} x{new}: {rows[-1]['tokens_per_s']:,.0f} tok/s "
+              f"(capture {r['capture_s']:.1f} s)", flush=True)
+    return rows
+
+
+def run_arm(args) -> None:
+    side, scheme = args.arm.split("-", 1)
+    rows = vllm_arm(args, scheme) if side == "vllm" else qerl_arm(args, scheme)
+    with open(os.path.join(args.out, "vllm.jsonl"), "a") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "arm": args.arm, "model": args.model, "prompt": args.prompt}) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------------- the table
+def table(rows: list[dict]) -> str:
+    by = {(r["arm"], r["batch"], r["new"]): r for r in rows}
+    keys = sorted({(r["batch"], r["new"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    out = ["| rows x new | " + " | ".join(a for a in ARMS) + " | qerl/vLLM bf16 | qerl/vLLM NVFP4 |",
+           "|---" * (len(ARMS) + 3) + "|"]
+    for b, n in keys:
+        cells = [f"{by[(a, b, n)]['tokens_per_s']:,.0f}" if (a, b, n) in by else "-" for a in ARMS]
+        ratio = lambda s: (f"{by[('qerl-' + s, b, n)]['tokens_per_s'] / by[('vllm-' + s, b, n)]['tokens_per_s']:.2f}x"  # noqa: E731
+                           if ("qerl-" + s, b, n) in by and ("vllm-" + s, b, n) in by else "-")
+        out.append(f"| {b} x {n} | " + " | ".join(cells) + f" | {ratio('bf16')} | {ratio('nvfp4')} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="7b")
+    ap.add_argument("--rows", default="1,8,64,128,256")
+    ap.add_argument("--new", type=int, default=1024)
+    ap.add_argument("--long", default="64x4096", help="extra rows x new configs, comma-separated")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in this process (the parent's child)
+    ap.add_argument("--folder", default="/tmp/qerl-vllm-bench")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--out", default="outputs/bench")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.arm:
+        return run_arm(args)
+    arms = args.arms.split(",")
+    if any(a.startswith("vllm") for a in arms):
+        write_folder(args.model, Path(args.folder))
+    for arm in arms:
+        t0 = time.perf_counter()
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
+        with open(os.path.join(args.out, f"{arm}.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        tail = Path(args.out, f"{arm}.log").read_text().splitlines()[-12:]
+        print(f"[{arm}] rc={rc} in {time.perf_counter() - t0:.0f} s\n  " + "\n  ".join(tail), flush=True)
+    path = os.path.join(args.out, "vllm.jsonl")
+    rows = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+    print("\n" + table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# vLLM 0.26.0 (the release built for torch 2.11, the GPU machines' torch) on a GPU machine that has no package index
+# and takes at most 64 MiB per call: packed here into parts, carried one part per call, unpacked there.
+#
+#   bash benchmarks/stage_vllm.sh pack       # here (needs pip's index and zstd): writes .vllm/1, .vllm/2, ...
+#   # then, on the GPU machine, back to back inside its warm window (a cold machine starts bare):
+#   run(carry=[".vllm/1"], command="bash benchmarks/stage_vllm.sh receive")
+#   run(carry=[".vllm/2"], command="bash benchmarks/stage_vllm.sh receive && . /tmp/qerl-vllm/env && python3 ...")
+#
+# `receive` keeps each part in /tmp/qerl-vllm and, once all have come, unpacks them into /tmp/qerl-vllm/site and
+# writes /tmp/qerl-vllm/env (PYTHONPATH). What is packed: the vllm wheel without what a Hopper GPU running dense and
+# NVFP4 (Marlin) Qwen2/Llama models never loads (FlashAttention 2 (Hopper runs FA3), the MoE and FlashMLA kernels,
+# DeepGEMM, the SM100 FMHA sources, the Rust frontend, xgrammar's static library), plus the Python packages its
+# import and generate paths need that the GPU image lacks (found by importing it; KINDS.md lists the image). Not
+# packed: flashinfer (vLLM samples with PyTorch without it), tilelang, cutlass-dsl, humming-kernels (vLLM then takes
+# its Marlin FP4 kernels), torchcodec and the serving extras (the OpenAI server is not used here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE="${QERL_VLLM_STAGE:-/tmp/qerl-vllm}"
+PART_MB=44  # + the repository (~14 MB) + part 1's zstandard wheel (5.5 MB): under the 64 MiB a call takes
+
+pack() {
+  local work; work="$(mktemp -d)"
+  local plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+              --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+              --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_31_x86_64
+              --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform linux_x86_64 --platform any)
+  python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/whl" "vllm==0.26.0" "compressed-tensors==0.17.0" \
+    "depyf==0.20.0" "xgrammar==0.2.3"  # these three would pull torch; xgrammar 0.2.3 matches tvm-ffi 0.1.10
+  python3 -m pip download -q "${plat[@]}" -d "$work/whl" blake3 cachetools "fastapi>=0.133,<0.137" \
+    "starlette>=1.0.1" "openai>=2.0.0" "pydantic>=2.12" prometheus-fastapi-instrumentator "lm-format-enforcer==0.11.3" \
+    "llguidance>=1.7,<1.8" "outlines_core==0.2.14" "lark==1.2.2" partial-json-parser "jsonschema>=4.23" "pyzmq>=25" \
+    msgspec python-json-logger pybase64 cbor2 ijson setproctitle "openai-harmony>=0.0.3" "apache-tvm-ffi==0.1.10" \
+    "opentelemetry-sdk>=1.27" "opentelemetry-api>=1.27" "opentelemetry-semantic-conventions-ai>=0.4.1" loguru astor \
+    dill "numpy<2.6"
+  # The image's own copies stay (one version of each): numpy, packaging, pyyaml, idna, h11, attrs, anyio, ...
+  (cd "$work/whl" && rm -f numpy-* packaging-* pyyaml-* idna-* h11-* attrs-* prometheus_client-* annotated_doc-* \
+    anyio-*)
+  mkdir -p "$work/site"
+  for w in "$work"/whl/*.whl; do python3 -m zipfile -e "$w" "$work/site"; done
+  (cd "$work/site/vllm" && rm -rf vllm_flash_attn/_vllm_fa2_C.abi3.so _moe_C_stable_libtorch.abi3.so vllm-rs \
+    _flashmla_C.abi3.so third_party/deep_gemm third_party/fmha_sm100)
+  rm -rf "$work"/site/xgrammar/lib/*.a "$work/site/bin"
+  find "$work/site" \( -name "*.cpython-313-*" -o -name "*.cpython-314-*" \) -delete
+  rm -rf .vllm && mkdir -p .vllm/1
+  python3 -m pip download -q --no-deps "${plat[@]}" -d .vllm/1 zstandard  # the decompressor, for the machine
+  tar cf - -C "$work" site | zstd -15 -T0 -q -o "$work/site.tar.zst"
+  split -b "${PART_MB}m" -d -a 1 "$work/site.tar.zst" "$work/part."
+  local n=0
+  for p in "$work"/part.*; do n=$((n + 1)); mkdir -p ".vllm/$n"; mv "$p" ".vllm/$n/"; done
+  (cd "$work" && sha256sum site.tar.zst | cut -d' ' -f1) > .vllm/1/manifest
+  echo "$n" >> .vllm/1/manifest
+  rm -rf "$work"
+  du -sh .vllm/* && echo "carry .vllm/1 .. .vllm/$n, one per call"
+}
+
+receive() {
+  mkdir -p "$STAGE/parts"
+  for d in .vllm/*/; do [ -d "$d" ] && cp -f "$d"* "$STAGE/parts/"; done
+  [ -f "$STAGE/parts/manifest" ] || { echo "stage_vllm: waiting for part 1 (manifest)"; return 0; }
+  local want; want="$(sed -n 2p "$STAGE/parts/manifest")"
+  local have; have="$(ls "$STAGE"/parts/part.* 2>/dev/null | wc -l)"
+  echo "stage_vllm: $have of $want parts"
+  [ "$have" = "$want" ] || return 0
+  [ -f "$STAGE/env" ] && { echo "stage_vllm: already unpacked"; return 0; }
+  python3 -c "import zstandard" 2>/dev/null \
+    || python3 -m pip install -q --no-index --no-deps --target "$STAGE/zs" "$STAGE"/parts/zstandard-*.whl
+  cat "$STAGE"/parts/part.* > "$STAGE/site.tar.zst"
+  [ "$(sha256sum "$STAGE/site.tar.zst" | cut -d' ' -f1)" = "$(sed -n 1p "$STAGE/parts/manifest")" ] \
+    || { echo "stage_vllm: checksum mismatch"; exit 1; }
+  PYTHONPATH="$STAGE/zs${PYTHONPATH:+:$PYTHONPATH}" python3 - "$STAGE" <<'EOF'
+import sys, tarfile, zstandard
+stage = sys.argv[1]
+with open(f"{stage}/site.tar.zst", "rb") as f, zstandard.ZstdDecompressor().stream_reader(f) as r:
+    tarfile.open(fileobj=r, mode="r|").extractall(f"{stage}/unpack", filter="tar")
+EOF
+  rm -f "$STAGE/site.tar.zst"
+  mv "$STAGE"/unpack/* "$STAGE/site" && rmdir "$STAGE/unpack"  # the archive's one top folder
+  echo "export PYTHONPATH=$STAGE/site\${PYTHONPATH:+:\$PYTHONPATH} VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1" > "$STAGE/env"
+  echo "stage_vllm: unpacked into $STAGE/site ($(du -sh "$STAGE/site" | cut -f1)); . $STAGE/env"
+}
+
+case "${1:-}" in
+  pack) pack ;;
+  receive) receive ;;
+  *) echo "usage: $0 pack|receive" >&2; exit 2 ;;
+esac

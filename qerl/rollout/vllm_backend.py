@@ -1,0 +1,192 @@
+"""`rollout.backend: vllm`: a vLLM engine in the trainer's process, as TRL's colocate mode runs it.
+
+vLLM loads the run's frozen base from a folder it can read (`VLLMOptions.base`: the bf16 source, or the NVFP4
+compressed-tensors folder `qerl quantize` writes, which vLLM runs with its Marlin FP4 kernels on Hopper). The trainer
+keeps its own model for the update; each rollout samples with the policy's current LoRA:
+
+* the adapter is written from the model's own LoRA tensors (PEFT format, in memory-backed /dev/shm where there is
+  one) whenever those tensors changed since the last write (their in-place version counters say so), and handed to
+  vLLM as a new LoRA id (`lora_update: new_id`), or under one id reloaded in place (`reload`);
+* the RMSNorm weights (AQN's noise and any trained norms) are copied into vLLM's model by name before each
+  rollout (in place: its CUDA graphs read the same addresses);
+* between rollouts the engine sleeps (level 1: weights to host memory, KV cache dropped), so the update has the
+  GPU; the next rollout wakes it.
+
+vLLM's kernels are not the update's: its log-probs differ from the trainer's recomputation, so `reduced_precision`
+names it and `grpo.correction: auto` turns truncated importance sampling on (BENCHMARKS.md gives the gap).
+vLLM is optional (`pip install "qerl[vllm]"`); choosing this backend without it fails in one line.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl.model.lora import LoraSettings, lora_layers, save_adapter
+from qerl.rollout.backends import RolloutBackend, Sampling
+from qerl.rollout.generate import Rollout, default_eos_ids
+
+__all__ = ["VLLMOptions", "VLLMBackend", "require_vllm"]
+
+LORA_UPDATES = ("new_id", "reload")
+
+
+def require_vllm():
+    """The vllm module, or one line saying how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"rollout.backend: vllm needs vLLM, which is not importable here ({e}); install it with "
+                          "pip install \"qerl[vllm]\" (vllm 0.26, for torch 2.11)") from None
+    return vllm
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """What the engine is built with (from `rollout.vllm_*` and the run's model, quant and LoRA settings)."""
+
+    base: Path  # a folder vLLM loads: the run's frozen base, bit for bit
+    lora: LoraSettings
+    max_model_len: int
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.3  # TRL's colocate default: weights + KV cache, a share of the whole GPU
+    lora_update: str = "new_id"
+    sleep_level: int = 1  # 0: never sleep; 1: weights to host memory and KV cache dropped between rollouts
+    seed: int = 0
+    enforce_eager: bool = False
+
+
+class VLLMBackend(RolloutBackend):
+    """A colocated `vllm.LLM` sampling with the model's current LoRA and norm weights."""
+
+    name = "vllm"
+
+    def __init__(self, model: nn.Module, tokenizer: Any, options: VLLMOptions):
+        require_vllm()
+        if options.lora_update not in LORA_UPDATES:
+            raise ValueError(f"rollout.vllm_lora_update = {options.lora_update!r}; choose one of "
+                             f"{', '.join(LORA_UPDATES)}")
+        super().__init__(model, tokenizer)
+        self.options = options
+        # The engine core in this process (TRL's colocate): its model is reachable for the norm copies, and it
+        # shares this process's GPU memory accounting.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        # Without tokenizer files beside the base (random-weight benchmarks) vLLM takes token ids alone; our own
+        # tokenizer decodes the completions either way.
+        self._detokenize = any((options.base / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.llm = LLM(model=str(options.base), skip_tokenizer_init=not self._detokenize, dtype="bfloat16", seed=options.seed, enable_lora=True,
+                       max_lora_rank=max(8, options.lora.rank), max_loras=1, max_model_len=options.max_model_len,
+                       max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
+                       enable_sleep_mode=options.sleep_level > 0, enforce_eager=options.enforce_eager,
+                       # log_softmax(logits / temperature) before top-k/top-p: what qerl's samplers return and
+                       # what the trainer recomputes
+                       logprobs_mode="processed_logprobs")
+        self._adapter_dir = Path(tempfile.mkdtemp(prefix="qerl-vllm-lora-",
+                                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        self._lora_id = 0
+        self._lora_version: int | None = None
+        self._norm_names = self._shared_norms()
+        self._asleep = False
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def _vllm_model(self) -> nn.Module:
+        return self.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+
+    def _shared_norms(self) -> list[str]:
+        """The norm weights of our model that vLLM's model holds under the same name (all of them, or an error)."""
+        ours = [n for n, p in self.model.named_parameters() if n.endswith("norm.weight")]
+        theirs = dict(self._vllm_model().named_parameters())
+        missing = [n for n in ours if n not in theirs]
+        if missing:
+            raise ValueError(f"vLLM's model of {self.options.base} has no parameter {missing[0]} (and "
+                             f"{len(missing) - 1} more): AQN noise and trained norms cannot reach it")
+        return ours
+
+    def _copy_norms(self) -> None:
+        ours = dict(self.model.named_parameters())
+        theirs = dict(self._vllm_model().named_parameters())
+        with torch.no_grad():
+            for name in self._norm_names:
+                theirs[name].copy_(ours[name].to(theirs[name].dtype))
+
+    def _lora_request(self):
+        """This rollout's LoRARequest: the adapter rewritten only when the model's LoRA tensors changed."""
+        from vllm.lora.request import LoRARequest
+
+        version = sum(p._version for layer in lora_layers(self.model).values()
+                      for p in (layer.lora_A, layer.lora_B))
+        reload = False
+        if version != self._lora_version:
+            shutil.rmtree(self._adapter_dir / "adapter", ignore_errors=True)
+            save_adapter(self.model, self._adapter_dir / "adapter", str(self.options.base), self.options.lora)
+            self._lora_version = version
+            if self.options.lora_update == "new_id" or self._lora_id == 0:
+                if self._lora_id:
+                    self.llm.llm_engine.remove_lora(self._lora_id)
+                self._lora_id += 1
+            else:
+                reload = True
+        return LoRARequest(lora_name=f"policy-{self._lora_id}", lora_int_id=self._lora_id,
+                           lora_path=str(self._adapter_dir / "adapter"), load_inplace=reload)
+
+    # ----------------------------------------------------------------------------------------------- sampling
+    def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
+        from vllm import SamplingParams
+
+        self.wake()
+        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+                      for p in prompts]  # as qerl's samplers encode chat-templated text
+        eos = list(sampling.eos_token_ids) if sampling.eos_token_ids is not None \
+            else default_eos_ids(self.model, self.tokenizer)
+        if sampling.stop_strings and not self._detokenize:
+            raise ValueError(f"rollout.stop_strings need vLLM to detokenize, but {self.options.base} has no tokenizer "
+                             "files")
+        seeds = list(sampling.row_seeds) if sampling.row_seeds is not None else \
+            [None if sampling.seed is None else sampling.seed + i for i in range(len(prompts))]
+        params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                 top_p=sampling.top_p, top_k=sampling.top_k, stop=list(sampling.stop_strings),
+                                 include_stop_str_in_output=True, stop_token_ids=eos, ignore_eos=not eos,
+                                 logprobs=0, seed=seed, detokenize=self._detokenize) for seed in seeds]
+        self._copy_norms()
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=progress,
+                                    lora_request=self._lora_request())
+        completion_ids, logprobs, reasons = [], [], []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            completion_ids.append(ids)
+            logprobs.append(torch.tensor([step[t].logprob for step, t in zip(c.logprobs, ids)], dtype=torch.float32))
+            reasons.append("length" if c.finish_reason == "length" else
+                           "stop" if isinstance(c.stop_reason, str) else "eos")
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True) if self.tokenizer else \
+            [""] * len(completion_ids)
+        return Rollout(prompt_ids=prompt_ids, completion_ids=completion_ids, texts=texts, logprobs=logprobs,
+                       stop_reasons=reasons)
+
+    def reduced_precision(self) -> list[str]:
+        return super().reduced_precision() + ["vLLM's kernels (another engine's numerics than the update's)"]
+
+    # ------------------------------------------------------------------------------------------------- memory
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def sleep(self) -> None:
+        if self.options.sleep_level and not self._asleep:
+            self.llm.sleep(level=self.options.sleep_level)
+            self._asleep = True
+
+    def free(self) -> None:
+        self.sleep()
+
+    def close(self) -> None:
+        shutil.rmtree(self._adapter_dir, ignore_errors=True)
