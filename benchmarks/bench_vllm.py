@@ -138,8 +138,9 @@ def vllm_arm(args, scheme: str) -> list[dict]:
     vocab = json.loads((folder / "bf16" / "config.json").read_text())["vocab_size"]
     rows = []
     for batch, new in configs(args):
-        params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, seed=0,
-                                detokenize=False)
+        # No per-request seed: vLLM 0.26 draws a seeded request's noise row by row, a kernel launch per row per
+        # step ("This can be slow", its sampler says); the LLM's own seed keeps the run reproducible, as TRL runs it.
+        params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, detokenize=False)
         prompts = [{"prompt_token_ids": p} for p in random_prompts(batch, args.prompt, vocab)]
         llm.generate(prompts[: min(batch, 8)], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
                      use_tqdm=False, lora_request=lora)  # warm-up: the adapter loaded, the batch's graphs used once

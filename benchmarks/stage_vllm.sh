@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE="${QERL_VLLM_STAGE:-/tmp/qerl-vllm}"
-PART_MB=44  # + the repository (~14 MB) + part 1's zstandard wheel (5.5 MB): under the 64 MiB a call takes
+PART_MB=44  # + the repository (~14 MB) and a few MB of wheels: under the 64 MiB a call takes
 
 pack() {
   local work; work="$(mktemp -d)"
@@ -43,11 +43,12 @@ pack() {
   rm -rf "$work"/site/xgrammar/lib/*.a "$work/site/bin"
   find "$work/site" \( -name "*.cpython-313-*" -o -name "*.cpython-314-*" \) -delete
   rm -rf .vllm && mkdir -p .vllm/1
-  python3 -m pip download -q --no-deps "${plat[@]}" -d .vllm/1 zstandard  # the decompressor, for the machine
   tar cf - -C "$work" site | zstd -15 -T0 -q -o "$work/site.tar.zst"
   split -b "${PART_MB}m" -d -a 1 "$work/site.tar.zst" "$work/part."
   local n=0
   for p in "$work"/part.*; do n=$((n + 1)); mkdir -p ".vllm/$n"; mv "$p" ".vllm/$n/"; done
+  # The decompressor for the machine, with the last (smallest) part: part 1 also carries the manifest.
+  python3 -m pip download -q --no-deps "${plat[@]}" -d ".vllm/$n" zstandard
   (cd "$work" && sha256sum site.tar.zst | cut -d' ' -f1) > .vllm/1/manifest
   echo "$n" >> .vllm/1/manifest
   rm -rf "$work"
@@ -76,7 +77,7 @@ with open(f"{stage}/site.tar.zst", "rb") as f, zstandard.ZstdDecompressor().stre
 EOF
   rm -f "$STAGE/site.tar.zst"
   mv "$STAGE"/unpack/* "$STAGE/site" && rmdir "$STAGE/unpack"  # the archive's one top folder
-  echo "export PYTHONPATH=$STAGE/site\${PYTHONPATH:+:\$PYTHONPATH} VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1" > "$STAGE/env"
+  echo "export PYTHONPATH=$STAGE/site\${PYTHONPATH:+:\$PYTHONPATH} VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1" > "$STAGE/env"
   echo "stage_vllm: unpacked into $STAGE/site ($(du -sh "$STAGE/site" | cut -f1)); . $STAGE/env"
 }
 

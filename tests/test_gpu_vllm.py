@@ -70,7 +70,8 @@ def greedy_gaps(model, prompt: list[int], tokens: list[int]) -> list[float]:
     """Per position, how far (nats, under our forward) `tokens` falls behind our argmax: 0 where they agree."""
     ids = torch.tensor([prompt + tokens], device="cuda")
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        logits = model(ids)
+        logp = torch.log_softmax(getattr(logits, "logits", logits)[0, len(prompt) - 1:-1].float(), -1)
     return (logp.max(-1).values - logp.gather(-1, ids[0, len(prompt):, None])[:, 0]).tolist()
 
 

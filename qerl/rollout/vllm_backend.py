@@ -18,6 +18,7 @@ vLLM is optional (`pip install "qerl[vllm]"`); choosing this backend without it 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -77,6 +78,8 @@ class VLLMBackend(RolloutBackend):
         # The engine core in this process (TRL's colocate): its model is reachable for the norm copies, and it
         # shares this process's GPU memory accounting.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if importlib.util.find_spec("flashinfer") is None:  # its sampler is optional; vLLM 0.26 imports it unasked
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
 
         # Without tokenizer files beside the base (random-weight benchmarks) vLLM takes token ids alone; our own
