@@ -48,6 +48,7 @@ def _concat_dense(bases: list[nn.Linear]) -> nn.Linear | None:
         return None
     fused = nn.Linear(first.in_features, sum(b.out_features for b in bases), bias=first.bias is not None,
                       device="meta")
+    fused.gemm_context = getattr(first, "gemm_context", None)  # the FP8 update's phase: the model's context
     fused.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
     if first.bias is not None:
         fused.bias = nn.Parameter(torch.cat([b.bias.detach() for b in bases]), requires_grad=False)
@@ -217,7 +218,7 @@ class ProjectionGroup:
         a, b = lora
         if a.dtype != x.dtype:
             return None
-        from qerl.model import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
+        from qerl.execution import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         active = dict(self._active_lora(self.members()))

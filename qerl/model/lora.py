@@ -68,7 +68,7 @@ def add_low_rank(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> Tensor:
 class DeferredLoRA:
     """A projection's output in the fused decode step with LoRA's update not added yet: `out` [rows, N] is the base
     GEMM's output, the update is scale · h·bᵀ (h = x·Aᵀ [rows, R], b [N, R] with unit stride along R). The kernel
-    that reads `out` next adds the update before its own rounding, as one addmm would (`qerl.model.fused_ops`:
+    that reads `out` next adds the update before its own rounding, as one addmm would (`qerl.execution.fused_ops`:
     RoPE + KV write, SiLU·up, add + RMSNorm), so LoRA's B product costs no launch of its own. `blocks`: per member
     of a fused output (q/k/v, gate/up; one for a single projection), its first row of b, its first column of h and
     b, and its rank."""
@@ -143,7 +143,7 @@ class LoraLinear(nn.Module):
         if not self.enabled or self.lora_B.dtype != x.dtype or self.lora_A.dtype != x.dtype or x.dim() != 2 \
                 or not self.lora_A.is_contiguous() or self.lora_B.stride(-1) != 1:
             return None
-        from qerl.model import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
+        from qerl.execution import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         return DeferredLoRA(self.base(x), fused_ops.lora_shrink(x, self.lora_A), self.lora_B, self.scaling,

@@ -6,7 +6,7 @@ serves training (no cache) and rollout (static KV cache): both compute the same 
 ratio relies on.
 
 `Transformer.decode_step` is the one-token step of a rollout engine over caches the engine owns: the same blocks,
-with the Triton kernels of `qerl.model.fused_ops` where they run (`fused=True`). Each block calls its input projections
+with the Triton kernels of `qerl.execution.fused_ops` where they run (`fused=True`). Each block calls its input projections
 through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA
 where the model is loaded) those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.model.fusion`); Phi-3
 stores them stacked (`qkv_proj`, `gate_up_proj`), so it runs one GEMM each as loaded. Where a kernel's rounding is
@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from qerl.model import fusion, training_ops
+from qerl import execution
+from qerl.execution import training_ops
+from qerl.model import fusion
 from qerl.model.families import FULL, SLIDING, SUPPORTED_MODEL_TYPES, Family, family, layer_types, unsupported
 from qerl.model.fusion import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
 from qerl.model.lora import DeferredLoRA, finished
@@ -273,11 +275,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate [B, H, T, D] by [B, 1, T, D] fp32 tables (HF's rotate-half convention), computed in fp32."""
-    return training_ops.rope(x, cos, sin)
-
-
 # ---------------------------------------------------------------------------------------------------- blocks
 
 
@@ -291,13 +288,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.ops = training_ops.EAGER  # the model's execution plan sets its own (qerl.execution.attach)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.unit_offset:  # Gemma's rounding: the training kernels (qerl.model.training_ops) norm as Llama does
+        if self.unit_offset:  # Gemma's rounding: the training kernels (qerl.execution.training_ops) norm as Llama does
             xf = x.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return training_ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: Tensor, residual: Tensor | DeferredLoRA | None,
                     fused: bool = False) -> tuple[Tensor, Tensor]:
@@ -311,7 +309,7 @@ class RMSNorm(nn.Module):
         """`add_forward`, and h = norm(x + residual)·Aᵀ for the next projection's LoRA A `shrink` [R, dim] (None:
         h is None); fused: in the same kernel (`fused_ops.fused_add_rmsnorm`)."""
         if fused and not self.unit_offset:
-            from qerl.model import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
+            from qerl.execution import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
 
             low_rank = residual if isinstance(residual, DeferredLoRA) else None  # the kernel finishes its update
             out = fused_ops.fused_add_rmsnorm(x, low_rank.out if low_rank is not None else residual, self.weight,
@@ -385,6 +383,7 @@ class Attention(nn.Module):
         # Softmax scale; None = SDPA's own head_dim ** -0.5 (not passed, so Llama/Qwen compute exactly as before).
         self.scale = config.query_pre_attn_scalar ** -0.5 if config.query_pre_attn_scalar else None
         self.kv_cache: KVCache | None = None
+        self.ops = training_ops.EAGER  # RoPE's; the model's execution plan sets its own (qerl.execution.attach)
 
     def project_qkv(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden]."""
@@ -423,7 +422,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         groups = self.num_heads // self.num_kv_heads
         if cache_position is not None:
             k, v = self.kv_cache.update(cache_position, k, v)
@@ -460,8 +459,8 @@ class Attention(nn.Module):
                     c.view(rows, -1, t.shape[1], dim).transpose(1, 2))
 
         (q_p, q_c), (k_p, k_c), (v_p, v_c) = parts(q), parts(k), parts(v)
-        q_p, k_p = apply_rope(q_p, cos_p, sin_p), apply_rope(k_p, cos_p, sin_p)
-        q_c, k_c = apply_rope(q_c, cos_c, sin_c), apply_rope(k_c, cos_c, sin_c)
+        q_p, k_p = self.ops.rope(q_p, cos_p, sin_p), self.ops.rope(k_p, cos_p, sin_p)
+        q_c, k_c = self.ops.rope(q_c, cos_c, sin_c), self.ops.rope(k_c, cos_c, sin_c)
         # Each row's keys and values: its prompt's, then its completion's.
         k_c = torch.cat([k_p[shared.owner], k_c], dim=2)
         v_c = torch.cat([v_p[shared.owner], v_c], dim=2)
@@ -492,7 +491,7 @@ class Attention(nn.Module):
         rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         window = mask.shape[-1]
         if fused:
-            from qerl.model import fused_ops
+            from qerl.execution import fused_ops
 
             q, k, v, low_rank = self.project_qkv_deferred(h, h_lora)
             norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
@@ -510,7 +509,7 @@ class Attention(nn.Module):
             q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+            q, k = self.ops.rope(q, cos[:, None], sin[:, None]), self.ops.rope(k, cos[:, None], sin[:, None])
             k_cache[:rows].index_copy_(2, slot, k[:, :, None].to(k_cache.dtype))
             v_cache[:rows].index_copy_(2, slot, v[:, :, None].to(v_cache.dtype))
         if fused:  # split-KV decode attention: SDPA's kernels leave most of the GPU idle at one query per row
@@ -545,6 +544,7 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act = _ACTIVATIONS[config.hidden_act]
+        self.ops = training_ops.EAGER  # the model's execution plan sets its own (qerl.execution.attach)
 
     def gate_up(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
         """gate and up projections [..., intermediate] of the normed input x [..., hidden]."""
@@ -559,7 +559,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
         if self.act is F.silu:
-            return self.down_proj(training_ops.silu_mul(gate, up))  # one kernel on CUDA (qerl.model.training_ops)
+            return self.down_proj(self.ops.silu_mul(gate, up))  # one kernel on CUDA (qerl.execution.training_ops)
         return self.down_proj(self.act(gate) * up)
 
     def decode_lora_a(self, dtype: torch.dtype) -> Tensor | None:
@@ -572,7 +572,7 @@ class MLP(nn.Module):
         update (GeGLU: the plain ops, no kernel), and down's LoRA update left to the next norm's kernel (a
         `DeferredLoRA`). h_lora: h·Aᵀ for `decode_lora_a`, if already computed."""
         if fused and self.act is F.silu:
-            from qerl.model import fused_ops
+            from qerl.execution import fused_ops
 
             group = self.__dict__.get(GROUP_ATTR)
             parts = group.decode_deferred(h, h_lora) if group is not None else None
@@ -880,6 +880,9 @@ class Transformer(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # The default execution plan (eager ops, one GEMM context for all its frozen layers) until the run's own is
+        # attached (qerl.model.runtime.prepare_base): layers that replace these later take theirs.
+        execution.attach(self)
 
     @classmethod
     def from_config(cls, config: ModelConfig | dict[str, Any], dtype: torch.dtype | None = None,
@@ -951,7 +954,7 @@ class Transformer(nn.Module):
     def fused_decode_supported(self) -> bool:
         """Whether `decode_step(fused=True)` can run here: the Triton kernels run on the model's device (CUDA, or
         the CPU interpreter) and the RoPE kernel's block, head_dim / 2, is a power of two."""
-        from qerl.model import fused_ops
+        from qerl.execution import fused_ops
 
         half = self.config.head_dim // 2
         return self.config.head_dim % 2 == 0 and half & (half - 1) == 0 \
