@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from qerl.model.transformer import ModelConfig, Transformer, rope_frequencies
+from qerl.model.rope import rope_frequencies
+from qerl.model.transformer import ModelConfig, Transformer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, attn_implementation="eager")

@@ -1,7 +1,7 @@
 """The policy model: one decoder for every family, its 4-bit base loaded from disk, its LoRA adapters and AQN noise.
 
-Owns `transformer` (the decoder, HF module names, static KV cache, the fused decode step), `families` (what each
-model family changes), `fusion` (q/k/v and gate/up as one GEMM), `recompute` (how many blocks recompute in
+Owns `transformer` (the decoder, HF module names, static KV cache), `architecture` (`ModelConfig`, from and to
+a Hugging Face config), `rope` (every RoPE variant), `families` (what each model family changes), `fusion` (q/k/v and gate/up as one GEMM), `recompute` (how many blocks recompute in
 backward), `lora` (adapters in PEFT format), `aqn` (the noise schedules and the noise on the norm weights), `loading`
 (HF folders, GGUF, our quantized folders), `runtime` (settings into a live model: device, dtype, seeds) and `export` (`qerl export`).
 

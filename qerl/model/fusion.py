@@ -27,11 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.model.lora import ONE_GEMM_DEVICES, DeferredLoRA, LoraLinear, add_low_rank
+from qerl.execution.deferred import GROUP_ATTR, DeferredLoRA
+from qerl.model.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
 from qerl.quant.fp8 import frozen_linear
 from qerl.quant.linear import QuantLinear
-
-GROUP_ATTR = "projection_group"  # on the block module (Attention, MLP): its ProjectionGroup; a plain attribute
 
 __all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "signature", "sync", "GROUP_ATTR"]
 

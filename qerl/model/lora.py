@@ -13,7 +13,7 @@ import json
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from qerl.config import LoraSettings  # the one LoRA settings type (also the params file's `lora` section)
+from qerl.execution.deferred import DeferredLoRA
 from qerl.quant.fp8 import frozen_linear
 from qerl.run.atomic import atomic_dir
 
@@ -62,30 +63,6 @@ def add_low_rank(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> Tensor:
         flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), b.t(), alpha=scaling)
         return flat.view(out.shape)
     return out + (nn.functional.linear(h, b) * scaling).to(out.dtype)
-
-
-@dataclass
-class DeferredLoRA:
-    """A projection's output in the fused decode step with LoRA's update not added yet: `out` [rows, N] is the base
-    GEMM's output, the update is scale · h·bᵀ (h = x·Aᵀ [rows, R], b [N, R] with unit stride along R). The kernel
-    that reads `out` next adds the update before its own rounding, as one addmm would (`qerl.execution.fused_ops`:
-    RoPE + KV write, SiLU·up, add + RMSNorm), so LoRA's B product costs no launch of its own. `blocks`: per member
-    of a fused output (q/k/v, gate/up; one for a single projection), its first row of b, its first column of h and
-    b, and its rank."""
-    out: Tensor
-    h: Tensor
-    b: Tensor
-    scale: float
-    blocks: tuple[tuple[int, int, int], ...]
-
-    def finish(self) -> Tensor:
-        """`out` with the update added in place (one addmm): for a reader that has no kernel adding it."""
-        return self.out.addmm_(self.h, self.b.t(), alpha=self.scale)
-
-
-def finished(out: Tensor | DeferredLoRA | None) -> Tensor | None:
-    """The tensor itself, or a deferred output finished."""
-    return out.finish() if isinstance(out, DeferredLoRA) else out
 
 
 def _module_device(module: nn.Module) -> torch.device:
