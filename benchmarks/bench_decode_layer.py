@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--kv", default="model", help="rollout.kv_cache_dtype: model or fp8")
     ap.add_argument("--profile", action="store_true", help="also print the kernels of the replayed step (profiler)")
+    ap.add_argument("--lora-epilogue", action="store_true", help="execution.lora_epilogue: LoRA in the GEMM epilogue")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -172,7 +173,7 @@ def main() -> None:
     rows = []
     with open(os.path.join(args.out, "decode_layer.jsonl"), "a") as log:
         for scheme in args.schemes.split(","):
-            model = build_model(args.model, scheme)
+            model = build_model(args.model, scheme, lora_epilogue=args.lora_epilogue)
             for projections in args.projections.split(","):
                 if projections == "separate":
                     fusion.unfuse_projections(model)

@@ -76,7 +76,7 @@ class ModelSettings:
     # Rollouts are unaffected. Its agreement with bf16: BENCHMARKS.md, "An FP8 update".
     base_gemm: Literal["bf16", "fp8"] = "bf16"
     # The update runs each distinct prompt of a micro-batch through the blocks once, however many of its rows (a
-    # GRPO group's completions) repeat it (Decoder.forward_shared_prompts): the same log-probs and gradients to
+    # GRPO group's completions) repeat it (qerl.execution.shared_prompts): the same log-probs and gradients to
     # float rounding, with 1/G of the prompt tokens. Not with LoRA dropout, whose masks the rows would share.
     share_prompts: bool = True
     # The update runs only the real tokens through the blocks' GEMMs and the LM head: the completions of a

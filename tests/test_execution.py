@@ -55,8 +55,8 @@ def test_the_plan_is_the_params_and_the_debug_switches(monkeypatch):
     monkeypatch.setenv("QERL_PDL", "0")
     monkeypatch.setenv("QERL_GEMM_CACHE", "/tmp/elsewhere.json")
     plan = ExecutionPlan.from_settings(s.model, s.execution, torch.device("cpu"))
-    assert plan == ExecutionPlan(training_kernels="eager", lora_epilogue=True, gemm_tuning="defaults", nvfp4_autotune=True,
-                                 gemm_cache="/tmp/elsewhere.json", pdl=False, vocab_kernel=True)
+    assert plan == ExecutionPlan(training_kernels="eager", lora_epilogue=True, gemm_tuning="defaults",
+                                 nvfp4_autotune=True, gemm_cache="/tmp/elsewhere.json", pdl=False, vocab_kernel=True)
     gemm = attach(tiny(), plan).gemm
     assert gemm.lora_epilogue and gemm.autotune and not gemm.pdl
     assert gemm.dispatcher.tuning == "defaults" and str(gemm.dispatcher.cache) == "/tmp/elsewhere.json"
@@ -64,3 +64,15 @@ def test_the_plan_is_the_params_and_the_debug_switches(monkeypatch):
     assert ExecutionPlan.from_settings(defaults.model, defaults.execution, torch.device("cpu")).gemm_tuning == "measure"
     with pytest.raises(ConfigError, match="execution.gemm_tuning"):
         load_settings(overrides=["execution.gemm_tuning=sometimes"])
+
+
+def test_a_plan_attached_after_fusing_reaches_the_fused_projections():
+    """`prepare_base` fuses q/k/v and gate/up before it attaches the run's plan: the fused layers (not submodules)
+    must read the new plan's GEMM context too, or the FP8 update would miss them."""
+    from qerl.model import fusion
+
+    model = tiny("nvfp4")
+    assert model.fuse_projections() > 0
+    live = attach(model, ExecutionPlan())
+    fused = [g.fused for g in fusion.groups(model)]
+    assert fused and all(f.gemm_context is live.gemm for f in fused)

@@ -58,7 +58,8 @@ def test_dispatch_picks_the_fastest_measured_backend_and_caches_it(cache):
     data = json.loads(cache.read_text())
     assert data["choices"][dispatch.environment_key()] == {"fwd|qerl|4096x1024|m256": "dequant_cublas"}
     # a new process (a new dispatcher) reads the file instead of measuring
-    assert dispatch.Dispatcher(cache=cache).choose("fwd", "qerl", 4096, 1024, 130, cands, lambda fn: pytest.fail("re-measured")) \
+    assert dispatch.Dispatcher(cache=cache).choose("fwd", "qerl", 4096, 1024, 130, cands,
+                                                   lambda fn: pytest.fail("re-measured")) \
         == "dequant_cublas"
 
 
@@ -68,7 +69,8 @@ def test_dispatch_defaults_before_measuring_and_during_capture(cache, monkeypatc
     assert defaults.choose("fwd", "humming", 64, 64, 8, cands, lambda fn: pytest.fail("timed")) == "humming"
     assert defaults.choose("fwd", "humming", 64, 64, 2048, cands) == "dequant_cublas"
     monkeypatch.setattr(dispatch, "_capturing", lambda: True)  # never time inside a CUDA-graph capture
-    assert dispatch.Dispatcher(cache=cache).choose("bwd", "humming", 64, 64, 2048, cands, lambda fn: pytest.fail("timed")) \
+    assert dispatch.Dispatcher(cache=cache).choose("bwd", "humming", 64, 64, 2048, cands,
+                                                   lambda fn: pytest.fail("timed")) \
         == "dequant_cublas"
     assert not cache.exists()
 

@@ -368,6 +368,7 @@ def test_gpu_shared_prompts_forward_agrees_with_forward(scheme, precision):
     kernels, fused projections and each base GEMM precision, every real token's hidden state and the LoRA gradients
     are the plain forward's to bf16 rounding (the packed GEMMs have other shapes, so other roundings)."""
     from qerl.execution import ExecutionPlan, attach, update_precision
+    from qerl.execution.shared_prompts import forward_shared_prompts
     from tests.test_model import grouped_rows
 
     model = smooth_model(scheme).train()
@@ -382,7 +383,7 @@ def test_gpu_shared_prompts_forward_agrees_with_forward(scheme, precision):
         for p in params:
             p.grad = None
         with update_precision(model, precision):
-            hidden = model.model.forward_shared_prompts(ids, mask, prompt_len) if shared \
+            hidden = forward_shared_prompts(model.model, ids, mask, prompt_len) if shared \
                 else model.model(ids, attention_mask=mask)
             (hidden.float() * weights).sum().backward()
         results.append(((hidden.detach().float() * mask[..., None]),

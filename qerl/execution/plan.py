@@ -18,6 +18,7 @@ from torch import nn
 
 from qerl import debug
 from qerl.config import ExecutionSettings, ModelSettings
+from qerl.execution.deferred import GROUP_ATTR
 from qerl.execution.training_ops import TrainingOps
 from qerl.quant.linear import QuantLinear, fp8_available
 
@@ -65,14 +66,17 @@ class Execution:
 def attach(model: nn.Module, plan: ExecutionPlan | None = None) -> Execution:
     """Make `plan` (None: the defaults) live on `model` (replacing any plan before it) and return it: every frozen
     linear (QuantLinear, and the nn.Linear the FP8 update may run) gets its GEMM context, every block module that
-    calls the training ops (an `ops` attribute: RMSNorm, Attention, MLP) its ops. Layers built later (a fused
-    projection, LoRA's wrapper) take their members' or base's."""
+    calls the training ops (an `ops` attribute: RMSNorm, Attention, MLP) its ops; the fused layer of each projection
+    group too (`qerl.model.fusion`: not a submodule). Layers built later (a fused projection, LoRA's wrapper, a
+    quantized layer in place of a linear) take their members', base's or predecessor's."""
     live = Execution(plan or ExecutionPlan())
     for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.set_gemm_context(live.gemm)
-        elif type(m) is nn.Linear:
-            m.gemm_context = live.gemm
+        group = m.__dict__.get(GROUP_ATTR)
+        for layer in (m, getattr(group, "fused", None)):
+            if isinstance(layer, QuantLinear):
+                layer.set_gemm_context(live.gemm)
+            elif type(layer) is nn.Linear:
+                layer.gemm_context = live.gemm
         if "ops" in m.__dict__:
             m.ops = live.ops
     model.__dict__[ATTRIBUTE] = live  # a plain attribute: not a submodule, not in the state dict

@@ -1,22 +1,19 @@
 """One decoder for the Llama, Qwen2/3, Mistral, Phi-3 and Gemma 3 families, with Hugging Face's module names.
 
 Parameter names match transformers' `*ForCausalLM` of each family exactly, so checkpoints load as a plain state
-dict and PEFT adapter keys line up; what each family changes is described once, in `qerl.model.families`. One forward
-serves training (no cache) and rollout (static KV cache): both compute the same numbers, which the policy-gradient
-ratio relies on.
+dict and PEFT adapter keys line up; what each family changes is described once, in `qerl.model.families`. Each module
+has one forward, for training (no cache), prefill (a static KV cache) and the plain decode step (the caller's caches):
+all compute the same numbers, which the policy-gradient ratio relies on. Each block calls its input projections
+through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA)
+those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.model.fusion`); Phi-3 stores them stacked.
 
-`Transformer.decode_step` is the one-token step of a rollout engine over caches the engine owns: the same blocks,
-with the Triton kernels of `qerl.execution.fused_ops` where they run (`fused=True`). Each block calls its input projections
-through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA
-where the model is loaded) those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.model.fusion`); Phi-3
-stores them stacked (`qkv_proj`, `gate_up_proj`), so it runs one GEMM each as loaded. Where a kernel's rounding is
-not the family's (Gemma's (1 + w) norms, GeGLU) the decode step runs those ops in plain PyTorch.
+What makes it fast is applied to it from `qerl.execution`: the blocks' training ops (`ops`, set by the model's
+execution plan), the fused decode step (`decode_step(fused=True)`) and the shared-prompt forward of the update.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +27,7 @@ from qerl.execution import decode, training_ops
 from qerl.execution.deferred import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
 from qerl.model import fusion
 from qerl.model.architecture import ModelConfig
+from qerl.model.masks import positions_and_mask, sliding_mask
 from qerl.model.rope import RotaryEmbedding
 from qerl.quant.fp8 import frozen_linear
 
@@ -158,47 +156,6 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **self.sdpa_scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def forward_shared(self, x: Tensor, shared: "SharedPrompts", sliding: bool = False) -> Tensor:
-        """`forward` over a micro-batch packed by `SharedPrompts`: x [tokens, hidden] holds each distinct prompt's
-        tokens once, then every row's completion tokens (with `shared.index`, only the real ones). The prompts attend
-        within themselves; each completion attends to its own prompt's keys and values (gathered per row) and
-        causally to its own tokens: what every row computes in `forward`, without repeating a prompt for each
-        completion that shares it. Attention runs on the padded layout (packed tokens scattered into it)."""
-        q, k, v = self.project_qkv(x)
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = shared.unpack(q), shared.unpack(k), shared.unpack(v)
-        (cos_p, sin_p, mask_p), (cos_c, sin_c, mask_c) = shared.tables[sliding]
-        n, prompts, rows = shared.prompts * shared.prompt_len, shared.prompts, shared.rows
-
-        def parts(t: Tensor) -> tuple[Tensor, Tensor]:  # [prompts, heads, P, dim], [rows, heads, C, dim]
-            # One split, not two slices: backward then writes the gradient once (a cat), where each slice's
-            # backward would zero-fill a whole-size gradient, copy into it and add the two (7 kernels, not 1).
-            p, c = t.split([n, t.shape[0] - n])
-            return (p.view(prompts, -1, t.shape[1], dim).transpose(1, 2),
-                    c.view(rows, -1, t.shape[1], dim).transpose(1, 2))
-
-        (q_p, q_c), (k_p, k_c), (v_p, v_c) = parts(q), parts(k), parts(v)
-        q_p, k_p = self.ops.rope(q_p, cos_p, sin_p), self.ops.rope(k_p, cos_p, sin_p)
-        q_c, k_c = self.ops.rope(q_c, cos_c, sin_c), self.ops.rope(k_c, cos_c, sin_c)
-        # Each row's keys and values: its prompt's, then its completion's.
-        k_c = torch.cat([k_p[shared.owner], k_c], dim=2)
-        v_c = torch.cat([v_p[shared.owner], v_c], dim=2)
-        groups, options = heads // kv_heads, dict(self.sdpa_scale)
-        if groups > 1 and x.device.type == "cpu":
-            # SDPA's own GQA on the CPU: the same numbers as repeated keys and values (bitwise, torch 2.13), with a
-            # third of them saved for backward and half the time (SmolLM2: 9 query heads on 3 kv heads).
-            options["enable_gqa"] = True
-        elif groups > 1:
-            k_p, v_p = k_p.repeat_interleave(groups, dim=1), v_p.repeat_interleave(groups, dim=1)
-            k_c, v_c = k_c.repeat_interleave(groups, dim=1), v_c.repeat_interleave(groups, dim=1)
-        out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask_p, **options)
-        out_c = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask_c, **options)
-        out = torch.cat([out_p.transpose(1, 2).reshape(n, -1), out_c.transpose(1, 2).reshape(q.shape[0] - n, -1)])
-        return self.o_proj(shared.pack(out))
-
     @property
     def sdpa_scale(self) -> dict[str, float]:
         """SDPA's `scale` argument where the family sets one (Gemma's query_pre_attn_scalar)."""
@@ -266,14 +223,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None,
                 cache_position: Tensor | None = None) -> Tensor:
         """x [B, T, hidden] through the block (arguments as `Attention.forward`)."""
-        return self._block(x, lambda h: self.self_attn(h, cos, sin, mask, cache, cache_position))
+        return self.around(x, lambda h: self.self_attn(h, cos, sin, mask, cache, cache_position))
 
-    def forward_shared(self, x: Tensor, shared: "SharedPrompts") -> Tensor:
-        """`forward` over a micro-batch packed by `SharedPrompts` (x [tokens, hidden]; see `Attention.forward_shared`):
-        every op but attention works token by token, so it runs on the packed tokens as they are."""
-        return self._block(x, lambda h: self.self_attn.forward_shared(h, shared, self.sliding))
-
-    def _block(self, x: Tensor, attend) -> Tensor:
+    def around(self, x: Tensor, attend) -> Tensor:
+        """The block around its attention, `attend(normed x)`: norms, residual adds and the MLP."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -281,91 +234,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 # ---------------------------------------------------------------------------------------------------- model
-
-
-def _positions_and_mask(batch: int, seq: int, attention_mask: Tensor | None, position_ids: Tensor | None,
-                        cache_position: Tensor | None, cache_len: int | None,
-                        device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """Position ids [B, T] and a boolean attention mask [B|1, 1, T, S] (None = plain causal, no cache)."""
-    query_slots = cache_position if cache_position is not None else torch.arange(seq, device=device)
-    key_len = cache_len if cache_position is not None else seq
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
-            raise ValueError(f"attention_mask must be [batch={batch}, T_total], got {tuple(attention_mask.shape)}")
-        mask_len = attention_mask.shape[1]
-        if (cache_position is None and mask_len != seq) or mask_len > key_len:
-            raise ValueError(f"attention_mask length {mask_len} must be the input length {seq} without a cache, "
-                             f"or at most the cache length {key_len} with one")
-        valid = attention_mask.to(device=device, dtype=torch.bool)
-    if position_ids is None:
-        if attention_mask is not None:  # left padding: count real tokens so each row starts at position 0
-            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            position_ids = positions[:, query_slots] if cache_position is not None else positions
-        else:
-            position_ids = query_slots[None].expand(batch, seq)
-    if attention_mask is None and cache_position is None:
-        return position_ids, None  # lets SDPA pick its causal (flash) kernel
-    key_slots = torch.arange(key_len, device=device)
-    allowed = key_slots[None, :] <= query_slots[:, None]  # [T, S] causal over written slots
-    if attention_mask is not None:
-        if valid.shape[1] < key_len:  # slots past the mask are not written yet; causality already hides them
-            valid = F.pad(valid, (0, key_len - valid.shape[1]), value=True)
-        # Each query also sees itself, so padding rows never softmax over nothing (NaN); real rows are unaffected.
-        allowed = (allowed[None] & valid[:, None, :]) | (key_slots[None, :] == query_slots[:, None])[None]
-    else:
-        allowed = allowed[None]
-    return position_ids, allowed[:, None]
-
-
-def _sliding_mask(mask: Tensor | None, seq: int, cache_position: Tensor | None, key_len: int, window: int,
-                  device: torch.device) -> Tensor:
-    """`mask` (as `_positions_and_mask` returns it; None = plain causal) narrowed, for sliding layers, to the last
-    `window` key slots of each query, itself included: transformers' `kv_idx > q_idx - sliding_window`."""
-    query_slots = cache_position if cache_position is not None else torch.arange(seq, device=device)
-    key_slots = torch.arange(key_len, device=device)
-    if mask is None:
-        mask = (key_slots[None, :] <= query_slots[:, None])[None, None]
-    return mask & (key_slots[None, :] > query_slots[:, None] - window)
-
-
-@dataclass
-class SharedPrompts:
-    """A training micro-batch whose rows repeat a few prompts (a GRPO group's completions share theirs), packed so
-    that each distinct prompt runs through the blocks once (`Decoder.forward_shared_prompts`): the tokens are each
-    distinct prompt's, then every row's completion's. `tables[sliding]` holds the RoPE tables and attention masks
-    of the prompt part ([prompts, 1, P, ...]) and of the completion part ([rows, 1, C, ...], over all T keys), sliced
-    from what `forward` builds for the whole micro-batch, so both compute the same positions and masks.
-    With `index` the tokens are only the real ones (no padding): their places in that padded layout."""
-
-    prompts: int  # distinct prompts
-    rows: int
-    prompt_len: int
-    completion_len: int
-    owner: Tensor  # [rows]: each row's distinct prompt
-    tables: dict[bool, tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]]
-    index: Tensor | None = None  # packed: the real tokens' places in the padded [prompts * P + rows * C] layout
-
-    def unpack(self, packed: Tensor) -> Tensor:
-        """Packed tokens [tokens, ...] in the padded layout [prompts * P + rows * C, ...], zeros at padding."""
-        if self.index is None:
-            return packed
-        slots = self.prompts * self.prompt_len + self.rows * self.completion_len
-        return packed.new_zeros((slots, *packed.shape[1:])).index_copy(0, self.index, packed)
-
-    def pack(self, padded: Tensor) -> Tensor:
-        """The real tokens of the padded layout (`unpack`'s inverse)."""
-        return padded if self.index is None else padded.index_select(0, self.index)
-
-
-def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
-    """(owner [B]: each row's distinct prompt, first [U]: the first row holding each) of the first `prompt_len`
-    columns (token ids and mask both)."""
-    batch = input_ids.shape[0]
-    prompt = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
-    distinct, owner = torch.unique(prompt, dim=0, return_inverse=True)
-    rows = torch.arange(batch, device=input_ids.device)
-    first = torch.full((len(distinct),), batch, dtype=torch.long, device=input_ids.device)
-    return owner, first.scatter_reduce_(0, owner, rows, "amin")
 
 
 class Decoder(nn.Module):
@@ -402,11 +270,11 @@ class Decoder(nn.Module):
         """Position ids [B, T] and the attention masks by `layer.sliding` ([B|1, 1, T, S] boolean; None: plain
         causal), for T tokens written at `cache_position` (None: no cache) of a cache of `cache_len` slots: what
         every forward over a micro-batch (the plain one, the shared-prompt one, the memory plan's) starts from."""
-        position_ids, mask = _positions_and_mask(batch, seq, attention_mask, position_ids, cache_position,
+        position_ids, mask = positions_and_mask(batch, seq, attention_mask, position_ids, cache_position,
                                                  cache_len, device)
         masks = {False: mask}
         if self.sliding_window is not None:
-            masks[True] = _sliding_mask(mask, seq, cache_position, cache_len or seq, self.sliding_window, device)
+            masks[True] = sliding_mask(mask, seq, cache_position, cache_len or seq, self.sliding_window, device)
         return position_ids, masks
 
     def step_masks(self, attend: Tensor, slot: Tensor) -> dict[bool, Tensor]:
@@ -443,7 +311,7 @@ class Decoder(nn.Module):
         prefill and the plain decode step."""
         inputs = {kind: (cos[:, None], sin[:, None], masks[kind])  # cos/sin broadcast over heads
                   for kind, (cos, sin) in self.rope_tables(position_ids).items() if kind in masks}
-        recompute = self._recomputed()
+        recompute = self.recomputed_blocks()
         for i, layer in enumerate(self.layers):
             cos, sin, mask = inputs[layer.sliding]
             cache = None if caches is None else caches[i]
@@ -453,56 +321,12 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, mask, cache, cache_position)
         return self.norm(x)
 
-    def _recomputed(self) -> int:
+
+    def recomputed_blocks(self) -> int:
         """How many blocks (the first ones) recompute their forward in backward instead of keeping their
         activations: gradient_checkpointing True (every block), False, or a number (the trainer's memory plan)."""
         plan = self.gradient_checkpointing
         return (len(self.layers) if plan is True else int(plan)) if self.training and torch.is_grad_enabled() else 0
-
-    def forward_shared_prompts(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, share: bool = True,
-                               pack: bool = False) -> Tensor:
-        """`forward(input_ids, attention_mask=attention_mask)` for rows that are a prompt in the first `prompt_len`
-        columns (left-padded) and a completion after it (right-padded), computing each distinct prompt once however
-        many rows repeat it: a GRPO micro-batch of G-sample groups runs its prompt tokens 1/G as often. Each row's
-        prompt positions hold its prompt's hidden states. Same hidden states and gradients as `forward` (the GEMMs'
-        shapes differ, so to float rounding). Rows that all differ, without `pack`: `forward` itself.
-
-        `share=False`: every row keeps its own prompt (LoRA dropout, whose masks shared rows would share). `pack`:
-        only the real tokens (attention mask 1) go through the blocks' projections and MLPs, without padding;
-        attention scatters them into the padded layout per row. Rows of different lengths then cost their own
-        tokens, not the longest's; the padding positions' hidden states are 0."""
-        batch, seq = input_ids.shape
-        if share:
-            owner, first = distinct_prompts(input_ids, attention_mask, prompt_len)
-        else:
-            owner = first = torch.arange(batch, device=input_ids.device)
-        if (len(first) == batch and not pack) or prompt_len == 0 or prompt_len >= seq:
-            return self(input_ids, attention_mask=attention_mask)
-        p = prompt_len
-        position_ids, masks = self.masks(batch, seq, attention_mask, device=input_ids.device)
-        # Contiguous once here, not in each of the blocks' RoPE calls (4 per block per forward).
-        tables = {kind: ((cos[first, :p][:, None].contiguous(), sin[first, :p][:, None].contiguous(),
-                          masks[kind][first][:, :, :p, :p]),
-                         (cos[:, p:][:, None].contiguous(), sin[:, p:][:, None].contiguous(), masks[kind][:, :, p:]))
-                  for kind, (cos, sin) in self.rope_tables(position_ids).items() if kind in masks}
-        tokens = torch.cat([input_ids[first, :p].reshape(-1), input_ids[:, p:].reshape(-1)])
-        index = None
-        if pack:
-            real = torch.cat([attention_mask[first, :p].reshape(-1), attention_mask[:, p:].reshape(-1)]).bool()
-            index = real.nonzero().squeeze(1)
-            tokens = tokens[index]
-        shared = SharedPrompts(len(first), batch, p, seq - p, owner, tables, index)
-        x = self.embed(tokens)
-        recompute = self._recomputed()
-        for i, layer in enumerate(self.layers):
-            if i < recompute:
-                x = checkpoint(layer.forward_shared, x, shared, use_reentrant=False)
-            else:
-                x = layer.forward_shared(x, shared)
-        x = shared.unpack(self.norm(x))
-        n = shared.prompts * p
-        return torch.cat([x[:n].view(shared.prompts, p, -1)[owner], x[n:].view(batch, seq - p, -1)], dim=1)
-
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype | None):

@@ -4,8 +4,8 @@ Inside `qerl.execution.update_precision(model, "fp8")` (`model.base_gemm: fp8`: 
 `kernels.context.GemmContext`, which `qerl.execution` hands each frozen linear as `gemm_context`), the frozen bf16
 weight W [N, K] is quantized per call to E4M3, one scale per row of what the GEMM reads (W's rows n for y = x Wᵀ,
 Wᵀ's rows k for dx = dy W: `torch._scaled_mm` scales only along the dimensions it does not contract), activations
-and gradients per row, and the product runs through `torch._scaled_mm`. Nothing is kept between calls but the two scale vectors
-(W is frozen, so they are computed once): memory as the bf16 update, plus one FP8 copy of the largest weight in
+and gradients per row, and the product runs through `torch._scaled_mm`. Nothing is kept between calls but the two
+scale vectors (W is frozen, so they are computed once): memory as the bf16 update, plus one FP8 copy of the largest weight in
 flight; or, inside the context's `held_weights` (the update, when memory allows), both FP8 copies of each weight
 kept through the update. Quantizing W reads 2 and writes 1 byte per weight, ~15% of the FP8 GEMM's time at a 7B's
 training sizes.

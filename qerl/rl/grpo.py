@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from qerl.execution import execution_of, training_ops
+from qerl.execution.shared_prompts import forward_shared_prompts
+from qerl.model.transformer import Decoder
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
 Level = Literal["token", "sequence"]
@@ -274,8 +276,8 @@ def completion_log_probs(model, ids: Tensor, attn: Tensor, P: int, temperature: 
     C = ids.shape[1] - P
     predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
     decoder = model.model
-    if (share_prompts or pack) and hasattr(decoder, "forward_shared_prompts"):
-        hidden = decoder.forward_shared_prompts(ids, attn, P, share=share_prompts, pack=pack)[:, predicting]
+    if (share_prompts or pack) and isinstance(decoder, Decoder):
+        hidden = forward_shared_prompts(decoder, ids, attn, P, share=share_prompts, pack=pack)[:, predicting]
     else:
         hidden = decoder(ids, attention_mask=attn)[:, predicting]
     targets = ids[:, P:]

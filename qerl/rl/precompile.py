@@ -16,8 +16,8 @@ this machine.
 Skipped kernels leave their outputs unwritten; nothing on this path branches on values, so every worker meets the
 same kernels (a failed worker is a warning: the trainer compiles what is missing itself). Workers measure no GEMM
 backend (timings taken while other workers share the GPU would be wrong) but run each candidate once
-(their execution plan's gemm_tuning "compile"), so the trainer, which measures them once per machine in its first step (kernels.dispatch),
-finds every candidate compiled. The stand-in has at least two layers: the kernels between two layers (the residual add
+(their execution plan's gemm_tuning "compile"), so the trainer, which measures them once per machine in its first
+step (kernels.dispatch), finds every candidate compiled. The stand-in has at least two layers: the kernels between two layers (the residual add
 and the next layer's norm and LoRA input) exist only there.
 
 Run as a worker: `python -m qerl.rl.precompile JOB.json`.

@@ -216,7 +216,7 @@ class Trainer:
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
         # A micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
-        # (`model.share_prompts`, `Decoder.forward_shared_prompts`): same log-probs and gradients to float rounding,
+        # (`model.share_prompts`, `qerl.execution.shared_prompts`): same log-probs and gradients to float rounding,
         # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
         # dropout, whose masks would be shared by the rows.
         self.share_prompts = s.model.share_prompts and not s.lora.dropout
