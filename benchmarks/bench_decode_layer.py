@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rollout import build_model, free_cuda  # noqa: E402
-from qerl.model import fusion  # noqa: E402
+from qerl.execution import fusion  # noqa: E402
 from qerl.model.lora import LoraLinear  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
 from qerl.rollout.generate import sample_tokens  # noqa: E402

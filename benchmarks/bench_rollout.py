@@ -282,7 +282,7 @@ def main() -> None:
                 per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
                 for label, fused, configs_run, kv in variants:
                     if label.endswith("separate projections"):
-                        from qerl.model.fusion import unfuse_projections
+                        from qerl.execution.fusion import unfuse_projections
 
                         unfuse_projections(model)
                     engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)

@@ -215,7 +215,7 @@ def test_triton_kernels_in_the_interpreter():
         qn.weight.data.uniform_(0.5, 1.5); kn.weight.data.uniform_(0.5, 1.5)
         # LoRA's update left to the kernels (DeferredLoRA): h = x·Aᵀ in one launch (several splits, row and rank
         # blocks; the tile counters end at zero for the next launch), then added by the norm, SiLU·up and RoPE
-        from qerl.execution.deferred import DeferredLoRA
+        from qerl.execution.low_rank import DeferredLoRA
         for n, kdim, rank in ((3, 300, 12), (20, 1000, 40), (33, 700, 80)):
             xs, a = torch.randn(n, kdim), torch.randn(rank, kdim)
             got = K.lora_shrink(xs, a)

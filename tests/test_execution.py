@@ -69,7 +69,7 @@ def test_the_plan_is_the_params_and_the_debug_switches(monkeypatch):
 def test_a_plan_attached_after_fusing_reaches_the_fused_projections():
     """`prepare_base` fuses q/k/v and gate/up before it attaches the run's plan: the fused layers (not submodules)
     must read the new plan's GEMM context too, or the FP8 update would miss them."""
-    from qerl.model import fusion
+    from qerl.execution import fusion
 
     model = tiny("nvfp4")
     assert model.fuse_projections() > 0

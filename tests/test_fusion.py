@@ -1,11 +1,11 @@
-"""Fused q/k/v and gate/up projections (`qerl.model.fusion`): the same numbers as separate layers, one copy of the
+"""Fused q/k/v and gate/up projections (`qerl.execution.fusion`): the same numbers as separate layers, one copy of the
 weights, state dicts and adapters unchanged, LoRA updates and moves followed. CPU (fp32); on CUDA the engine's graphs
 read the same groups (test_engine's GPU tests run the fused model through `load_base_model`)."""
 import pytest
 import torch
 
 from qerl.execution import decode
-from qerl.model import fusion
+from qerl.execution import fusion
 from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora, lora_layers, merged_state_dict
 from qerl.quant.linear import QuantLinear, quantize_model
 from qerl.rollout.engine import RolloutEngine

@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from qerl.config import load_settings
-from qerl.execution import training_ops
-from qerl.model import fusion
-from qerl.model import lora
+from qerl.execution import fusion, low_rank, training_ops
 from qerl.model import recompute
 from qerl.quant.linear import QuantLinear
 from tests.test_fusion import lora_model
@@ -38,8 +36,7 @@ def test_lora_update_in_the_gemm_epilogue_gives_the_same_output_and_gradients(mo
         model.fuse_projections()
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
     ref_out, ref_grads = _loss_and_grads(model, ids)
-    monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr("qerl.model.fusion.ONE_GEMM_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(low_rank, "ONE_GEMM_DEVICES", {"cuda", "cpu"})  # LoRA layers' and fused groups' alike
     out, grads = _loss_and_grads(model, ids)
     assert torch.allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref_grads.keys() and len(grads) == 7 * 2 * 2
@@ -56,7 +53,7 @@ def test_one_gemm_path_is_taken_where_enabled(monkeypatch):
     ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(5))
     model(ids)
     assert not calls  # the CPU keeps its separate ops
-    monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cpu"})
+    monkeypatch.setattr(low_rank, "ONE_GEMM_DEVICES", {"cpu"})
     model(ids)
     assert len(calls) == 7 * len(model.model.layers)
 
@@ -411,8 +408,7 @@ def test_gpu_update_path_gives_the_plain_paths_gradients(monkeypatch, scheme):
         for p in params:
             p.grad = None
         attach(model, ExecutionPlan(training_kernels="auto" if fast else "eager"))
-        monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cuda"} if fast else set())
-        monkeypatch.setattr(fusion, "ONE_GEMM_DEVICES", {"cuda"} if fast else set())
+        monkeypatch.setattr(low_rank, "ONE_GEMM_DEVICES", {"cuda"} if fast else set())
         logits = model(ids)[:, :-1].float()
         (-torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).mean()).backward()
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)

@@ -7,7 +7,7 @@ the model's modules (their weights, norms, projection groups) and writes nothing
   projection group's LoRA x·Aᵀ where that group defers its update;
 * LoRA's B product is left to the kernel that reads a projection's output next (`DeferredLoRA`: RoPE + KV write,
   SiLU·up, add + RMSNorm), so it costs no launch of its own;
-* q/k/v and gate/up run as one GEMM each where the model fused them (`qerl.model.fusion`: `GROUP_ATTR`);
+* q/k/v and gate/up run as one GEMM each where the model fused them (`qerl.execution.fusion`: `GROUP_ATTR`);
 * attention is one split-KV kernel over the caller's caches (SDPA leaves most of the GPU idle at one query per row).
 Where a kernel's rounding is not the family's (Gemma's (1 + w) norms, GeGLU) the step runs those ops in plain
 PyTorch. Everything it launches depends only on shapes, so a CUDA graph of it replays correctly.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.execution.deferred import GROUP_ATTR, DeferredLoRA, finished
+from qerl.execution.low_rank import GROUP_ATTR, DeferredLoRA, deferred, finished, fused_forward, is_lora
 from qerl.quant.fp8 import frozen_linear
 
 
@@ -92,18 +92,16 @@ def add_norm(norm: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None,
 
 
 def project(linear: nn.Module, x: Tensor) -> Tensor:
-    """linear(x), through a layer's `fused_forward` where it has one (LoRA: base(x) then one addmm of the low-rank
-    update into it, instead of GEMM + scale + add)."""
-    fast = getattr(linear, "fused_forward", None)
-    return frozen_linear(linear, x) if fast is None else fast(x)
+    """linear(x); a LoRA layer's through `low_rank.fused_forward` (base(x) then one addmm of the low-rank update
+    into it, instead of GEMM + scale + add)."""
+    return fused_forward(linear, x) if is_lora(linear) else frozen_linear(linear, x)
 
 
 def _project_deferred(linear: nn.Module, x: Tensor) -> Tensor | DeferredLoRA:
     """`project`, leaving LoRA's B product to the kernel that reads the output next where the layer can
-    (`LoraLinear.decode_deferred`); the caller hands a `DeferredLoRA` to such a kernel or finishes it."""
-    defer = getattr(linear, "decode_deferred", None)
-    deferred = defer(x) if defer is not None else None
-    return project(linear, x) if deferred is None else deferred
+    (`low_rank.deferred`); the caller hands a `DeferredLoRA` to such a kernel or finishes it."""
+    left = deferred(linear, x) if is_lora(linear) else None
+    return project(linear, x) if left is None else left
 
 
 def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from qerl import debug
 from qerl.config import ExecutionSettings, ModelSettings
-from qerl.execution.deferred import GROUP_ATTR
+from qerl.execution.low_rank import GROUP_ATTR
 from qerl.execution.training_ops import TrainingOps
 from qerl.quant.linear import QuantLinear, fp8_available
 
@@ -67,7 +67,7 @@ def attach(model: nn.Module, plan: ExecutionPlan | None = None) -> Execution:
     """Make `plan` (None: the defaults) live on `model` (replacing any plan before it) and return it: every frozen
     linear (QuantLinear, and the nn.Linear the FP8 update may run) gets its GEMM context, every block module that
     calls the training ops (an `ops` attribute: RMSNorm, Attention, MLP) its ops; the fused layer of each projection
-    group too (`qerl.model.fusion`: not a submodule). Layers built later (a fused projection, LoRA's wrapper, a
+    group too (`qerl.execution.fusion`: not a submodule). Layers built later (a fused projection, LoRA's wrapper, a
     quantized layer in place of a linear) take their members', base's or predecessor's."""
     live = Execution(plan or ExecutionPlan())
     for m in model.modules():

@@ -5,7 +5,7 @@ dict and PEFT adapter keys line up; what each family changes is described once, 
 has one forward, for training (no cache), prefill (a static KV cache) and the plain decode step (the caller's caches):
 all compute the same numbers, which the policy-gradient ratio relies on. Each block calls its input projections
 through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA)
-those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.model.fusion`); Phi-3 stores them stacked.
+those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.execution.fusion`); Phi-3 stores them stacked.
 
 What makes it fast is applied to it from `qerl.execution`: the blocks' training ops (`ops`, set by the model's
 execution plan), the fused decode step (`decode_step(fused=True)`) and the shared-prompt forward of the update.
@@ -23,9 +23,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qerl import execution
-from qerl.execution import decode, training_ops
-from qerl.execution.deferred import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
-from qerl.model import fusion
+from qerl.execution import decode, fusion, training_ops
+from qerl.execution.low_rank import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
 from qerl.model.architecture import ModelConfig
 from qerl.model.masks import positions_and_mask, sliding_mask
 from qerl.model.rope import RotaryEmbedding
@@ -378,7 +377,7 @@ class Transformer(nn.Module):
         self.model.gradient_checkpointing = enabled
 
     def fuse_projections(self) -> int:
-        """Compute each block's q/k/v and gate/up as one GEMM each (weights concatenated once; `qerl.model.fusion`);
+        """Compute each block's q/k/v and gate/up as one GEMM each (weights concatenated once; `qerl.execution.fusion`);
         returns how many groups were fused. Module names, state dict and adapters are unchanged."""
         return fusion.fuse_projections(self)
 

@@ -153,7 +153,7 @@ class QuantLinear(nn.Module):
         self._gemm = None
         self._dense_cache: tuple | None = None  # (dtype, [(stored tensor, version)], dense weight): compute_weight
         # (fused layer, first row): this layer is rows of a concatenation of its siblings (`concat`, used by
-        # qerl.model.fusion) and holds no tensors of its own: one copy of the weight, in the fused layer.
+        # qerl.execution.fusion) and holds no tensors of its own: one copy of the weight, in the fused layer.
         self._rows_of: tuple[QuantLinear, int] | None = None
         for buffer_name, (shape, buffer_dtype) in codec.tensor_shapes(out_features, in_features).items():
             self.register_buffer(buffer_name, torch.empty(shape, dtype=buffer_dtype, device=device))

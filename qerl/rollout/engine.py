@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from qerl.model import fusion
+from qerl.execution import fusion
 from qerl.execution import kv8
 from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer

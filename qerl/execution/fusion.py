@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.execution.deferred import GROUP_ATTR, DeferredLoRA
-from qerl.model.lora import ONE_GEMM_DEVICES, LoraLinear, add_low_rank
+from qerl.execution import low_rank
+from qerl.execution.low_rank import GROUP_ATTR, DeferredLoRA, add_low_rank, is_lora
 from qerl.quant.fp8 import frozen_linear
 from qerl.quant.linear import QuantLinear
 
@@ -36,7 +36,7 @@ __all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups"
 
 
 def _base(member: nn.Module) -> nn.Module:
-    return member.base if isinstance(member, LoraLinear) else member
+    return member.base if is_lora(member) else member
 
 
 def _concat_dense(bases: list[nn.Linear]) -> nn.Linear | None:
@@ -110,8 +110,8 @@ class ProjectionGroup:
 
     # -------------------------------------------------------------------------------------------------- LoRA
 
-    def _active_lora(self, members: list[nn.Module]) -> list[tuple[int, LoraLinear]]:
-        return [(i, m) for i, m in enumerate(members) if isinstance(m, LoraLinear) and m.enabled]
+    def _active_lora(self, members: list[nn.Module]) -> list[tuple[int, nn.Module]]:
+        return [(i, m) for i, m in enumerate(members) if is_lora(m) and m.enabled]
 
     def stacked_lora(self, force: bool = False) -> tuple[Tensor, Tensor] | None:
         """(A stacked [R, K], block-diagonal B * scaling [N, R]) of the enabled adapters, copied in place into
@@ -165,7 +165,7 @@ class ProjectionGroup:
             return outs
         stacked = torch.cat([m.lora_A for _, m in loras]) if len(loras) > 1 else loras[0][1].lora_A
         h = F.linear(x.to(stacked.dtype), stacked)
-        if out.device.type in ONE_GEMM_DEVICES and h.dtype == out.dtype:
+        if out.device.type in low_rank.ONE_GEMM_DEVICES and h.dtype == out.dtype:
             # All members' updates in one GEMM into the fused output: Bᵀ block-diagonal over the members (a member
             # without an adapter is a block of no columns). The extra zero blocks cost nothing next to the
             # elementwise passes they replace.
