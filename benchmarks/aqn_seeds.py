@@ -45,8 +45,10 @@ TASKS: dict[str, tuple[str, list[str]]] = {
 }
 DEFAULT_ARMS = ["bf16-lora", "qlora-bnb", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
 # For every run, before the -S overrides: no tracking server, a checkpoint every 10 steps (a crashed worker's run
-# resumes from there).
-RUN_OVERRIDES = ["tracking.backend=none", "train.save_every=10"]
+# resumes from there), the NVFP4 GEMM backend per shape from the shape-generic defaults, not measured (14 workers
+# timing candidates at once would time each other, pick differently from run to run (backends differ in rounding)
+# and compile them all).
+RUN_OVERRIDES = ["tracking.backend=none", "train.save_every=10", "execution.gemm_tuning=defaults"]
 DONE, ERROR, JOB = "result.json", "error.json", "job.json"
 MAX_ATTEMPTS = 2
 

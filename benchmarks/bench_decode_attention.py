@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/bench_decode_attention.py --model 7b --rows 1,8,64 --windows 256,1024 \
         [--sweep] [--out DIR]
 
-For each (rows, window): `qerl.model.fused_ops.decode_attention` with the default launch, then (with --sweep) every
+For each (rows, window): `qerl.execution.fused_ops.decode_attention` with the default launch, then (with --sweep) every
 (target_programs, block_n, num_warps, num_stages) in the grid below, and the public kernels the image has: PyTorch's
 `scaled_dot_product_attention` (GQA, additive mask) and flash-attn's `flash_attn_with_kvcache` when importable.
 Each timed as a CUDA graph (median of 5 runs of 50 replays) on a cache laid out as the engine's
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_layer import graph_us  # noqa: E402
-from qerl.model import fused_ops  # noqa: E402
+from qerl.execution import fused_ops  # noqa: E402
 
 SHAPES = {"7b": (28, 4, 128), "32b": (40, 8, 128), "llama8b": (32, 8, 128)}  # heads, kv heads, head_dim
 GRID = {"target_programs": (256, 528, 1056, 2112), "block_n": (32, 64, 128), "num_warps": (4, 8),
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--windows", default="256,1024")
     ap.add_argument("--slots", type=int, default=1536, help="cache slots per row (>= every window)")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--kv", default="model", help="model (bf16 caches) or fp8 (the FP8 layout, qerl.model.kv8)")
+    ap.add_argument("--kv", default="model", help="model (bf16 caches) or fp8 (the FP8 layout, qerl.execution.kv8)")
     ap.add_argument("--grid", default="", help="override the sweep's grid: 'block_n=64,128;num_warps=4' ...")
     ap.add_argument("--out", default="outputs/bench_decode_attention")
     args = ap.parse_args()
@@ -77,7 +77,7 @@ def main() -> None:
             return o.reshape(rows, heads * dim)
 
         if args.kv == "fp8":  # the kernels read the packed caches; SDPA (the check, an arm) their unpacked values
-            from qerl.model import kv8
+            from qerl.execution import kv8
 
             kc, vc = kv8.pack(kc), kv8.pack(vc)
             kv_bytes = 2 * rows * kv_heads * window * kv8.packed_dim(dim)

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rollout import build_model, free_cuda  # noqa: E402
-from qerl.model import fusion  # noqa: E402
+from qerl.execution import fusion  # noqa: E402
 from qerl.model.lora import LoraLinear  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
 from qerl.rollout.generate import sample_tokens  # noqa: E402
@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--kv", default="model", help="rollout.kv_cache_dtype: model or fp8")
     ap.add_argument("--profile", action="store_true", help="also print the kernels of the replayed step (profiler)")
+    ap.add_argument("--lora-epilogue", action="store_true", help="execution.lora_epilogue: LoRA in the GEMM epilogue")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -172,7 +173,7 @@ def main() -> None:
     rows = []
     with open(os.path.join(args.out, "decode_layer.jsonl"), "a") as log:
         for scheme in args.schemes.split(","):
-            model = build_model(args.model, scheme)
+            model = build_model(args.model, scheme, lora_epilogue=args.lora_epilogue)
             for projections in args.projections.split(","):
                 if projections == "separate":
                     fusion.unfuse_projections(model)

@@ -77,7 +77,7 @@ def main() -> None:
         print(f"| {r['shape']} | {r['m']} | {r['cublas_bf16_us']:.1f} | {a['us']:.1f} ({a['backend']}) | "
               f"{r['cublas_bf16_us'] / a['us']:.2f}x | {b['us']:.1f} ({b['backend']}) | "
               f"{r['cublas_bf16_us'] / b['us']:.2f}x |")
-    print(f"(dispatch cache: {dispatch.cache_path()})")
+    print(f"(dispatch cache: {dispatch.default_cache_path()})")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kernels import vocab_softmax  # noqa: E402
-from qerl.model import training_ops  # noqa: E402
+from qerl.execution import training_ops  # noqa: E402
 from qerl.rl.grpo import head_log_probs  # noqa: E402
 
 SHAPES = {"7b": (3584, 152064), "32b": (5120, 152064), "llama8b": (4096, 128256), "smollm2": (576, 49152)}
@@ -54,7 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_head.py needs a CUDA device (the head's kernel runs on CUDA only)")
-    training_ops.set_backend("auto")  # the fused training kernels, as the trainer sets them on CUDA
+    fused = training_ops.TrainingOps("auto")  # the fused training kernels, as the trainer's plan has them on CUDA
+    plain = training_ops.TrainingOps("auto", vocab_kernel=False)  # QERL_VOCAB_KERNEL=0: the head in PyTorch
     hidden_size, vocab = SHAPES[args.model]
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(args.tokens, hidden_size, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -63,16 +64,15 @@ def main() -> None:
     upstream = torch.randn(args.tokens, device="cuda", generator=g)
     T = args.temperature
 
-    def update(chunk):
-        logp, entropy = head_log_probs(hidden[None], weight, ids[None], T, want_entropy=True, chunk_size=chunk)
+    def update(chunk, ops=fused):
+        logp, entropy = head_log_probs(hidden[None], weight, ids[None], T, want_entropy=True, chunk_size=chunk,
+                                       ops=ops)
         (grad,) = torch.autograd.grad((logp[0] * upstream).sum(), hidden)
         return logp, entropy, grad
 
     rows = []
-    os.environ["QERL_VOCAB_KERNEL"] = "0"
-    ref = update(128)
-    rows.append({"arm": "pytorch", "chunk": 128, "ms": timed_ms(lambda: update(128))})
-    os.environ["QERL_VOCAB_KERNEL"] = "1"
+    ref = update(128, plain)
+    rows.append({"arm": "pytorch", "chunk": 128, "ms": timed_ms(lambda: update(128, plain))})
     best = vocab_softmax.chunk_rows(vocab, 2)
     for chunk in sorted({128, best // 2, best, best * 2}):
         out = update(chunk)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from qerl.execution import ExecutionPlan, attach  # noqa: E402
 from qerl.model.lora import LoraSettings, apply_lora  # noqa: E402
 from qerl.model.transformer import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: E402
 from qerl.quant.bnb import quantize_model_bnb, require_bitsandbytes  # noqa: E402
@@ -89,11 +90,12 @@ def hf_config(name: str) -> dict:
 
 @torch.no_grad()
 def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda", seed: int = 0,
-                fuse: bool = True) -> Transformer:
+                fuse: bool = True, lora_epilogue: bool = False) -> Transformer:
     """Random-weight model of a published shape, bf16, decoder linears in `scheme` (one of SCHEMES), LoRA on
     all of them, q/k/v and gate/up fused as `load_base_model` does on CUDA (`fuse`). Built layer by layer (each
     quantized as soon as it exists), so a 32B model never sits in bf16 on the GPU: peak = the quantized model + one
-    bf16 layer."""
+    bf16 layer. Its execution plan: the defaults (eager training ops), with `lora_epilogue`
+    (execution.lora_epilogue)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     fp8_weights = "auto" if scheme == "nvfp4" else False  # quant.fp8_weights, as prepare_base plans it
@@ -131,6 +133,7 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
     plan_fp8_weights(model, fp8_weights, torch.device(device))  # before fusing, as prepare_base
     if fuse:
         model.fuse_projections()
+    attach(model, ExecutionPlan(lora_epilogue=lora_epilogue))  # one GEMM context for the layers built one by one
     return model.eval()
 
 
@@ -235,6 +238,7 @@ def main() -> None:
                     "(model,fp8: both)")
     ap.add_argument("--long-batches", default="", help="batches for the largest --new (default: all)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; configs that would not fit are skipped")
+    ap.add_argument("--lora-epilogue", action="store_true", help="execution.lora_epilogue: LoRA in the GEMM epilogue")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -261,7 +265,7 @@ def main() -> None:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    model = build_model(name, scheme)
+                    model = build_model(name, scheme, lora_epilogue=args.lora_epilogue)
                 except ImportError as e:  # the QLoRA arm without bitsandbytes: the other arms still run
                     print(f"[{name} {scheme}] skipped: {e}", flush=True)
                     skipped.append(f"{name} {scheme} ({e})")
@@ -278,7 +282,7 @@ def main() -> None:
                 per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
                 for label, fused, configs_run, kv in variants:
                     if label.endswith("separate projections"):
-                        from qerl.model.fusion import unfuse_projections
+                        from qerl.execution.fusion import unfuse_projections
 
                         unfuse_projections(model)
                     engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)

@@ -17,9 +17,7 @@ set -uo pipefail
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false QERL_CACHE=${QERL_CACHE:-/tmp/qerl-cache}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-# The NVFP4 GEMM backend per shape from the shape-generic defaults, not measured: 14 workers timing candidates at
-# once would time each other, pick differently from run to run (backends differ in rounding) and compile them all.
-export QERL_GEMM_TUNE=0
+# The NVFP4 GEMM backends come from the shape-generic defaults, not measured: aqn_seeds.py's RUN_OVERRIDES say why.
 OUT=${OUT:-/tmp/aqn-out}; mkdir -p "$OUT"
 if [ "${1:-}" = stage ]; then
   exec python3 benchmarks/smollm2_parts.py stage

@@ -6,11 +6,12 @@ scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same int
 outside the update for a layer with a resident FP8 copy of its weight, "fp8_weight" (`_scaled_mm` on that copy).
 Which of them a layer can use depends on the layout its one weight copy is in.
 Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
-CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in `cache_path()`,
+CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in a cache file,
 keyed by GPU name and library versions, so a process pays for each measurement once per machine. A corrupt or
-stale cache file is ignored with one warning. QERL_GEMM_TUNE=0 turns measuring off (defaults only);
-QERL_GEMM_TUNE=compile runs every candidate once and measures nothing (qerl.rl.precompile's workers: each candidate's
-kernels get compiled for the process that will measure them); QERL_GEMM_CACHE moves the file.
+stale cache file is ignored with one warning. A `Dispatcher` (one per model: its `kernels.context.GemmContext`)
+holds how it picks: `tuning` "measure" (the above), "defaults" (nothing timed) or "compile" (every candidate
+run once, nothing measured: qerl.rl.precompile's workers, so each candidate's kernels get compiled for the process
+that will measure them); `cache` moves the file.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ BACKENDS = ("triton", "humming", "gluon", "dequant_cublas", "dequant_fp8", "fp8_
 CACHE_VERSION = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-_choices: dict[str, str] | None = None  # key -> backend, loaded lazily from disk
-_tuning_enabled = os.environ.get("QERL_GEMM_TUNE", "1") != "0"
-_compile_only = os.environ.get("QERL_GEMM_TUNE") == "compile"
+TUNINGS = ("measure", "defaults", "compile")
 
 
 def m_bucket(m: int) -> int:
@@ -57,14 +56,8 @@ def default_backend(kind: str, layout: str, m: int) -> str:
     return "triton" if m <= 64 else "dequant_cublas"
 
 
-def set_tuning(enabled: bool) -> None:
-    global _tuning_enabled
-    _tuning_enabled = enabled
-
-
-def cache_path() -> Path:
-    env = os.environ.get("QERL_GEMM_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "qerl" / "gemm_dispatch.json"
+def default_cache_path() -> Path:
+    return Path.home() / ".cache" / "qerl" / "gemm_dispatch.json"
 
 
 @functools.cache
@@ -78,14 +71,10 @@ def environment_key() -> str:
     return f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|humming {humming_nvfp4.version()}"
 
 
-def _load() -> dict[str, str]:
-    global _choices
-    if _choices is not None:
-        return _choices
-    _choices = {}
-    path = cache_path()
+def _load(path: Path) -> dict[str, str]:
+    """The choices `path` holds for this environment ({} where it holds none, or cannot be read: said once)."""
     if not path.exists():
-        return _choices
+        return {}
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
@@ -94,15 +83,14 @@ def _load() -> dict[str, str]:
         entries = data.get("choices", {}).get(environment_key(), {})
         if not all(isinstance(k, str) and v in BACKENDS for k, v in entries.items()):
             raise ValueError("unknown backend names")
-        _choices = dict(entries)
+        return dict(entries)
     except (ValueError, OSError, AttributeError) as e:
         log.warning("ignoring GEMM dispatch cache %s (%s); it will be re-measured", path, e)
-    return _choices
+    return {}
 
 
-def _save(key: str, backend: str) -> None:
+def _save(path: Path, key: str, backend: str) -> None:
     """Merge one choice into the file (other environments' entries are kept); atomic rename."""
-    path = cache_path()
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
         if not isinstance(data, dict) or data.get("version") != CACHE_VERSION \
@@ -122,13 +110,6 @@ def _save(key: str, backend: str) -> None:
         log.warning("could not write GEMM dispatch cache %s: %s", path, e)
 
 
-def forget() -> None:
-    """Drop the in-memory choices (tests; after QERL_GEMM_CACHE changes)."""
-    global _choices
-    _choices = None
-    environment_key.cache_clear()
-
-
 def _key(kind: str, layout: str, n: int, k: int, m: int) -> str:
     return f"{kind}|{layout}|{n}x{k}|m{m_bucket(m)}"
 
@@ -137,39 +118,52 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def choose(kind: str, layout: str, n: int, k: int, m: int, candidates: dict[str, Callable[[], object]],
-           timer: Callable[[Callable[[], object]], float] | None = None) -> str:
-    """The backend for this call. `candidates` maps each backend this layer can run to a zero-argument call
-    on inputs of this call's shape (used only if a measurement is made); `timer` returns seconds per call."""
-    choices = _load()
-    key = _key(kind, layout, n, k, m)
-    pick = choices.get(key)
-    if pick in candidates:
+class Dispatcher:
+    """One model's backend choices (module docstring): `tuning` one of TUNINGS, `cache` the file (None: the default
+    under ~/.cache/qerl), read on first use."""
+
+    def __init__(self, tuning: str = "measure", cache: str | Path | None = None):
+        if tuning not in TUNINGS:
+            raise ValueError(f"unknown GEMM tuning {tuning!r}: expected one of {', '.join(TUNINGS)}")
+        self.tuning = tuning
+        self.cache = Path(cache) if cache else default_cache_path()
+        self._choices: dict[str, str] | None = None  # key -> backend, loaded lazily from disk
+
+    def choose(self, kind: str, layout: str, n: int, k: int, m: int, candidates: dict[str, Callable[[], object]],
+               timer: Callable[[Callable[[], object]], float] | None = None) -> str:
+        """The backend for this call. `candidates` maps each backend this layer can run to a zero-argument call
+        on inputs of this call's shape (used only if a measurement is made); `timer` returns seconds per call."""
+        if self._choices is None:
+            self._choices = _load(self.cache)
+        choices = self._choices
+        key = _key(kind, layout, n, k, m)
+        pick = choices.get(key)
+        if pick in candidates:
+            return pick
+        default = default_backend(kind, layout, m)
+        if default not in candidates:
+            default = next(iter(candidates))
+        if self.tuning == "defaults" or len(candidates) == 1 or _capturing():
+            return default
+        if self.tuning == "compile":
+            for fn in candidates.values():
+                fn()
+            return default
+        timer = timer or graph_time
+        times = {}
+        for name, fn in candidates.items():
+            try:
+                times[name] = timer(fn)
+            except Exception as e:  # a backend that fails here is not picked (e.g. out of shared memory)
+                log.warning("GEMM backend %s cannot run %s (%s%s); the other backends are measured", name, key,
+                            type(e).__name__, f": {e}" if str(e) else "")  # e.g. humming's shape asserts say nothing
+        if not times:
+            return default
+        pick = min(times, key=times.get)
+        log.info("GEMM %s: %s", key, ", ".join(f"{b} {t * 1e6:.1f} us" for b, t in sorted(times.items())))
+        choices[key] = pick
+        _save(self.cache, key, pick)
         return pick
-    default = default_backend(kind, layout, m)
-    if default not in candidates:
-        default = next(iter(candidates))
-    if not _tuning_enabled or len(candidates) == 1 or _capturing():
-        return default
-    if _compile_only:
-        for fn in candidates.values():
-            fn()
-        return default
-    timer = timer or graph_time
-    times = {}
-    for name, fn in candidates.items():
-        try:
-            times[name] = timer(fn)
-        except Exception as e:  # a backend that fails here is not picked (e.g. out of shared memory)
-            log.warning("GEMM backend %s cannot run %s (%s%s); the other backends are measured", name, key,
-                        type(e).__name__, f": {e}" if str(e) else "")  # e.g. humming's shape asserts say nothing
-    if not times:
-        return default
-    pick = min(times, key=times.get)
-    log.info("GEMM %s: %s", key, ", ".join(f"{b} {t * 1e6:.1f} us" for b, t in sorted(times.items())))
-    choices[key] = pick
-    _save(key, pick)
-    return pick
 
 
 def graph_time(fn: Callable[[], object], replays: int = 20) -> float:

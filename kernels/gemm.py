@@ -5,7 +5,7 @@
 kernels/gluon_nvfp4.py: faster than bf16 at every batch measured, and compiled in seconds where humming's JIT took a
 minute: BENCHMARKS.md, "Rollouts: the Gluon default"). Elsewhere, repacked for humming-kernels when it is
 installed and the shape fits ("humming" layout), else as given ("qerl" layout, read by our Triton kernels);
-`prefer=`, quant.gpu_layout or QERL_NVFP4_LAYOUT choose another. Forward and backward dx then pick a backend per
+`prefer=` or quant.gpu_layout choose another. Forward and backward dx then pick a backend per
 (shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
 dequantize-into-scratch + cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
@@ -15,54 +15,27 @@ forward as `_scaled_mm` on FP8 tensor cores with the activations scaled per row 
 W4A16 is compute-bound and dequantizing to bf16 costs more than the bytes it saves; the FP8 update's forward reads
 the same copy instead of dequantizing. The copy costs 1 byte per weight beside the 0.56 of the 4-bit codes.
 
-The scratch buffer is shared by every layer on a device and dtype: at most one layer's bf16 (or FP8) weight exists
-at a time (each use is consumed by cuBLAS on the same stream before the next layer's dequantize overwrites it).
-Inside `held_weights(budget)` (the trainer's update, when memory allows) a layer's dequantized copy is instead kept
+Each layer runs under its model's `kernels.context.GemmContext` (its settings and phase, never a module global):
+dequantized weights go to the context's scratch buffer, shared by the model's layers on a device and dtype. Inside
+its `held_weights(budget)` (the trainer's update, when memory allows) a layer's dequantized copy is instead kept
 until the block ends: a 7B update dequantizes each weight once, not twice per micro-batch (3,584 kernels of ~75 µs).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import warnings
-from collections.abc import Callable
 
 import torch
 
-from . import dispatch, gluon_nvfp4, humming_nvfp4
+from . import gluon_nvfp4, humming_nvfp4
+from .context import GemmContext
 from . import fp8_rows as fp8_kernels
 from . import nvfp4 as triton_nvfp4
 
 log = logging.getLogger(__name__)
 
-# QERL_LORA_EPILOGUE=1 adds LoRA's update in the Gluon GEMM's epilogue instead of one addmm after it. Off by default:
-# measured slower (H100, 7B, 2026-11-26: fixed cost 75.1 against 65.9 µs per layer at batch 8, rollouts 0.93-0.77x;
-# BENCHMARKS.md, "Rollouts: the Gluon default and LoRA in the epilogue"): the stream-K tile's last program reads B
-# with scalar loads after every other program is done, and the extra registers spill in the main loop at M = 8, 64.
-LOW_RANK_EPILOGUE = os.environ.get("QERL_LORA_EPILOGUE", "0") == "1"
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-_precision: str | None = None  # inside `update_precision(p)`: p ("bf16" or "fp8"); None outside the update
 FP8_MAX = 448.0  # the largest finite E4M3 value
-
-
-@contextlib.contextmanager
-def update_precision(precision: str):
-    """Within the block, the frozen base's forward and dx GEMMs at training sizes run as `precision`: "bf16"
-    (dequantize + cuBLAS bf16) or "fp8" (W dequantized into FP8 E4M3 with one scale per output row: straight from
-    the Gluon layout, through a bf16 temporary from the others; activations and gradients scaled per row,
-    `torch._scaled_mm`). The trainer wraps its update in it (model.base_gemm). Outside it (rollouts, evaluation)
-    a layer with a resident FP8 copy (`fp8_weights`) may also run its forward in FP8, where that measures faster;
-    inside it, the update's precision alone decides."""
-    global _precision
-    if precision not in ("bf16", "fp8"):
-        raise ValueError(f"unknown update precision {precision!r}: expected bf16 or fp8")
-    before, _precision = _precision, precision
-    try:
-        yield
-    finally:
-        _precision = before
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -99,79 +72,18 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
-def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat buffer of >= numel elements, shared by all layers (grown, never shrunk; sized before graph capture
-    by the eager warm-up that precedes it)."""
-    key = (str(device), dtype)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < numel:
-        _SCRATCH.pop(key, None)
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        _SCRATCH[key] = buf
-    return buf[:numel]
-
-
-def release_scratch() -> None:
-    _SCRATCH.clear()
-
-
-class _Held:
-    """The dequantized weight copies kept through one `held_weights` block, within a byte budget."""
-
-    def __init__(self, budget: int):
-        self.budget, self.used = budget, 0
-        self.copies: dict[tuple[int, tuple], tuple[object, torch.Tensor]] = {}
-
-
-_held: _Held | None = None
-
-
-@contextlib.contextmanager
-def held_weights(budget_bytes: int):
-    """Within the block, frozen weights' dequantized (bf16 or FP8) copies are kept after their first use, as long as
-    their bytes fit `budget_bytes`; later GEMMs of the same layer read the kept copy. Freed on exit. The weights
-    must not change inside the block (the trainer's update: the base is frozen). Yields a function giving the bytes
-    held so far."""
-    global _held
-    before, _held = _held, _Held(max(0, int(budget_bytes)))
-    held = _held
-    try:
-        yield lambda: held.used
-    finally:
-        _held = before
-        held.copies.clear()
-
-
-def weight_copy(owner: object, key: tuple, numel: int, dtype: torch.dtype, device: torch.device,
-                write: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`owner`'s weight in the form `key` names: `write(flat)` fills a flat buffer of `numel` elements and returns
-    the view the GEMM reads. The buffer is the shared scratch, or inside `held_weights` a kept copy of its own (made
-    once, while the budget lasts)."""
-    held = _held
-    if held is None:
-        return write(scratch(numel, dtype, device))
-    entry = held.copies.get((id(owner), key))
-    if entry is not None:
-        return entry[1]
-    nbytes = numel * dtype.itemsize
-    if held.used + nbytes > held.budget:
-        return write(scratch(numel, dtype, device))
-    view = write(torch.empty(numel, dtype=dtype, device=device))
-    held.copies[(id(owner), key)] = (owner, view)  # the owner kept alive with it: its id is not reused meanwhile
-    held.used += nbytes
-    return view
-
-
 class NVFP4Gemm:
     """y = x @ W^T and dx = dy @ W for one frozen NVFP4 weight W [N, K] held once on a CUDA device."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                  dtype: torch.dtype = torch.bfloat16, prefer: str | None = None, layout: str | None = None,
-                 fp8_weights: bool = False):
+                 fp8_weights: bool = False, context: GemmContext | None = None):
         """`prefer`: "humming", "qerl" or "gluon" to force a layout (tests, benchmarks; an unusable one raises).
-        `layout`: the run's wish (quant.gpu_layout; None or "auto" = QERL_NVFP4_LAYOUT if set): a layer it cannot
-        serve keeps the default, said once. The default: humming if usable, else qerl. `fp8_weights`: also keep
-        the resident FP8 copy (module docstring; on a GPU with FP8 tensor cores, else ignored)."""
+        `layout`: the run's wish (quant.gpu_layout; None or "auto": the default): a layer it cannot serve keeps
+        the default, said once. The default: gluon on Hopper, else humming if usable, else qerl. `fp8_weights`:
+        also keep the resident FP8 copy (module docstring; on a GPU with FP8 tensor cores, else ignored).
+        `context`: the model's settings and phase (None: a context of this layer's own, with the defaults)."""
+        self.context = context if context is not None else GemmContext()
         self._init_layout(packed, scale, global_scale, dtype, prefer, layout)
         self.fp8_weight: torch.Tensor | None = None  # W [N, K] in E4M3, row r scaled by 1 / _fp8_scales()[0][r]
         if fp8_weights and fp8_supported(self.device):
@@ -182,7 +94,7 @@ class NVFP4Gemm:
     def _init_layout(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      dtype: torch.dtype, prefer: str | None, layout: str | None) -> None:
         """The one copy of the 4-bit weight, in the layout `__init__`'s arguments choose."""
-        wish = layout if layout not in (None, "auto") else os.environ.get("QERL_NVFP4_LAYOUT") or None
+        wish = layout if layout not in (None, "auto") else None
         wished = prefer is None and wish is not None  # a wish, not an order: unusable -> default, warned
         prefer = prefer or wish
         if prefer not in (None, "humming", "qerl", "gluon"):
@@ -203,7 +115,7 @@ class NVFP4Gemm:
                    f"{gluon_nvfp4.IMPORT_ERROR})")
             if not wished:
                 raise RuntimeError(why)
-            _warn_once(f"NVFP4 layout gluon (quant.gpu_layout / QERL_NVFP4_LAYOUT): {why}; such layers keep the "
+            _warn_once(f"NVFP4 layout gluon (quant.gpu_layout): {why}; such layers keep the "
                        "default layout")
             prefer = None
         if prefer != "qerl" and self._humming_usable(prefer == "humming" and not wished):
@@ -254,11 +166,11 @@ class NVFP4Gemm:
 
     # -- the backends -------------------------------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype, transposed: bool = False, out: torch.Tensor | None = None):
-        """W [N, K] (W^T [K, N] if transposed, a view for the qerl layout) in dtype; into the shared scratch (or a
-        kept copy, inside `held_weights`) unless a flat `out` of N * K elements is given."""
+        """W [N, K] (W^T [K, N] if transposed, a view for the qerl layout) in dtype; into the context's scratch (or
+        a kept copy, inside its `held_weights`) unless a flat `out` of N * K elements is given."""
         if out is None:
-            return weight_copy(self, ("dequantized", dtype, transposed), self.n * self.k, dtype, self.device,
-                               lambda flat: self.dequantize(dtype, transposed, out=flat))
+            return self.context.weight_copy(self, ("dequantized", dtype, transposed), self.n * self.k, dtype,
+                                            self.device, lambda flat: self.dequantize(dtype, transposed, out=flat))
         flat = out.view(-1)
         if self.humming is not None:
             return self.humming.dequantize(flat.view(self.k, self.n) if transposed else flat.view(self.n, self.k),
@@ -292,8 +204,8 @@ class NVFP4Gemm:
         scale, inv = (s_k, inv_k) if transposed else (s_n, inv_n)
         w = self.fp8_weight if not transposed else None
         if w is None:
-            w = weight_copy(self, ("fp8", transposed), self.n * self.k, torch.float8_e4m3fn, self.device,
-                            lambda flat: self._dequantize_fp8(inv, transposed, flat))
+            w = self.context.weight_copy(self, ("fp8", transposed), self.n * self.k, torch.float8_e4m3fn,
+                                         self.device, lambda flat: self._dequantize_fp8(inv, transposed, flat))
         aq, s_a = fp8_rows(a)
         return torch._scaled_mm(aq, w.t(), scale_a=s_a, scale_b=scale[None, :], out_dtype=a.dtype)[:a.shape[0]]
 
@@ -321,9 +233,10 @@ class NVFP4Gemm:
         elif backend == "humming":
             y = self.humming.forward(x2)
         elif backend == "gluon":  # a bf16 bias in the GEMM's epilogue, before its one rounding
-            y = gluon_nvfp4.linear_forward(x2, *self.gluon, bias=bias if in_epilogue else None)
+            y = gluon_nvfp4.linear_forward(x2, *self.gluon, bias=bias if in_epilogue else None,
+                                           pdl=self.context.pdl)
         elif backend == "triton":
-            y = triton_nvfp4.linear_forward(x2, *self._ours())
+            y = triton_nvfp4.linear_forward(x2, *self._ours(), autotune=self.context.autotune)
         else:
             y = x2 @ self.dequantize(x2.dtype, transposed=True)
         return y if bias is None or in_epilogue else y + bias.to(y.dtype)
@@ -332,17 +245,17 @@ class NVFP4Gemm:
         if backend == "dequant_fp8":
             return self._grad_input_fp8(dy2)
         if backend == "triton":
-            return triton_nvfp4.grad_input(dy2, *self._ours())
+            return triton_nvfp4.grad_input(dy2, *self._ours(), autotune=self.context.autotune)
         return dy2 @ self.dequantize(dy2.dtype, transposed=True).t()  # W^T is the coalesced write for humming
 
     def _fp8(self) -> bool:
-        """Whether this call is in the FP8 update (`update_precision("fp8")`), whatever the layer's layout."""
-        return _precision == "fp8"
+        """Whether this call is in the FP8 update (the context's `update_precision("fp8")`), whatever the layout."""
+        return self.context.precision == "fp8"
 
     def _fp8_resident(self, kind: str) -> bool:
         """Whether this call may run on the resident FP8 copy: a forward outside the update (in the update, its
         precision decides: the FP8 update reads the copy through "dequant_fp8", the bf16 one never does)."""
-        return kind == "fwd" and _precision is None and self.fp8_weight is not None
+        return kind == "fwd" and self.context.precision is None and self.fp8_weight is not None
 
     def _backends(self, kind: str) -> tuple[str, ...]:
         if self._fp8():  # the Gluon GEMM (bf16) still serves small forwards: nothing to gain from FP8 there
@@ -361,7 +274,7 @@ class NVFP4Gemm:
         cands = {b: (lambda b=b: run(b, x2)) for b in backends}
         # their own dispatch entries: the FP8 update's, and inference with a resident FP8 copy
         layout = self.layout + ("-fp8" if "dequant_fp8" in backends else "+fp8w" if "fp8_weight" in backends else "")
-        return dispatch.choose(kind, layout, self.n, self.k, x2.shape[0], cands)
+        return self.context.dispatcher.choose(kind, layout, self.n, self.k, x2.shape[0], cands)
 
     def forward(self, x2: torch.Tensor, backend: str | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] (+ bias [N]) for x2 [M, K] (bf16/fp16, unit stride along K)."""
@@ -371,11 +284,11 @@ class NVFP4Gemm:
 
     def forward_low_rank(self, x2: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """y [M, N] = x2 @ W^T + scale * h @ b^T (LoRA's update: h = x2 A^T [M, R], b = B [N, R]), inference only.
-        With QERL_LORA_EPILOGUE=1, where the Gluon GEMM runs the call, the update is added in its epilogue (no
-        launch of its own, one rounding to bf16); otherwise (the default: measured faster) one addmm adds it."""
+        With the context's `lora_epilogue`, where the Gluon GEMM runs the call, the update is added in its epilogue
+        (no launch of its own, one rounding to bf16); otherwise (the default: measured faster) one addmm adds it."""
         backend = self.backend_for("fwd", x2) if x2.shape[0] else None
-        if backend == "gluon" and h.dtype == b.dtype == x2.dtype and LOW_RANK_EPILOGUE:
-            return gluon_nvfp4.linear_forward(x2, *self.gluon, low_rank=(h, b, scale))
+        if backend == "gluon" and h.dtype == b.dtype == x2.dtype and self.context.lora_epilogue:
+            return gluon_nvfp4.linear_forward(x2, *self.gluon, low_rank=(h, b, scale), pdl=self.context.pdl)
         return self.forward(x2, backend).addmm_(h, b.t(), alpha=scale)
 
     def grad_input(self, dy2: torch.Tensor, backend: str | None = None) -> torch.Tensor:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
+from .pdl import launch as launch_pdl
 
 try:
     import triton
@@ -592,10 +592,12 @@ def low_rank_chunk(rank: int, mp: int) -> int:
 def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
                    config: Config | None = None,
                    low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                   out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   pdl: bool = True) -> torch.Tensor:
     """y[M, N] (bf16) = x2[M, K] @ W^T (+ bias [N]) for the shuffled weight (codes, scales) and its global scale;
     with `low_rank = (h [M, R], B [N, R], s)` (bf16), y = x2 @ W^T + s * h @ B^T: LoRA's update in the epilogue.
-    M up to MAX_M_CHUNKED, in launches of MAX_M rows; into `out` (contiguous [M, N] bf16) if given."""
+    M up to MAX_M_CHUNKED, in launches of MAX_M rows; into `out` (contiguous [M, N] bf16) if given. `pdl`: launch
+    with programmatic dependent launch where the GPU has it (kernels/pdl.py)."""
     if x2.dtype != torch.bfloat16 or x2.dim() != 2 or x2.stride(1) != 1:
         raise ValueError(f"x must be a 2-D bf16 tensor with unit stride along K, got {x2.dtype} "
                          f"{tuple(x2.shape)} {x2.stride()}")
@@ -605,7 +607,7 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device) if out is None else out
         for i in range(0, m, MAX_M):
             part = None if low_rank is None else (low_rank[0][i:i + MAX_M], low_rank[1], low_rank[2])
-            linear_forward(x2[i:i + MAX_M], codes, scales, gs, config, part, out=y[i:i + MAX_M], bias=bias)
+            linear_forward(x2[i:i + MAX_M], codes, scales, gs, config, part, out=y[i:i + MAX_M], bias=bias, pdl=pdl)
         return y
     if codes.shape[1] * BK != k:
         raise ValueError(f"x has K = {k}, the weight {codes.shape[1] * BK}")
@@ -641,7 +643,7 @@ def linear_forward(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         x_desc, w_desc, s_desc, gs.reshape(1).float(), y, ws, counters, m, n, k_iters, tiles * k_iters,
         h, b, float(lora_scale), bias if bias is not None else gs, W=cfg.w, MP=mp, STAGES=cfg.stages, SUB=cfg.sub,
         SCALE_LANES=cfg.scale_lanes, R=rank, RC=low_rank_chunk(rank, mp) if rank else 1, HAS_BIAS=bias is not None,
-        **cfg.launch_options(), **pdl.launch(x2.device))
+        **cfg.launch_options(), **launch_pdl(x2.device, pdl))
     return y
 
 

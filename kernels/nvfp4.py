@@ -7,13 +7,15 @@ with TRITON_INTERPRET=1 set before the kernel module was imported (tests).
 from __future__ import annotations
 
 import dataclasses
-import os
+import logging
 import warnings
 
 import torch
 import triton
 
 from . import _triton_nvfp4 as _tk
+
+log = logging.getLogger(__name__)
 
 
 def interpreting() -> bool:
@@ -72,14 +74,6 @@ _SM_COUNT: dict[int, int] = {}
 _COUNTERS: dict[str, torch.Tensor] = {}
 _TUNED: dict[tuple, Config] = {}
 TUNE_LOG: dict[tuple, list[tuple[str, float]]] = {}  # key -> [(config, ms)], filled by the autotuner
-_AUTOTUNE = os.environ.get("QERL_NVFP4_AUTOTUNE", "0") == "1"
-
-
-def set_autotune(enabled: bool) -> None:
-    """Benchmark the candidate configs the first time each (kind, M bucket, N, K, dtype) is seen."""
-    global _AUTOTUNE
-    _AUTOTUNE = enabled
-
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -155,8 +149,7 @@ def _tune(key: tuple, candidates: list[Config], run) -> Config:
                 ms = do_bench(lambda: run(cfg, asm), warmup=3, rep=15, return_mode="median")
         except Exception as e:  # e.g. a config that needs more shared memory than the GPU has
             ms = float("inf")
-            if os.environ.get("QERL_NVFP4_VERBOSE"):
-                print(f"[nvfp4] {key} {cfg.short()} failed: {type(e).__name__}: {e}")
+            log.debug("nvfp4 %s %s failed: %s: %s", key, cfg.short(), type(e).__name__, e)
         results.append((cfg, ms))
     best = min(results, key=lambda r: r[1])[0]
     TUNE_LOG[key] = [(c.short(), ms) for c, ms in results]
@@ -233,12 +226,14 @@ def _table(kind: str, M: int, N: int, K: int) -> Config | None:
     return _TABLE.get((kind, mb, N, K))
 
 
-def _pick(kind: str, M: int, N: int, K: int, dtype: torch.dtype, run) -> Config:
+def _pick(kind: str, M: int, N: int, K: int, dtype: torch.dtype, run, autotune: bool) -> Config:
+    """A launch config: one timed before (`autotune`), else the tuned table's, else the heuristic's. `autotune`:
+    benchmark the candidate configs the first time each (kind, M bucket, N, K, dtype) is seen."""
     key = (kind, _m_bucket(M), N, K, dtype)
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    if _AUTOTUNE and not interpreting() and not _capturing():
+    if autotune and not interpreting() and not _capturing():
         cfg = _tune(key, _candidates(kind, M, N, K), run)
         _TUNED[key] = cfg
         return cfg
@@ -307,8 +302,8 @@ def _launch(run, cfg: Config, use_asm: bool | None) -> None:
 
 
 def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config | None = None,
-                   use_asm: bool | None = None) -> torch.Tensor:
-    """y[M, N] = x2[M, K] @ W^T (+ bias) for a 2-D x2 with unit stride along K."""
+                   use_asm: bool | None = None, autotune: bool = False) -> torch.Tensor:
+    """y[M, N] = x2[M, K] @ W^T (+ bias) for a 2-D x2 with unit stride along K (`autotune`: `_pick`'s)."""
     N, K = _check_weight(packed, scale, gs)
     M = x2.shape[0]
     if x2.shape[1] != K or x2.stride(1) != 1:
@@ -342,13 +337,14 @@ def linear_forward(x2, packed, scale, gs, bias=None, *, out=None, config: Config
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch(run, config or _pick("fwd", M, N, K, x2.dtype, run), use_asm)
+    _launch(run, config or _pick("fwd", M, N, K, x2.dtype, run, autotune), use_asm)
     return y
 
 
 def grad_input(dy2, packed, scale, gs, *, out=None, config: Config | None = None,
-               use_asm: bool | None = None) -> torch.Tensor:
-    """dx[M, K] = dy2[M, N] @ W, W dequantized tile by tile in registers (never materialized)."""
+               use_asm: bool | None = None, autotune: bool = False) -> torch.Tensor:
+    """dx[M, K] = dy2[M, N] @ W, W dequantized tile by tile in registers (never materialized; `autotune`:
+    `_pick`'s)."""
     N, K = _check_weight(packed, scale, gs)
     M = dy2.shape[0]
     if dy2.shape[1] != N or dy2.stride(1) != 1:
@@ -371,7 +367,7 @@ def grad_input(dy2, packed, scale, gs, *, out=None, config: Config | None = None
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch(run, config or _pick("bwd", M, N, K, dy2.dtype, run), use_asm)
+    _launch(run, config or _pick("bwd", M, N, K, dy2.dtype, run, autotune), use_asm)
     return dx
 
 

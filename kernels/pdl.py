@@ -12,13 +12,12 @@ PDL true it waits before its first read of another kernel's output and before it
 previous kernel may still read, the shared split-K counters). Waiting is transitive: a kernel that has waited knows
 every kernel before the previous one has finished too.
 
-`QERL_PDL=0` turns it off (the kernels then launch as before; `PDL` false compiles the calls out, which the
-interpreter needs).
+A caller may turn it off (`allowed=False`: the model's execution plan, `pdl`; the kernels then launch as before;
+`PDL` false compiles the calls out, which the interpreter needs).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -32,14 +31,14 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA GPU of compute capability >= 9, a Triton with
-    `gdc_wait`, and QERL_PDL not 0."""
-    if device.type != "cuda" or os.environ.get("QERL_PDL", "1") == "0":
+def enabled(device: torch.device, allowed: bool = True) -> bool:
+    """Whether kernels on `device` launch with PDL: `allowed`, a CUDA GPU of compute capability >= 9 and a Triton
+    with `gdc_wait`."""
+    if device.type != "cuda" or not allowed:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch(device: torch.device) -> dict:
+def launch(device: torch.device, allowed: bool = True) -> dict:
     """The keyword arguments a PDL-aware kernel's launch takes: its `PDL` constexpr and Triton's `launch_pdl`."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if enabled(device, allowed) else {"PDL": False}

@@ -1,6 +1,6 @@
 """SiLU(gate) · up of a fused gate/up projection output, forward and backward, reading the fused tensor in place.
 
-The update computes gate and up as one GEMM ([tokens, 2I], gate columns first: `qerl.model.fusion`). Liger-kernel's
+The update computes gate and up as one GEMM ([tokens, 2I], gate columns first: `qerl.execution.fusion`). Liger-kernel's
 SwiGLU takes the two halves as separate contiguous tensors, so each forward copied both halves out of the fused
 output (2 × [tokens, I] read and written) and kept the copies for backward, and autograd's split backward then
 concatenated the two halves' gradients into a [tokens, 2I] tensor again. These kernels read the halves where they

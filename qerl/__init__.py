@@ -9,6 +9,8 @@ other way, lazily or for types included (tests/test_architecture.py checks both)
     grading/     is an answer right: extraction, qerl's equality, math-verify in a worker
     data/        problems (generated, hub, local tables), prompts, rewards
     config       the settings of params/*.yaml (it asks quant/ and data/ whether a scheme or reward exists)
+    debug        the environment variables qerl reads, for debugging and measurement only
+    execution/   how the model runs: its execution plan (GEMM context, precision phases) and the blocks' kernels
     model/       the policy: the decoder, its families, LoRA, AQN noise, loading, export
     rollout/     sampling completions: the engine and the reference sampler behind one seam
     evaluation/  accuracy of a policy, comparisons of runs

@@ -67,7 +67,7 @@ class ModelSettings:
     # The blocks' RMSNorm / RoPE / SiLU·up on CUDA: auto (the measured fastest), eager (plain PyTorch), liger
     # (Liger-kernel's fused kernels; pip install liger-kernel), compile (torch.compile of the eager ops). Every
     # backend but eager also takes the update's LM-head log-probs in one kernel (kernels/vocab_softmax.py). The CPU
-    # always runs eager. qerl/model/training_ops.py.
+    # always runs eager. qerl/execution/training_ops.py.
     training_kernels: Literal["auto", "eager", "liger", "compile"] = "auto"
     # The frozen base's GEMMs in the update (forward and dx at training sizes): bf16 (dequantize + cuBLAS), or fp8
     # (opt-in; a GPU with FP8 tensor cores: NVFP4 bases are dequantized into FP8 E4M3, straight from the Gluon
@@ -76,7 +76,7 @@ class ModelSettings:
     # Rollouts are unaffected. Its agreement with bf16: BENCHMARKS.md, "An FP8 update".
     base_gemm: Literal["bf16", "fp8"] = "bf16"
     # The update runs each distinct prompt of a micro-batch through the blocks once, however many of its rows (a
-    # GRPO group's completions) repeat it (Decoder.forward_shared_prompts): the same log-probs and gradients to
+    # GRPO group's completions) repeat it (qerl.execution.shared_prompts): the same log-probs and gradients to
     # float rounding, with 1/G of the prompt tokens. Not with LoRA dropout, whose masks the rows would share.
     share_prompts: bool = True
     # The update runs only the real tokens through the blocks' GEMMs and the LM head: the completions of a
@@ -114,10 +114,10 @@ class QuantSettings:
     # One of quant_schemes(): the codecs of qerl.quant.formats, plus nf4-bnb.
     scheme: str = "nvfp4"
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
-    # The layout of the NVFP4 base on a CUDA GPU, i.e. which decode GEMM runs: auto (QERL_NVFP4_LAYOUT if set, else
-    # gluon on Hopper, else humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon
-    # (our Hopper decode GEMM; BENCHMARKS.md, "Rollouts: the Gluon default"). A layer the chosen
-    # layout cannot hold keeps the default, with a warning. Numerics differ between layouts only in GEMM rounding.
+    # The layout of the NVFP4 base on a CUDA GPU, i.e. which decode GEMM runs: auto (gluon on Hopper, else
+    # humming-kernels' where installed, else qerl's Triton kernels), humming, qerl, or gluon (our Hopper decode
+    # GEMM; BENCHMARKS.md, "Rollouts: the Gluon default"). A layer the chosen layout cannot hold keeps the default,
+    # with a warning. Numerics differ between layouts only in GEMM rounding.
     gpu_layout: Literal["auto", "humming", "qerl", "gluon"] = "auto"
     # A resident FP8 copy (E4M3, one scale per output row, made once from the 4-bit codes) of each NVFP4 weight on
     # the GPU, so that GEMMs at many rows (decoding 64+ rows, prefill) run on FP8 tensor cores instead of the 4-bit
@@ -199,7 +199,7 @@ class RolloutSettings:
     # next rollout, at the same addresses (no graph recapture): the update has that memory to keep activations in.
     release_kv_cache: bool = True
     # The engine's KV cache: model (the model's dtype) or fp8 (E4M3 with one scale per key/value vector,
-    # qerl/model/kv8.py: 0.56x the bytes that bound attention over long generations). fp8 needs the engine's fused
+    # qerl/execution/kv8.py: 0.56x the bytes that bound attention over long generations). fp8 needs the engine's fused
     # kernels on a GPU of compute capability 8.9+ (elsewhere the model's dtype, said in the log). Its effect on
     # speed and on the rollout/trainer log-prob gap: BENCHMARKS.md, "Rollouts at RL batch sizes".
     kv_cache_dtype: Literal["model", "fp8"] = "model"
@@ -400,6 +400,23 @@ class EvalSettings:
 
 
 @dataclass
+class ExecutionSettings:
+    """How the model runs on a GPU beyond what `model` and `quant` choose (`qerl.execution` builds the model's plan
+    from the three): switches kept for measurements. None changes what is computed beyond kernels' rounding."""
+
+    # LoRA's update added in the Gluon decode GEMM's epilogue instead of one addmm after it. Off: measured slower (H100,
+    # 7B: rollouts 0.93-0.77x; BENCHMARKS.md, "Rollouts: the Gluon default and LoRA in the epilogue").
+    lora_epilogue: bool = False
+    # How each NVFP4 GEMM's backend is picked per (layer shape, M bucket) (kernels/dispatch.py): measure (every
+    # candidate timed the first time a key is seen on this machine, the winner cached in
+    # ~/.cache/qerl/gemm_dispatch.json), defaults (the shape-generic defaults only: nothing timed or cached).
+    gemm_tuning: Literal["measure", "defaults"] = "measure"
+    # Our Triton NVFP4 GEMM (the qerl layout): time its candidate launch configs the first time each shape is seen
+    # instead of the table tuned on an H200 (kernels/nvfp4.py).
+    nvfp4_autotune: bool = False
+
+
+@dataclass
 class TrackingSettings:
     backend: Literal["none", "mlflow"] = "none"
     tracking_uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
@@ -421,6 +438,7 @@ class Settings:
     data: DataSettings = field(default_factory=DataSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
+    execution: ExecutionSettings = field(default_factory=ExecutionSettings)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

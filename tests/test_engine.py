@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from qerl.model import fused_ops  # noqa: F401  (imports Triton now, compiled mode: see below)
+from qerl.execution import fused_ops  # noqa: F401  (imports Triton now, compiled mode: see below)
 from qerl.model.aqn import NoiseInjector
 from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora
 from qerl.model.transformer import ModelConfig, Transformer
@@ -195,8 +195,9 @@ def test_triton_kernels_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch, torch.nn.functional as F
-        from qerl.model import fused_ops as K
-        from qerl.model.transformer import RMSNorm, apply_rope
+        from qerl.execution import fused_ops as K
+        from qerl.execution.training_ops import rope_eager as apply_rope
+        from qerl.model.transformer import RMSNorm
         from qerl.rollout import engine as E
         from qerl.rollout.generate import generate
         from tests.test_engine import tiny, prompts
@@ -214,7 +215,7 @@ def test_triton_kernels_in_the_interpreter():
         qn.weight.data.uniform_(0.5, 1.5); kn.weight.data.uniform_(0.5, 1.5)
         # LoRA's update left to the kernels (DeferredLoRA): h = x·Aᵀ in one launch (several splits, row and rank
         # blocks; the tile counters end at zero for the next launch), then added by the norm, SiLU·up and RoPE
-        from qerl.model.lora import DeferredLoRA
+        from qerl.execution.low_rank import DeferredLoRA
         for n, kdim, rank in ((3, 300, 12), (20, 1000, 40), (33, 700, 80)):
             xs, a = torch.randn(n, kdim), torch.randn(rank, kdim)
             got = K.lora_shrink(xs, a)
@@ -301,9 +302,9 @@ def test_triton_kernels_in_the_interpreter():
 
 
 def test_fp8_kv_layout_round_trips_within_e4m3_rounding():
-    """qerl.model.kv8: each vector comes back within half an E4M3 step of its scale (2^-4 relative to its largest
+    """qerl.execution.kv8: each vector comes back within half an E4M3 step of its scale (2^-4 relative to its largest
     entry), a zero vector stays zero, and the packed row is 16 bytes longer than head_dim."""
-    from qerl.model import kv8
+    from qerl.execution import kv8
     torch.manual_seed(0)
     x = torch.randn(3, 2, 5, 64) * torch.logspace(-3, 3, 5)[:, None]  # vectors of very different sizes
     x[0, 0, 0] = 0
@@ -323,8 +324,8 @@ def test_fp8_kv_kernels_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch, torch.nn.functional as F
-        from qerl.model import fused_ops as K, kv8
-        from qerl.model.transformer import apply_rope
+        from qerl.execution import fused_ops as K, kv8
+        from qerl.execution.training_ops import rope_eager as apply_rope
         torch.manual_seed(0)
         rows, H, Hkv, D = 3, 4, 2, 16
         q, k, v = (torch.randn(rows, (H + 2 * Hkv) * D) * 3).split([H * D, Hkv * D, Hkv * D], -1)
@@ -385,7 +386,7 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from qerl.model import fused_ops as K
+        from qerl.execution import fused_ops as K
         from qerl.rollout.generate import sample_tokens
         torch.manual_seed(0)
         t = 0.7
@@ -424,13 +425,13 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
         from triton.backends.nvidia.compiler import CUDABackend
         from triton.compiler import ASTSource
 
-        from qerl.model import fused_ops as K
+        from qerl.execution import fused_ops as K
         target = GPUTarget("cuda", 90, 32)
         backend = CUDABackend(target)
     except Exception as e:  # internal API of another Triton version
         pytest.skip(f"Triton compiler internals unavailable: {e}")
     if K.triton is None:
-        pytest.skip("qerl.model.fused_ops imported without triton")
+        pytest.skip("qerl.execution.fused_ops imported without triton")
 
     def lower(fn, signature, constexprs):
         if "PDL" in fn.arg_names:  # the decode kernels' programmatic-dependent-launch calls (kernels/pdl.py) too
@@ -448,7 +449,7 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
                                           "HAS_RES": "constexpr", "BLOCK": "constexpr"}, {"HAS_RES": res, "BLOCK": 4096})
         for qk, low_rank, kv8 in ((False, False, False), (True, False, False), (False, True, False),
                                   (True, True, False), (False, True, True)):
-            c = "*u8" if kv8 else p  # the FP8 KV layout (qerl.model.kv8)
+            c = "*u8" if kv8 else p  # the FP8 KV layout (qerl.execution.kv8)
             lower(K._rope_cache_kernel,
                   {"Q": p, "K": p, "V": p, "COS": "*fp32", "SIN": "*fp32", "QO": p, "KC": c, "VC": c,
                    "SLOT": "*i64", "QW": p, "KW": p, "eps": "fp32", "H": "i32", "HKV": "i32", "s_b": "i32",
@@ -674,14 +675,14 @@ def test_gpu_a_second_rollout_replays_the_first_ones_graphs(scheme):
 
 @gpu
 def test_gpu_fp8_kv_cache_kernels():
-    """The FP8 KV layout on the GPU: the RoPE kernel writes v's bytes exactly as qerl.model.kv8.pack (the same
+    """The FP8 KV layout on the GPU: the RoPE kernel writes v's bytes exactly as qerl.execution.kv8.pack (the same
     E4M3 rounding in the hardware's cvt), k's codes within one E4M3 step (RoPE's fp32 order differs), every scale
     within 1 ulp; attention over the packed caches equals SDPA over their unpacked values."""
     import torch.nn.functional as F
 
-    from qerl.model import fused_ops as K
-    from qerl.model import kv8
-    from qerl.model.transformer import apply_rope
+    from qerl.execution import fused_ops as K
+    from qerl.execution import kv8
+    from qerl.execution.training_ops import rope_eager as apply_rope
     torch.manual_seed(0)
     rows, H, Hkv, D = 64, 28, 4, 128
     q, k, v = (torch.randn(rows, (H + 2 * Hkv) * D, device="cuda") * 3).bfloat16().split([H * D, Hkv * D, Hkv * D], -1)
@@ -761,10 +762,13 @@ def test_gpu_dependent_launch_changes_the_timing_not_the_samples(scheme, monkeyp
 
 def test_dependent_launch_only_where_it_can_run(monkeypatch):
     """kernels/pdl.py gives a launch PDL only on CUDA: on the CPU (Triton's interpreter) its `PDL` flag is false,
-    which compiles the wait out, and no launch option the interpreter would reject is passed. QERL_PDL=0 turns it
-    off on any GPU, before anything asks the driver."""
+    which compiles the wait out, and no launch option the interpreter would reject is passed. The plan's `pdl`
+    off (QERL_PDL=0) turns it off on any GPU, before anything asks the driver."""
     from kernels import pdl
+    from qerl.execution import fused_ops
 
     assert pdl.launch(torch.device("cpu")) == {"PDL": False}
+    assert pdl.launch(torch.device("cuda", 0), False) == {"PDL": False} and not pdl.enabled(torch.device("cuda", 0),
+                                                                                            False)
     monkeypatch.setenv("QERL_PDL", "0")
-    assert pdl.launch(torch.device("cuda", 0)) == {"PDL": False} and not pdl.enabled(torch.device("cuda", 0))
+    assert fused_ops._pdl(torch.device("cuda", 0)) == {"PDL": False}

@@ -415,7 +415,7 @@ def test_the_gpu_yardstick_passes_the_decode_step_and_fails_a_window_off_by_one(
     model = gpu_family_model("mistral", "bf16", device="cpu")
     exact = gpu_family_model("mistral", "bf16", device="cpu").float()
     decoder, window = model.model, model.model.sliding_window
-    decode_step = decoder.decode_step
+    decode_step = model.decode_step
 
     def wider(*args, **kwargs):
         decoder.sliding_window = window + shift
@@ -424,7 +424,7 @@ def test_the_gpu_yardstick_passes_the_decode_step_and_fails_a_window_off_by_one(
         finally:
             decoder.sliding_window = window
 
-    monkeypatch.setattr(decoder, "decode_step", wider)
+    monkeypatch.setattr(model, "decode_step", wider)
     r = decode_tokens_against_fp32(RolloutEngine(model, check_every=4), exact, prompts(8, vocab=1024, seed=2,
                                                                                        max_len=40), 64)
     assert as_close_to_fp32_as_bf16_forward(r) == (shift == 0), r

@@ -1,10 +1,11 @@
-"""Fused q/k/v and gate/up projections (`qerl.model.fusion`): the same numbers as separate layers, one copy of the
+"""Fused q/k/v and gate/up projections (`qerl.execution.fusion`): the same numbers as separate layers, one copy of the
 weights, state dicts and adapters unchanged, LoRA updates and moves followed. CPU (fp32); on CUDA the engine's graphs
 read the same groups (test_engine's GPU tests run the fused model through `load_base_model`)."""
 import pytest
 import torch
 
-from qerl.model import fusion
+from qerl.execution import decode
+from qerl.execution import fusion
 from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora, lora_layers, merged_state_dict
 from qerl.quant.linear import QuantLinear, quantize_model
 from qerl.rollout.engine import RolloutEngine
@@ -107,9 +108,9 @@ def test_decode_path_follows_optimizer_steps_and_adapter_switches(scheme):
 
     def check():
         with torch.no_grad():
-            for got, want in zip(attn_b.project_qkv(x, fused=True), attn_a.project_qkv(x, fused=True)):
+            for got, want in zip(decode.project_qkv(attn_b, x), decode.project_qkv(attn_a, x)):
                 assert torch.allclose(got, want, atol=1e-4)
-            return attn_b.project_qkv(x, fused=True)[1]
+            return decode.project_qkv(attn_b, x)[1]
 
     before = check()
     ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(4))

@@ -24,6 +24,7 @@ if not CUDA and "triton" not in sys.modules:  # as in test_kernels.py: the inter
 triton = pytest.importorskip("triton")
 from kernels import dispatch, gemm, gluon_nvfp4, humming_nvfp4  # noqa: E402
 from kernels import nvfp4 as K  # noqa: E402
+from kernels.context import GemmContext  # noqa: E402
 from tests.patience import patience  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -31,13 +32,8 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    path = tmp_path / "gemm_dispatch.json"
-    monkeypatch.setenv("QERL_GEMM_CACHE", str(path))
     monkeypatch.setattr(dispatch, "_capturing", lambda: False)
-    dispatch.forget()
-    dispatch.set_tuning(True)
-    yield path
-    dispatch.forget()
+    return tmp_path / "gemm_dispatch.json"
 
 
 def _fake(times: dict[str, float], calls: list):
@@ -53,27 +49,28 @@ def _fake(times: dict[str, float], calls: list):
 def test_dispatch_picks_the_fastest_measured_backend_and_caches_it(cache):
     calls = []
     cands, timer = _fake({"triton": 3e-5, "dequant_cublas": 1e-5}, calls)
-    assert dispatch.choose("fwd", "qerl", 4096, 1024, 200, cands, timer) == "dequant_cublas"
+    chooser = dispatch.Dispatcher(cache=cache)
+    assert chooser.choose("fwd", "qerl", 4096, 1024, 200, cands, timer) == "dequant_cublas"
     assert sorted(calls) == ["dequant_cublas", "triton"]
     # same bucket (129..256): no new measurement; the choice is on disk, keyed by this environment
-    assert dispatch.choose("fwd", "qerl", 4096, 1024, 256, cands, timer) == "dequant_cublas"
+    assert chooser.choose("fwd", "qerl", 4096, 1024, 256, cands, timer) == "dequant_cublas"
     assert len(calls) == 2
     data = json.loads(cache.read_text())
     assert data["choices"][dispatch.environment_key()] == {"fwd|qerl|4096x1024|m256": "dequant_cublas"}
-    # a new process (forget) reads the file instead of measuring
-    dispatch.forget()
-    assert dispatch.choose("fwd", "qerl", 4096, 1024, 130, cands, lambda fn: pytest.fail("re-measured")) \
+    # a new process (a new dispatcher) reads the file instead of measuring
+    assert dispatch.Dispatcher(cache=cache).choose("fwd", "qerl", 4096, 1024, 130, cands,
+                                                   lambda fn: pytest.fail("re-measured")) \
         == "dequant_cublas"
 
 
 def test_dispatch_defaults_before_measuring_and_during_capture(cache, monkeypatch):
     cands = {"humming": lambda: None, "dequant_cublas": lambda: None}
-    dispatch.set_tuning(False)
-    assert dispatch.choose("fwd", "humming", 64, 64, 8, cands) == "humming"
-    assert dispatch.choose("fwd", "humming", 64, 64, 2048, cands) == "dequant_cublas"
-    dispatch.set_tuning(True)
+    defaults = dispatch.Dispatcher("defaults", cache)  # execution.gemm_tuning: defaults
+    assert defaults.choose("fwd", "humming", 64, 64, 8, cands, lambda fn: pytest.fail("timed")) == "humming"
+    assert defaults.choose("fwd", "humming", 64, 64, 2048, cands) == "dequant_cublas"
     monkeypatch.setattr(dispatch, "_capturing", lambda: True)  # never time inside a CUDA-graph capture
-    assert dispatch.choose("bwd", "humming", 64, 64, 2048, cands, lambda fn: pytest.fail("timed")) \
+    assert dispatch.Dispatcher(cache=cache).choose("bwd", "humming", 64, 64, 2048, cands,
+                                                   lambda fn: pytest.fail("timed")) \
         == "dequant_cublas"
     assert not cache.exists()
 
@@ -84,7 +81,7 @@ def test_dispatch_ignores_a_failing_backend(cache, caplog):
 
     cands = {"triton": broken, "dequant_cublas": lambda: None}
     with caplog.at_level(logging.WARNING):
-        pick = dispatch.choose("fwd", "qerl", 64, 64, 4, cands, lambda fn: (fn(), 1.0)[1])
+        pick = dispatch.Dispatcher(cache=cache).choose("fwd", "qerl", 64, 64, 4, cands, lambda fn: (fn(), 1.0)[1])
     assert pick == "dequant_cublas"
     assert "triton cannot run fwd|qerl|64x64" in caplog.text and "out of shared memory" in caplog.text
 
@@ -96,7 +93,7 @@ def test_a_corrupt_or_stale_cache_is_ignored_with_one_warning(cache, caplog, con
     calls = []
     cands, timer = _fake({"triton": 1e-5, "dequant_cublas": 2e-5}, calls)
     with caplog.at_level(logging.WARNING):
-        assert dispatch.choose("fwd", "qerl", 128, 64, 1, cands, timer) == "triton"
+        assert dispatch.Dispatcher(cache=cache).choose("fwd", "qerl", 128, 64, 1, cands, timer) == "triton"
     assert calls, "a bad cache must lead to a fresh measurement"
     assert sum("ignoring GEMM dispatch cache" in r.message for r in caplog.records) == 1
     assert json.loads(cache.read_text())["version"] == dispatch.CACHE_VERSION  # rewritten whole
@@ -107,7 +104,7 @@ def test_another_gpus_choices_are_kept_but_not_used(cache):
     cache.write_text(json.dumps(other))
     calls = []
     cands, timer = _fake({"triton": 1e-5, "dequant_cublas": 2e-5}, calls)
-    assert dispatch.choose("fwd", "qerl", 128, 64, 1, cands, timer) == "triton"
+    assert dispatch.Dispatcher(cache=cache).choose("fwd", "qerl", 128, 64, 1, cands, timer) == "triton"
     data = json.loads(cache.read_text())["choices"]
     assert data["Some Other GPU|torch x"] == other["choices"]["Some Other GPU|torch x"]
     assert data[dispatch.environment_key()] == {"fwd|qerl|128x64|m1": "triton"}
@@ -196,7 +193,8 @@ needs_humming = pytest.mark.skipif(not humming_nvfp4.available(), reason="needs 
 def test_every_backend_matches_the_pytorch_reference(layout, m, cache):
     n, k = 1024, 512
     t = codec.quantize(_weight(n, k))
-    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], prefer=layout)
+    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], prefer=layout,
+                       context=GemmContext(cache=cache))
     assert g.layout == layout
     w = codec.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], torch.float64)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -310,10 +308,11 @@ def test_our_layout_backends_under_the_interpreter(cache):
     kernels (fp16: its bf16 dots are unreliable), cuBLAS's place is taken by torch's CPU matmul."""
     if not K.interpreting():
         pytest.skip("triton was imported before TRITON_INTERPRET could be set")
-    dispatch.set_tuning(False)
+    context = GemmContext(tuning="defaults", cache=cache)
     n, k = 64, 128
     t = codec.quantize(torch.randn(n, k) * 0.05)
-    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype=torch.float16)
+    g = gemm.NVFP4Gemm(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype=torch.float16,
+                       context=context)
     assert g.layout == "qerl"
     w = codec.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], torch.float64)
     x = torch.randn(3, k, dtype=torch.float16)
@@ -325,7 +324,7 @@ def test_our_layout_backends_under_the_interpreter(cache):
         assert ((dx - dy.double() @ w).norm() / (dy.double() @ w).norm()).item() < 2e-3, backend
     w16 = codec.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], torch.float16)
     assert torch.equal(g.dequantize(torch.float16), w16)
-    assert g.dequantize(torch.float16).data_ptr() == gemm.scratch(1, torch.float16, x.device).data_ptr()  # reused
+    assert g.dequantize(torch.float16).data_ptr() == context.scratch(1, torch.float16, x.device).data_ptr()  # reused
     xg = x.clone().requires_grad_()
     bias = torch.randn(n, dtype=torch.float16, requires_grad=True)
     gemm.linear(xg, g, bias).backward(dy)

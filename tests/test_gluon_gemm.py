@@ -185,14 +185,7 @@ def test_layout_choice_is_validated():
     if not G.available():
         with pytest.raises(RuntimeError, match="the Gluon layout needs Gluon on an sm_90 GPU"):
             NVFP4Gemm(packed, scale, gs, prefer="gluon")
-    odd_packed, odd_scale, odd_gs = random_weight(96, 256)  # no 64-row tiles: the environment's choice falls back
-    os.environ["QERL_NVFP4_LAYOUT"] = "gluon"
-    try:
-        with pytest.warns(UserWarning, match="such layers keep the default layout"):
-            assert NVFP4Gemm(odd_packed, odd_scale, odd_gs).layout in ("qerl", "humming")
-    finally:
-        del os.environ["QERL_NVFP4_LAYOUT"]
-    odd_packed, odd_scale, odd_gs = random_weight(160, 256)
+    odd_packed, odd_scale, odd_gs = random_weight(160, 256)  # no 64-row tiles: the run's choice falls back
     with pytest.warns(UserWarning, match="such layers keep the default layout"):  # quant.gpu_layout: the same
         assert NVFP4Gemm(odd_packed, odd_scale, odd_gs, layout="gluon").layout in ("qerl", "humming")
     assert NVFP4Gemm(packed, scale, gs, layout="qerl").layout == "qerl"
@@ -347,16 +340,16 @@ def test_gpu_gluon_layout_layer_forward_backward_and_canonical(m):
 @pytest.mark.parametrize("layout", ["gluon", "qerl"])
 @pytest.mark.parametrize("m", [2048, 4099])  # 4099: not a multiple of 16 (_scaled_mm's), as most micro-batches
 def test_gpu_fp8_update_gemms_match_the_exact_product(m, layout):
-    """In the FP8 update (kernels.gemm.update_precision) a layer's forward and dx run dequantize-to-FP8 (one scale
+    """In the FP8 update (its context's update_precision) a layer's forward and dx run dequantize-to-FP8 (one scale
     per row; from the Gluon layout directly, from the others through bf16) + _scaled_mm: within FP8's rounding of
     the exact products (E4M3 keeps 3 mantissa bits: ~3% per element, averaged over K in a dot product)."""
-    from kernels.gemm import NVFP4Gemm, linear, update_precision
+    from kernels.gemm import NVFP4Gemm, linear
     packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=3))
     layer = NVFP4Gemm(packed, scale, gs, prefer=layout)
     assert layer.layout == layout
     w = codec.dequantize(packed, scale, gs, dtype=torch.float32).double()
     x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with update_precision("fp8"):
+    with layer.context.update_precision("fp8"):
         assert layer.backend_for("fwd", x.detach()) == "dequant_fp8"
         y = linear(x, layer)
         dy = torch.randn_like(y)
@@ -387,8 +380,8 @@ def test_gpu_resident_fp8_copy_serves_inference_and_never_the_bf16_update(layout
     y = layer.forward(x, backend="fp8_weight")
     assert torch.isfinite(y).all() and rel(y) <= 0.04, rel(y)
     assert "fp8_weight" in layer._backends("fwd") and "fp8_weight" not in plain._backends("fwd")
-    with G8.update_precision("bf16"):
+    with layer.context.update_precision("bf16"):
         assert "fp8_weight" not in layer._backends("fwd")
         assert rel(layer.forward(x)) <= 0.01  # bf16 numerics in the bf16 update
-    with G8.update_precision("fp8"):  # the resident copy, bit for bit: no dequantize
+    with layer.context.update_precision("fp8"):  # the resident copy, bit for bit: no dequantize
         torch.testing.assert_close(layer.forward(x, backend="dequant_fp8"), y, rtol=0, atol=0)

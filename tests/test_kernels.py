@@ -480,7 +480,7 @@ def test_rope_forward_and_backward_interp(interp, tables):
     """kernels/rope.py in the interpreter (fp32): the rotation of a transposed [B, H, T, D] view (as the update's
     q and k are) and its gradient, as eager autograd computes them on the eager expression."""
     from kernels import rope
-    from qerl.model.training_ops import rope_eager
+    from qerl.execution.training_ops import rope_eager
 
     g = torch.Generator().manual_seed(7)
     b, h, t, d = 2, 3, 5, 16

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from qerl.model.transformer import ModelConfig, Transformer, rope_frequencies
+from qerl.execution.shared_prompts import forward_shared_prompts
+from qerl.model.rope import rope_frequencies
+from qerl.model.transformer import ModelConfig, Transformer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, attn_implementation="eager")
@@ -253,7 +255,7 @@ def test_shared_prompts_forward_equals_forward_with_its_gradients(case):
     model.model.embed_tokens.register_forward_hook(lambda module, args, out: tokens.append(out.shape[:-1].numel()))
     for share, pack in [(True, False), (True, True), (False, True)]:
         hidden, grad = hidden_and_grads(
-            lambda: model.model.forward_shared_prompts(ids, mask, prompt_len, share=share, pack=pack))
+            lambda: forward_shared_prompts(model.model, ids, mask, prompt_len, share=share, pack=pack))
         assert (plain - hidden).abs().max() < 2e-5 * plain.abs().max(), (share, pack)
         assert (plain_grad - grad).abs().max() < 2e-5 * plain_grad.abs().max(), (share, pack)
         distinct = 3 if share else 12  # prompts: 3 groups of 4 rows
@@ -295,7 +297,7 @@ def test_shared_prompts_forward_of_distinct_prompts_is_forward(tiny_pair):
     _, model = tiny_pair
     ids, mask, prompt_len = grouped_rows(groups=3, size=1)
     with torch.no_grad():
-        assert torch.equal(model.model.forward_shared_prompts(ids, mask, prompt_len),
+        assert torch.equal(forward_shared_prompts(model.model, ids, mask, prompt_len),
                            model.model(ids, attention_mask=mask))
 
 

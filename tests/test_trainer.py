@@ -333,7 +333,7 @@ def test_update_holds_dequantized_weights_in_the_memory_the_plan_leaves(tmp_path
     monkeypatch.setattr(recompute, "plan", lambda *a, **k: recompute.MemoryPlan(0, 5 * 2**30))
 
     @contextlib.contextmanager
-    def recording(b):
+    def recording(model, b):
         budgets.append(b)
         yield lambda: 3 * 2**29
 

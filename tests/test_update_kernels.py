@@ -1,19 +1,17 @@
 """The update's speed paths compute what the plain ops compute: LoRA's update in the GEMM epilogue (`add_low_rank`),
-the fused elementwise ops (`qerl.model.training_ops`), and recomputing only some blocks (`qerl.model.recompute`).
+the fused elementwise ops (`qerl.execution.training_ops`), and recomputing only some blocks (`qerl.model.recompute`).
 
 The one-GEMM LoRA path runs on CUDA only in the product; here it is switched on for the CPU (fp32) to check its
 forward and gradients against the separate ops. The fused kernels are checked on the GPU (Liger's and inductor's
 kernels, bf16)."""
-import os
 
 import pytest
 import torch
 
 from qerl.config import load_settings
-from qerl.model import fusion
-from qerl.model import lora
+from qerl.execution import fusion, low_rank, training_ops
 from qerl.model import recompute
-from qerl.model import training_ops
+from qerl.quant.linear import QuantLinear
 from tests.test_fusion import lora_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -38,8 +36,7 @@ def test_lora_update_in_the_gemm_epilogue_gives_the_same_output_and_gradients(mo
         model.fuse_projections()
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
     ref_out, ref_grads = _loss_and_grads(model, ids)
-    monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr("qerl.model.fusion.ONE_GEMM_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(low_rank, "ONE_GEMM_DEVICES", {"cuda", "cpu"})  # LoRA layers' and fused groups' alike
     out, grads = _loss_and_grads(model, ids)
     assert torch.allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref_grads.keys() and len(grads) == 7 * 2 * 2
@@ -56,7 +53,7 @@ def test_one_gemm_path_is_taken_where_enabled(monkeypatch):
     ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(5))
     model(ids)
     assert not calls  # the CPU keeps its separate ops
-    monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cpu"})
+    monkeypatch.setattr(low_rank, "ONE_GEMM_DEVICES", {"cpu"})
     model(ids)
     assert len(calls) == 7 * len(model.model.layers)
 
@@ -91,12 +88,7 @@ def test_settings_take_auto_true_false_and_name_the_choices():
 
 
 def test_the_cpu_always_runs_the_eager_ops():
-    try:
-        training_ops.set_backend("compile")
-        x = torch.randn(3, 8)
-        assert not training_ops._fast(x)
-    finally:
-        training_ops.set_backend("eager")
+    assert not training_ops.TrainingOps("compile")._fast(torch.randn(3, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,7 +101,7 @@ def test_eager_silu_mul_keeps_two_inputs_and_gives_eagers_bits(dtype):
     up.requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = training_ops.silu_mul(gate, up)
+        out = training_ops.EAGER.silu_mul(gate, up)
     assert len(saved) == 2
     grads = torch.autograd.grad((out * w).sum(), (gate, up))
     ref = torch.nn.functional.silu(gate) * up
@@ -174,12 +166,8 @@ def test_gpu_swiglu_on_fused_halves_matches_liger_and_writes_the_fused_gradient(
     for a, b in ((ours, ref), (grad[..., :inter], ref_grads[0]), (grad[..., inter:], ref_grads[1])):
         ulp = (a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-3)
         assert (ulp > 2 ** -7).float().mean() < 1e-3, (ulp > 2 ** -7).float().mean()  # a rare 1-ulp tie apart
-    training_ops.set_backend("liger")
-    try:
-        gate_v, up_v = fused.split(inter, dim=-1)
-        assert torch.equal(training_ops.silu_mul(gate_v, up_v), ours)  # the views take our kernel
-    finally:
-        training_ops.set_backend("eager")
+    gate_v, up_v = fused.split(inter, dim=-1)
+    assert torch.equal(training_ops.TrainingOps("liger").silu_mul(gate_v, up_v), ours)  # the views take our kernel
 
 
 
@@ -200,21 +188,18 @@ def test_gpu_fused_elementwise_ops_match_eager(backend):
     emb = torch.cat([pos[..., None].float() * inv] * 2, dim=-1)[:, None]
     cos, sin = emb.cos(), emb.sin()
 
-    def run():
-        outs = [training_ops.rms_norm(x, w, 1e-6), training_ops.silu_mul(gate, up), training_ops.rope(q, cos, sin)]
+    def run(ops):
+        outs = [ops.rms_norm(x, w, 1e-6), ops.silu_mul(gate, up), ops.rope(q, cos, sin)]
         sum((o.float() * torch.linspace(-1, 1, o.shape[-1], device="cuda")).sum() for o in outs).backward()
         grads = [t.grad.clone() for t in (x, w, gate, up, q)]
         for t in (x, w, gate, up, q):
             t.grad = None
         return outs, grads
 
-    try:
-        training_ops.set_backend("eager")
-        ref_outs, ref_grads = run()
-        assert training_ops.set_backend(backend) == backend
-        outs, grads = run()
-    finally:
-        training_ops.set_backend("eager")
+    ref_outs, ref_grads = run(training_ops.EAGER)
+    ops = training_ops.TrainingOps(backend)
+    assert ops.backend == backend
+    outs, grads = run(ops)
     for o, r in zip(outs + grads, ref_outs + ref_grads):
         rel = (o.float() - r.float()).norm() / r.float().norm()
         assert rel < 1e-2, rel  # bf16 operands: a few ulp of difference at most
@@ -283,12 +268,11 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
     to the bf16 update's, LoRA gradients pointing the same way, and the FP8 GEMMs really ran (forward and backward
     of every layer)."""
     from kernels import gemm
+    from qerl.execution import update_precision
     from qerl.quant import fp8
-    from qerl.quant.linear import update_precision
 
-    if scheme == "nvfp4-qerl-layout":
-        monkeypatch.setenv("QERL_NVFP4_LAYOUT", "qerl")
-        scheme = "nvfp4"
+    layout = "qerl" if scheme == "nvfp4-qerl-layout" else "gluon"
+    scheme = "nvfp4" if scheme == "nvfp4-qerl-layout" else scheme
 
     calls = {"fwd": 0, "bwd": 0}
     if scheme == "nvfp4":
@@ -304,13 +288,16 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
         monkeypatch.setattr(fp8._FP8Linear, "backward", staticmethod(
             lambda ctx, *a: calls.__setitem__("bwd", calls["bwd"] + 1) or backward(ctx, *a)))
     model = smooth_model(scheme)
+    for m in [*model.modules(), *(g.fused for g in fusion.groups(model))]:
+        if isinstance(m, QuantLinear):
+            m.gpu_layout = layout  # quant.gpu_layout, as prepare_base sets it (read at each layer's first forward)
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, 1024, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
     def logp_and_grads(precision):
         for p in params:
             p.grad = None
-        with update_precision(precision):
+        with update_precision(model, precision):
             logits = model(ids)[:, :-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
             (-logp.mean()).backward()
@@ -320,7 +307,7 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
     assert calls == {"fwd": 0, "bwd": 0}
     if scheme == "nvfp4":  # the layout asked for, in every layer (built at the first forward)
         layouts = {m._gemm.layout for m in model.modules() if getattr(m, "_gemm", None) is not None}
-        assert layouts == {os.environ.get("QERL_NVFP4_LAYOUT", "gluon")}, layouts
+        assert layouts == {layout}, layouts
     logp8, g8 = logp_and_grads("fp8")
     layers = len(model.model.layers)
     # qkv, o, gate_up, down: forward and dx (but the first qkv's: nothing before it needs a gradient)
@@ -334,12 +321,14 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
 def test_the_fp8_update_leaves_cpu_linears_exact():
     """Off CUDA (and outside the FP8 update) a frozen linear is computed as it always was: `frozen_linear` is the
     hook every base projection goes through, so it must be the identity wherever FP8 does not apply."""
+    from kernels.context import GemmContext
     from qerl.quant import fp8
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 48, dtype=torch.bfloat16).requires_grad_(False)
+    linear.gemm_context = GemmContext()
     x = torch.randn(5, 7, 32, dtype=torch.bfloat16)
-    with fp8.active():
+    with linear.gemm_context.update_precision("fp8"):
         assert torch.equal(fp8.frozen_linear(linear, x), linear(x))
     assert torch.equal(fp8.frozen_linear(linear, x), linear(x))
 
@@ -375,29 +364,27 @@ def test_gpu_shared_prompts_forward_agrees_with_forward(scheme, precision):
     """The update's shared-prompt forward on CUDA (`model.share_prompts`, on by default): with the fused training
     kernels, fused projections and each base GEMM precision, every real token's hidden state and the LoRA gradients
     are the plain forward's to bf16 rounding (the packed GEMMs have other shapes, so other roundings)."""
-    from qerl.quant.linear import update_precision
+    from qerl.execution import ExecutionPlan, attach, update_precision
+    from qerl.execution.shared_prompts import forward_shared_prompts
     from tests.test_model import grouped_rows
 
-    training_ops.set_backend("auto")
-    try:
-        model = smooth_model(scheme).train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        ids, mask, prompt_len = grouped_rows(prompt_len=96, completion_len=160, groups=2, size=4, vocab=1024)
-        ids, mask = ids.cuda(), mask.cuda()
-        weights = torch.randn(*ids.shape, model.config.hidden_size, device="cuda",
-                              generator=torch.Generator("cuda").manual_seed(1)) * mask[..., None]
-        results = []
-        for shared in (False, True):
-            for p in params:
-                p.grad = None
-            with update_precision(precision):
-                hidden = model.model.forward_shared_prompts(ids, mask, prompt_len) if shared \
-                    else model.model(ids, attention_mask=mask)
-                (hidden.float() * weights).sum().backward()
-            results.append(((hidden.detach().float() * mask[..., None]),
-                            torch.cat([p.grad.flatten().float() for p in params])))
-    finally:
-        training_ops.set_backend("eager")
+    model = smooth_model(scheme).train()
+    attach(model, ExecutionPlan(training_kernels="auto"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids, mask, prompt_len = grouped_rows(prompt_len=96, completion_len=160, groups=2, size=4, vocab=1024)
+    ids, mask = ids.cuda(), mask.cuda()
+    weights = torch.randn(*ids.shape, model.config.hidden_size, device="cuda",
+                          generator=torch.Generator("cuda").manual_seed(1)) * mask[..., None]
+    results = []
+    for shared in (False, True):
+        for p in params:
+            p.grad = None
+        with update_precision(model, precision):
+            hidden = forward_shared_prompts(model.model, ids, mask, prompt_len) if shared \
+                else model.model(ids, attention_mask=mask)
+            (hidden.float() * weights).sum().backward()
+        results.append(((hidden.detach().float() * mask[..., None]),
+                        torch.cat([p.grad.flatten().float() for p in params])))
     (plain, plain_grad), (shared, shared_grad) = results
     rel = ((plain - shared).abs().mean() / plain.abs().mean()).item()
     cos = torch.nn.functional.cosine_similarity(plain_grad, shared_grad, dim=0).item()
@@ -411,6 +398,8 @@ def test_gpu_update_path_gives_the_plain_paths_gradients(monkeypatch, scheme):
     """The whole CUDA update path (fused kernels, fused projections, LoRA's update in the GEMM's epilogue) against
     the plain one (eager ops, separate LoRA ops): every LoRA factor gets its gradient, pointing the same way. A
     kernel that read a tensor outside the graph would leave whole layers without one."""
+    from qerl.execution import ExecutionPlan, attach
+
     model = smooth_model(scheme).train()
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, 1024, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -418,14 +407,10 @@ def test_gpu_update_path_gives_the_plain_paths_gradients(monkeypatch, scheme):
     def grads(fast: bool):
         for p in params:
             p.grad = None
-        training_ops.set_backend("auto" if fast else "eager")
-        monkeypatch.setattr(lora, "ONE_GEMM_DEVICES", {"cuda"} if fast else set())
-        monkeypatch.setattr(fusion, "ONE_GEMM_DEVICES", {"cuda"} if fast else set())
-        try:
-            logits = model(ids)[:, :-1].float()
-            (-torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).mean()).backward()
-        finally:
-            training_ops.set_backend("eager")
+        attach(model, ExecutionPlan(training_kernels="auto" if fast else "eager"))
+        monkeypatch.setattr(low_rank, "ONE_GEMM_DEVICES", {"cuda"} if fast else set())
+        logits = model(ids)[:, :-1].float()
+        (-torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).mean()).backward()
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
         return [p.grad.float().flatten() for p in params]
 
@@ -439,18 +424,18 @@ def test_held_weights_are_written_once_within_the_budget_and_freed_after():
     """kernels.gemm.weight_copy: outside `held_weights` every call writes the shared scratch; inside, each owner's
     copy is written once and read after, while the budget lasts (beyond it, the scratch as before); on exit nothing
     is held."""
-    from kernels import gemm
+    from kernels.context import GemmContext
 
-    cpu, writes = torch.device("cpu"), []
+    cpu, writes, context = torch.device("cpu"), [], GemmContext()
     a, b, c = object(), object(), object()
 
     def copy(owner, value):
-        return gemm.weight_copy(owner, ("w",), 8, torch.float32, cpu,
-                                lambda flat: writes.append(owner) or flat.fill_(value).view(2, 4))
+        return context.weight_copy(owner, ("w",), 8, torch.float32, cpu,
+                                   lambda flat: writes.append(owner) or flat.fill_(value).view(2, 4))
 
-    scratch_ptr = gemm.scratch(8, torch.float32, cpu).data_ptr()
+    scratch_ptr = context.scratch(8, torch.float32, cpu).data_ptr()
     assert copy(a, 1.0).data_ptr() == scratch_ptr and writes == [a]
-    with gemm.held_weights(2 * 8 * 4) as held:  # room for two copies
+    with context.held_weights(2 * 8 * 4) as held:  # room for two copies
         wa, wb, wc = copy(a, 1.0), copy(b, 2.0), copy(c, 3.0)
         assert held() == 64 and wc.data_ptr() == scratch_ptr and scratch_ptr not in (wa.data_ptr(), wb.data_ptr())
         writes.clear()
@@ -458,7 +443,7 @@ def test_held_weights_are_written_once_within_the_budget_and_freed_after():
         assert wa.eq(1.0).all() and wb.eq(2.0).all()
         copy(c, 3.0)
         assert writes == [c]  # the one beyond the budget is written at every call
-    assert gemm._held is None
+    assert not context.holding
     writes.clear()
     assert copy(a, 1.0).data_ptr() == scratch_ptr and writes == [a]
 
@@ -469,8 +454,8 @@ def test_gpu_held_weights_give_the_same_update_and_dequantize_each_weight_once(m
     """The trainer's update with the dequantized NVFP4 weights kept (model.keep_dequantized): bit for bit the
     gradients of dequantizing per GEMM, over two micro-batches, with each weight dequantized once (per direction in
     FP8, whose forward and dx copies are scaled along different dimensions)."""
-    from kernels import gemm, gluon_nvfp4
-    from qerl.quant.linear import held_weights, update_precision
+    from kernels import gluon_nvfp4
+    from qerl.execution import execution_of, held_weights, update_precision
 
     calls = []
     real = gluon_nvfp4.dequantize
@@ -484,7 +469,7 @@ def test_gpu_held_weights_give_the_same_update_and_dequantize_each_weight_once(m
         calls.clear()
         for p in params:
             p.grad = None
-        with update_precision(precision), held_weights(budget) as held:
+        with update_precision(model, precision), held_weights(model, budget) as held:
             for ids in micro_batches:
                 logits = model(ids)[:, :-1].float()
                 (-torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).mean()).backward()
@@ -504,7 +489,7 @@ def test_gpu_held_weights_give_the_same_update_and_dequantize_each_weight_once(m
         assert dequantized == 4 * layers and held == 2 * sum(weights.values())
     else:  # FP8: W scaled per row for the forward, Wᵀ per row for dx, one byte each
         assert dequantized == 2 * 4 * layers - 1 and held == 2 * sum(weights.values()) - first_qkv.n * first_qkv.k
-    assert gemm._held is None
+    assert not execution_of(model).gemm.holding
 
 
 @needs_cuda
@@ -517,33 +502,32 @@ def test_gpu_head_kernel_gives_the_pytorch_paths_log_probs_entropies_and_gradien
     its rounding."""
     from qerl.rl.grpo import head_log_probs
 
-    monkeypatch.setattr(training_ops, "_backend", "compile")  # a fused backend, as the trainer's on CUDA
+    ops = training_ops.TrainingOps("compile")  # a fused backend, as the trainer's on CUDA
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(3, 700, 256, device="cuda", generator=g).bfloat16().requires_grad_()
     weight = (torch.randn(32000, 256, device="cuda", generator=g) / 16).bfloat16()
     ids = torch.randint(0, 32000, (3, 700), device="cuda", generator=g)
     upstream = torch.randn(3, 700, device="cuda", generator=g)
 
-    def run():
-        logp, entropy = head_log_probs(hidden, weight, ids, temperature, want_entropy=True, chunk_size=chunk_size)
+    def run(ops):
+        logp, entropy = head_log_probs(hidden, weight, ids, temperature, want_entropy=True, chunk_size=chunk_size,
+                                       ops=ops)
         (grad,) = torch.autograd.grad((logp * upstream).sum(), hidden)
         return logp, entropy, grad
 
-    assert training_ops.head_kernel(weight) is not None
-    fused = run()
-    monkeypatch.setenv("QERL_VOCAB_KERNEL", "0")
-    assert training_ops.head_kernel(weight) is None
-    plain = run()
+    assert ops.head_kernel(weight) is not None
+    fused = run(ops)
+    ops = training_ops.TrainingOps("compile", vocab_kernel=False)  # QERL_VOCAB_KERNEL=0 (qerl.debug)
+    assert ops.head_kernel(weight) is None
+    plain = run(ops)
     torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=2e-5)
     torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=2e-5)
     torch.testing.assert_close(fused[2].float(), plain[2].float(), rtol=2e-2, atol=1e-3)
     assert fused[2].dtype == torch.bfloat16
 
 
-def test_the_head_kernel_runs_only_where_the_fused_training_kernels_do(monkeypatch):
+def test_the_head_kernel_runs_only_where_the_fused_training_kernels_do():
     """On the CPU, and with `model.training_kernels: eager` anywhere, the LM head stays PyTorch's (what it was)."""
-    monkeypatch.setattr(training_ops, "_backend", "compile")
-    assert training_ops.head_kernel(torch.zeros(4, 2, dtype=torch.bfloat16)) is None
-    monkeypatch.setattr(training_ops, "_backend", "eager")
+    assert training_ops.TrainingOps("compile").head_kernel(torch.zeros(4, 2, dtype=torch.bfloat16)) is None
     if torch.cuda.is_available():
-        assert training_ops.head_kernel(torch.zeros(4, 2, dtype=torch.bfloat16, device="cuda")) is None
+        assert training_ops.EAGER.head_kernel(torch.zeros(4, 2, dtype=torch.bfloat16, device="cuda")) is None

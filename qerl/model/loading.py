@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qerl import debug
 from qerl.model.transformer import ModelConfig, Transformer
 from qerl.run.atomic import atomic_dir
 
@@ -116,7 +117,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
 
 def cache_dir() -> Path:
     """Where converted models live: $QERL_CACHE, else ~/.cache/qerl."""
-    return Path(os.environ.get("QERL_CACHE") or Path.home() / ".cache" / "qerl").expanduser()
+    return Path(debug.cache_dir() or Path.home() / ".cache" / "qerl").expanduser()
 
 
 def embedded_gguf_path() -> Path:

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from qerl.config import LoraSettings  # the one LoRA settings type (also the params file's `lora` section)
+from qerl.execution.low_rank import add_low_rank
 from qerl.quant.fp8 import frozen_linear
 from qerl.run.atomic import atomic_dir
 
@@ -46,46 +47,6 @@ def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> Tensor:
     if isinstance(linear, nn.Linear):
         return linear.weight.detach().to(dtype)
     return linear.dequantized_weight(dtype).detach()
-
-
-# Where `add_low_rank` adds LoRA's update in the GEMM's epilogue (tests add "cpu" to check its numbers there).
-ONE_GEMM_DEVICES = {"cuda"}
-
-
-def add_low_rank(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> Tensor:
-    """out + scaling * h @ bᵀ (LoRA's update added to the base output; h = x @ Aᵀ).
-
-    On CUDA one GEMM whose epilogue adds `out` (cuBLAS' beta = 1): in training the separate product, scale, cast and
-    add are four passes over [tokens, out_features] each way, more memory traffic than the rank-16 GEMM itself.
-    Elsewhere (and for mixed dtypes) the separate ops, whose roundings the CPU runs have always had."""
-    if out.device.type in ONE_GEMM_DEVICES and h.dtype == out.dtype == b.dtype:
-        flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), b.t(), alpha=scaling)
-        return flat.view(out.shape)
-    return out + (nn.functional.linear(h, b) * scaling).to(out.dtype)
-
-
-@dataclass
-class DeferredLoRA:
-    """A projection's output in the fused decode step with LoRA's update not added yet: `out` [rows, N] is the base
-    GEMM's output, the update is scale · h·bᵀ (h = x·Aᵀ [rows, R], b [N, R] with unit stride along R). The kernel
-    that reads `out` next adds the update before its own rounding, as one addmm would (`qerl.model.fused_ops`:
-    RoPE + KV write, SiLU·up, add + RMSNorm), so LoRA's B product costs no launch of its own. `blocks`: per member
-    of a fused output (q/k/v, gate/up; one for a single projection), its first row of b, its first column of h and
-    b, and its rank."""
-    out: Tensor
-    h: Tensor
-    b: Tensor
-    scale: float
-    blocks: tuple[tuple[int, int, int], ...]
-
-    def finish(self) -> Tensor:
-        """`out` with the update added in place (one addmm): for a reader that has no kernel adding it."""
-        return self.out.addmm_(self.h, self.b.t(), alpha=self.scale)
-
-
-def finished(out: Tensor | DeferredLoRA | None) -> Tensor | None:
-    """The tensor itself, or a deferred output finished."""
-    return out.finish() if isinstance(out, DeferredLoRA) else out
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -123,31 +84,6 @@ class LoraLinear(nn.Module):
             return out
         h = self.dropout(x.to(self.lora_A.dtype))
         return add_low_rank(out, nn.functional.linear(h, self.lora_A), self.lora_B, self.scaling)
-
-    def fused_forward(self, x: Tensor) -> Tensor:
-        """Inference only (the fused decode step, under no_grad; no dropout): base(x) + s * (x @ A^T) @ B^T with
-        the second product accumulated into the base output by one addmm (one launch instead of GEMM + scale +
-        add). A and B are read live, so a captured graph follows optimizer steps. Where the addmm cannot apply
-        (adapter off, adapter dtype != activation dtype, not 2-D) it is `forward`."""
-        if not self.enabled or self.lora_B.dtype != x.dtype or x.dim() != 2:
-            return self(x)
-        h = nn.functional.linear(x, self.lora_A)
-        plus_low_rank = getattr(self.base, "plus_low_rank", None)  # a quantized base adds it inside its GEMM
-        if plus_low_rank is not None:
-            return plus_low_rank(x, h, self.lora_B, self.scaling)
-        return self.base(x).addmm_(h, self.lora_B.t(), alpha=self.scaling)
-
-    def decode_deferred(self, x: Tensor) -> DeferredLoRA | None:
-        """`fused_forward(x)` with h = x·Aᵀ in one launch (`fused_ops.lora_shrink`) and the B product left to the
-        kernel that reads the output next; None where fused_forward would not take its addmm path."""
-        if not self.enabled or self.lora_B.dtype != x.dtype or self.lora_A.dtype != x.dtype or x.dim() != 2 \
-                or not self.lora_A.is_contiguous() or self.lora_B.stride(-1) != 1:
-            return None
-        from qerl.model import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
-
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        return DeferredLoRA(self.base(x), fused_ops.lora_shrink(x, self.lora_A), self.lora_B, self.scaling,
-                            ((0, 0, self.rank),))
 
     def delta_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """(B @ A) * scaling, [out, in]."""

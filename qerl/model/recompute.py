@@ -32,18 +32,17 @@ class MemoryPlan:
 
 def block_activation_bytes(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> int:
     """Bytes one block keeps alive for backward (saved tensors + its output) on this micro-batch, measured."""
-    from qerl.model.transformer import _positions_and_mask  # here: transformer imports nothing of this module
-
     batch, seq = input_ids.shape
     was_training = decoder.training
     decoder.train()
     try:
         with torch.enable_grad():
-            position_ids, mask = _positions_and_mask(batch, seq, attention_mask, None, None, None, input_ids.device)
-            cos, sin = decoder.rotary_emb(position_ids)
+            block = decoder.layers[0]
+            position_ids, masks = decoder.masks(batch, seq, attention_mask, device=input_ids.device)
+            cos, sin = decoder.rope_tables(position_ids)[block.sliding]
             x = decoder.embed_tokens(input_ids)
             before = torch.cuda.memory_allocated(input_ids.device)
-            out = decoder.layers[0](x, cos[:, None], sin[:, None], mask, None)
+            out = block(x, cos[:, None], sin[:, None], masks[block.sliding])
             kept = torch.cuda.memory_allocated(input_ids.device) - before
             del out
     finally:

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import torch
 
-from qerl.config import ModelSettings, QuantSettings, Settings
-from qerl.model import training_ops
+from qerl.config import ExecutionSettings, ModelSettings, QuantSettings, Settings
+from qerl.execution import ExecutionPlan, attach
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_base_model(model: ModelSettings, quant: QuantSettings):
-    """The frozen base: a pre-quantized folder if given, else the source checkpoint quantized in memory."""
+def load_base_model(model: ModelSettings, quant: QuantSettings, execution: ExecutionSettings = ExecutionSettings()):
+    """The frozen base: a pre-quantized folder if given, else the source checkpoint quantized in memory, running as
+    the settings' execution plan says."""
     from qerl.model.loading import load_model, resolve_model
     from qerl.quant import bnb
 
@@ -57,15 +58,17 @@ def load_base_model(model: ModelSettings, quant: QuantSettings):
     source = resolve_model(quant.quantized_path or model.path)
     start = time.perf_counter()
     net, tokenizer = load_model(source, dtype=dtype, device=device)
-    prepare_base(net, model, quant, device)
+    prepare_base(net, model, quant, device, ExecutionPlan.from_settings(model, execution, device))
     log.info("loaded %s (%s, %s, %s) in %.1fs", source, quant.scheme, dtype, device, time.perf_counter() - start)
     return net, tokenizer
 
 
-def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.device) -> None:
+def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.device,
+                 plan: ExecutionPlan | None = None) -> None:
     """A loaded network made the run's frozen base, in place: quantized as `quant` says (unless it already is), its
-    projections fused on CUDA, the training kernels chosen. Also what `qerl.rl.precompile` does to its one-layer
-    stand-in, so the stand-in launches the kernels the real base will."""
+    projections fused on CUDA, its execution `plan` attached (None: the plan of `model` with the default `execution`
+    settings; `qerl.execution`). Also what `qerl.rl.precompile` does to its one-layer stand-in, so the stand-in
+    launches the kernels the real base will."""
     from qerl.quant import bnb
     from qerl.quant.linear import QuantLinear, plan_fp8_weights, quantize_model
 
@@ -84,7 +87,7 @@ def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.
     # auto is planned per update by the trainer (qerl.model.recompute); until then nothing recomputes.
     net.gradient_checkpointing = model.gradient_checkpointing if isinstance(model.gradient_checkpointing, bool) \
         else False
-    training_ops.set_backend(model.training_kernels if device.type == "cuda" else "eager")
+    attach(net, plan or ExecutionPlan.from_settings(model, ExecutionSettings(), device))
 
 
 def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
@@ -118,7 +121,7 @@ def load_policy(settings: Settings, adapter: str | None = None):
 
     if adapter:
         lora.read_adapter_config(adapter)  # a wrong adapter fails now, not after the model load
-    net, tokenizer = load_base_model(settings.model, settings.quant)
+    net, tokenizer = load_base_model(settings.model, settings.quant, settings.execution)
     if adapter:
         lora.load_adapter(net, adapter)
     return net, tokenizer

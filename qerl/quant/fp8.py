@@ -1,41 +1,30 @@
 """The FP8 update for bf16 bases: a frozen `nn.Linear`'s forward and dx GEMMs on FP8 tensor cores.
 
-Inside `qerl.quant.linear.update_precision("fp8")` (`model.base_gemm: fp8`) the frozen bf16 weight W [N, K] is
-quantized per call to E4M3, one scale per row of what the GEMM reads (W's rows n for y = x Wᵀ, Wᵀ's rows k for
-dx = dy W: `torch._scaled_mm` scales only along the dimensions it does not contract), activations and gradients
-per row, and the product runs through `torch._scaled_mm`. Nothing is kept between calls but the two scale vectors
-(W is frozen, so they are computed once): memory as the bf16 update, plus one FP8 copy of the largest weight in
-flight; or, inside `kernels.gemm.held_weights` (the update, when memory allows), both FP8 copies of each weight
+Inside `qerl.execution.update_precision(model, "fp8")` (`model.base_gemm: fp8`: the FP8 phase of the model's
+`kernels.context.GemmContext`, which `qerl.execution` hands each frozen linear as `gemm_context`), the frozen bf16
+weight W [N, K] is quantized per call to E4M3, one scale per row of what the GEMM reads (W's rows n for y = x Wᵀ,
+Wᵀ's rows k for dx = dy W: `torch._scaled_mm` scales only along the dimensions it does not contract), activations
+and gradients per row, and the product runs through `torch._scaled_mm`. Nothing is kept between calls but the two
+scale vectors (W is frozen, so they are computed once): memory as the bf16 update, plus one FP8 copy of the largest weight in
+flight; or, inside the context's `held_weights` (the update, when memory allows), both FP8 copies of each weight
 kept through the update. Quantizing W reads 2 and writes 1 byte per weight, ~15% of the FP8 GEMM's time at a 7B's
 training sizes.
 NVFP4 layers have their own path (kernels.gemm: dequantized straight into FP8); this one is for plain linears.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor, nn
 
-__all__ = ["frozen_linear", "active"]
+__all__ = ["frozen_linear"]
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
-_active = False
-
-
-@contextlib.contextmanager
-def active(on: bool = True):
-    """Within the block, `frozen_linear` runs frozen bf16 linears on CUDA in FP8."""
-    global _active
-    before, _active = _active, on
-    try:
-        yield
-    finally:
-        _active = before
 
 
 def _applies(linear: nn.Module, x: Tensor) -> bool:
-    if not (_active and type(linear) is nn.Linear and x.is_cuda and x.dtype == torch.bfloat16):
+    context = getattr(linear, "gemm_context", None)  # qerl.execution hands the model's to its frozen linears
+    if not (context is not None and context.precision == "fp8" and type(linear) is nn.Linear and x.is_cuda
+            and x.dtype == torch.bfloat16):
         return False
     w = linear.weight
     # _scaled_mm: both weight dimensions multiples of 16, a frozen weight (no weight gradient to compute).
@@ -47,7 +36,7 @@ def frozen_linear(linear: nn.Module, x: Tensor) -> Tensor:
     if not _applies(linear, x):
         return linear(x)
     shape = x.shape
-    y = _FP8Linear.apply(x.reshape(-1, shape[-1]), linear.weight, _scales(linear))
+    y = _FP8Linear.apply(x.reshape(-1, shape[-1]), linear.weight, _scales(linear), linear.gemm_context)
     y = y.view(*shape[:-1], y.shape[-1])
     return y if linear.bias is None else y + linear.bias
 
@@ -72,16 +61,16 @@ def _weight_fp8(w: Tensor, inv: Tensor, transposed: bool) -> Tensor:
     return (x.float() * inv[:, None]).to(torch.float8_e4m3fn).contiguous()
 
 
-def weight_fp8(w: Tensor, inv: Tensor, transposed: bool) -> Tensor:
-    """`_weight_fp8` in one Triton kernel on CUDA (kernels/fp8_rows.py): one read of W, one (transposing) write;
-    inside `kernels.gemm.held_weights` (the update, when memory allows) made once per weight and direction."""
+def weight_fp8(w: Tensor, inv: Tensor, transposed: bool, context) -> Tensor:
+    """`_weight_fp8` in one Triton kernel on CUDA (kernels/fp8_rows.py): one read of W, one (transposing) write,
+    into `context`'s scratch; inside its `held_weights` (the update, when memory allows) made once per weight and
+    direction."""
     if not w.is_cuda:
         return _weight_fp8(w, inv, transposed)
     from kernels.fp8_rows import weight_fp8 as triton_weight
-    from kernels.gemm import weight_copy
 
-    return weight_copy(w, ("fp8", transposed), w.numel(), torch.float8_e4m3fn, w.device,
-                       lambda flat: triton_weight(w.contiguous(), inv, transposed, out=flat))
+    return context.weight_copy(w, ("fp8", transposed), w.numel(), torch.float8_e4m3fn, w.device,
+                               lambda flat: triton_weight(w.contiguous(), inv, transposed, out=flat))
 
 
 def _product(a: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
@@ -96,15 +85,15 @@ class _FP8Linear(torch.autograd.Function):
     """y = x Wᵀ with W frozen: the gradient goes to x only, nothing of W is saved."""
 
     @staticmethod
-    def forward(ctx, x2: Tensor, w: Tensor, scales: tuple[Tensor, ...]) -> Tensor:
+    def forward(ctx, x2: Tensor, w: Tensor, scales: tuple[Tensor, ...], context) -> Tensor:
         s_n, inv_n, s_k, inv_k = scales
         ctx.save_for_backward(w)  # the frozen parameter itself (no copy)
-        ctx.scales = (s_k, inv_k)
-        return _product(x2, weight_fp8(w, inv_n, transposed=False), s_n)
+        ctx.scales, ctx.context = (s_k, inv_k), context
+        return _product(x2, weight_fp8(w, inv_n, False, context), s_n)
 
     @staticmethod
     def backward(ctx, dy2: Tensor):
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         (w,), (s_k, inv_k) = ctx.saved_tensors, ctx.scales
-        return _product(dy2.contiguous(), weight_fp8(w, inv_k, transposed=True), s_k), None, None
+        return _product(dy2.contiguous(), weight_fp8(w, inv_k, True, ctx.context), s_k), None, None, None

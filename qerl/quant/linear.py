@@ -8,7 +8,6 @@ again instead of saving W, so activation memory holds only x, as for a frozen nn
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import re
@@ -69,33 +68,6 @@ def fp8_available(device: torch.device | None = None) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def update_precision(precision: str) -> contextlib.AbstractContextManager:
-    """A block whose frozen-base GEMMs at training sizes run in `precision` (model.base_gemm: bf16 or fp8). fp8
-    applies on a CUDA GPU with FP8 tensor cores (compute capability 8.9 or more) to NVFP4 layers
-    (kernels.gemm.update_precision) and to frozen bf16 linears (`qerl.quant.fp8`); elsewhere the block runs as
-    bf16, said once."""
-    if precision not in ("bf16", "fp8"):
-        raise ValueError(f"unknown update precision {precision!r}: expected bf16 or fp8")
-    if precision == "bf16":  # the GPU kernels still hear of it: inside the update no GEMM reads an FP8 copy
-        gemm = _gpu_gemm()
-        return gemm.update_precision("bf16") if gemm is not None else contextlib.nullcontext()
-    if not fp8_available():
-        warnings.warn(f"model.base_gemm = {precision} needs a CUDA GPU with FP8 tensor cores (Ada, Hopper or "
-                      "newer); the update runs bf16 here", stacklevel=2)
-        return contextlib.nullcontext()
-    return _fp8_update()
-
-
-def held_weights(budget_bytes: int) -> contextlib.AbstractContextManager:
-    """A block in which frozen GPU layers keep their dequantized (bf16 or FP8) weight copies after first use, up to
-    `budget_bytes` (kernels.gemm.held_weights: NVFP4 layers on the GPU kernels' path and the FP8 update's bf16
-    linears). Yields a function giving the bytes held; without the GPU kernels, held nothing."""
-    gemm = _gpu_gemm()
-    if gemm is None or budget_bytes <= 0:
-        return contextlib.nullcontext(lambda: 0)
-    return gemm.held_weights(budget_bytes)
-
-
 # quant.fp8_weights = auto keeps the FP8 copies where they take at most this share of the GPU's memory: a 7B's 7.1 GiB
 # and a 14B's 13.7 GiB on an 80 GB GPU, never a 32B's 30.5 GiB (not even on 141 GB: its KV cache and update, which
 # keep dequantized weights in the memory left, measured a 119 GiB peak there without the copies).
@@ -125,15 +97,6 @@ def plan_fp8_weights(model: nn.Module, setting: bool | str, device: torch.device
             m.release_gemm()  # made without (or with) the copy: the next GPU forward makes it as planned
         m.fp8_weights = on
     return on
-
-
-@contextlib.contextmanager
-def _fp8_update():
-    from qerl.quant import fp8
-
-    gemm = _gpu_gemm()
-    with fp8.active(), (gemm.update_precision("fp8") if gemm is not None else contextlib.nullcontext()):
-        yield
 
 
 class _DequantizedLinear(torch.autograd.Function):
@@ -180,6 +143,9 @@ class QuantLinear(nn.Module):
         # which layout holds the weight on a CUDA GPU (quant.gpu_layout; kernels.gemm.NVFP4Gemm's `layout`)
         self.gpu_layout = "auto"
         self.fp8_weights = False  # also keep a resident FP8 copy on the GPU (quant.fp8_weights; plan_fp8_weights)
+        # the model's kernels.context.GemmContext (settings, update precision, held weights: qerl.execution.attach);
+        # None: the GPU GEMM makes one of its own, with the defaults
+        self.gemm_context = None
         self.dtype = dtype
         self.use_kernel = True  # False forces the PyTorch reference path (parity tests, debugging)
         # On CUDA, NVFP4 layers hand their tensors to a kernels.gemm.NVFP4Gemm at the first forward; if it
@@ -187,7 +153,7 @@ class QuantLinear(nn.Module):
         self._gemm = None
         self._dense_cache: tuple | None = None  # (dtype, [(stored tensor, version)], dense weight): compute_weight
         # (fused layer, first row): this layer is rows of a concatenation of its siblings (`concat`, used by
-        # qerl.model.fusion) and holds no tensors of its own: one copy of the weight, in the fused layer.
+        # qerl.execution.fusion) and holds no tensors of its own: one copy of the weight, in the fused layer.
         self._rows_of: tuple[QuantLinear, int] | None = None
         for buffer_name, (shape, buffer_dtype) in codec.tensor_shapes(out_features, in_features).items():
             self.register_buffer(buffer_name, torch.empty(shape, dtype=buffer_dtype, device=device))
@@ -219,6 +185,7 @@ class QuantLinear(nn.Module):
             setattr(layer, buffer_name, tensor)
         if linear.bias is not None:
             layer.bias = linear.bias.detach().clone()
+        layer.gemm_context = getattr(linear, "gemm_context", None)  # the model's, where its plan gave it one
         return layer
 
     def _codec_names(self) -> list[str]:
@@ -255,6 +222,7 @@ class QuantLinear(nn.Module):
         if first.bias is not None:
             fused._buffers["bias"] = torch.cat([m.bias for m in layers])
         fused.use_kernel, fused.gpu_layout, fused.fp8_weights = first.use_kernel, first.gpu_layout, first.fp8_weights
+        fused.gemm_context = first.gemm_context
         start = 0
         for m in layers:
             m._read_rows_of(fused, start)
@@ -311,11 +279,18 @@ class QuantLinear(nn.Module):
             tensors = self.quantized_tensors()
             self._gemm = _gpu_gemm().NVFP4Gemm(tensors["weight_packed"], tensors["weight_scale"],
                                                tensors["weight_global_scale"], dtype=self.dtype,
-                                               layout=self.gpu_layout, fp8_weights=self.fp8_weights)
+                                               layout=self.gpu_layout, fp8_weights=self.fp8_weights,
+                                               context=self.gemm_context)
             if self._gemm.layout != "qerl":  # one copy of the 4-bit weight: drop ours
                 for name in self._codec_names():
                     self._buffers[name] = None
         return self._gemm
+
+    def set_gemm_context(self, context) -> None:
+        """Run this layer's GPU GEMMs under `context` (its model's: qerl.execution.attach), from now on."""
+        self.gemm_context = context
+        if self._gemm is not None:
+            self._gemm.context = context
 
     def release_gemm(self) -> None:
         """Back to the checkpoint layout in this layer's buffers (before a move, a load, or to free the GPU copy)."""
@@ -506,6 +481,7 @@ def replace_with_empty_quant_linears(
         layer = QuantLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme,
                             device=device if device is not None else linear.weight.device,
                             dtype=dtype or linear.weight.dtype, name=name)
+        layer.gemm_context = getattr(linear, "gemm_context", None)  # the model's, where its plan gave it one
         _set_submodule(model, name, layer)
         replaced.append(name)
     return replaced

@@ -23,7 +23,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from qerl.model import training_ops
+from qerl.execution import execution_of, training_ops
+from qerl.execution.shared_prompts import forward_shared_prompts
+from qerl.model.transformer import Decoder
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
 Level = Literal["token", "sequence"]
@@ -135,19 +137,19 @@ class _HeadLogProbs(torch.autograd.Function):
     [H] vector (logp_t depends on hidden_t alone), so backward is one scale of those by the upstream gradient: the
     head's logits are computed once per update, not again in backward. Where ``weight`` needs one too, forward keeps
     only the [N] logsumexps and backward recomputes each chunk's logits from the saved hidden states. Where the
-    fused training kernels run (`training_ops.head_kernel`: CUDA) one kernel takes each chunk's log-sum-exp,
+    fused training kernels run (`TrainingOps.head_kernel`: CUDA) one kernel takes each chunk's log-sum-exp,
     log-probs, entropies and softmax from the logits in the head's dtype, in chunks of up to its CHUNK_BYTES;
     elsewhere PyTorch does, a ``[128, V]`` float32 block at a time.
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk_size: int | None,
-                want_entropy: bool) -> tuple[Tensor, Tensor]:
+                want_entropy: bool, ops: training_ops.TrainingOps) -> tuple[Tensor, Tensor]:
         flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
         # Only hidden needs a gradient: its per-token derivative now, from the chunk's softmax at hand.
         per_token = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
         logps, lses, entropies, derivatives = [], [], [], []
-        rows = training_ops.head_kernel(weight)
+        rows = ops.head_kernel(weight)
         if rows is not None:  # CUDA: one kernel reduces each chunk's logits, in chunks sized for the head's GEMMs
             chunk = chunk_size or rows.chunk_rows(weight.shape[0], weight.element_size())
             for h, i in zip(flat_hidden.split(chunk), flat_ids.split(chunk)):
@@ -189,7 +191,7 @@ class _HeadLogProbs(torch.autograd.Function):
         if ctx.per_token:
             (derivatives,) = ctx.saved_tensors
             grad_hidden = derivatives * grad_logp.reshape(-1, 1).to(derivatives.dtype)
-            return grad_hidden.to(ctx.hidden_dtype).view(ctx.hidden_shape), None, None, None, None, None
+            return grad_hidden.to(ctx.hidden_dtype).view(ctx.hidden_shape), None, None, None, None, None, None
         hidden, weight, ids, lse = ctx.saved_tensors
         flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
         grad_out = grad_logp.reshape(-1)
@@ -210,7 +212,7 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.T, h.to(lse.dtype))
             start += len(h)
         return (None if grad_hidden is None else grad_hidden.view(hidden.shape),
-                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
+                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None)
 
 
 def _tempered_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
@@ -222,7 +224,8 @@ def _tempered_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tens
 
 
 def head_log_probs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float = 1.0,
-                   want_entropy: bool = False, chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+                   want_entropy: bool = False, chunk_size: int | None = None,
+                   ops: training_ops.TrainingOps = training_ops.EAGER) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of ``ids`` (and the per-token entropies) under the LM head ``weight`` at ``temperature``.
 
     Equals ``selective_log_softmax(linear(hidden, weight).float() / temperature, ids)`` (and
@@ -234,10 +237,11 @@ def head_log_probs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: flo
         weight: ``[V, H]`` LM head weight (no bias).
         ids: ``[B, T]`` token ids.
         chunk_size: tokens per chunk; None: `kernels.vocab_softmax.chunk_rows` where its kernel runs, else 128.
+        ops: the model's training ops (`qerl.execution`): where they are fused, the head's kernel runs.
     Returns:
         ``([B, T] float32 log-probs, [B, T] float32 entropies or None)``; the entropies carry no gradient.
     """
-    logp, entropy = _HeadLogProbs.apply(hidden, weight, ids, float(temperature), chunk_size, want_entropy)
+    logp, entropy = _HeadLogProbs.apply(hidden, weight, ids, float(temperature), chunk_size, want_entropy, ops)
     return logp, entropy if want_entropy else None
 
 
@@ -272,8 +276,8 @@ def completion_log_probs(model, ids: Tensor, attn: Tensor, P: int, temperature: 
     C = ids.shape[1] - P
     predicting = torch.arange(P - 1, P + C - 1, device=ids.device)
     decoder = model.model
-    if (share_prompts or pack) and hasattr(decoder, "forward_shared_prompts"):
-        hidden = decoder.forward_shared_prompts(ids, attn, P, share=share_prompts, pack=pack)[:, predicting]
+    if (share_prompts or pack) and isinstance(decoder, Decoder):
+        hidden = forward_shared_prompts(decoder, ids, attn, P, share=share_prompts, pack=pack)[:, predicting]
     else:
         hidden = decoder(ids, attention_mask=attn)[:, predicting]
     targets = ids[:, P:]
@@ -292,7 +296,8 @@ def _head_log_probs(model, hidden: Tensor, targets: Tensor, temperature: float,
     """`completion_log_probs`' LM head on the hidden states that predict `targets`."""
     head = model.lm_head
     if type(head) is torch.nn.Linear and head.bias is None and model.config.final_logit_softcapping is None:
-        return head_log_probs(hidden, head.weight, targets, temperature, want_entropy=want_entropy)
+        return head_log_probs(hidden, head.weight, targets, temperature, want_entropy=want_entropy,
+                              ops=execution_of(model).ops)
     # A head that is not a plain linear (LoRA named lm_head), or logits softcapped as the sampler's are (Gemma's
     # final_logit_softcapping): its logits, once, in float32.
     logits = model.softcap(head(hidden).float()).div_(temperature)

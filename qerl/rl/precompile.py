@@ -16,8 +16,8 @@ this machine.
 Skipped kernels leave their outputs unwritten; nothing on this path branches on values, so every worker meets the
 same kernels (a failed worker is a warning: the trainer compiles what is missing itself). Workers measure no GEMM
 backend (timings taken while other workers share the GPU would be wrong) but run each candidate once
-(QERL_GEMM_TUNE=compile), so the trainer, which measures them once per machine in its first step (kernels.dispatch),
-finds every candidate compiled. The stand-in has at least two layers: the kernels between two layers (the residual add
+(their execution plan's gemm_tuning "compile"), so the trainer, which measures them once per machine in its first
+step (kernels.dispatch), finds every candidate compiled. The stand-in has at least two layers: the kernels between two layers (the residual add
 and the next layer's norm and LoRA input) exist only there.
 
 Run as a worker: `python -m qerl.rl.precompile JOB.json`.
@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from qerl.config import LoraSettings, ModelSettings, QuantSettings, Settings
+from qerl.config import ExecutionSettings, LoraSettings, ModelSettings, QuantSettings, Settings
+from qerl.execution import ExecutionPlan
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def jobs(settings: Settings, config, prompt_len: int, device: torch.device, work
     job = {
         "config": dataclasses.asdict(config), "model": dataclasses.asdict(s.model),
         "quant": dataclasses.asdict(s.quant), "lora": dataclasses.asdict(s.lora),
+        "execution": dataclasses.asdict(s.execution),
         "temperature": s.rollout.temperature, "top_p": s.rollout.top_p, "top_k": s.rollout.top_k,
         "sigma": s.aqn.sigma_start if s.aqn.enabled else 0.0, "prompt_len": int(prompt_len),
         "prompts": s.rollout.prompts_per_step, "group_size": s.rollout.group_size, "buckets": buckets,
@@ -125,7 +127,7 @@ class Precompile:
     def __init__(self, job_list: list[dict[str, Any]], stamp: Path):
         self.stamp, self.started = stamp, time.perf_counter()
         self._dir = tempfile.TemporaryDirectory(prefix="qerl-precompile-")
-        env = dict(os.environ, QERL_GEMM_TUNE="compile", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
         self.workers = []
         for i, job in enumerate(job_list):
@@ -238,7 +240,11 @@ def stand_in(job: dict[str, Any]):
     torch.manual_seed(0)
     model = Transformer.from_config(ModelConfig(**cfg), dtype=dtype, device=device)
     model.tie_weights()
-    prepare_base(model, ModelSettings(**job["model"]), QuantSettings(**job["quant"]), device)
+    m = ModelSettings(**job["model"])
+    # The GEMM dispatch runs every candidate once and measures nothing: each one's kernels get compiled for the
+    # trainer, which measures them (kernels/dispatch.py)
+    plan = ExecutionPlan.from_settings(m, ExecutionSettings(**job["execution"]), device, gemm_tuning="compile")
+    prepare_base(model, m, QuantSettings(**job["quant"]), device, plan)
     lora.apply_lora(model, LoraSettings(**job["lora"]), dtype=dtype)
     return model
 
@@ -265,7 +271,7 @@ def run_update(model, job: dict[str, Any]) -> None:
     """One micro-batch of the update: the forwards without a graph (frozen log-probs; idle rows' log-probs and
     entropies) and the forward and backward of the loss's log-probs, in the run's update precision, its rows in
     groups that share a prompt as the trainer's do."""
-    from qerl.quant.linear import held_weights, update_precision
+    from qerl.execution import held_weights, update_precision
     from qerl.rl import grpo
 
     m = ModelSettings(**job["model"])
@@ -277,7 +283,7 @@ def run_update(model, job: dict[str, Any]) -> None:
     ids = torch.cat([prompt, torch.randint(model.config.vocab_size, (rows, C), generator=g)], 1).to(device)
     attn = torch.ones_like(ids)
     model.train()
-    with update_precision(m.base_gemm), held_weights(0 if m.keep_dequantized is False else 1 << 40):
+    with update_precision(model, m.base_gemm), held_weights(model, 0 if m.keep_dequantized is False else 1 << 40):
         with torch.no_grad():  # the frozen log-probs (μ > 1, β > 0), and the rows without a gradient (entropies)
             for want_entropy in (False, True):
                 grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], want_entropy,

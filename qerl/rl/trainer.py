@@ -29,12 +29,13 @@ from qerl.data import problems as data
 from qerl.data import rewards
 from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
-from qerl.model import lora, recompute, training_ops
+from qerl.execution import ExecutionPlan, attach, held_weights, update_precision
+from qerl.model import lora, recompute
 from qerl.model.aqn import build_schedule
 from qerl.model.served import vllm_options
 from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
-from qerl.quant.linear import fp8_available, held_weights, update_precision
+from qerl.quant.linear import fp8_available
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.tracking import NullTracker, Tracker, log_step
@@ -209,14 +210,14 @@ class Trainer:
         # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
         if model is None:
-            model, tokenizer = load_base_model(s.model, s.quant)
+            model, tokenizer = load_base_model(s.model, s.quant, s.execution)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
+        attach(model, ExecutionPlan.from_settings(s.model, s.execution, self.device))  # also a model passed in
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
         # A micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
-        # (`model.share_prompts`, `Decoder.forward_shared_prompts`): same log-probs and gradients to float rounding,
+        # (`model.share_prompts`, `qerl.execution.shared_prompts`): same log-probs and gradients to float rounding,
         # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
         # dropout, whose masks would be shared by the rows.
         self.share_prompts = s.model.share_prompts and not s.lora.dropout
@@ -451,14 +452,14 @@ class Trainer:
         on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
         micro = self._micro_batches(len(batch))
         s = self.settings.model
-        with update_precision(s.base_gemm):  # every forward of the update: the same GEMMs
+        with update_precision(self.model, s.base_gemm):  # every forward of the update: the same GEMMs
             # Recompute only the blocks the free memory cannot keep (measured on this step's micro-batch shape);
             # what is left after them holds dequantized base weights through the update.
             first = micro[0]
             memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
                                     s.gradient_checkpointing)
             self.model.gradient_checkpointing = memory.recomputed_blocks
-            with held_weights(_held_weights_budget(s, memory)) as held_bytes:
+            with held_weights(self.model, _held_weights_budget(s, memory)) as held_bytes:
                 old_logp, ref_logp, entropy = self._frozen_logps(on_device, padded["P"], micro)
                 totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
                                         ref_logp, entropy)

@@ -4,5 +4,5 @@ Owns `backends` (the seam: `make_backend` picks the engine or the reference samp
 `generate` (batched sampling with the static KV cache: the reference) and `engine` (the CUDA rollout engine: CUDA
 graphs per batch bucket, GPU sampling, compaction).
 
-May import: qerl.model.
+May import: qerl.execution, qerl.model.
 """

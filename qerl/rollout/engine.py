@@ -9,7 +9,7 @@ stop reasons eos/stop/length), built like gpt-fast:
   (batch bucket, KV window): attention reads only the first `window` slots that can hold tokens yet, not the
   whole cache, so early steps of a long rollout do not pay for its end.
 * The decode step (`fused=True`) is the model's own `Transformer.decode_step` over the engine's caches: with the
-  fused Triton kernels of `qerl.model.fused_ops` (residual-add + RMSNorm, RoPE + KV write, SiLU*up) and LoRA as
+  fused Triton kernels of `qerl.execution.fused_ops` (residual-add + RMSNorm, RoPE + KV write, SiLU*up) and LoRA as
   `base(x)` then one `addmm_` where they run. That takes a layer from ~75 kernels to ~30; in a graph each tiny
   kernel still costs a few µs, which at decode sizes is the same order as reading the (NVFP4) weights. Off CUDA
   it runs the plain PyTorch ops, so CPU runs compute what `Transformer.forward` computes. `fused=False` graphs
@@ -39,7 +39,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from qerl.model import fusion, kv8
+from qerl.execution import fusion
+from qerl.execution import kv8
 from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
 from qerl.rollout import releasable
@@ -128,7 +129,7 @@ class RolloutEngine:
         prefill_tokens: rows per prefill chunk are chosen to keep about this many tokens per forward.
         max_batch_size, max_seq_len: allocate for at least this much up front (avoids re-allocation and
             re-capture when later calls are larger).
-        kv_cache_dtype: "model" (the model's dtype) or "fp8" (E4M3 with a scale per vector, qerl.model.kv8: 0.56x
+        kv_cache_dtype: "model" (the model's dtype) or "fp8" (E4M3 with a scale per vector, qerl.execution.kv8: 0.56x
             the bytes attention reads; where the fused kernels run on a GPU with FP8 conversions, sm_89+, else the
             model's dtype, said once in the log).
     """

@@ -74,7 +74,7 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
         tokens = logits.argmax(-1)
         return tokens, F.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     if top_k == 0 and top_p >= 1.0 and not isinstance(generator, Sequence) and _sampling_kernel_runs(logits):
-        from qerl.model import fused_ops
+        from qerl.execution import fused_ops
 
         return fused_ops.fused_sample(logits, temperature, generator)
     scaled = logits / temperature
@@ -103,7 +103,7 @@ def _sampling_kernel_runs(logits: Tensor) -> bool:
     CPU runs keep the PyTorch sampler and its random numbers (bit-exact resumes, the README's measured runs)."""
     if not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    from qerl.model import fused_ops
+    from qerl.execution import fused_ops
 
     return fused_ops.kernels_run_on(logits.device)
 

@@ -14,11 +14,11 @@ lazily); these belong to the model's decode step and are small enough to read ne
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from qerl import debug
 
 try:  # optional: the fused decode kernels (CUDA, or CPU under TRITON_INTERPRET=1 in tests)
     import triton
@@ -69,7 +69,7 @@ if triton is not None:
         s_q, s_k, s_v: row strides of q, k, v (column slices of one fused qkv output). LOW_RANK: q, k, v are the
         fused output's base part; LoRA's update s·h·LBᵀ (rows of LB: q from 0, k from k_row0, v from v_row0; each
         member's rank block from its column) is added first, with the rounding of one addmm. KV8: the caches are
-        in the FP8 layout of qerl.model.kv8 (uint8; strides in bytes), k and v written as their bf16 roundings'
+        in the FP8 layout of qerl.execution.kv8 (uint8; strides in bytes), k and v written as their bf16 roundings'
         codes and scales."""
         _after_previous(PDL)
         row = tl.program_id(0)
@@ -140,7 +140,7 @@ if triton is not None:
 
     @triton.jit
     def _store_kv8(dst, x1, x2, offs, HALF: tl.constexpr, D: tl.constexpr):
-        """One vector (its halves x1, x2) in the FP8 KV layout at dst (uint8), as qerl.model.kv8.pack writes it:
+        """One vector (its halves x1, x2) in the FP8 KV layout at dst (uint8), as qerl.execution.kv8.pack writes it:
         E4M3 codes of x / s (round to nearest even), then s = max |x| / 448 as fp32 (0 for a zero vector)."""
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         s = tl.maximum(tl.max(tl.abs(f1), axis=0), tl.max(tl.abs(f2), axis=0)) / 448.0
@@ -387,7 +387,7 @@ if triton is not None:
         [split * chunk, (split + 1) * chunk) of the window, with the additive mask; writes the unnormalized output
         and the running max and sum of that split (flash-decoding's first pass). DIRECT (one split): the
         normalized output straight into O [rows, H * D], no second pass. KV8: the caches are in the FP8 layout
-        of qerl.model.kv8 (uint8, strides in bytes): each slot's scale multiplies its score (keys) and its
+        of qerl.execution.kv8 (uint8, strides in bytes): each slot's scale multiplies its score (keys) and its
         probability (values); codes, q and probabilities go to the tensor cores in fp16, the one type E4M3 converts
         to in one instruction per pair on Hopper (to bf16 it takes three, and the kernel was bound by them: 50% of
         the copy bandwidth, no faster than a bf16 cache)."""
@@ -503,8 +503,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
 
 
 def check_kv8(k_cache: Tensor, v_cache: Tensor, head_dim: int) -> bool:
-    """Whether the caches are in the FP8 layout (qerl.model.kv8); raises on a mix or a wrong last dimension."""
-    from qerl.model import kv8
+    """Whether the caches are in the FP8 layout (qerl.execution.kv8); raises on a mix or a wrong last dimension."""
+    from qerl.execution import kv8
 
     packed = kv8.is_packed(k_cache)
     if packed != kv8.is_packed(v_cache) or (packed and k_cache.shape[-1] != kv8.packed_dim(head_dim)):
@@ -517,7 +517,7 @@ def check_kv8(k_cache: Tensor, v_cache: Tensor, head_dim: int) -> bool:
 def _pdl(device: torch.device) -> dict:
     from kernels import pdl  # on first launch, not at import: importing kernels loads its NVFP4 GEMMs too
 
-    return pdl.launch(device)
+    return pdl.launch(device, debug.pdl())  # QERL_PDL=0 turns it off for an A/B measurement
 
 
 def _rank_block(rank: int) -> int:
@@ -671,5 +671,7 @@ def fused_silu_mul(gate: Tensor, up: Tensor, low_rank=None) -> Tensor:
 
 
 def kernels_run_on(device: torch.device) -> bool:
-    """Whether the kernels can run on tensors of `device`: Triton imported, and CUDA or the CPU interpreter."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1")
+    """Whether the kernels can run on tensors of `device`: Triton imported, and CUDA or the CPU interpreter (the
+    kernels built for it: TRITON_INTERPRET=1 when Triton was imported)."""
+    interpreted = triton is not None and not isinstance(_add_rmsnorm_kernel, triton.runtime.JITFunction)
+    return triton is not None and (device.type == "cuda" or interpreted)

@@ -27,17 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl.model.lora import ONE_GEMM_DEVICES, DeferredLoRA, LoraLinear, add_low_rank
+from qerl.execution import low_rank
+from qerl.execution.low_rank import GROUP_ATTR, DeferredLoRA, add_low_rank, is_lora
 from qerl.quant.fp8 import frozen_linear
 from qerl.quant.linear import QuantLinear
-
-GROUP_ATTR = "projection_group"  # on the block module (Attention, MLP): its ProjectionGroup; a plain attribute
 
 __all__ = ["ProjectionGroup", "fuse_projections", "unfuse_projections", "groups", "signature", "sync", "GROUP_ATTR"]
 
 
 def _base(member: nn.Module) -> nn.Module:
-    return member.base if isinstance(member, LoraLinear) else member
+    return member.base if is_lora(member) else member
 
 
 def _concat_dense(bases: list[nn.Linear]) -> nn.Linear | None:
@@ -48,6 +47,7 @@ def _concat_dense(bases: list[nn.Linear]) -> nn.Linear | None:
         return None
     fused = nn.Linear(first.in_features, sum(b.out_features for b in bases), bias=first.bias is not None,
                       device="meta")
+    fused.gemm_context = getattr(first, "gemm_context", None)  # the FP8 update's phase: the model's context
     fused.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
     if first.bias is not None:
         fused.bias = nn.Parameter(torch.cat([b.bias.detach() for b in bases]), requires_grad=False)
@@ -110,8 +110,8 @@ class ProjectionGroup:
 
     # -------------------------------------------------------------------------------------------------- LoRA
 
-    def _active_lora(self, members: list[nn.Module]) -> list[tuple[int, LoraLinear]]:
-        return [(i, m) for i, m in enumerate(members) if isinstance(m, LoraLinear) and m.enabled]
+    def _active_lora(self, members: list[nn.Module]) -> list[tuple[int, nn.Module]]:
+        return [(i, m) for i, m in enumerate(members) if is_lora(m) and m.enabled]
 
     def stacked_lora(self, force: bool = False) -> tuple[Tensor, Tensor] | None:
         """(A stacked [R, K], block-diagonal B * scaling [N, R]) of the enabled adapters, copied in place into
@@ -165,7 +165,7 @@ class ProjectionGroup:
             return outs
         stacked = torch.cat([m.lora_A for _, m in loras]) if len(loras) > 1 else loras[0][1].lora_A
         h = F.linear(x.to(stacked.dtype), stacked)
-        if out.device.type in ONE_GEMM_DEVICES and h.dtype == out.dtype:
+        if out.device.type in low_rank.ONE_GEMM_DEVICES and h.dtype == out.dtype:
             # All members' updates in one GEMM into the fused output: Bᵀ block-diagonal over the members (a member
             # without an adapter is a block of no columns). The extra zero blocks cost nothing next to the
             # elementwise passes they replace.
@@ -217,7 +217,7 @@ class ProjectionGroup:
         a, b = lora
         if a.dtype != x.dtype:
             return None
-        from qerl.model import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
+        from qerl.execution import fused_ops  # lazy: Triton's import costs ~0.3 s, and only decoding needs it
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         active = dict(self._active_lora(self.members()))

@@ -9,7 +9,7 @@ Why a scale per vector: keys after RoPE carry outlier channels (Qwen2's k_proj b
 (vLLM's default) would saturate; per vector, every key and value keeps E4M3's relative precision (3 mantissa bits).
 The scale costs 4 of 144 bytes and the padding 12 (rows on 16-byte boundaries keep the kernels' loads vectorized):
 0.56x the bytes of a bf16 cache. `pack` and `unpack` are the reference (prefill, tests); the decode kernels
-(`qerl.model.fused_ops`: RoPE + cache write, attention) read and write the same bytes.
+(`qerl.execution.fused_ops`: RoPE + cache write, attention) read and write the same bytes.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ In eager PyTorch each of these is 5–8 kernels over [tokens, width] tensors, mo
 like Hugging Face's reference code, which our rollouts must match), and autograd saves their fp32 intermediates.
 Over a GRPO update of a 7B model that is ~2 s of pure memory traffic (the profile in BENCHMARKS.md, "aten::mul").
 
-Backends (`model.training_kernels`):
+Backends (`model.training_kernels`; a model's blocks call the `TrainingOps` of its execution plan, `qerl.execution`):
 * `eager`   the plain PyTorch ops of `transformer.py` (what the CPU always runs: its numbers stay exactly as they were);
 * `liger`   Liger-kernel's fused Triton forward/backward kernels (`pip install liger-kernel`), the field's choice,
             for RMSNorm; our Triton kernels for RoPE (kernels/rope.py) and for SiLU·up of a fused gate/up output
@@ -18,13 +18,12 @@ Backends (`model.training_kernels`):
 Each fused backend computes the same function with the same roundings (fp32 statistics, a round to the activation
 dtype before RMSNorm's weight, RoPE in fp32); only fp32 summation order may differ, i.e. well under one bf16 ulp.
 They apply to CUDA tensors outside CUDA-graph capture (the rollout engine's decode graphs keep their own kernels,
-`qerl.model.fused_ops`), so prefill and the update run the same kernels and the CPU runs the reference ops.
+`qerl.execution.fused_ops`), so prefill and the update run the same kernels and the CPU runs the reference ops.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import types
 
 import torch
@@ -34,7 +33,6 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "eager", "liger", "compile")
-_backend = "eager"
 
 
 def rms_norm_eager(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -55,10 +53,9 @@ def silu_mul_eager(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def set_backend(name: str) -> str:
-    """Select the backend for this process (from `model.training_kernels`); returns the one in effect. `liger`
-    without the package falls back to `compile`, with a warning naming the fix."""
-    global _backend
+def resolve_backend(name: str) -> str:
+    """The backend `model.training_kernels = name` runs in this process: auto resolved, and `liger` without the
+    package falling back to `compile`, with a warning naming the fix."""
     if name not in BACKENDS:
         raise ValueError(f"model.training_kernels = {name!r}: expected one of {', '.join(BACKENDS)}")
     if name == "auto":
@@ -67,53 +64,72 @@ def set_backend(name: str) -> str:
         log.warning("model.training_kernels = liger but liger-kernel is not installed (pip install liger-kernel): "
                     "using torch.compile instead")
         name = "compile"
-    _backend = name
     return name
 
 
-def backend() -> str:
-    return _backend
+class TrainingOps:
+    """RMSNorm, RoPE and SiLU·up (and the update's LM-head kernel) under one backend: what a model's blocks call."""
+
+    def __init__(self, backend: str = "eager", vocab_kernel: bool = True):
+        """`backend`: one of BACKENDS (resolved by `resolve_backend`); `vocab_kernel`: False keeps the update's LM
+        head in PyTorch even where the fused backends run (A/B measurements: qerl.debug)."""
+        self.backend, self.vocab_kernel = resolve_backend(backend), vocab_kernel
+
+    def __repr__(self) -> str:
+        return f"TrainingOps({self.backend!r})"
+
+    def _fast(self, x: Tensor) -> bool:
+        return self.backend != "eager" and x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+    def head_kernel(self, weight: Tensor):
+        """`kernels.vocab_softmax` for the update's LM head (`qerl.rl.grpo.head_log_probs`) where the fused backends
+        run and the head's dtype is one it reads; None elsewhere (PyTorch computes the head, as the CPU always has).
+        Ours because neither Liger-kernel (its `fused_selective_log_softmax` takes the log-prob alone) nor inductor
+        gives the log-prob, entropy and softmax in one pass (BENCHMARKS.md, "The update's LM head")."""
+        if not self._fast(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+                or not self.vocab_kernel:
+            return None
+        from kernels import vocab_softmax
+
+        return vocab_softmax
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if not self._fast(x):
+            return rms_norm_eager(x, weight, eps)
+        if self.backend == "liger":
+            # casting_mode "llama": rstd in fp32, x * rstd rounded to x's dtype, then the weight (as rms_norm_eager)
+            return _liger().LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+        return _compiled("rms_norm")(x, weight, eps)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # Liger's RoPE rotates q and k together from [B, T, D] tables; ours rotates one tensor with broadcast tables
+        # (GQA shapes differ between q and k). With `liger`, our Triton kernel (kernels/rope.py: no Dynamo guards per
+        # call, no inductor compilation per process); `compile` and shapes it does not take: torch.compile's kernel.
+        if not self._fast(x):
+            return rope_eager(x, cos, sin)
+        if self.backend == "liger":
+            from kernels import rope as rope_kernel
+
+            if rope_kernel.supports(x, cos):
+                return rope_kernel.Rope.apply(x, cos, sin)
+        return _compiled("rope")(x, cos, sin)
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        if not self._fast(gate):
+            if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+                return _SiluMul.apply(gate, up)
+            return silu_mul_eager(gate, up)
+        fused = _fused_halves(gate, up)
+        if fused is not None:  # the halves of one gate/up GEMM output: our kernel reads them where they lie
+            from kernels.swiglu import SiluMulFused
+
+            return SiluMulFused.apply(fused)
+        if self.backend == "liger":
+            return _liger().LigerSiLUMulFunction.apply(gate, up)
+        return _compiled("silu_mul")(gate, up)
 
 
-def _fast(x: Tensor) -> bool:
-    return _backend != "eager" and x.is_cuda and not torch.cuda.is_current_stream_capturing()
-
-
-def head_kernel(weight: Tensor):
-    """`kernels.vocab_softmax` for the update's LM head (`qerl.rl.grpo.head_log_probs`) where the fused backends run
-    and the head's dtype is one it reads; None elsewhere (PyTorch computes the head, as the CPU always has).
-    `QERL_VOCAB_KERNEL=0` turns this kernel alone off, for A/B measurements. Ours because neither Liger-kernel (its
-    `fused_selective_log_softmax` takes the log-prob alone) nor inductor gives the log-prob, entropy and softmax in
-    one pass (BENCHMARKS.md, "The update's LM head")."""
-    if not _fast(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
-            or os.environ.get("QERL_VOCAB_KERNEL", "1") == "0":
-        return None
-    from kernels import vocab_softmax
-
-    return vocab_softmax
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if not _fast(x):
-        return rms_norm_eager(x, weight, eps)
-    if _backend == "liger":
-        # casting_mode "llama": rstd in fp32, x * rstd rounded to x's dtype, then the weight (as rms_norm_eager)
-        return _liger().LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
-    return _compiled("rms_norm")(x, weight, eps)
-
-
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # Liger's RoPE rotates q and k together from [B, T, D] tables; ours rotates one tensor with broadcast tables
-    # (GQA shapes differ between q and k). With `liger`, our Triton kernel (kernels/rope.py: no Dynamo guards per
-    # call, no inductor compilation per process); `compile` and shapes it does not take: torch.compile's kernel.
-    if not _fast(x):
-        return rope_eager(x, cos, sin)
-    if _backend == "liger":
-        from kernels import rope as rope_kernel
-
-        if rope_kernel.supports(x, cos):
-            return rope_kernel.Rope.apply(x, cos, sin)
-    return _compiled("rope")(x, cos, sin)
+EAGER = TrainingOps("eager")  # what a model runs until its execution plan says otherwise (the CPU: always)
 
 
 class _SiluMul(torch.autograd.Function):
@@ -133,21 +149,6 @@ class _SiluMul(torch.autograd.Function):
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
         grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up
-
-
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    if not _fast(gate):
-        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return _SiluMul.apply(gate, up)
-        return silu_mul_eager(gate, up)
-    fused = _fused_halves(gate, up)
-    if fused is not None:  # the halves of one gate/up GEMM output: our kernel reads them where they lie
-        from kernels.swiglu import SiluMulFused
-
-        return SiluMulFused.apply(fused)
-    if _backend == "liger":
-        return _liger().LigerSiLUMulFunction.apply(gate, up)
-    return _compiled("silu_mul")(gate, up)
 
 
 def _fused_halves(gate: Tensor, up: Tensor) -> Tensor | None:

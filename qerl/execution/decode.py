@@ -1,0 +1,175 @@
+"""The fused decode step: one token per row through the model's own blocks, as the Triton kernels of `fused_ops` run it.
+
+`Transformer.decode_step(fused=True)` is `decode_step(model, ...)` here; the plain step is the model's forward over
+the same caches (`Transformer.decode_step(fused=False)`), which every test of this one compares against. It reads
+the model's modules (their weights, norms, projection groups) and writes nothing in them:
+* the residual add is deferred into the next norm's kernel (`fused_add_rmsnorm`), which also computes the next
+  projection group's LoRA x·Aᵀ where that group defers its update;
+* LoRA's B product is left to the kernel that reads a projection's output next (`DeferredLoRA`: RoPE + KV write,
+  SiLU·up, add + RMSNorm), so it costs no launch of its own;
+* q/k/v and gate/up run as one GEMM each where the model fused them (`qerl.execution.fusion`: `GROUP_ATTR`);
+* attention is one split-KV kernel over the caller's caches (SDPA leaves most of the GPU idle at one query per row).
+Where a kernel's rounding is not the family's (Gemma's (1 + w) norms, GeGLU) the step runs those ops in plain
+PyTorch. Everything it launches depends only on shapes, so a CUDA graph of it replays correctly.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qerl.execution.low_rank import GROUP_ATTR, DeferredLoRA, deferred, finished, fused_forward, is_lora
+from qerl.quant.fp8 import frozen_linear
+
+
+def supported(model: nn.Module) -> bool:
+    """Whether `decode_step` can run on `model` here: the Triton kernels run on its device (CUDA, or the CPU
+    interpreter) and the RoPE kernel's block, head_dim / 2, is a power of two."""
+    from qerl.execution import fused_ops  # lazy: Triton costs ~0.3 s to import, and only decoding needs it
+
+    half = model.config.head_dim // 2
+    return model.config.head_dim % 2 == 0 and half & (half - 1) == 0 \
+        and fused_ops.kernels_run_on(model.model.embed_tokens.weight.device)
+
+
+@torch.no_grad()  # the fused LoRA path adds in place into a (possibly custom-Function) base output
+def decode_step(model: nn.Module, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,
+                kv_caches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """Logits [rows, vocab] of `model` (a `qerl.model.transformer.Transformer`) for one token per row; arguments as
+    `Transformer.decode_step`. ~1 ulp from its forward in bf16."""
+    decoder = model.model
+    x = decoder.embed(tokens)
+    tables = decoder.rope_tables(positions)  # [rows, 1, D] fp32
+    inputs = {}
+    for kind, allowed in decoder.step_masks(attend, slot).items():
+        # an additive mask, built once per step instead of once per layer
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        cos, sin = tables[kind]
+        inputs[kind] = (cos[:, 0], sin[:, 0], mask)
+    residual = None
+    for layer, (k_cache, v_cache) in zip(decoder.layers, kv_caches):
+        cos, sin, mask = inputs[layer.sliding]
+        x, residual = _block(layer, x, residual, cos, sin, mask, k_cache, v_cache, slot)
+    return model.softcap(project(model.lm_head, add_norm(decoder.norm, x, residual)[1]))
+
+
+def _block(layer: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None, cos: Tensor, sin: Tensor,
+           mask: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor) -> tuple[Tensor, Tensor | DeferredLoRA]:
+    """A `DecoderLayer` for one token per row with its residual add deferred into the next norm: takes and returns
+    (x, residual), the block's output being x + residual."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if layer.sandwich:
+        x, h, _ = add_norm(layer.input_layernorm, x, residual)
+        residual = layer.post_attention_layernorm(finished(_attention(attn, h, cos, sin, mask, k_cache, v_cache, slot)))
+        x, h, _ = add_norm(layer.pre_feedforward_layernorm, x, residual)
+        return x, layer.post_feedforward_layernorm(finished(_mlp(mlp, h)))
+    # each norm's kernel also computes the next group's x·Aᵀ (LoRA's first product) where it is deferred
+    x, h, h_lora = add_norm(layer.input_layernorm, x, residual, _lora_a(attn, x.dtype))
+    residual = _attention(attn, h, cos, sin, mask, k_cache, v_cache, slot, h_lora)
+    x, h, h_lora = add_norm(layer.post_attention_layernorm, x, residual,
+                            _lora_a(mlp, x.dtype) if mlp.act is F.silu else None)
+    return x, _mlp(mlp, h, h_lora)
+
+
+def add_norm(norm: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None,
+             shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(x + residual, norm(x + residual), h) for [rows, dim], h = norm(x + residual)·Aᵀ for the next projection's
+    LoRA A `shrink` [R, dim] (None: h is None). One kernel (`fused_ops.fused_add_rmsnorm`) that adds into x in
+    place and finishes a deferred residual's LoRA update, for Llama's rounding; a unit-offset norm the plain ops."""
+    if not norm.unit_offset:
+        from qerl.execution import fused_ops
+
+        low_rank = residual if isinstance(residual, DeferredLoRA) else None  # the kernel finishes its update
+        out = fused_ops.fused_add_rmsnorm(x, low_rank.out if low_rank is not None else residual, norm.weight,
+                                          norm.eps, low_rank, shrink)
+        return out if shrink is not None else (*out, None)
+    residual = finished(residual)
+    x = x if residual is None else x + residual
+    y = norm(x)
+    return x, y, None if shrink is None else F.linear(y, shrink)
+
+
+def project(linear: nn.Module, x: Tensor) -> Tensor:
+    """linear(x); a LoRA layer's through `low_rank.fused_forward` (base(x) then one addmm of the low-rank update
+    into it, instead of GEMM + scale + add)."""
+    return fused_forward(linear, x) if is_lora(linear) else frozen_linear(linear, x)
+
+
+def _project_deferred(linear: nn.Module, x: Tensor) -> Tensor | DeferredLoRA:
+    """`project`, leaving LoRA's B product to the kernel that reads the output next where the layer can
+    (`low_rank.deferred`); the caller hands a `DeferredLoRA` to such a kernel or finishes it."""
+    left = deferred(linear, x) if is_lora(linear) else None
+    return project(linear, x) if left is None else left
+
+
+def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`Attention.project_qkv` in the fused step: each projection through `project`, a fused group as one GEMM."""
+    if (group := attn.__dict__.get(GROUP_ATTR)) is not None:
+        q, k, v = group(x, True)
+        return q, k, v
+    if hasattr(attn, "qkv_proj"):  # column slices of one output, as a fused group's
+        q, k, v = project(attn.qkv_proj, x).split(attn.qkv_sizes, dim=-1)
+        return q, k, v
+    return project(attn.q_proj, x), project(attn.k_proj, x), project(attn.v_proj, x)
+
+
+def gate_up(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """`MLP.gate_up` in the fused step (as `project_qkv`)."""
+    if (group := mlp.__dict__.get(GROUP_ATTR)) is not None:
+        gate, up = group(x, True)
+        return gate, up
+    if hasattr(mlp, "gate_up_proj"):
+        gate, up = project(mlp.gate_up_proj, x).chunk(2, dim=-1)
+        return gate, up
+    return project(mlp.gate_proj, x), project(mlp.up_proj, x)
+
+
+def _lora_a(block: nn.Module, dtype: torch.dtype) -> Tensor | None:
+    """The block's q/k/v or gate/up group's stacked LoRA A, where the step defers the group's update."""
+    group = block.__dict__.get(GROUP_ATTR)
+    return group.decode_lora_a(dtype) if group is not None else None
+
+
+def _deferred(block: nn.Module, x: Tensor, h_lora: Tensor | None, plain) -> tuple[list[Tensor], DeferredLoRA | None]:
+    """The block's group outputs with its LoRA update left to the next kernel (their base part), and that update;
+    `plain(block, x)` and None where there is no update to leave. h_lora: x·Aᵀ, if the norm's kernel computed it."""
+    group = block.__dict__.get(GROUP_ATTR)
+    parts = group.decode_deferred(x, h_lora) if group is not None else None
+    return parts if parts is not None else (list(plain(block, x)), None)
+
+
+def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
+               slot: Tensor, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:
+    """`Attention` for h [rows, hidden] (normed), cos/sin [rows, head_dim]: writes k, v at cache slot `slot` [1] of
+    rows :rows and attends over the first mask.shape[-1] slots (mask [rows, window], additive). Returns the o_proj
+    output [rows, hidden], its LoRA update possibly left to the next norm's kernel."""
+    from qerl.execution import fused_ops
+
+    rows, heads, kv_heads, dim = h.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+    (q, k, v), low_rank = _deferred(attn, h, h_lora, project_qkv)
+    norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+    if attn.qk_norm and attn.q_norm.unit_offset:  # the kernel norms as Llama rounds: Gemma's q/k norm here
+        if low_rank is not None:  # q, k, v are views of its output: finished in place
+            low_rank.finish()
+        low_rank = None
+        q = attn.q_norm(q.view(rows, heads, dim)).view(rows, heads * dim)
+        k = attn.k_norm(k.view(rows, kv_heads, dim)).view(rows, kv_heads * dim)
+        norms = (None, None)
+    q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim, *norms,
+                                   low_rank=low_rank)
+    out = fused_ops.decode_attention(q, k_cache, v_cache, mask, heads, kv_heads, dim, **attn.sdpa_scale)
+    return _project_deferred(attn.o_proj, out)
+
+
+def _mlp(mlp: nn.Module, h: Tensor, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:
+    """`MLP` for [rows, hidden]: SiLU(gate) * up in one kernel that also adds the gate/up group's LoRA update, and
+    down's LoRA update left to the next norm's kernel (GeGLU: the plain ops, no kernel)."""
+    if mlp.act is F.silu:
+        from qerl.execution import fused_ops
+
+        (gate, up), low_rank = _deferred(mlp, h, h_lora, gate_up)
+        return _project_deferred(mlp.down_proj, fused_ops.fused_silu_mul(gate, up, low_rank))
+    gate, up = gate_up(mlp, h)
+    return project(mlp.down_proj, mlp.act(gate) * up)
