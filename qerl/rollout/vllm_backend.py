@@ -101,7 +101,7 @@ class VLLMBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ weights
     def _vllm_model(self) -> nn.Module:
-        return self.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+        return self.llm.collective_rpc(lambda worker: worker.get_model())[0]  # the nn.Module under its graph wrappers
 
     def _shared_norms(self) -> list[str]:
         """The norm weights of our model that vLLM's model holds under the same name (all of them, or an error)."""
