@@ -186,7 +186,8 @@ class RolloutSettings:
     top_k: int = field(default=0, metadata=_check(ge=0))  # 0 = off
     stop_strings: list[str] = field(default_factory=list)
     # The sampler of training and evaluation (qerl.rollout): engine = RolloutEngine (static KV cache, CUDA graphs),
-    # reference = qerl.rollout.generate.generate; auto = the engine on CUDA, the reference on the CPU.
+    # reference = the same engine with graphs, fused kernels and bucketed shapes off (RolloutEngine.reference, what
+    # qerl.rollout.generate.generate runs); auto = the engine on CUDA, the reference on the CPU.
     backend: Literal["auto", "engine", "reference"] = "auto"
     # After each rollout the engine's KV cache hands its GPU memory back for the update and takes it again before the
     # next rollout, at the same addresses (no graph recapture): the update has that memory to keep activations in.

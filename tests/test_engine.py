@@ -17,7 +17,8 @@ from qerl.model.aqn import NoiseInjector
 from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora
 from qerl.model.transformer import ModelConfig, Transformer
 from qerl.rollout.engine import RolloutEngine, engine_for, generate_fast, release_engine
-from qerl.rollout.generate import Rollout, generate
+from qerl.rollout.generate import generate
+from qerl.rollout.sampling import Rollout
 from tests.patience import patience
 from tests.reference import policy_logprobs
 
@@ -107,6 +108,25 @@ def test_sampled_logprobs_are_the_policy_logprobs_and_seeded():
     again = engine.generate(None, ps, 10, temperature=0.7, top_p=0.9, top_k=20, seed=3, eos_token_ids=[])
     assert again.completion_ids == out.completion_ids
     assert engine.generate(None, ps, 10, temperature=0.7, seed=4, eos_token_ids=[]).completion_ids != out.completion_ids
+
+
+def test_row_seeds_give_each_row_what_a_one_row_run_gives():
+    """Data-parallel ranks sample what one process does: with row_seeds each row draws from its own generator, so
+    the engine (padding rows, compaction as rows end) gives every row what the reference gives it, and what a run
+    of that row alone with its seed gives."""
+    model, ps = tiny(), prompts(6)
+    group = [p for p in ps for _ in range(2)]  # 12 rows -> bucket 16: 4 padding rows
+    seeds = list(range(40, 40 + len(group)))
+    kw = dict(temperature=1.0, top_k=40)
+    free = generate(model, None, group, 16, eos_token_ids=[], row_seeds=seeds, **kw)
+    eos = sorted({row[3] for row in free.completion_ids[::3]})  # some rows end early: compaction
+    engine = RolloutEngine(model, check_every=2)
+    out = engine.generate(None, group, 16, eos_token_ids=eos, row_seeds=seeds, **kw)
+    assert engine.cap_rows == 16 and engine.stats["compactions"] >= 1
+    assert_same(out, generate(model, None, group, 16, eos_token_ids=eos, row_seeds=seeds, **kw))
+    for i, (prompt, seed) in enumerate(zip(group, seeds)):
+        assert_same(engine.generate(None, [prompt], 16, eos_token_ids=eos, row_seeds=[seed], **kw), out.select([i]))
+    assert len({tuple(c) for c in out.completion_ids}) > len(ps)  # a prompt's two rows draw apart
 
 
 def test_each_distinct_prompt_is_prefilled_once_in_the_engine(monkeypatch):
@@ -386,7 +406,7 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     code = textwrap.dedent("""
         import torch
         from qerl.model import fused_ops as K
-        from qerl.rollout.generate import sample_tokens
+        from qerl.rollout.sampling import sample_tokens
         torch.manual_seed(0)
         t = 0.7
         base = torch.randn(37) * 1.5  # 37 entries, 16 per block: the online log-sum-exp crosses blocks

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from qerl.data.example import Example
-from qerl.rollout.generate import Rollout
+from qerl.rollout.sampling import Rollout
 
 
 @dataclass

@@ -246,7 +246,7 @@ def stand_in(job: dict[str, Any]):
 def run_rollout(model, job: dict[str, Any]) -> None:
     """Prefill the step's distinct prompts, one decode step at every bucket, sampling from each."""
     from qerl.rollout.backends import make_backend
-    from qerl.rollout.generate import sample_tokens
+    from qerl.rollout.sampling import sample_tokens
 
     # No CUDA graphs: a capture launches the same kernels as the eager step it records.
     backend = make_backend(model, None, "engine", use_graphs=False)

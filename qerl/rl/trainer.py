@@ -301,10 +301,8 @@ class Trainer:
         row_seeds = [self._seed(self.step, round_, 2, first + i, j) for i in range(len(examples))
                      for j in range(r.group_size)]
         sigma, noise_seed = self.sigma(), self._seed(self.settings.aqn.seed, self.step, 1)
-        # The engine draws one generator per batch (a rank's batch: its first row in the seed keeps ranks apart).
         sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            stop_strings=tuple(r.stop_strings), seed=self._seed(self.step, round_, 2, first),
-                            row_seeds=tuple(row_seeds))
+                            stop_strings=tuple(r.stop_strings), row_seeds=tuple(row_seeds))
         start = time.perf_counter()
         reset_peak_memory(self.device)
         with self.rollout_backend.sync(sigma, noise_seed):
