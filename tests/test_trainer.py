@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from qerl.config import settings_from_dict
 from qerl.model.transformer import ModelConfig, Transformer
-from qerl.rl.trainer import Trainer, lr_lambda
+from qerl.rl.optim import lr_lambda
+from qerl.rl.trainer import Trainer
 
 CHARS = list("0123456789+-*= ?Wthaisx\\{}")
 

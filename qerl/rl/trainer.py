@@ -8,23 +8,17 @@ RNG states, step and data position.
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
-import math
-import platform
-import random
-import resource
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from qerl import grading
-from qerl.config import ModelSettings, Settings
+from qerl.config import Settings
 from qerl.data import problems as data
 from qerl.data import rewards
 from qerl.data.prompt_length import fit_prompts, model_context
@@ -35,9 +29,12 @@ from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokeni
                                 resolve_device, seed_everything)
 from qerl.quant.linear import fp8_available, held_weights, update_precision
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
+from qerl.rl.memory import StepPeaks, held_weights_budget, return_large_frees_to_the_os
+from qerl.rl.metrics import StepTotals, step_metrics
+from qerl.rl.optim import build_optimizer
 from qerl.rl.phases import Phases, RolloutBatch
+from qerl.rl.rng import restore_rng, rng_state
 from qerl.rl.tracking import NullTracker, Tracker, log_step
-from qerl.rollout import releasable
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
 from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
 from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
@@ -45,84 +42,6 @@ from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
 log = logging.getLogger(__name__)
 
 STATE_KEYS = ("step", "optimizer", "scheduler", "sampler", "rng")  # what a checkpoint's state must hold
-
-
-@dataclass
-class _StepTotals:
-    """What one rank's micro-batches add up to in `Trainer.update`, before the ranks combine them."""
-
-    token_count: float = 1.0  # loss tokens of the whole step (all ranks): the metrics' normalizer
-    loss: float = 0.0  # of the last of the μ iterations
-    grad_norm: float = 0.0
-    entropy_sum: float = 0.0  # over the first iteration's tokens
-    entropy_count: float = 0.0
-    sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens / μ
-    peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
-    recomputed_blocks: int = 0  # blocks that recomputed their forward in backward (model.gradient_checkpointing)
-    held_gib: float = 0.0  # dequantized base weights kept through the update (model.keep_dequantized)
-
-    def add(self, loss: float, metrics: dict[str, float], weight: float, entropy: Tensor | None, mask: Tensor) -> None:
-        self.loss += loss
-        for k, v in metrics.items():
-            if k.endswith("/max"):
-                self.peaks[k] = max(self.peaks.get(k, v), v)
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v * weight
-        if entropy is not None:
-            self.entropy_sum += float((entropy * mask).sum())
-            self.entropy_count += float(mask.sum())
-
-
-def _held_weights_budget(model: ModelSettings, memory: recompute.MemoryPlan) -> int:
-    """Bytes of dequantized base weights the update may keep (model.keep_dequantized). auto spends the plan's spare
-    memory on speed, except where the run asked for memory first (every block recomputed): there it holds nothing,
-    so that run's peak stays the lowest qerl has."""
-    if model.keep_dequantized is True:
-        return 2**62
-    if model.keep_dequantized is False or model.gradient_checkpointing is True:
-        return 0
-    return memory.spare_bytes
-
-
-def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Linear warmup, then cosine decay to `min_ratio` (or constant)."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """The peak since the last `reset_peak_memory`: on CUDA, PyTorch's allocations plus the rollout engine's KV
-    cache where it lives outside PyTorch's allocator (mapped for the whole phase measured, or not at all); on the
-    CPU the process's peak resident set."""
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device) + releasable.mapped_bytes(device)) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def return_large_frees_to_the_os() -> None:
-    """Have glibc serve every allocation of 1 MiB or more from its own mmap, unmapped again when freed.
-
-    By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, so a training step's
-    activations (MiBs per layer on the CPU) soon come from the heap, which keeps their pages after the step and
-    fragments within it: the embedded default's update peaked at 4.3-4.5 GiB resident with a 4 MiB or a 64 MiB
-    threshold (a `malloc_trim` at the step's end included) for 2.7 GiB of live tensors. A fixed threshold also
-    turns the adjustment off. The value trades memory for the kernel's page zeroing (BENCHMARKS.md "Beside TRL on
-    the CPU", the embedded default's step, prompts shared in the update): 1 MiB ~28 CPU-s an update at 2.9 GiB
-    peak, 4 MiB ~24 s at 4.4 GiB, 64 MiB ~22 s at 4.5 GiB. No-op where the C library is not glibc.
-    """
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return
-    m_mmap_threshold = -3  # from glibc's malloc.h
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20)
 
 
 class Trainer:
@@ -181,6 +100,9 @@ class Trainer:
 
     def _start(self, settings: Settings, tracker: Tracker | None, model, tokenizer, progress: bool,
                rollout_backend: RolloutBackend | None) -> None:
+        """The run's components, wired in the order a failure is cheapest to report: settings and data before any
+        weights load, then the model, what the update trains with, the sampler, and last the state of a run to
+        resume."""
         # The thread count in use is part of the run's settings: params.yaml, checkpoints and MLflow record it
         self.settings = s = replace(settings, model=pin_cpu_threads(settings.model))
         self.tracker = tracker or NullTracker()
@@ -189,11 +111,50 @@ class Trainer:
         seed_everything(s.train.seed)
         self.dist.shard(range(s.rollout.prompts_per_step))  # fail now, not at step 1, if the prompts do not split
 
-        d = s.data  # data first: a bad dataset fails in a second, not after a model load
-        self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
+        self.system_prompt = s.data.system_prompt if s.data.system_prompt is not None else data.SYSTEM_PROMPT
+        tokenizer, examples = self._training_prompts(model, tokenizer)
+        self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
+        # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
+        self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
+        if model is None:
+            model, tokenizer = load_base_model(s.model, s.quant)
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self._set_up_the_update()
+
+        # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
+        self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
+        self.dist.broadcast(self.params)
+        self.optimizer, self.scheduler = build_optimizer(self.params, s.optim, s.train.steps)
+        self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
+        self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
+        # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
+        self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend,
+                                                                kv_cache_dtype=s.rollout.kv_cache_dtype)
+        self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
+        self.peaks = StepPeaks(self.device)
+        self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
+                                                      max_completion_length=s.rollout.max_new_tokens)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+        self.step = 0
+        self._resume()
+        if self._kernels is not None:
+            self._kernels.wait()
+            self._kernels = None
+        self.run.write_params(s.to_yaml())
+        if self.dist.is_main:
+            self.tracker.log_params(s.to_flat_dict())
+
+    def _training_prompts(self, model, tokenizer) -> tuple[object, list[data.Example]]:
+        """(tokenizer, the training examples whose prompts fit the model's context). Without a model, only its
+        tokenizer and context length load (a second or two), so a bad dataset or LoRA target fails before the
+        weights do."""
+        s = self.settings
+        d = s.data
         examples = data.examples_for(d, key="data.n")
         if model is None:
-            tokenizer, context = load_tokenizer_and_context(s.model, s.quant)  # no weights yet: a second or two
+            tokenizer, context = load_tokenizer_and_context(s.model, s.quant)
         else:
             context = model_context(model)
         examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
@@ -204,13 +165,12 @@ class Trainer:
                              f"repeat prompts; set it to {len(examples)} or fewer")
         if model is None:
             check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
-        self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
-        # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
-        self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
-        if model is None:
-            model, tokenizer = load_base_model(s.model, s.quant)
-        self.model, self.tokenizer = model, tokenizer
-        self.device = next(model.parameters()).device
+        return tokenizer, examples
+
+    def _set_up_the_update(self) -> None:
+        """How the update runs on this device: its kernels, where freed memory goes, and the switches that skip
+        work without changing its result (to float rounding)."""
+        s = self.settings
         training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
@@ -224,27 +184,11 @@ class Trainer:
         # their forward without autograd (`model.skip_idle_rows`); the loss and its metrics still see every row.
         # Only without the KL term (beta = 0), which gives every row a gradient.
         self.skip_idle_rows = s.model.skip_idle_rows and s.grpo.beta == 0
-        # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
-        self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
-        self.dist.broadcast(self.params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=s.optim.lr, betas=(s.optim.beta1, s.optim.beta2),
-                                           eps=s.optim.eps, weight_decay=s.optim.weight_decay)
-        o = s.optim
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda i: lr_lambda(i, o.warmup_steps, s.train.steps, o.schedule, o.min_lr_ratio))
 
-        self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
-        self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
-        # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
-        self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend,
-                                                                kv_cache_dtype=s.rollout.kv_cache_dtype)
-        self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
-        self._phase_peaks: list[float] = []  # this step's rollout peaks (GiB), measured before the KV cache sleeps
-        self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
-                                                      max_completion_length=s.rollout.max_new_tokens)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.step = 0
-        # Rank 0 resolves damaged checkpoints (it moves them aside) before the other ranks read the same folder.
+    def _resume(self) -> None:
+        """Continue from the run folder's newest intact checkpoint, if it has one (`--resume`). Rank 0 resolves
+        damaged checkpoints (it moves them aside) before the other ranks read the same folder."""
+        s = self.settings
         resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint) \
             if self.dist.is_main else None
         self.dist.barrier()
@@ -252,12 +196,6 @@ class Trainer:
             resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint)
         if resumed is not None:
             self.apply_checkpoint(resumed)
-        if self._kernels is not None:
-            self._kernels.wait()
-            self._kernels = None
-        self.run.write_params(s.to_yaml())
-        if self.dist.is_main:
-            self.tracker.log_params(s.to_flat_dict())
 
     def _precompile(self, s: Settings, model, tokenizer):
         """Start compiling this run's GPU kernels in workers (None where there is nothing to do): from the loaded
@@ -304,16 +242,16 @@ class Trainer:
         sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             stop_strings=tuple(r.stop_strings), row_seeds=tuple(row_seeds))
         start = time.perf_counter()
-        reset_peak_memory(self.device)
+        self.peaks.start_phase()
         with self.rollout_backend.sync(sigma, noise_seed):
             out = self.rollout_backend.generate(prompts, sampling,
                                                 progress=self.progress and sys.stderr.isatty())  # a live bar in a terminal
         # The rollout's peak with its KV cache mapped; then the update gets that memory (graphs kept) and its own
         # peak is measured from here.
-        self._phase_peaks.append(peak_memory_gb(self.device))
+        self.peaks.rollout_done()
         if r.release_kv_cache:
             self.rollout_backend.sleep()
-        reset_peak_memory(self.device)
+        self.peaks.start_phase()
         seconds = time.perf_counter() - start
         if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
@@ -374,22 +312,6 @@ class Trainer:
         first, mine = self.dist.shard(range(total))
         return out.select_groups(list(mine))
 
-    def _tensors(self, batch: RolloutBatch) -> dict[str, Tensor]:
-        """Left-padded prompts + right-padded completions, as TRL lays them out: completions start at one column."""
-        samples = batch.samples
-        P = max(len(p) for p in samples.prompt_ids)
-        C = max(1, max(len(c) for c in samples.completion_ids))
-        B = len(batch)
-        ids = torch.full((B, P + C), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, P + C), dtype=torch.long)
-        rollout_lp = torch.zeros((B, C))
-        for i, (p, c, lp) in enumerate(zip(samples.prompt_ids, samples.completion_ids, samples.logprobs)):
-            ids[i, P - len(p):P] = torch.tensor(p)
-            ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[i, P - len(p):P + len(c)] = 1
-            rollout_lp[i, :len(c)] = lp.float().cpu()
-        return {"ids": ids, "attn": attn, "mask": attn[:, P:].float(), "rollout_logp": rollout_lp, "P": P}
-
     def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
         return grpo.completion_log_probs(self.model, ids, attn, P, self.settings.rollout.temperature,
@@ -422,7 +344,7 @@ class Trainer:
         The rollouts carry this step's AQN noise, as in training; build the trainer with AQN off for the clean policy.
         """
         batch = self.rollout(examples)
-        t = self._tensors(batch)
+        t = batch.padded(self.pad_id)
         was_training = self.model.training
         self.model.eval()
         total = count = 0.0
@@ -441,7 +363,7 @@ class Trainer:
         """μ optimizer steps of the policy loss over this batch (micro-batched, gradients accumulated)."""
         start = time.perf_counter()
         step_rewards, advantages = self._advantages(batch)
-        padded = self._tensors(batch)
+        padded = batch.padded(self.pad_id)
         truncated = torch.tensor([r == "length" for r in batch.samples.stop_reasons])
         mask = grpo.loss_mask(padded["mask"], self.loss_cfg, truncated)
         on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
@@ -454,14 +376,17 @@ class Trainer:
             memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
                                     s.gradient_checkpointing)
             self.model.gradient_checkpointing = memory.recomputed_blocks
-            with held_weights(_held_weights_budget(s, memory)) as held_bytes:
+            with held_weights(held_weights_budget(s, memory)) as held_bytes:
                 old_logp, ref_logp, entropy = self._frozen_logps(on_device, padded["P"], micro)
                 totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
                                         ref_logp, entropy)
                 totals.recomputed_blocks, totals.held_gib = memory.recomputed_blocks, held_bytes() / recompute.GIB
         self.scheduler.step()
         self.step += 1
-        return self._step_metrics(batch, step_rewards, truncated, totals, time.perf_counter() - start)
+        # Its rollouts' peaks, then scoring's and the update's.
+        return step_metrics(self.dist, self.step, batch, step_rewards, truncated, totals,
+                            lr=self.scheduler.get_last_lr()[0], seconds_update=time.perf_counter() - start,
+                            peak_memory=self.peaks.step_peak())
 
     def _advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """(the whole step's rewards, this rank's advantages). Advantages are taken over all the step's groups
@@ -499,12 +424,12 @@ class Trainer:
 
     def _optimize(self, batch: RolloutBatch, t: dict[str, Tensor], P: int, micro: list[slice], advantages: Tensor,
                   mask: Tensor, truncated: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
-                  frozen_entropy: Tensor | None) -> "_StepTotals":
+                  frozen_entropy: Tensor | None) -> StepTotals:
         """The μ optimizer steps, each accumulating the gradients of every micro-batch; returns the step's sums.
         `frozen_entropy`: the sampling policy's, for the top-entropy mask (None without one)."""
         s = self.settings
         dev = self.device
-        totals = _StepTotals()
+        totals = StepTotals()
         self.model.train()
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
         # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
@@ -546,49 +471,6 @@ class Trainer:
             totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
             self.optimizer.step()
         return totals
-
-    def _step_metrics(self, batch: RolloutBatch, step_rewards: Tensor, truncated: Tensor, totals: "_StepTotals",
-                      seconds_update: float) -> dict[str, float]:
-        """The step's metrics over all ranks: sums of the partial sums, whole-step rows gathered, the slowest rank's
-        times."""
-        keys, peak_keys = sorted(totals.sums), sorted(totals.peaks)
-        loss_total, entropy_sum, entropy_count, grader_timeouts, *sums = self.dist.sum(
-            [totals.loss, totals.entropy_sum, totals.entropy_count, batch.grader_timeouts]
-            + [totals.sums[k] for k in keys])
-        peaks = dict(zip(peak_keys, self.dist.max([totals.peaks[k] for k in peak_keys])))
-        lengths = torch.tensor(self.dist.gather([len(c) for c in batch.samples.completion_ids]), dtype=torch.float32)
-        truncated = torch.tensor(self.dist.gather(truncated.tolist()))
-        accuracy = torch.tensor(self.dist.gather(batch.accuracy.tolist()), dtype=torch.float32)
-        step_peak = max([*self._phase_peaks, peak_memory_gb(self.device)])  # its rollouts', then scoring + update
-        self._phase_peaks.clear()
-        seconds_rollout, seconds_scoring, seconds_update, peak_memory = self.dist.max(
-            [batch.seconds, batch.score_seconds, seconds_update, step_peak])
-        metrics = {
-            "step": self.step,
-            "reward_mean": float(step_rewards.mean()),
-            "reward_std": float(step_rewards.std()) if len(step_rewards) > 1 else 0.0,
-            "accuracy": float(accuracy.mean()),
-            "entropy": entropy_sum / max(entropy_count, 1.0),
-            "loss": loss_total,
-            "grad_norm": totals.grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
-            "response_length": float(lengths.mean()),
-            "truncation_rate": float(truncated.float().mean()),
-            "sigma": batch.sigma,
-            "noise_seed": batch.noise_seed,
-            "rollout_tokens_per_s": float(lengths.sum()) / max(seconds_rollout, 1e-9),
-            "seconds_rollout": seconds_rollout,
-            "seconds_scoring": seconds_scoring,
-            "grader_timeouts": int(grader_timeouts),  # completions scored 0: math-verify went over its CPU budget
-            "seconds_update": seconds_update,
-            "peak_memory_gb": peak_memory,
-            "recomputed_blocks": totals.recomputed_blocks,
-            "held_weights_gib": totals.held_gib,
-        }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
-        metrics.update({k: v / totals.token_count for k, v in zip(keys, sums)})
-        metrics.update(peaks)
-        metrics.update(batch.extra)
-        return metrics
 
     # ------------------------------------------------------------------------------------------------ loop
 
@@ -685,8 +567,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "aqn": self.aqn.state_dict() if self.aqn is not None else {},
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "rng": rng_state(),
             "settings": self.settings.to_dict(),
         }
         return self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"), keep=keep)
@@ -713,10 +594,5 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         if self.aqn is not None:
             self.aqn.load_state_dict(state.get("aqn", {}))  # older checkpoints: geometric only, which keeps no state
-        rng = state["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        restore_rng(state["rng"])
         self.step = checkpoint.step
