@@ -1,6 +1,7 @@
 """The RL loop on a tiny model: it learns, it is deterministic, and a killed run resumes to the same adapter."""
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -142,13 +143,13 @@ def test_same_seed_same_run(tmp_path):
 
 
 def runs_with_and_without(settings, tmp_path, switch: str) -> list[tuple[list[dict], dict]]:
-    """(metrics rows, adapter tensors) of a run with the trainer's `switch` on (the CPU's default, asserted), then
-    of the same run with it off."""
+    """(metrics rows, adapter tensors) of a run with the update forward's `switch` (a field of the trainer's
+    `PolicyLogProbs`) on (the CPU's default, asserted), then of the same run with it off."""
     runs = []
     for on in (True, False):
         trainer = make_trainer(settings, tmp_path / str(on))
-        assert getattr(trainer, switch)
-        setattr(trainer, switch, on)
+        assert getattr(trainer.logprobs, switch)
+        trainer.logprobs = dataclasses.replace(trainer.logprobs, **{switch: on})
         trainer.train()
         runs.append(([json.loads(x) for x in (tmp_path / str(on) / "metrics.jsonl").read_text().splitlines()],
                      adapter_tensors(tmp_path / str(on))))

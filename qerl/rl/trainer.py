@@ -29,6 +29,7 @@ from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokeni
                                 resolve_device, seed_everything)
 from qerl.quant.linear import fp8_available, held_weights, update_precision
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
+from qerl.rl.logprobs import PolicyLogProbs
 from qerl.rl.memory import StepPeaks, held_weights_budget, return_large_frees_to_the_os
 from qerl.rl.metrics import StepTotals, step_metrics
 from qerl.rl.optim import build_optimizer
@@ -168,22 +169,12 @@ class Trainer:
         return tokenizer, examples
 
     def _set_up_the_update(self) -> None:
-        """How the update runs on this device: its kernels, where freed memory goes, and the switches that skip
-        work without changing its result (to float rounding)."""
+        """How the update runs on this device: its kernels, where freed memory goes, and its forward."""
         s = self.settings
         training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
-        # A micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
-        # (`model.share_prompts`, `Decoder.forward_shared_prompts`): same log-probs and gradients to float rounding,
-        # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
-        # dropout, whose masks would be shared by the rows.
-        self.share_prompts = s.model.share_prompts and not s.lora.dropout
-        self.pack_completions = s.model.pack_completions  # only the real tokens through the GEMMs and the head
-        # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run
-        # their forward without autograd (`model.skip_idle_rows`); the loss and its metrics still see every row.
-        # Only without the KL term (beta = 0), which gives every row a gradient.
-        self.skip_idle_rows = s.model.skip_idle_rows and s.grpo.beta == 0
+        self.logprobs = PolicyLogProbs.from_settings(self.model, s)  # the update's forward
 
     def _resume(self) -> None:
         """Continue from the run folder's newest intact checkpoint, if it has one (`--resume`). Rank 0 resolves
@@ -312,31 +303,6 @@ class Trainer:
         first, mine = self.dist.shard(range(total))
         return out.select_groups(list(mine))
 
-    def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
-        return grpo.completion_log_probs(self.model, ids, attn, P, self.settings.rollout.temperature,
-                                         self.share_prompts, want_entropy, self.pack_completions)
-
-    def _micro_logp(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool,
-                    live: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """`_logp_and_entropy` of a micro-batch, with autograd only for the `live` rows (bool [B]; None: all): the
-        others' log-probs come from a forward without a graph, so they cost no backward and keep no activations."""
-        if live is None or bool(live.all()):
-            return self._logp_and_entropy(ids, attn, P, want_entropy)
-        idle_rows, live_rows = (~live).nonzero().squeeze(1), live.nonzero().squeeze(1)
-        with torch.no_grad():
-            idle_logp, idle_entropy = self._logp_and_entropy(ids[idle_rows], attn[idle_rows], P, want_entropy)
-        if not len(live_rows):
-            return idle_logp, idle_entropy
-        live_logp, live_entropy = self._logp_and_entropy(ids[live_rows], attn[live_rows], P, want_entropy)
-        logp = idle_logp.new_empty((len(ids), idle_logp.shape[1])).index_copy(0, idle_rows, idle_logp) \
-            .index_copy(0, live_rows, live_logp)
-        entropy = None
-        if want_entropy:
-            entropy = idle_entropy.new_empty(logp.shape).index_copy_(0, idle_rows, idle_entropy) \
-                .index_copy_(0, live_rows, live_entropy)
-        return logp, entropy
-
     @torch.no_grad()
     def measure_entropy(self, examples: list[data.Example]) -> dict[str, float]:
         """The policy's mean per-token entropy on its own completions to `examples` (`group_size` each), as the
@@ -351,8 +317,8 @@ class Trainer:
         mb = self.settings.grpo.micro_batch_size
         for start in range(0, len(batch), mb):
             rows = slice(start, start + mb)
-            _, entropy = self._logp_and_entropy(t["ids"][rows].to(self.device), t["attn"][rows].to(self.device),
-                                                t["P"], want_entropy=True)
+            _, entropy = self.logprobs(t["ids"][rows].to(self.device), t["attn"][rows].to(self.device), t["P"],
+                                       want_entropy=True)
             mask = t["mask"][rows].to(self.device)
             total += float((entropy * mask).sum())
             count += float(mask.sum())
@@ -408,7 +374,7 @@ class Trainer:
         tokens it keeps are the whole step's top quantile, so all of them are needed before the first backward;
         from the same forward), and the reference's log-probs (adapters off; only when beta > 0)."""
         def logps(want_entropy: bool) -> tuple[Tensor, Tensor | None]:
-            parts = [self._logp_and_entropy(t["ids"][m], t["attn"][m], P, want_entropy) for m in micro]
+            parts = [self.logprobs(t["ids"][m], t["attn"][m], P, want_entropy) for m in micro]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if want_entropy else None
 
         g = self.settings.grpo
@@ -434,7 +400,7 @@ class Trainer:
         sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
         # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
         live = (advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
-                if self.skip_idle_rows else None)
+                if self.logprobs.skip_idle_rows else None)
         # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
         token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
         totals.token_count = max(token_count, 1.0)
@@ -449,8 +415,8 @@ class Trainer:
             totals.loss = 0.0
             for m in micro:
                 with self.noise.noisy(sigma_train, batch.noise_seed):
-                    logp, entropy = self._micro_logp(t["ids"][m], t["attn"][m], P, iteration == 0,
-                                                     None if live is None else live[m])
+                    logp, entropy = self.logprobs.of_micro_batch(t["ids"][m], t["attn"][m], P, iteration == 0,
+                                                                 None if live is None else live[m])
                     loss, metrics = grpo.policy_loss(
                         logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
                         self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
