@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from qerl import grading
 from qerl.config import Settings
@@ -23,19 +22,20 @@ from qerl.data import problems as data
 from qerl.data import rewards
 from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
-from qerl.model import lora, recompute, training_ops
+from qerl.model import lora, training_ops
 from qerl.model.aqn import build_schedule
 from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
-from qerl.quant.linear import fp8_available, held_weights, update_precision
+from qerl.quant.linear import fp8_available
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
 from qerl.rl.logprobs import PolicyLogProbs
-from qerl.rl.memory import StepPeaks, held_weights_budget, return_large_frees_to_the_os
-from qerl.rl.metrics import StepTotals, step_metrics
+from qerl.rl.memory import StepPeaks, return_large_frees_to_the_os
+from qerl.rl.metrics import step_metrics
 from qerl.rl.optim import build_optimizer
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.rng import restore_rng, rng_state
 from qerl.rl.tracking import NullTracker, Tracker, log_step
+from qerl.rl.update import PolicyUpdate
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
 from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
 from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
@@ -121,7 +121,9 @@ class Trainer:
             model, tokenizer = load_base_model(s.model, s.quant)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self._set_up_the_update()
+        training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
+        if self.device.type == "cpu":  # the training step's activations live in host memory
+            return_large_frees_to_the_os()
 
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
@@ -137,6 +139,8 @@ class Trainer:
         self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
                                                       max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.policy_update = PolicyUpdate(model, self.params, self.optimizer, PolicyLogProbs.from_settings(model, s),
+                                          self.loss_cfg, s, self.dist, self.noise, self.pad_id)
 
         self.step = 0
         self._resume()
@@ -167,14 +171,6 @@ class Trainer:
         if model is None:
             check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
         return tokenizer, examples
-
-    def _set_up_the_update(self) -> None:
-        """How the update runs on this device: its kernels, where freed memory goes, and its forward."""
-        s = self.settings
-        training_ops.set_backend(s.model.training_kernels if self.device.type == "cuda" else "eager")
-        if self.device.type == "cpu":  # the training step's activations live in host memory
-            return_large_frees_to_the_os()
-        self.logprobs = PolicyLogProbs.from_settings(self.model, s)  # the update's forward
 
     def _resume(self) -> None:
         """Continue from the run folder's newest intact checkpoint, if it has one (`--resume`). Rank 0 resolves
@@ -317,8 +313,8 @@ class Trainer:
         mb = self.settings.grpo.micro_batch_size
         for start in range(0, len(batch), mb):
             rows = slice(start, start + mb)
-            _, entropy = self.logprobs(t["ids"][rows].to(self.device), t["attn"][rows].to(self.device), t["P"],
-                                       want_entropy=True)
+            _, entropy = self.policy_update.logprobs(t["ids"][rows].to(self.device),
+                                                     t["attn"][rows].to(self.device), t["P"], want_entropy=True)
             mask = t["mask"][rows].to(self.device)
             total += float((entropy * mask).sum())
             count += float(mask.sum())
@@ -326,117 +322,16 @@ class Trainer:
         return {"entropy": total / max(count, 1.0), "completions": len(batch), "tokens": int(count)}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """μ optimizer steps of the policy loss over this batch (micro-batched, gradients accumulated)."""
+        """The policy update on this batch (`PolicyUpdate`), the schedule's step, and the step's metrics."""
         start = time.perf_counter()
-        step_rewards, advantages = self._advantages(batch)
-        padded = batch.padded(self.pad_id)
-        truncated = torch.tensor([r == "length" for r in batch.samples.stop_reasons])
-        mask = grpo.loss_mask(padded["mask"], self.loss_cfg, truncated)
-        on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
-        micro = self._micro_batches(len(batch))
-        s = self.settings.model
-        with update_precision(s.base_gemm):  # every forward of the update: the same GEMMs
-            # Recompute only the blocks the free memory cannot keep (measured on this step's micro-batch shape);
-            # what is left after them holds dequantized base weights through the update.
-            first = micro[0]
-            memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
-                                    s.gradient_checkpointing)
-            self.model.gradient_checkpointing = memory.recomputed_blocks
-            with held_weights(held_weights_budget(s, memory)) as held_bytes:
-                old_logp, ref_logp, entropy = self._frozen_logps(on_device, padded["P"], micro)
-                totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
-                                        ref_logp, entropy)
-                totals.recomputed_blocks, totals.held_gib = memory.recomputed_blocks, held_bytes() / recompute.GIB
+        sigma_train = self.sigma() if self.settings.aqn.in_training_forward else 0.0
+        totals, step_rewards, truncated = self.policy_update(batch, sigma_train)
         self.scheduler.step()
         self.step += 1
         # Its rollouts' peaks, then scoring's and the update's.
         return step_metrics(self.dist, self.step, batch, step_rewards, truncated, totals,
                             lr=self.scheduler.get_last_lr()[0], seconds_update=time.perf_counter() - start,
                             peak_memory=self.peaks.step_peak())
-
-    def _advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """(the whole step's rewards, this rank's advantages). Advantages are taken over all the step's groups
-        (scale_rewards=batch needs them all); this rank's rows are a slice."""
-        step_rewards = torch.tensor(self.dist.gather(batch.rewards.tolist()), dtype=torch.float32)
-        advantages = grpo.group_advantages(step_rewards, batch.group_size, scale=self.settings.grpo.scale_rewards)
-        rows = len(batch)
-        return step_rewards, advantages[self.dist.rank * rows:][:rows]
-
-    def _micro_batches(self, rows: int) -> list[slice]:
-        size = self.settings.grpo.micro_batch_size
-        return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
-
-    @torch.no_grad()
-    def _frozen_logps(self, t: dict[str, Tensor], P: int,
-                      micro: list[slice]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """What stays fixed through the step's μ iterations: the sampling policy's log-probs (only needed when μ > 1;
-        at μ = 1 the loss uses the live ones, detached) and entropies (only for grpo.top_entropy_quantile < 1: the
-        tokens it keeps are the whole step's top quantile, so all of them are needed before the first backward;
-        from the same forward), and the reference's log-probs (adapters off; only when beta > 0)."""
-        def logps(want_entropy: bool) -> tuple[Tensor, Tensor | None]:
-            parts = [self.logprobs(t["ids"][m], t["attn"][m], P, want_entropy) for m in micro]
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if want_entropy else None
-
-        g = self.settings.grpo
-        old_logp = entropy = ref_logp = None
-        want_entropy = self.loss_cfg.top_entropy_quantile < 1
-        if g.num_iterations > 1 or want_entropy:
-            logp, entropy = logps(want_entropy)
-            old_logp = logp if g.num_iterations > 1 else None
-        if g.beta > 0:
-            with lora.adapters_disabled(self.model):
-                ref_logp = logps(False)[0]
-        return old_logp, ref_logp, entropy
-
-    def _optimize(self, batch: RolloutBatch, t: dict[str, Tensor], P: int, micro: list[slice], advantages: Tensor,
-                  mask: Tensor, truncated: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
-                  frozen_entropy: Tensor | None) -> StepTotals:
-        """The μ optimizer steps, each accumulating the gradients of every micro-batch; returns the step's sums.
-        `frozen_entropy`: the sampling policy's, for the top-entropy mask (None without one)."""
-        s = self.settings
-        dev = self.device
-        totals = StepTotals()
-        self.model.train()
-        sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
-        # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
-        live = (advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
-                if self.logprobs.skip_idle_rows else None)
-        # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
-        token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
-        totals.token_count = max(token_count, 1.0)
-        entropy_cut = None  # the top-entropy mask's threshold: the quantile of the whole step's loss tokens
-        if frozen_entropy is not None:
-            entropies = frozen_entropy[mask.to(dev).bool()]
-            if self.dist.active:  # every rank's
-                entropies = torch.tensor(self.dist.gather(entropies.tolist()))
-            entropy_cut = grpo.entropy_threshold(entropies, s.grpo.top_entropy_quantile)
-        for iteration in range(s.grpo.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            totals.loss = 0.0
-            for m in micro:
-                with self.noise.noisy(sigma_train, batch.noise_seed):
-                    logp, entropy = self.logprobs.of_micro_batch(t["ids"][m], t["attn"][m], P, iteration == 0,
-                                                                 None if live is None else live[m])
-                    loss, metrics = grpo.policy_loss(
-                        logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
-                        self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
-                        rollout_logp=t["rollout_logp"][m], truncated=truncated[m].to(dev),
-                        token_normalizer=totals.token_count, entropy_cut=entropy_cut,
-                        entropy=None if frozen_entropy is None else frozen_entropy[m])
-                    if not self.loss_cfg.normalized_by_step_tokens:  # means: weight by the micro-batch's share
-                        loss = loss * (m.stop - m.start) / step_rows
-                    if loss.requires_grad:  # not when every row of the micro-batch is idle
-                        loss.backward()
-                # The loss metrics: token means over the step, averaged over its μ iterations.
-                totals.add(loss.item(), metrics, weight=float(mask[m].sum()) / s.grpo.num_iterations,
-                           entropy=entropy, mask=t["mask"][m])
-            for p in self.params:  # idle rows only: a zero gradient, as their backward would have left (AdamW
-                if p.grad is None:  # still steps on its moments)
-                    p.grad = torch.zeros_like(p)
-            self.dist.sum_gradients(self.params)
-            totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
-            self.optimizer.step()
-        return totals
 
     # ------------------------------------------------------------------------------------------------ loop
 
