@@ -46,10 +46,15 @@ STATE_KEYS = ("step", "optimizer", "scheduler", "sampler", "rng")  # what a chec
 
 
 class Trainer:
-    """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise.
+    """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise: a recipe wiring components.
 
-    `train()` runs the whole loop; `rollout()`, `score()`, `finish_step()` are its phases, and a `Phases` passed to
-    `train()` decides how each is called (the Prefect flow runs each as a task).
+    Set-up (`_start`, in the order a failure is cheapest to report): the training prompts (`data.PromptSampler`),
+    the model and its LoRA parameters, the optimizer and its schedule (`optim`), the reward, the AQN schedule, the
+    sampler (`rollout.backends`), the step's memory peaks (`memory.StepPeaks`), the loss and the update
+    (`update.PolicyUpdate`), then the state of a run to resume. A step: `rollout()` -> `score()` ->
+    `finish_step()` (`update()`: the policy update, the schedule's step, the metrics reduced over the ranks,
+    `metrics.step_metrics`; then the metrics logged and a checkpoint when due). `train()` runs the steps; a `Phases`
+    passed to it decides how each phase is called (the Prefect flow runs each as a task).
     Its run folder (`qerl.run.folder.RunFolder`, opened on `out_dir`) keeps the state: the trainer asks it for the
     checkpoint to resume and hands it the states to save. The folder is locked from construction until `close()`
     (or the end of a `with` block, or the process): a second trainer on the same folder fails at once.
@@ -78,26 +83,10 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def _correction(self) -> str:
-        """grpo.correction with `auto` resolved: tis where the rollouts and the update compute in different
-        precisions (RolloutBackend.reduced_precision, or the FP8 update), none elsewhere; said in one line when it
-        turns tis on."""
-        g = self.settings.grpo
-        if g.correction != "auto":
-            return g.correction
-        paths = self.rollout_backend.reduced_precision()
-        # The update in FP8 (where FP8 tensor cores are; elsewhere update_precision runs it bf16), the rollouts not:
-        # 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
-        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):
-            paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
-        if paths and g.tis_cap is None:
-            cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP
-            log.info("grpo.correction auto: tis at cap %s, since the rollouts run on %s (log-prob gap to the update "
-                     "over 0.03 nats/token; set grpo.correction to choose)", cap, " and ".join(paths))
-        return "tis" if paths else "none"
-
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ------------------------------------------------------------------------------------------------ set-up
 
     def _start(self, settings: Settings, tracker: Tracker | None, model, tokenizer, progress: bool,
                rollout_backend: RolloutBackend | None) -> None:
@@ -205,6 +194,24 @@ class Trainer:
                    for ex in copy.deepcopy(self.sampler).next_batch()]
         prompt_len = max(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
         return precompile.start(s, config, prompt_len, device, loaded=model is not None)
+
+    def _correction(self) -> str:
+        """grpo.correction with `auto` resolved: tis where the rollouts and the update compute in different
+        precisions (RolloutBackend.reduced_precision, or the FP8 update), none elsewhere; said in one line when it
+        turns tis on."""
+        g = self.settings.grpo
+        if g.correction != "auto":
+            return g.correction
+        paths = self.rollout_backend.reduced_precision()
+        # The update in FP8 (where FP8 tensor cores are; elsewhere update_precision runs it bf16), the rollouts not:
+        # 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
+        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):
+            paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
+        if paths and g.tis_cap is None:
+            cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP
+            log.info("grpo.correction auto: tis at cap %s, since the rollouts run on %s (log-prob gap to the update "
+                     "over 0.03 nats/token; set grpo.correction to choose)", cap, " and ".join(paths))
+        return "tis" if paths else "none"
 
     # ------------------------------------------------------------------------------------------------ phases
 
