@@ -20,7 +20,8 @@ CPU runs sample with (`qerl.rollout.generate.generate`). Each row draws from its
   the attention modules for the model's forward, in `_install` only), which rows and slots are live, graph capture
   and compaction.
 * Sampling (`qerl.rollout.sampling.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization
-  per token. Every `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows
+  per token. With `row_seeds` the one-pass kernel keys each slot by its row's seed and the step (`step_keys`), one
+  launch for the batch; PyTorch's sampler (the CPU, top-k/top-p) draws from each row's generator. Every `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows
   to the front of a smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
 * Graphs read LoRA factors, RMSNorm weights (AQN writes noise into them in place) and quantized buffers by
   address: optimizer steps and `NoiseInjector` are in place, so graphs stay valid across RL steps. If any
@@ -48,7 +49,7 @@ from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
 from qerl.rollout import releasable
 from qerl.rollout.sampling import (Rollout, StopReason, check_sampling_args, decode_ids, default_eos_ids, distinct_rows,
-                                   encode_prompts, random_source, sample_tokens)
+                                   encode_prompts, random_source, sample_tokens, step_keys)
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +461,7 @@ class RolloutEngine:
             self._install(batch, prompt_len + max_new_tokens)
             tokens, logprobs, first_eos, stop_at = self._run(
                 tokenizer, prompt_ids, prompt_len, max_new_tokens, temperature, top_p, top_k, stop_strings, eos,
-                filler, generator, progress)
+                filler, generator, row_seeds, progress)
         finally:
             self._uninstall()
             model.train(was_training)
@@ -478,9 +479,10 @@ class RolloutEngine:
         return Rollout.from_padded(tokenizer, prompt_ids, tokens, logprobs, lengths, reasons)
 
     def _run(self, tokenizer, prompt_ids, prompt_len, max_new, temperature, top_p, top_k, stop_strings, eos,
-             filler, generator, progress):
+             filler, generator, row_seeds, progress):
         """Prefill + decode loop; returns tokens and log-probs [batch, max_new] (CPU), the first EOS step of each
-        row (max_new if none) and {row: step completing a stop string}. `generator`: one, None, or one per row."""
+        row (max_new if none) and {row: step completing a stop string}. `generator`: one, None, or one per row
+        (from `row_seeds`)."""
         dev, batch = self.device, len(prompt_ids)
         rows = self.bucket(batch)
         # Per-call outputs, indexed by original row; row `batch` is where padding rows write.
@@ -502,13 +504,17 @@ class RolloutEngine:
         row_host = list(range(batch)) + [batch] * (rows - batch)
         self.row_map[:rows].copy_(torch.tensor(row_host))
         self._prefill_once_per_prompt(ids, valid, rows, prompt_len)
-        per_row = isinstance(generator, list)
-        spare = torch.Generator(device=dev) if per_row and rows > batch else None  # padding rows draw from it
+        spare = torch.Generator(device=dev) if row_seeds is not None and rows > batch else None  # for padding rows
 
-        def slot_generators():  # each slot draws from its row's generator: a row's tokens do not depend on its slot
-            return [generator[r] if r < batch else spare for r in row_host] if per_row else generator
+        def slot_randomness():
+            """Each slot draws from its row's generator (or kernel key): a row's tokens do not depend on its slot."""
+            if row_seeds is None:
+                return generator, None
+            seeds = [row_seeds[r] % 2**63 if r < batch else 0 for r in row_host]
+            return ([generator[r] if r < batch else spare for r in row_host],
+                    torch.tensor(seeds, dtype=torch.long, device=dev))
 
-        draw_from = slot_generators()
+        draw_from, slot_seeds = slot_randomness()
 
         stop_window = max((len(s) for s in stop_strings), default=0) + 8
         host_tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -540,7 +546,8 @@ class RolloutEngine:
 
         step = 0
         for step in tqdm(range(max_new), desc="generate", unit="tok", disable=not progress):
-            token, logprob = sample_tokens(self.logits_buf[:rows], temperature, top_p, top_k, draw_from)
+            keys = None if slot_seeds is None else step_keys(slot_seeds, step)
+            token, logprob = sample_tokens(self.logits_buf[:rows], temperature, top_p, top_k, draw_from, keys)
             done, where = self.done[:rows], self.row_map[:rows]
             token = token.masked_fill(done, filler)
             tokens[where, step] = token
@@ -558,7 +565,7 @@ class RolloutEngine:
                     break
                 if not self.exact and self.bucket(len(live)) < rows:
                     rows = self._compact(live, rows, row_host)
-                    draw_from = slot_generators()
+                    draw_from, slot_seeds = slot_randomness()
             self.pos_in[:rows] += 1
             self.slot.fill_(prompt_len + step)  # the slot of the token sampled at `step`
             self._decode(rows, self._window(prompt_len + step + 1))

@@ -58,11 +58,13 @@ class Rollout:
 
 
 def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                  generator: torch.Generator | Sequence[torch.Generator] | None = None) -> tuple[Tensor, Tensor]:
+                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                  row_keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row from fp32 logits [B, V]; return (tokens [B], their policy log-probs [B]).
 
     `generator` may be one generator for the batch or one per row: with one per row, a row's samples do not depend
-    on which other rows share its batch.
+    on which other rows share its batch. `row_keys` (with one generator per row; `step_keys`): each row's key for
+    the one-pass kernel, which then draws in their place where it runs (on CUDA: one kernel, not a launch per row).
 
     The log-prob is that of the full tempered distribution (untempered for greedy, temperature 0), since top-k/top-p
     only restrict where we sample, not the policy being optimized.
@@ -70,10 +72,11 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
     if temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, F.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-    if top_k == 0 and top_p >= 1.0 and not isinstance(generator, Sequence) and _sampling_kernel_runs(logits):
+    per_row = isinstance(generator, Sequence)
+    if top_k == 0 and top_p >= 1.0 and (not per_row or row_keys is not None) and _sampling_kernel_runs(logits):
         from qerl.model import fused_ops
 
-        return fused_ops.fused_sample(logits, temperature, generator)
+        return fused_ops.fused_sample(logits, temperature, None if per_row else generator, seeds=row_keys)
     scaled = logits / temperature
     logprobs = F.log_softmax(scaled, -1)
     if top_k > 0 and top_k < scaled.shape[-1]:
@@ -93,6 +96,15 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     tokens = (probs / noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def step_keys(row_seeds: Tensor, step: int) -> Tensor:
+    """The one-pass sampling kernel's key of each row at decode step `step` (int64 [B] in [0, 2^31)): a hash of the
+    row's seed and the step (MMIX's LCG constants, int64 arithmetic wrapping), so a row's draws depend on nothing
+    else."""
+    increment = (step + 1) * 1442695040888963407 % 2**64
+    mixed = row_seeds * 6364136223846793005 + (increment - 2**64 if increment >= 2**63 else increment)
+    return (mixed >> 33) & 0x7FFFFFFF
 
 
 def _sampling_kernel_runs(logits: Tensor) -> bool:
