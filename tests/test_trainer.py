@@ -309,7 +309,7 @@ def test_a_skipped_step_leaves_the_learning_rate_schedule_alone_and_warns_nothin
         warnings.simplefilter("always")
         assert trainer.train_step().get("skipped") == 1.0  # no group with a learning signal: no update
         first_lr = trainer.optimizer.param_groups[0]["lr"]
-        trainer.reward_fn = rewards.combined_reward({"tests.test_trainer:ones_reward": 1.0})
+        trainer.scorer.reward_fn = rewards.combined_reward({"tests.test_trainer:ones_reward": 1.0})
         metrics = trainer.train_step()
     ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
             if "lr_scheduler" in str(w.message) or "/qerl/" in w.filename]

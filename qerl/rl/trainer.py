@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from qerl import grading
 from qerl.config import Settings
 from qerl.data import problems as data
 from qerl.data import rewards
@@ -34,6 +33,7 @@ from qerl.rl.metrics import step_metrics
 from qerl.rl.optim import build_optimizer
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.rng import restore_rng, rng_state
+from qerl.rl.scoring import Scorer
 from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rl.update import PolicyUpdate
 from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
@@ -49,9 +49,9 @@ class Trainer:
     """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise: a recipe wiring components.
 
     Set-up (`_start`, in the order a failure is cheapest to report): the training prompts (`data.PromptSampler`),
-    the model and its LoRA parameters, the optimizer and its schedule (`optim`), the reward, the AQN schedule, the
-    sampler (`rollout.backends`), the step's memory peaks (`memory.StepPeaks`), the loss and the update
-    (`update.PolicyUpdate`), then the state of a run to resume. A step: `rollout()` -> `score()` ->
+    the model and its LoRA parameters, the optimizer and its schedule (`optim`), the scorer (`scoring.Scorer`), the
+    AQN schedule, the sampler (`rollout.backends`), the step's memory peaks (`memory.StepPeaks`), the loss and the
+    update (`update.PolicyUpdate`), then the state of a run to resume. A step: `rollout()` -> `score()` ->
     `finish_step()` (`update()`: the policy update, the schedule's step, the metrics reduced over the ranks,
     `metrics.step_metrics`; then the metrics logged and a checkpoint when due). `train()` runs the steps; a `Phases`
     passed to it decides how each phase is called (the Prefect flow runs each as a task).
@@ -118,7 +118,7 @@ class Trainer:
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
         self.optimizer, self.scheduler = build_optimizer(self.params, s.optim, s.train.steps)
-        self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
+        self.scorer = Scorer(rewards.combined_reward(dict(s.train.rewards)))
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(model, tokenizer, s.rollout.backend,
@@ -255,17 +255,7 @@ class Trainer:
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
-        start, timeouts = time.perf_counter(), grading.stats()["timeouts"]
-        golds = [ex.gold for ex in batch.examples for _ in range(batch.group_size)]
-        texts = batch.samples.texts
-        # The plain grader first, its math-verify requests in parallel over the worker pool: the reward mix's own
-        # grading then finds their verdicts cached.
-        batch.accuracy = torch.tensor([g.score for g in grading.grade_all(list(zip(texts, golds)))],
-                                      dtype=torch.float32)
-        batch.rewards = torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
-        batch.score_seconds = time.perf_counter() - start
-        batch.grader_timeouts = grading.stats()["timeouts"] - timeouts
-        return batch
+        return self.scorer(batch)
 
     def collect(self, phases: Phases | None = None) -> RolloutBatch:
         """Rollout + score; with dynamic sampling, keep only groups whose rewards differ, drawing more prompts."""
