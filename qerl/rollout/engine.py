@@ -4,7 +4,8 @@ qerl's one sampler (a `sampling.Rollout`; log-probs = log_softmax(logits / T) of
 eos/stop/length), built like gpt-fast. `RolloutEngine.reference(model)` is the same engine with graphs, fused kernels
 and bucketed shapes off: a plain loop over `Transformer.forward` that every optimisation is tested against, and what
 CPU runs sample with (`qerl.rollout.generate.generate`). Each row draws from its own generator when the call gives
-`row_seeds`, so it samples the same tokens in any batch, on any path (up to the float rounding of the batch's shapes).
+`row_seeds` (a generator per row, or on CUDA the sampling kernel keyed per row), so it samples the same tokens in any
+batch (up to the float rounding of the batch's shapes).
 
 * One static KV cache per layer, [rows, kv_heads, slots, head_dim], owned by the engine and kept across calls, so
   captured graphs stay valid. Rows are a power-of-two bucket; slots are rounded up to `window` (256).
@@ -21,8 +22,9 @@ CPU runs sample with (`qerl.rollout.generate.generate`). Each row draws from its
   and compaction.
 * Sampling (`qerl.rollout.sampling.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization
   per token. With `row_seeds` the one-pass kernel keys each slot by its row's seed and the step (`step_keys`), one
-  launch for the batch; PyTorch's sampler (the CPU, top-k/top-p) draws from each row's generator. Every `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows
-  to the front of a smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
+  launch for the batch; PyTorch's sampler (the CPU, top-k/top-p) draws from each row's generator. Every
+  `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows to the front of a
+  smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
 * Graphs read LoRA factors, RMSNorm weights (AQN writes noise into them in place) and quantized buffers by
   address: optimizer steps and `NoiseInjector` are in place, so graphs stay valid across RL steps. If any
   parameter or buffer moved (e.g. `adapters_disabled` swaps `.data`, a reload), the graphs are recaptured.
