@@ -9,7 +9,7 @@ of the published shape with LoRA r=16 on every linear, three CUDA-graph timings 
   gemms  a graph of only the base GEMMs that step runs (same layers, same shapes, same backends) plus lm_head;
   fixed  (step - gemms) / layers: norms, RoPE + KV write, attention, SiLU·up, the LoRA GEMMs, launch gaps.
 With --profile, the replayed step's kernels by name (µs per step and per layer) and how much of the step they fill.
-And the eager sampling of one token (`qerl.rollout.generate.sample_tokens`, temperature 1) that runs between replays.
+And the eager sampling of one token (`qerl.rollout.sampling.sample_tokens`, temperature 1) that runs between replays.
 Results: DIR/decode_layer.jsonl and a markdown table on stdout.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from bench_rollout import build_model, free_cuda  # noqa: E402
 from qerl.execution import fusion  # noqa: E402
 from qerl.model.lora import LoraLinear  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
-from qerl.rollout.generate import sample_tokens  # noqa: E402
+from qerl.rollout.sampling import sample_tokens  # noqa: E402
 
 
 def base(m):

@@ -20,7 +20,7 @@ from torch._C._profiler import _ExperimentalConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_grpo_step as g  # noqa: E402
-from qerl.rl import trainer as trainer_module  # noqa: E402
+from qerl.rl import update as update_module  # noqa: E402
 
 
 def write_stacks(prof, names: set[str], path: str, depth: int = 6) -> None:
@@ -53,7 +53,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     label = "_".join([args.model, args.scheme, f"{args.prompt}+{args.new}x{args.micro}",
                       *[s.replace("=", "-") for s in args.set]])
-    optimize, calls = trainer_module.Trainer._optimize, []
+    optimize, calls = update_module.PolicyUpdate._optimize, []
 
     def profiled(self, *a, **k):
         calls.append(1)
@@ -82,7 +82,7 @@ def main() -> None:
             write_stacks(prof, set(args.stacks.split(",")), os.path.join(args.out, f"{label}_stacks.txt"))
         return result
 
-    trainer_module.Trainer._optimize = profiled
+    update_module.PolicyUpdate._optimize = profiled
     g.grpo_step(args.model, args.scheme, prompt_len=args.prompt, new=args.new, micro=args.micro, steps=2,
                 overrides=tuple(args.set))
 

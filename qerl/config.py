@@ -186,14 +186,15 @@ class RolloutSettings:
     top_k: int = field(default=0, metadata=_check(ge=0))  # 0 = off
     stop_strings: list[str] = field(default_factory=list)
     # The sampler of training and evaluation (qerl.rollout): engine = RolloutEngine (static KV cache, CUDA graphs),
-    # reference = qerl.rollout.generate.generate; auto = the engine on CUDA, the reference on the CPU; vllm = a vLLM
-    # engine colocated in the trainer's process as TRL's colocate mode (qerl/rollout/vllm_backend.py; needs
+    # reference = the same engine with graphs, fused kernels and bucketed shapes off (RolloutEngine.reference, what
+    # qerl.rollout.generate.generate runs); auto = the engine on CUDA, the reference on the CPU; vllm = a vLLM engine
+    # colocated in the trainer's process as TRL's colocate mode (qerl/rollout/vllm_backend.py; needs
     # pip install "qerl[vllm]"), loading the base from a folder (qerl.model.served) and the current LoRA each step.
     backend: Literal["auto", "engine", "reference", "vllm"] = "auto"
     # vllm only: the share of the whole GPU vLLM takes for its weights and KV cache (TRL's vllm_gpu_memory_utilization)
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_check(gt=0, le=1))
     # vllm only: how each step's adapter reaches vLLM: new_id (a new LoRA id per step, the old one removed) or reload
-    # (one id, its tensors reloaded in place). Both are measured in BENCHMARKS.md.
+    # (one id, its tensors reloaded in place: vLLM's LoRARequest.load_inplace). Which is faster is not yet measured.
     vllm_lora_update: Literal["new_id", "reload"] = "new_id"
     # After each rollout the engine's KV cache hands its GPU memory back for the update and takes it again before the
     # next rollout, at the same addresses (no graph recapture): the update has that memory to keep activations in.

@@ -17,7 +17,8 @@ from qerl.model.aqn import NoiseInjector
 from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora
 from qerl.model.transformer import ModelConfig, Transformer
 from qerl.rollout.engine import RolloutEngine, engine_for, generate_fast, release_engine
-from qerl.rollout.generate import Rollout, generate
+from qerl.rollout.generate import generate
+from qerl.rollout.sampling import Rollout
 from tests.patience import patience
 from tests.reference import policy_logprobs
 
@@ -107,6 +108,25 @@ def test_sampled_logprobs_are_the_policy_logprobs_and_seeded():
     again = engine.generate(None, ps, 10, temperature=0.7, top_p=0.9, top_k=20, seed=3, eos_token_ids=[])
     assert again.completion_ids == out.completion_ids
     assert engine.generate(None, ps, 10, temperature=0.7, seed=4, eos_token_ids=[]).completion_ids != out.completion_ids
+
+
+def test_row_seeds_give_each_row_what_a_one_row_run_gives():
+    """Data-parallel ranks sample what one process does: with row_seeds each row draws from its own generator, so
+    the engine (padding rows, compaction as rows end) gives every row what the reference gives it, and what a run
+    of that row alone with its seed gives."""
+    model, ps = tiny(), prompts(6)
+    group = [p for p in ps for _ in range(2)]  # 12 rows -> bucket 16: 4 padding rows
+    seeds = list(range(40, 40 + len(group)))
+    kw = dict(temperature=1.0, top_k=40)
+    free = generate(model, None, group, 16, eos_token_ids=[], row_seeds=seeds, **kw)
+    eos = sorted({row[3] for row in free.completion_ids[::3]})  # some rows end early: compaction
+    engine = RolloutEngine(model, check_every=2)
+    out = engine.generate(None, group, 16, eos_token_ids=eos, row_seeds=seeds, **kw)
+    assert engine.cap_rows == 16 and engine.stats["compactions"] >= 1
+    assert_same(out, generate(model, None, group, 16, eos_token_ids=eos, row_seeds=seeds, **kw))
+    for i, (prompt, seed) in enumerate(zip(group, seeds)):
+        assert_same(engine.generate(None, [prompt], 16, eos_token_ids=eos, row_seeds=[seed], **kw), out.select([i]))
+    assert len({tuple(c) for c in out.completion_ids}) > len(ps)  # a prompt's two rows draw apart
 
 
 def test_each_distinct_prompt_is_prefilled_once_in_the_engine(monkeypatch):
@@ -387,7 +407,7 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     code = textwrap.dedent("""
         import torch
         from qerl.execution import fused_ops as K
-        from qerl.rollout.generate import sample_tokens
+        from qerl.rollout.sampling import sample_tokens
         torch.manual_seed(0)
         t = 0.7
         base = torch.randn(37) * 1.5  # 37 entries, 16 per block: the online log-sum-exp crosses blocks
@@ -408,6 +428,55 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
         again, _ = sample_tokens(few, t, generator=torch.Generator().manual_seed(1))
         other, _ = sample_tokens(few, t, generator=torch.Generator().manual_seed(2))
         assert torch.equal(first, again) and not torch.equal(first, other)  # 60 rows alike by chance: p < 1e-27
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_row_keyed_sampler_draws_each_row_alone_in_the_interpreter():
+    """With row_seeds the one-pass kernel keys each row by its own seed and the step (`step_keys`): a row draws the
+    same token whatever rows share its batch and however the vocabulary is split, the draws follow the tempered
+    distribution, and the engine takes that kernel (not one launch per row) where it runs."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from qerl.execution import fused_ops as K
+        from qerl.rollout.sampling import sample_tokens, step_keys
+        torch.manual_seed(0)
+        t = 0.7
+        logits = torch.randn(12, 37) * 1.5
+        keys = step_keys(torch.arange(100, 112), step=3)
+        tok, logp = K.fused_sample(logits, t, block=16, seeds=keys)
+        assert (logp - torch.log_softmax(logits / t, -1).gather(-1, tok[:, None])[:, 0]).abs().max() < 1e-5
+        for i in (0, 5, 11):  # alone, and beside other rows in another order, with one program per row
+            alone, _ = K.fused_sample(logits[i:i + 1], t, block=16, seeds=keys[i:i + 1], target_programs=1)
+            assert alone.item() == tok[i].item()
+        flipped, _ = K.fused_sample(logits.flip(0), t, block=16, seeds=keys.flip(0))
+        assert torch.equal(flipped.flip(0), tok)
+        assert not torch.equal(step_keys(torch.arange(100, 112), step=4), keys)  # the next step draws anew
+        probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+        many = (probs.log() * t).expand(300, 4).contiguous()  # a program per row: ~20 ms each
+        gens = [torch.Generator().manual_seed(s) for s in range(300)]
+        states = [g.get_state() for g in gens]
+        drawn, _ = sample_tokens(many, t, generator=gens, row_keys=step_keys(torch.arange(300), step=0))
+        freq = torch.bincount(drawn, minlength=4).float() / 300
+        assert (freq - probs).abs().max() < 0.1, freq  # 3.5 standard errors at p = 0.5
+        assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))  # the kernel drew, not the generators
+        sample_tokens(many[:2], t, generator=gens[:2])  # (without keys they draw: the check above can fail)
+        assert not torch.equal(gens[0].get_state(), states[0])
+        from qerl.rollout.engine import RolloutEngine
+        from tests.test_engine import tiny, prompts
+        model, ps = tiny(), prompts(3)  # 3 rows, bucket 4: slots keep their rows' keys through padding, compaction
+        free = RolloutEngine(model, fused=False).generate(None, ps, 8, row_seeds=range(3), eos_token_ids=[])
+        eos = sorted({row[2] for row in free.completion_ids[::2]})
+        engine = RolloutEngine(model, fused=False, check_every=2)  # the plain decode step: the sampler is tested
+        out = engine.generate(None, ps, 8, row_seeds=range(3), eos_token_ids=eos)
+        assert engine.stats["compactions"] >= 1
+        for i in range(3):
+            assert engine.generate(None, [ps[i]], 8, row_seeds=[i], eos_token_ids=eos).completion_ids[0] \
+                == out.completion_ids[i]
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
@@ -477,9 +546,11 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
                                             "lr_scale": "fp32", "g_col": "i32", "g_rank": "i32", "u_col": "i32",
                                             "u_rank": "i32", "u_row0": "i32", "BM": "constexpr", "RP": "constexpr",
                                             "BLOCK": "constexpr"}, {"BM": 16, "RP": 16, "BLOCK": 256})
-        lower(K._sample_kernel, {"LOGITS": "*fp32", "SEED": "*i64", "PART": "*fp32", "COUNT": "*i32", "TOK": "*i64",
-                                 "LOGP": "*fp32", "V": "i32", "stride": "i32", "inv_t": "fp32", "chunk": "i32",
-                                 "splits": "i32", "SP": "constexpr", "BLOCK": "constexpr"}, {"SP": 64, "BLOCK": 1024})
+        for per_row in (0, 1):
+            lower(K._sample_kernel, {"LOGITS": "*fp32", "SEED": "*i64", "PART": "*fp32", "COUNT": "*i32",
+                                     "TOK": "*i64", "LOGP": "*fp32", "V": "i32", "stride": "i32", "inv_t": "fp32",
+                                     "chunk": "i32", "splits": "i32", "SP": "constexpr", "BLOCK": "constexpr",
+                                     "PER_ROW": "constexpr"}, {"SP": 64, "BLOCK": 1024, "PER_ROW": per_row})
         for direct, kv8 in ((False, False), (True, False), (True, True), (False, True)):
             c = "*u8" if kv8 else p
             lower(K._decode_attention_partial_kernel,

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from qerl.model.loading import load_model
-from qerl.rollout.generate import Rollout, generate, sample_tokens
+from qerl.rollout.generate import generate
+from qerl.rollout.sampling import Rollout, sample_tokens
 from tests.reference import policy_logprobs
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "2 + 2 ="]
@@ -151,7 +152,7 @@ def test_smollm2_answers_and_stops_at_eos(smollm2_dir):
 def test_each_distinct_prompt_is_prefilled_once(tiny, monkeypatch):
     """GRPO's groups repeat every prompt: the prefill runs on the distinct prompts only and its KV rows are copied,
     giving the same samples and log-probs as a prefill of every row."""
-    from qerl.rollout import generate as gen
+    from qerl.rollout.engine import RolloutEngine
 
     model, tokenizer = tiny
     group = [p for p in PROMPTS for _ in range(4)]
@@ -167,8 +168,8 @@ def test_each_distinct_prompt_is_prefilled_once(tiny, monkeypatch):
     monkeypatch.setattr(type(model), "forward", counting_forward)
     shared = generate(model, tokenizer, group, **kw)
     assert prefill_rows == [len(PROMPTS)]
-    monkeypatch.setattr(gen, "prefill_once_per_prompt", lambda m, ids, mask: m(
-        ids, attention_mask=mask, cache_position=torch.arange(ids.shape[1]), logits_to_keep=1))
+    monkeypatch.setattr(RolloutEngine, "_prefill_once_per_prompt",
+                        lambda self, ids, valid, rows, prompt_len: self._prefill(ids, rows, prompt_len))
     every = generate(model, tokenizer, group, **kw)
     assert prefill_rows == [len(PROMPTS), len(group)]
     assert shared.completion_ids == every.completion_ids

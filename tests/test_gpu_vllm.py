@@ -82,7 +82,8 @@ def test_our_export_served_by_vllm_gives_our_greedy_tokens(tmp_path, model_dir, 
     from qerl.model.export import export_policy
     from qerl.model.runtime import load_base_model
     from qerl.quant.checkpoint import quantize_checkpoint
-    from qerl.rollout.backends import Sampling, make_backend
+    from qerl.rollout.backends import Sampling
+    from qerl.rollout.factory import make_backend
 
     quantize_checkpoint(model_dir, tmp_path / "nvfp4", "nvfp4", progress=False)
     s = load_settings(overrides=[f"model.path={tmp_path / 'nvfp4'}", "model.device=cuda", "quant.scheme=nvfp4",

@@ -337,20 +337,21 @@ def test_evaluation_records_the_grader_and_each_extracted_answer(tmp_path) -> No
 
 
 def test_trainer_counts_grader_timeouts_in_the_step(hanging_worker) -> None:
-    """Trainer.score puts the step's timed-out gradings beside its scoring time (metrics key grader_timeouts)."""
+    """The trainer's scorer puts the step's timed-out gradings beside its scoring time (metrics key
+    grader_timeouts)."""
     from types import SimpleNamespace
 
     from qerl.data.problems import Example
     from qerl.data.rewards import combined_reward
-    from qerl.rl.trainer import RolloutBatch, Trainer
+    from qerl.rl.phases import RolloutBatch
+    from qerl.rl.scoring import Scorer
 
     hanging_worker.start()
     texts = ["$\\boxed{-x > -1}$", "\\boxed{x < 1}", "$\\boxed{-x > -2}$", "The answer is 1."]
     batch = RolloutBatch(examples=[Example("a", "q", "x<1", "math"), Example("b", "q", "1", "math")], group_size=2,
                          samples=SimpleNamespace(texts=texts), sigma=0.0, noise_seed=0, seconds=1.0)
-    trainer = SimpleNamespace(reward_fn=combined_reward({"accuracy": 1.0}))
     start = time.perf_counter()
-    Trainer.score(trainer, batch)
+    Scorer(combined_reward({"accuracy": 1.0}))(batch)
     assert time.perf_counter() - start < 2 * (HUNG_S + 1.0) + mv.STARTUP_TIMEOUT_S  # two hung answers
     assert batch.grader_timeouts == 2  # graded twice each (reward mix, accuracy): the cache counts each once
     assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and batch.accuracy.tolist() == [0.0, 1.0, 0.0, 1.0]

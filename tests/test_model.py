@@ -334,19 +334,15 @@ def test_num_parameters_counts_tied_weights_once():
 def test_training_log_probs_are_softcapped_as_sampling_is():
     """The trainer's log-probs come from the logits the sampler draws from: with Gemma's final_logit_softcapping
     they are cap * tanh(z / cap), not the head's raw z (the chunked head path skipped it once)."""
-    from types import SimpleNamespace
-
-    from qerl.rl.trainer import Trainer
+    from qerl.rl.logprobs import PolicyLogProbs
 
     family, overrides = CASES["gemma3"]
     model = ours_from(hf_model(family, **overrides))
     assert model.config.final_logit_softcapping == 10.0
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
     P, temperature = 5, 0.7
-    host = SimpleNamespace(model=model, share_prompts=False, pack_completions=False,
-                           settings=SimpleNamespace(rollout=SimpleNamespace(temperature=temperature)))
     with torch.no_grad():
-        logp, entropy = Trainer._logp_and_entropy(host, ids, torch.ones_like(ids), P, want_entropy=True)
+        logp, entropy = PolicyLogProbs(model, temperature)(ids, torch.ones_like(ids), P, want_entropy=True)
         expected = torch.log_softmax(model(ids)[:, P - 1:-1].float() / temperature, -1)
     want = expected.gather(-1, ids[:, P:, None])[..., 0]
     torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)

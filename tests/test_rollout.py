@@ -5,7 +5,8 @@ import torch
 from qerl.evaluation.evaluate import evaluate
 from qerl.model.aqn import NoiseInjector
 from qerl.model.lora import LoraSettings, apply_lora
-from qerl.rollout.backends import EngineBackend, ReferenceBackend, Sampling, make_backend
+from qerl.rollout.backends import EngineBackend, ReferenceBackend, Sampling
+from qerl.rollout.factory import make_backend
 from qerl.rollout.generate import generate
 from tests.test_engine import assert_same, prompts, tiny
 from tests.test_trainer import make_trainer, tiny_settings
@@ -17,8 +18,8 @@ def test_make_backend_picks_by_kind_and_device():
     engine = make_backend(model, None, "engine", check_every=2)
     assert isinstance(engine, EngineBackend) and engine.engine.check_every == 2
     assert make_backend(model, None, "engine").engine is engine.engine  # one engine per model, shared
-    with pytest.raises(ValueError, match="unknown rollout backend 'vllm'; choose one of auto, engine, reference"):
-        make_backend(model, None, "vllm")
+    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; choose one of auto, engine, reference, vllm"):
+        make_backend(model, None, "sglang")
 
 
 def test_both_backends_sample_the_synced_noisy_policy_and_restore_it():

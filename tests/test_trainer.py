@@ -1,6 +1,7 @@
 """The RL loop on a tiny model: it learns, it is deterministic, and a killed run resumes to the same adapter."""
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -11,7 +12,8 @@ from safetensors.torch import load_file
 
 from qerl.config import settings_from_dict
 from qerl.model.transformer import ModelConfig, Transformer
-from qerl.rl.trainer import Trainer, lr_lambda
+from qerl.rl.optim import lr_lambda
+from qerl.rl.trainer import Trainer
 
 CHARS = list("0123456789+-*= ?Wthaisx\\{}")
 
@@ -141,13 +143,14 @@ def test_same_seed_same_run(tmp_path):
 
 
 def runs_with_and_without(settings, tmp_path, switch: str) -> list[tuple[list[dict], dict]]:
-    """(metrics rows, adapter tensors) of a run with the trainer's `switch` on (the CPU's default, asserted), then
-    of the same run with it off."""
+    """(metrics rows, adapter tensors) of a run with the update forward's `switch` (a field of its
+    `PolicyLogProbs`) on (the CPU's default, asserted), then of the same run with it off."""
     runs = []
     for on in (True, False):
         trainer = make_trainer(settings, tmp_path / str(on))
-        assert getattr(trainer, switch)
-        setattr(trainer, switch, on)
+        update = trainer.policy_update
+        assert getattr(update.logprobs, switch)
+        update.logprobs = dataclasses.replace(update.logprobs, **{switch: on})
         trainer.train()
         runs.append(([json.loads(x) for x in (tmp_path / str(on) / "metrics.jsonl").read_text().splitlines()],
                      adapter_tensors(tmp_path / str(on))))
@@ -306,7 +309,7 @@ def test_a_skipped_step_leaves_the_learning_rate_schedule_alone_and_warns_nothin
         warnings.simplefilter("always")
         assert trainer.train_step().get("skipped") == 1.0  # no group with a learning signal: no update
         first_lr = trainer.optimizer.param_groups[0]["lr"]
-        trainer.reward_fn = rewards.combined_reward({"tests.test_trainer:ones_reward": 1.0})
+        trainer.scorer.reward_fn = rewards.combined_reward({"tests.test_trainer:ones_reward": 1.0})
         metrics = trainer.train_step()
     ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
             if "lr_scheduler" in str(w.message) or "/qerl/" in w.filename]
@@ -327,7 +330,7 @@ def test_update_holds_dequantized_weights_in_the_memory_the_plan_leaves(tmp_path
     """model.keep_dequantized: the update's held-weights budget comes from the memory plan (faked here: the CPU
     has no spare GPU memory) and the setting, and the step logs what was held."""
     from qerl.model import recompute
-    from qerl.rl import trainer as trainer_module
+    from qerl.rl import update as update_module
 
     budgets = []
     monkeypatch.setattr(recompute, "plan", lambda *a, **k: recompute.MemoryPlan(0, 5 * 2**30))
@@ -337,7 +340,7 @@ def test_update_holds_dequantized_weights_in_the_memory_the_plan_leaves(tmp_path
         budgets.append(b)
         yield lambda: 3 * 2**29
 
-    monkeypatch.setattr(trainer_module, "held_weights", recording)
+    monkeypatch.setattr(update_module, "held_weights", recording)
     settings = tiny_settings(tmp_path, train={"steps": 1},
                              model={"keep_dequantized": keep, "gradient_checkpointing": checkpointing})
     make_trainer(settings, tmp_path / "run").train()

@@ -10,7 +10,7 @@ import torch
 
 from qerl.config import load_settings
 from qerl.model.served import served_base, vllm_options
-from qerl.rollout.backends import make_backend
+from qerl.rollout.factory import make_backend
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

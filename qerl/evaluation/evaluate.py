@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 
 from qerl.config import Settings
 from qerl.model.served import vllm_options
-from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
+from qerl.rollout.backends import RolloutBackend, Sampling
+from qerl.rollout.factory import make_backend
 from qerl.run import atomic
 
 if TYPE_CHECKING:

@@ -300,15 +300,16 @@ if triton is not None:
 
     @triton.jit
     def _sample_kernel(LOGITS, SEED, PART, COUNT, TOK, LOGP, V, stride, inv_t, chunk, splits, SP: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
         """Program (row, split): one token drawn from softmax(logits * inv_t) by the exponential race (argmax of
-        x - log(E), E = -log(U) ~ Exp(1), U ~ Philox uniforms keyed by SEED and the entry's index), and its
+        x - log(E), E = -log(U) ~ Exp(1), U ~ Philox uniforms keyed by SEED and the entry's index; PER_ROW (0 or 1):
+        keyed by the row's own SEED[row] and the entry's index in its row), and its
         log-probability. Each program runs an online log-sum-exp and the race over its `chunk` of the vocabulary
         and stores (max, sum, best score, best index) to a slot; the last of the row's programs to finish (a
         counter it resets) combines them: the race's winner is the best of the splits' (the first on ties, as one
         pass would pick it), so the token does not depend on the split count."""
         row, split = tl.program_id(0), tl.program_id(1)
-        seed = tl.load(SEED)
+        seed = tl.load(SEED + row * PER_ROW)
         base = LOGITS + row.to(tl.int64) * stride
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
@@ -322,7 +323,7 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(x, axis=0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.where(valid, tl.exp(x - m_new), 0.0), axis=0)
             m = m_new
-            u = tl.rand(seed, row * V + offs)
+            u = tl.rand(seed, row * V * (1 - PER_ROW) + offs)
             score = tl.where(valid, x - tl.log(-tl.log(u)), float("-inf"))
             block_best = tl.max(score, axis=0)
             block_idx = tl.argmax(score, axis=0).to(tl.int32) + start
@@ -351,17 +352,18 @@ if triton is not None:
 
 
 def fused_sample(logits: Tensor, temperature: float, generator: torch.Generator | None = None,
-                 block: int = 1024, target_programs: int = 528) -> tuple[Tensor, Tensor]:
+                 block: int = 1024, target_programs: int = 528, seeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(tokens [B] int64, log-probs [B] fp32) drawn from softmax(logits / temperature), logits [B, V] with unit
     stride along V: one kernel instead of the ~7 full-vocabulary passes of the PyTorch sampler. Draws the same
     distribution with other random numbers: one Philox seed per call, taken from `generator` on the device (no host
     synchronization), so seeded runs repeat exactly. The vocabulary is split so that about `target_programs`
     programs share the rows (a few rows alone would leave most SMs idle); `block`: entries per loop step (a power
-    of two). The tokens do not depend on either."""
+    of two). The tokens do not depend on either. `seeds` (int64 [B] on the device, in [0, 2^31), instead of
+    `generator`): each row's own Philox key, so a row draws the same token whatever rows share its batch."""
     if logits.stride(-1) != 1:
         raise ValueError(f"fused_sample needs unit stride along the vocabulary, got strides {logits.stride()}")
     rows, vocab = logits.shape
-    seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, generator=generator)
+    seed = seeds if seeds is not None else torch.randint(0, 2**31 - 1, (1,), device=logits.device, generator=generator)
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block = min(block, triton.next_power_of_2(vocab))
@@ -372,7 +374,8 @@ def fused_sample(logits: Tensor, temperature: float, generator: torch.Generator 
     part = torch.empty((rows * splits * 4,), dtype=torch.float32, device=logits.device)
     _sample_kernel[(rows, splits)](logits, seed, part, _counters(logits.device, rows), tokens, logprobs, vocab,
                                    logits.stride(0), 1.0 / temperature, chunk, splits,
-                                   SP=triton.next_power_of_2(splits), BLOCK=block, num_warps=4)
+                                   SP=triton.next_power_of_2(splits), BLOCK=block, PER_ROW=int(seeds is not None),
+                                   num_warps=4)
     return tokens, logprobs
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from qerl.data.example import Example
-from qerl.rollout.generate import Rollout
+from qerl.rollout.sampling import Rollout
 
 
 @dataclass
@@ -44,6 +44,24 @@ class RolloutBatch:
             self, examples=[self.examples[i] for i in keep], samples=self.samples.select(rows),
             rewards=None if self.rewards is None else self.rewards[rows],
             accuracy=None if self.accuracy is None else self.accuracy[rows], extra=dict(self.extra))
+
+    def padded(self, pad_id: int) -> dict[str, Tensor | int]:
+        """The rows as the update reads them, laid out as TRL does: prompts left-padded to P columns, completions
+        right-padded after them (all completions start at one column). ids, attn [B, P + C] (1 = real token),
+        mask [B, C] (the completion tokens, float), rollout_logp [B, C] (the sampler's log-probs), P."""
+        samples = self.samples
+        P = max(len(p) for p in samples.prompt_ids)
+        C = max(1, max(len(c) for c in samples.completion_ids))
+        B = len(self)
+        ids = torch.full((B, P + C), pad_id, dtype=torch.long)
+        attn = torch.zeros((B, P + C), dtype=torch.long)
+        rollout_lp = torch.zeros((B, C))
+        for i, (p, c, lp) in enumerate(zip(samples.prompt_ids, samples.completion_ids, samples.logprobs)):
+            ids[i, P - len(p):P] = torch.tensor(p)
+            ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+            attn[i, P - len(p):P + len(c)] = 1
+            rollout_lp[i, :len(c)] = lp.float().cpu()
+        return {"ids": ids, "attn": attn, "mask": attn[:, P:].float(), "rollout_logp": rollout_lp, "P": P}
 
     @staticmethod
     def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":

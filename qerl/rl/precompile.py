@@ -251,8 +251,8 @@ def stand_in(job: dict[str, Any]):
 
 def run_rollout(model, job: dict[str, Any]) -> None:
     """Prefill the step's distinct prompts, one decode step at every bucket, sampling from each."""
-    from qerl.rollout.backends import make_backend
-    from qerl.rollout.generate import sample_tokens
+    from qerl.rollout.factory import make_backend
+    from qerl.rollout.sampling import sample_tokens, step_keys
 
     # No CUDA graphs: a capture launches the same kernels as the eager step it records.
     backend = make_backend(model, None, "engine", use_graphs=False)
@@ -262,8 +262,9 @@ def run_rollout(model, job: dict[str, Any]) -> None:
     distinct = job["prompts"] + (rows < bucket)  # the rollout prefills each distinct prompt once (padding: one more)
     with backend.sync(job["sigma"], 0), torch.no_grad():
         engine.prepare(bucket, P, 1, all_buckets=True, prefill_rows=distinct)
-        for rows in job["buckets"]:
-            sample_tokens(engine.logits_buf[:rows], job["temperature"], job["top_p"], job["top_k"], generator)
+        for rows in job["buckets"]:  # per-row keys, as the trainer's rollouts draw (row_seeds)
+            sample_tokens(engine.logits_buf[:rows], job["temperature"], job["top_p"], job["top_k"], [generator] * rows,
+                          step_keys(torch.zeros(rows, dtype=torch.long, device=engine.device), 0))
     backend.free()
 
 

@@ -8,39 +8,38 @@ RNG states, step and data position.
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
-import math
-import platform
-import random
-import resource
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import Tensor
 
-from qerl import grading
-from qerl.config import ModelSettings, Settings
+from qerl.config import Settings
 from qerl.data import problems as data
 from qerl.data import rewards
 from qerl.data.prompt_length import fit_prompts, model_context
 from qerl.errors import naming_a_full_disk
-from qerl.execution import ExecutionPlan, attach, held_weights, update_precision
-from qerl.model import lora, recompute
+from qerl.execution import ExecutionPlan, attach
+from qerl.model import lora
 from qerl.model.aqn import build_schedule
 from qerl.model.served import vllm_options
 from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
 from qerl.quant.linear import fp8_available
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
+from qerl.rl.logprobs import PolicyLogProbs
+from qerl.rl.memory import StepPeaks, return_large_frees_to_the_os
+from qerl.rl.metrics import step_metrics
+from qerl.rl.optim import build_optimizer
 from qerl.rl.phases import Phases, RolloutBatch
+from qerl.rl.rng import restore_rng, rng_state
+from qerl.rl.scoring import Scorer
 from qerl.rl.tracking import NullTracker, Tracker, log_step
-from qerl.rollout import releasable
-from qerl.rollout.backends import RolloutBackend, Sampling, make_backend
+from qerl.rl.update import PolicyUpdate
+from qerl.rollout.backends import RolloutBackend, Sampling
+from qerl.rollout.factory import make_backend
 from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
 from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
 
@@ -49,89 +48,16 @@ log = logging.getLogger(__name__)
 STATE_KEYS = ("step", "optimizer", "scheduler", "sampler", "rng")  # what a checkpoint's state must hold
 
 
-@dataclass
-class _StepTotals:
-    """What one rank's micro-batches add up to in `Trainer.update`, before the ranks combine them."""
-
-    token_count: float = 1.0  # loss tokens of the whole step (all ranks): the metrics' normalizer
-    loss: float = 0.0  # of the last of the μ iterations
-    grad_norm: float = 0.0
-    entropy_sum: float = 0.0  # over the first iteration's tokens
-    entropy_count: float = 0.0
-    sums: dict[str, float] = field(default_factory=dict)  # loss metrics weighted by their micro-batch's tokens / μ
-    peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
-    recomputed_blocks: int = 0  # blocks that recomputed their forward in backward (model.gradient_checkpointing)
-    held_gib: float = 0.0  # dequantized base weights kept through the update (model.keep_dequantized)
-
-    def add(self, loss: float, metrics: dict[str, float], weight: float, entropy: Tensor | None, mask: Tensor) -> None:
-        self.loss += loss
-        for k, v in metrics.items():
-            if k.endswith("/max"):
-                self.peaks[k] = max(self.peaks.get(k, v), v)
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v * weight
-        if entropy is not None:
-            self.entropy_sum += float((entropy * mask).sum())
-            self.entropy_count += float(mask.sum())
-
-
-def _held_weights_budget(model: ModelSettings, memory: recompute.MemoryPlan) -> int:
-    """Bytes of dequantized base weights the update may keep (model.keep_dequantized). auto spends the plan's spare
-    memory on speed, except where the run asked for memory first (every block recomputed): there it holds nothing,
-    so that run's peak stays the lowest qerl has."""
-    if model.keep_dequantized is True:
-        return 2**62
-    if model.keep_dequantized is False or model.gradient_checkpointing is True:
-        return 0
-    return memory.spare_bytes
-
-
-def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Linear warmup, then cosine decay to `min_ratio` (or constant)."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """The peak since the last `reset_peak_memory`: on CUDA, PyTorch's allocations plus the rollout engine's KV
-    cache where it lives outside PyTorch's allocator (mapped for the whole phase measured, or not at all); on the
-    CPU the process's peak resident set."""
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device) + releasable.mapped_bytes(device)) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def return_large_frees_to_the_os() -> None:
-    """Have glibc serve every allocation of 1 MiB or more from its own mmap, unmapped again when freed.
-
-    By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, so a training step's
-    activations (MiBs per layer on the CPU) soon come from the heap, which keeps their pages after the step and
-    fragments within it: the embedded default's update peaked at 4.3-4.5 GiB resident with a 4 MiB or a 64 MiB
-    threshold (a `malloc_trim` at the step's end included) for 2.7 GiB of live tensors. A fixed threshold also
-    turns the adjustment off. The value trades memory for the kernel's page zeroing (BENCHMARKS.md "Beside TRL on
-    the CPU", the embedded default's step, prompts shared in the update): 1 MiB ~28 CPU-s an update at 2.9 GiB
-    peak, 4 MiB ~24 s at 4.4 GiB, 64 MiB ~22 s at 4.5 GiB. No-op where the C library is not glibc.
-    """
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return
-    m_mmap_threshold = -3  # from glibc's malloc.h
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20)
-
-
 class Trainer:
-    """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise.
+    """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise: a recipe wiring components.
 
-    `train()` runs the whole loop; `rollout()`, `score()`, `finish_step()` are its phases, and a `Phases` passed to
-    `train()` decides how each is called (the Prefect flow runs each as a task).
+    Set-up (`_start`, in the order a failure is cheapest to report): the training prompts (`data.PromptSampler`),
+    the model and its LoRA parameters, the optimizer and its schedule (`optim`), the scorer (`scoring.Scorer`), the
+    AQN schedule, the sampler (`rollout.backends`), the step's memory peaks (`memory.StepPeaks`), the loss and the
+    update (`update.PolicyUpdate`), then the state of a run to resume. A step: `rollout()` -> `score()` ->
+    `finish_step()` (`update()`: the policy update, the schedule's step, the metrics reduced over the ranks,
+    `metrics.step_metrics`; then the metrics logged and a checkpoint when due). `train()` runs the steps; a `Phases`
+    passed to it decides how each phase is called (the Prefect flow runs each as a task).
     Its run folder (`qerl.run.folder.RunFolder`, opened on `out_dir`) keeps the state: the trainer asks it for the
     checkpoint to resume and hands it the states to save. The folder is locked from construction until `close()`
     (or the end of a `with` block, or the process): a second trainer on the same folder fails at once.
@@ -160,29 +86,16 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def _correction(self) -> str:
-        """grpo.correction with `auto` resolved: tis where the rollouts and the update compute in different
-        precisions (RolloutBackend.reduced_precision, or the FP8 update), none elsewhere; said in one line when it
-        turns tis on."""
-        g = self.settings.grpo
-        if g.correction != "auto":
-            return g.correction
-        paths = self.rollout_backend.reduced_precision()
-        # The update in FP8 (where FP8 tensor cores are; elsewhere update_precision runs it bf16), the rollouts not:
-        # 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
-        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):
-            paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
-        if paths and g.tis_cap is None:
-            cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP
-            log.info("grpo.correction auto: tis at cap %s, since the rollouts run on %s (log-prob gap to the update "
-                     "over 0.03 nats/token; set grpo.correction to choose)", cap, " and ".join(paths))
-        return "tis" if paths else "none"
-
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------------------------------------ set-up
+
     def _start(self, settings: Settings, tracker: Tracker | None, model, tokenizer, progress: bool,
                rollout_backend: RolloutBackend | None) -> None:
+        """The run's components, wired in the order a failure is cheapest to report: settings and data before any
+        weights load, then the model, what the update trains with, the sampler, and last the state of a run to
+        resume."""
         # The thread count in use is part of the run's settings: params.yaml, checkpoints and MLflow record it
         self.settings = s = replace(settings, model=pin_cpu_threads(settings.model))
         self.tracker = tracker or NullTracker()
@@ -191,21 +104,8 @@ class Trainer:
         seed_everything(s.train.seed)
         self.dist.shard(range(s.rollout.prompts_per_step))  # fail now, not at step 1, if the prompts do not split
 
-        d = s.data  # data first: a bad dataset fails in a second, not after a model load
-        self.system_prompt = d.system_prompt if d.system_prompt is not None else data.SYSTEM_PROMPT
-        examples = data.examples_for(d, key="data.n")
-        if model is None:
-            tokenizer, context = load_tokenizer_and_context(s.model, s.quant)  # no weights yet: a second or two
-        else:
-            context = model_context(model)
-        examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
-                               source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
-        if s.rollout.prompts_per_step > len(examples):  # bounded by the data, before the model loads
-            raise ValueError(f"rollout.prompts_per_step = {s.rollout.prompts_per_step}: more than the "
-                             f"{len(examples)} training prompts of {d.path or d.name} (data.n = {d.n}): a step would "
-                             f"repeat prompts; set it to {len(examples)} or fewer")
-        if model is None:
-            check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
+        self.system_prompt = s.data.system_prompt if s.data.system_prompt is not None else data.SYSTEM_PROMPT
+        tokenizer, examples = self._training_prompts(model, tokenizer)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
         # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
@@ -216,38 +116,59 @@ class Trainer:
         attach(model, ExecutionPlan.from_settings(s.model, s.execution, self.device))  # also a model passed in
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
-        # A micro-batch's rows that repeat a prompt (a group's completions) run it through the blocks once
-        # (`model.share_prompts`, `qerl.execution.shared_prompts`): same log-probs and gradients to float rounding,
-        # the embedded default's update ~2x fewer tokens (BENCHMARKS.md "Beside TRL on the CPU"). Not with LoRA
-        # dropout, whose masks would be shared by the rows.
-        self.share_prompts = s.model.share_prompts and not s.lora.dropout
-        self.pack_completions = s.model.pack_completions  # only the real tokens through the GEMMs and the head
-        # Rows whose loss has no gradient (advantage 0: a group whose rewards are all equal, or no loss token) run
-        # their forward without autograd (`model.skip_idle_rows`); the loss and its metrics still see every row.
-        # Only without the KL term (beta = 0), which gives every row a gradient.
-        self.skip_idle_rows = s.model.skip_idle_rows and s.grpo.beta == 0
+
         # The adapter trains in fp32 on the CPU and bf16 on CUDA, the dtype of the model's own activations.
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=s.optim.lr, betas=(s.optim.beta1, s.optim.beta2),
-                                           eps=s.optim.eps, weight_decay=s.optim.weight_decay)
-        o = s.optim
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda i: lr_lambda(i, o.warmup_steps, s.train.steps, o.schedule, o.min_lr_ratio))
-
-        self.reward_fn = rewards.combined_reward(dict(s.train.rewards))
+        self.optimizer, self.scheduler = build_optimizer(self.params, s.optim, s.train.steps)
+        self.scorer = Scorer(rewards.combined_reward(dict(s.train.rewards)))
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(
             model, tokenizer, s.rollout.backend, kv_cache_dtype=s.rollout.kv_cache_dtype,
             vllm=vllm_options(s, model_context(model)) if s.rollout.backend == "vllm" else None)
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
-        self._phase_peaks: list[float] = []  # this step's rollout peaks (GiB), measured before the KV cache sleeps
+        self.peaks = StepPeaks(self.device)
         self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
                                                       max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.policy_update = PolicyUpdate(model, self.params, self.optimizer, PolicyLogProbs.from_settings(model, s),
+                                          self.loss_cfg, s, self.dist, self.noise, self.pad_id)
+
         self.step = 0
-        # Rank 0 resolves damaged checkpoints (it moves them aside) before the other ranks read the same folder.
+        self._resume()
+        if self._kernels is not None:
+            self._kernels.wait()
+            self._kernels = None
+        self.run.write_params(s.to_yaml())
+        if self.dist.is_main:
+            self.tracker.log_params(s.to_flat_dict())
+
+    def _training_prompts(self, model, tokenizer) -> tuple[object, list[data.Example]]:
+        """(tokenizer, the training examples whose prompts fit the model's context). Without a model, only its
+        tokenizer and context length load (a second or two), so a bad dataset or LoRA target fails before the
+        weights do."""
+        s = self.settings
+        d = s.data
+        examples = data.examples_for(d, key="data.n")
+        if model is None:
+            tokenizer, context = load_tokenizer_and_context(s.model, s.quant)
+        else:
+            context = model_context(model)
+        examples = fit_prompts(examples, tokenizer, self.system_prompt, context, s.rollout.max_new_tokens,
+                               source=d.path or d.name, setting="rollout.max_new_tokens", policy=d.overlong_prompts)
+        if s.rollout.prompts_per_step > len(examples):  # bounded by the data, before the model loads
+            raise ValueError(f"rollout.prompts_per_step = {s.rollout.prompts_per_step}: more than the "
+                             f"{len(examples)} training prompts of {d.path or d.name} (data.n = {d.n}): a step would "
+                             f"repeat prompts; set it to {len(examples)} or fewer")
+        if model is None:
+            check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
+        return tokenizer, examples
+
+    def _resume(self) -> None:
+        """Continue from the run folder's newest intact checkpoint, if it has one (`--resume`). Rank 0 resolves
+        damaged checkpoints (it moves them aside) before the other ranks read the same folder."""
+        s = self.settings
         resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint) \
             if self.dist.is_main else None
         self.dist.barrier()
@@ -255,12 +176,6 @@ class Trainer:
             resumed = self.run.checkpoint_to_resume(s.to_dict(), STATE_KEYS, self.check_checkpoint)
         if resumed is not None:
             self.apply_checkpoint(resumed)
-        if self._kernels is not None:
-            self._kernels.wait()
-            self._kernels = None
-        self.run.write_params(s.to_yaml())
-        if self.dist.is_main:
-            self.tracker.log_params(s.to_flat_dict())
 
     def _precompile(self, s: Settings, model, tokenizer):
         """Start compiling this run's GPU kernels in workers (None where there is nothing to do): from the loaded
@@ -284,6 +199,24 @@ class Trainer:
         prompt_len = max(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
         return precompile.start(s, config, prompt_len, device, loaded=model is not None)
 
+    def _correction(self) -> str:
+        """grpo.correction with `auto` resolved: tis where the rollouts and the update compute in different
+        precisions (RolloutBackend.reduced_precision, or the FP8 update), none elsewhere; said in one line when it
+        turns tis on."""
+        g = self.settings.grpo
+        if g.correction != "auto":
+            return g.correction
+        paths = self.rollout_backend.reduced_precision()
+        # The update in FP8 (where FP8 tensor cores are; elsewhere update_precision runs it bf16), the rollouts not:
+        # 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
+        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):
+            paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
+        if paths and g.tis_cap is None:
+            cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP
+            log.info("grpo.correction auto: tis at cap %s, since the rollouts run on %s (log-prob gap to the update "
+                     "over 0.03 nats/token; set grpo.correction to choose)", cap, " and ".join(paths))
+        return "tis" if paths else "none"
+
     # ------------------------------------------------------------------------------------------------ phases
 
     def sigma(self, step: int | None = None) -> float:
@@ -304,21 +237,19 @@ class Trainer:
         row_seeds = [self._seed(self.step, round_, 2, first + i, j) for i in range(len(examples))
                      for j in range(r.group_size)]
         sigma, noise_seed = self.sigma(), self._seed(self.settings.aqn.seed, self.step, 1)
-        # The engine draws one generator per batch (a rank's batch: its first row in the seed keeps ranks apart).
         sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            stop_strings=tuple(r.stop_strings), seed=self._seed(self.step, round_, 2, first),
-                            row_seeds=tuple(row_seeds))
+                            stop_strings=tuple(r.stop_strings), row_seeds=tuple(row_seeds))
         start = time.perf_counter()
-        reset_peak_memory(self.device)
+        self.peaks.start_phase()
         with self.rollout_backend.sync(sigma, noise_seed):
             out = self.rollout_backend.generate(prompts, sampling,
                                                 progress=self.progress and sys.stderr.isatty())  # a live bar in a terminal
         # The rollout's peak with its KV cache mapped; then the update gets that memory (graphs kept) and its own
         # peak is measured from here.
-        self._phase_peaks.append(peak_memory_gb(self.device))
+        self.peaks.rollout_done()
         if r.release_kv_cache:
             self.rollout_backend.sleep()
-        reset_peak_memory(self.device)
+        self.peaks.start_phase()
         seconds = time.perf_counter() - start
         if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
@@ -328,17 +259,7 @@ class Trainer:
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
-        start, timeouts = time.perf_counter(), grading.stats()["timeouts"]
-        golds = [ex.gold for ex in batch.examples for _ in range(batch.group_size)]
-        texts = batch.samples.texts
-        # The plain grader first, its math-verify requests in parallel over the worker pool: the reward mix's own
-        # grading then finds their verdicts cached.
-        batch.accuracy = torch.tensor([g.score for g in grading.grade_all(list(zip(texts, golds)))],
-                                      dtype=torch.float32)
-        batch.rewards = torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, golds)], dtype=torch.float32)
-        batch.score_seconds = time.perf_counter() - start
-        batch.grader_timeouts = grading.stats()["timeouts"] - timeouts
-        return batch
+        return self.scorer(batch)
 
     def collect(self, phases: Phases | None = None) -> RolloutBatch:
         """Rollout + score; with dynamic sampling, keep only groups whose rewards differ, drawing more prompts."""
@@ -379,47 +300,6 @@ class Trainer:
         first, mine = self.dist.shard(range(total))
         return out.select_groups(list(mine))
 
-    def _tensors(self, batch: RolloutBatch) -> dict[str, Tensor]:
-        """Left-padded prompts + right-padded completions, as TRL lays them out: completions start at one column."""
-        samples = batch.samples
-        P = max(len(p) for p in samples.prompt_ids)
-        C = max(1, max(len(c) for c in samples.completion_ids))
-        B = len(batch)
-        ids = torch.full((B, P + C), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, P + C), dtype=torch.long)
-        rollout_lp = torch.zeros((B, C))
-        for i, (p, c, lp) in enumerate(zip(samples.prompt_ids, samples.completion_ids, samples.logprobs)):
-            ids[i, P - len(p):P] = torch.tensor(p)
-            ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[i, P - len(p):P + len(c)] = 1
-            rollout_lp[i, :len(c)] = lp.float().cpu()
-        return {"ids": ids, "attn": attn, "mask": attn[:, P:].float(), "rollout_logp": rollout_lp, "P": P}
-
-    def _logp_and_entropy(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature."""
-        return grpo.completion_log_probs(self.model, ids, attn, P, self.settings.rollout.temperature,
-                                         self.share_prompts, want_entropy, self.pack_completions)
-
-    def _micro_logp(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool,
-                    live: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """`_logp_and_entropy` of a micro-batch, with autograd only for the `live` rows (bool [B]; None: all): the
-        others' log-probs come from a forward without a graph, so they cost no backward and keep no activations."""
-        if live is None or bool(live.all()):
-            return self._logp_and_entropy(ids, attn, P, want_entropy)
-        idle_rows, live_rows = (~live).nonzero().squeeze(1), live.nonzero().squeeze(1)
-        with torch.no_grad():
-            idle_logp, idle_entropy = self._logp_and_entropy(ids[idle_rows], attn[idle_rows], P, want_entropy)
-        if not len(live_rows):
-            return idle_logp, idle_entropy
-        live_logp, live_entropy = self._logp_and_entropy(ids[live_rows], attn[live_rows], P, want_entropy)
-        logp = idle_logp.new_empty((len(ids), idle_logp.shape[1])).index_copy(0, idle_rows, idle_logp) \
-            .index_copy(0, live_rows, live_logp)
-        entropy = None
-        if want_entropy:
-            entropy = idle_entropy.new_empty(logp.shape).index_copy_(0, idle_rows, idle_entropy) \
-                .index_copy_(0, live_rows, live_entropy)
-        return logp, entropy
-
     @torch.no_grad()
     def measure_entropy(self, examples: list[data.Example]) -> dict[str, float]:
         """The policy's mean per-token entropy on its own completions to `examples` (`group_size` each), as the
@@ -427,15 +307,15 @@ class Trainer:
         The rollouts carry this step's AQN noise, as in training; build the trainer with AQN off for the clean policy.
         """
         batch = self.rollout(examples)
-        t = self._tensors(batch)
+        t = batch.padded(self.pad_id)
         was_training = self.model.training
         self.model.eval()
         total = count = 0.0
         mb = self.settings.grpo.micro_batch_size
         for start in range(0, len(batch), mb):
             rows = slice(start, start + mb)
-            _, entropy = self._logp_and_entropy(t["ids"][rows].to(self.device), t["attn"][rows].to(self.device),
-                                                t["P"], want_entropy=True)
+            _, entropy = self.policy_update.logprobs(t["ids"][rows].to(self.device),
+                                                     t["attn"][rows].to(self.device), t["P"], want_entropy=True)
             mask = t["mask"][rows].to(self.device)
             total += float((entropy * mask).sum())
             count += float(mask.sum())
@@ -443,157 +323,16 @@ class Trainer:
         return {"entropy": total / max(count, 1.0), "completions": len(batch), "tokens": int(count)}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """μ optimizer steps of the policy loss over this batch (micro-batched, gradients accumulated)."""
+        """The policy update on this batch (`PolicyUpdate`), the schedule's step, and the step's metrics."""
         start = time.perf_counter()
-        step_rewards, advantages = self._advantages(batch)
-        padded = self._tensors(batch)
-        truncated = torch.tensor([r == "length" for r in batch.samples.stop_reasons])
-        mask = grpo.loss_mask(padded["mask"], self.loss_cfg, truncated)
-        on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
-        micro = self._micro_batches(len(batch))
-        s = self.settings.model
-        with update_precision(self.model, s.base_gemm):  # every forward of the update: the same GEMMs
-            # Recompute only the blocks the free memory cannot keep (measured on this step's micro-batch shape);
-            # what is left after them holds dequantized base weights through the update.
-            first = micro[0]
-            memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
-                                    s.gradient_checkpointing)
-            self.model.gradient_checkpointing = memory.recomputed_blocks
-            with held_weights(self.model, _held_weights_budget(s, memory)) as held_bytes:
-                old_logp, ref_logp, entropy = self._frozen_logps(on_device, padded["P"], micro)
-                totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
-                                        ref_logp, entropy)
-                totals.recomputed_blocks, totals.held_gib = memory.recomputed_blocks, held_bytes() / recompute.GIB
+        sigma_train = self.sigma() if self.settings.aqn.in_training_forward else 0.0
+        totals, step_rewards, truncated = self.policy_update(batch, sigma_train)
         self.scheduler.step()
         self.step += 1
-        return self._step_metrics(batch, step_rewards, truncated, totals, time.perf_counter() - start)
-
-    def _advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """(the whole step's rewards, this rank's advantages). Advantages are taken over all the step's groups
-        (scale_rewards=batch needs them all); this rank's rows are a slice."""
-        step_rewards = torch.tensor(self.dist.gather(batch.rewards.tolist()), dtype=torch.float32)
-        advantages = grpo.group_advantages(step_rewards, batch.group_size, scale=self.settings.grpo.scale_rewards)
-        rows = len(batch)
-        return step_rewards, advantages[self.dist.rank * rows:][:rows]
-
-    def _micro_batches(self, rows: int) -> list[slice]:
-        size = self.settings.grpo.micro_batch_size
-        return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
-
-    @torch.no_grad()
-    def _frozen_logps(self, t: dict[str, Tensor], P: int,
-                      micro: list[slice]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """What stays fixed through the step's μ iterations: the sampling policy's log-probs (only needed when μ > 1;
-        at μ = 1 the loss uses the live ones, detached) and entropies (only for grpo.top_entropy_quantile < 1: the
-        tokens it keeps are the whole step's top quantile, so all of them are needed before the first backward;
-        from the same forward), and the reference's log-probs (adapters off; only when beta > 0)."""
-        def logps(want_entropy: bool) -> tuple[Tensor, Tensor | None]:
-            parts = [self._logp_and_entropy(t["ids"][m], t["attn"][m], P, want_entropy) for m in micro]
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if want_entropy else None
-
-        g = self.settings.grpo
-        old_logp = entropy = ref_logp = None
-        want_entropy = self.loss_cfg.top_entropy_quantile < 1
-        if g.num_iterations > 1 or want_entropy:
-            logp, entropy = logps(want_entropy)
-            old_logp = logp if g.num_iterations > 1 else None
-        if g.beta > 0:
-            with lora.adapters_disabled(self.model):
-                ref_logp = logps(False)[0]
-        return old_logp, ref_logp, entropy
-
-    def _optimize(self, batch: RolloutBatch, t: dict[str, Tensor], P: int, micro: list[slice], advantages: Tensor,
-                  mask: Tensor, truncated: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
-                  frozen_entropy: Tensor | None) -> "_StepTotals":
-        """The μ optimizer steps, each accumulating the gradients of every micro-batch; returns the step's sums.
-        `frozen_entropy`: the sampling policy's, for the top-entropy mask (None without one)."""
-        s = self.settings
-        dev = self.device
-        totals = _StepTotals()
-        self.model.train()
-        sigma_train = self.sigma() if s.aqn.in_training_forward else 0.0
-        # Rows whose loss has a gradient: a non-zero advantage and at least one loss token.
-        live = (advantages.to(dev).reshape(len(advantages), -1).ne(0).any(-1) & (mask.to(dev).sum(-1) > 0)
-                if self.skip_idle_rows else None)
-        # Normalizers of the whole step, so the ranks' gradient sum is the one-process gradient.
-        token_count, step_rows = self.dist.sum([float(mask.sum()), float(len(batch))])
-        totals.token_count = max(token_count, 1.0)
-        entropy_cut = None  # the top-entropy mask's threshold: the quantile of the whole step's loss tokens
-        if frozen_entropy is not None:
-            entropies = frozen_entropy[mask.to(dev).bool()]
-            if self.dist.active:  # every rank's
-                entropies = torch.tensor(self.dist.gather(entropies.tolist()))
-            entropy_cut = grpo.entropy_threshold(entropies, s.grpo.top_entropy_quantile)
-        for iteration in range(s.grpo.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            totals.loss = 0.0
-            for m in micro:
-                with self.noise.noisy(sigma_train, batch.noise_seed):
-                    logp, entropy = self._micro_logp(t["ids"][m], t["attn"][m], P, iteration == 0,
-                                                     None if live is None else live[m])
-                    loss, metrics = grpo.policy_loss(
-                        logp, None if old_logp is None else old_logp[m], advantages[m].to(dev), t["mask"][m],
-                        self.loss_cfg, ref_logp=None if ref_logp is None else ref_logp[m],
-                        rollout_logp=t["rollout_logp"][m], truncated=truncated[m].to(dev),
-                        token_normalizer=totals.token_count, entropy_cut=entropy_cut,
-                        entropy=None if frozen_entropy is None else frozen_entropy[m])
-                    if not self.loss_cfg.normalized_by_step_tokens:  # means: weight by the micro-batch's share
-                        loss = loss * (m.stop - m.start) / step_rows
-                    if loss.requires_grad:  # not when every row of the micro-batch is idle
-                        loss.backward()
-                # The loss metrics: token means over the step, averaged over its μ iterations.
-                totals.add(loss.item(), metrics, weight=float(mask[m].sum()) / s.grpo.num_iterations,
-                           entropy=entropy, mask=t["mask"][m])
-            for p in self.params:  # idle rows only: a zero gradient, as their backward would have left (AdamW
-                if p.grad is None:  # still steps on its moments)
-                    p.grad = torch.zeros_like(p)
-            self.dist.sum_gradients(self.params)
-            totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
-            self.optimizer.step()
-        return totals
-
-    def _step_metrics(self, batch: RolloutBatch, step_rewards: Tensor, truncated: Tensor, totals: "_StepTotals",
-                      seconds_update: float) -> dict[str, float]:
-        """The step's metrics over all ranks: sums of the partial sums, whole-step rows gathered, the slowest rank's
-        times."""
-        keys, peak_keys = sorted(totals.sums), sorted(totals.peaks)
-        loss_total, entropy_sum, entropy_count, grader_timeouts, *sums = self.dist.sum(
-            [totals.loss, totals.entropy_sum, totals.entropy_count, batch.grader_timeouts]
-            + [totals.sums[k] for k in keys])
-        peaks = dict(zip(peak_keys, self.dist.max([totals.peaks[k] for k in peak_keys])))
-        lengths = torch.tensor(self.dist.gather([len(c) for c in batch.samples.completion_ids]), dtype=torch.float32)
-        truncated = torch.tensor(self.dist.gather(truncated.tolist()))
-        accuracy = torch.tensor(self.dist.gather(batch.accuracy.tolist()), dtype=torch.float32)
-        step_peak = max([*self._phase_peaks, peak_memory_gb(self.device)])  # its rollouts', then scoring + update
-        self._phase_peaks.clear()
-        seconds_rollout, seconds_scoring, seconds_update, peak_memory = self.dist.max(
-            [batch.seconds, batch.score_seconds, seconds_update, step_peak])
-        metrics = {
-            "step": self.step,
-            "reward_mean": float(step_rewards.mean()),
-            "reward_std": float(step_rewards.std()) if len(step_rewards) > 1 else 0.0,
-            "accuracy": float(accuracy.mean()),
-            "entropy": entropy_sum / max(entropy_count, 1.0),
-            "loss": loss_total,
-            "grad_norm": totals.grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
-            "response_length": float(lengths.mean()),
-            "truncation_rate": float(truncated.float().mean()),
-            "sigma": batch.sigma,
-            "noise_seed": batch.noise_seed,
-            "rollout_tokens_per_s": float(lengths.sum()) / max(seconds_rollout, 1e-9),
-            "seconds_rollout": seconds_rollout,
-            "seconds_scoring": seconds_scoring,
-            "grader_timeouts": int(grader_timeouts),  # completions scored 0: math-verify went over its CPU budget
-            "seconds_update": seconds_update,
-            "peak_memory_gb": peak_memory,
-            "recomputed_blocks": totals.recomputed_blocks,
-            "held_weights_gib": totals.held_gib,
-        }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
-        metrics.update({k: v / totals.token_count for k, v in zip(keys, sums)})
-        metrics.update(peaks)
-        metrics.update(batch.extra)
-        return metrics
+        # Its rollouts' peaks, then scoring's and the update's.
+        return step_metrics(self.dist, self.step, batch, step_rewards, truncated, totals,
+                            lr=self.scheduler.get_last_lr()[0], seconds_update=time.perf_counter() - start,
+                            peak_memory=self.peaks.step_peak())
 
     # ------------------------------------------------------------------------------------------------ loop
 
@@ -690,8 +429,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "aqn": self.aqn.state_dict() if self.aqn is not None else {},
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "rng": rng_state(),
             "settings": self.settings.to_dict(),
         }
         return self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"), keep=keep)
@@ -718,10 +456,5 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         if self.aqn is not None:
             self.aqn.load_state_dict(state.get("aqn", {}))  # older checkpoints: geometric only, which keeps no state
-        rng = state["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        restore_rng(state["rng"])
         self.step = checkpoint.step

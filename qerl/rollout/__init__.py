@@ -1,8 +1,10 @@
 """Sampling completions from the policy: the rollout backends the trainer and the evaluation share.
 
-Owns `backends` (the seam: `make_backend` picks the engine or the reference sampler, `sync` applies AQN noise),
-`generate` (batched sampling with the static KV cache: the reference) and `engine` (the CUDA rollout engine: CUDA
-graphs per batch bucket, GPU sampling, compaction).
+Owns `engine` (the one sampler: static KV cache, CUDA graphs per batch bucket, GPU sampling, compaction; and its
+reference configuration, a plain loop over the model's forward), `sampling` (what a call is made of: `Rollout`,
+drawing tokens, the argument checks), `generate` (the reference as a function), `backends` (the seam: a backend's
+`sync` applies AQN noise and the current LoRA), `vllm_backend` (a colocated vLLM engine, optional) and `factory`
+(`make_backend` picks one by `rollout.backend`).
 
 May import: qerl.execution, qerl.model.
 """

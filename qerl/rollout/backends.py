@@ -3,7 +3,7 @@
 As TRL's generation backends (transformers' `generate`, or a colocated vLLM), a backend is built once next to the
 model and used by everything that samples from the policy:
 
-    backend = make_backend(model, tokenizer, "auto")
+    backend = make_backend(model, tokenizer, "auto")        # qerl.rollout.factory
     with backend.sync(sigma, noise_seed):      # before a step: the current LoRA, plus this step's AQN noise
         out = backend.generate(prompts, Sampling(max_new_tokens=256, temperature=1.0, seed=0))
 
@@ -11,15 +11,19 @@ Both backends return a `generate.Rollout` and read the model's own tensors, so s
 optimizer steps the factors in place; the engine re-captures its graphs if a tensor moved), and AQN noise is
 written into the RMSNorm weights in place for the block and removed bit-exactly after it.
 
-* `ReferenceBackend`: `qerl.rollout.generate.generate`, the exact oracle (any device, no graphs).
+Both are the one sampler, `engine.RolloutEngine`, in two configurations:
+
+* `ReferenceBackend`: `RolloutEngine.reference` (what `qerl.rollout.generate.generate` runs): the model's own
+  forward over each call's exact shapes, no graphs; its KV cache lives for the call.
 * `EngineBackend`: the model's `RolloutEngine` (static KV cache kept across calls, CUDA graphs, compaction).
   Trainer and evaluation on one model share its engine (`engine_for`), so they share its graphs and cache.
 * `qerl.rollout.vllm_backend.VLLMBackend`: a colocated vLLM engine (its own copy of the base, the LoRA handed over
   each step), as TRL's colocate mode; optional.
 
-"auto" takes the engine on CUDA and the reference on the CPU. On the CPU the engine computes the same logits, but
-it samples padded power-of-two buckets of rows, so a seed draws other random numbers than the reference does;
-CPU runs keep the reference's samples (the README's measured runs, bit-exact resumes).
+"auto" takes the engine on CUDA and the reference on the CPU. With `row_seeds` both draw each row's tokens from its
+own generator, so they sample the same tokens up to the float rounding of their shapes; with one `seed` the engine
+draws for padded power-of-two buckets of rows, other random numbers than the reference's. CPU runs keep the
+reference's exact shapes (the README's measured runs, bit-exact resumes).
 """
 from __future__ import annotations
 
@@ -27,22 +31,22 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from qerl.model.aqn import NoiseInjector
-from qerl.rollout.generate import Rollout, generate
+from qerl.rollout.engine import RolloutEngine, engine_for
+from qerl.rollout.sampling import Rollout
 
-__all__ = ["Sampling", "RolloutBackend", "ReferenceBackend", "EngineBackend", "make_backend", "BACKENDS"]
+__all__ = ["Sampling", "RolloutBackend", "ReferenceBackend", "EngineBackend"]
 
-BACKENDS = ("auto", "engine", "reference", "vllm")
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to sample (the keyword arguments of `qerl.rollout.generate.generate`); temperature 0 is greedy."""
+    """How to sample (the keyword arguments of `RolloutEngine.generate`); temperature 0 is greedy."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -51,17 +55,13 @@ class Sampling:
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model config's and the tokenizer's
     seed: int | None = None  # None: the global RNG
-    # One seed per prompt, where the backend supports it (the reference: each row its own generator, so a row samples
-    # the same tokens in any batch, as data-parallel ranks need); the engine draws one generator per batch from seed.
+    # One seed per prompt instead of `seed`: each row its own generator, so a row samples the same tokens in any
+    # batch, as data-parallel ranks need.
     row_seeds: tuple[int, ...] | None = None
 
-    def kwargs(self, per_row: bool) -> dict[str, Any]:
-        """Keyword arguments of `generate`: with `per_row`, row_seeds (when given) instead of seed."""
-        kw = dataclasses.asdict(self)
-        row_seeds = kw.pop("row_seeds")
-        if per_row and row_seeds is not None:
-            kw.update(seed=None, row_seeds=row_seeds)
-        return kw
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `RolloutEngine.generate`."""
+        return dataclasses.asdict(self)
 
 
 class RolloutBackend:
@@ -117,12 +117,20 @@ class RolloutBackend:
 
 
 class ReferenceBackend(RolloutBackend):
-    """`qerl.rollout.generate.generate`: the simple, exact sampler every other backend is tested against."""
+    """`RolloutEngine.reference`: the plain sampler every optimised configuration is tested against. Its KV cache is
+    freed after each call (the memory goes back to the training step; the next call's shapes are its own)."""
 
     name = "reference"
 
+    def __init__(self, model: nn.Module, tokenizer: Any):
+        super().__init__(model, tokenizer)
+        self.engine = RolloutEngine.reference(model)
+
     def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
-        return generate(self.model, self.tokenizer, prompts, progress=progress, **sampling.kwargs(per_row=True))
+        try:
+            return self.engine.generate(self.tokenizer, prompts, progress=progress, **sampling.kwargs())
+        finally:
+            self.engine.free()
 
 
 class EngineBackend(RolloutBackend):
@@ -131,13 +139,11 @@ class EngineBackend(RolloutBackend):
     name = "engine"
 
     def __init__(self, model: nn.Module, tokenizer: Any, **engine_kwargs):
-        from qerl.rollout.engine import engine_for
-
         super().__init__(model, tokenizer)
         self.engine = engine_for(model, **engine_kwargs)
 
     def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
-        return self.engine.generate(self.tokenizer, prompts, progress=progress, **sampling.kwargs(per_row=False))
+        return self.engine.generate(self.tokenizer, prompts, progress=progress, **sampling.kwargs())
 
     def reduced_precision(self) -> list[str]:
         """Also the FP8 KV cache (rollout.kv_cache_dtype: fp8; 0.10 nats per token against 0.02 on a small GPU
@@ -150,22 +156,3 @@ class EngineBackend(RolloutBackend):
 
     def sleep(self) -> None:
         self.engine.sleep()
-
-
-def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine", "reference", "vllm"] = "auto",
-                 vllm: dict[str, Any] | None = None, **engine_kwargs) -> RolloutBackend:
-    """The rollout backend `kind` for `model`: "engine", "reference", "vllm" (built from `vllm`, the keyword arguments
-    of `VLLMOptions`: `qerl.model.served.vllm_options`), or "auto" (the engine on CUDA, the reference elsewhere; see
-    the module docstring). `engine_kwargs` go to the `RolloutEngine` when this call creates it."""
-    if kind not in BACKENDS:
-        raise ValueError(f"unknown rollout backend {kind!r}; choose one of {', '.join(BACKENDS)}")
-    if kind == "vllm":
-        from qerl.rollout.vllm_backend import VLLMBackend, VLLMOptions, require_vllm
-
-        require_vllm()  # one line naming the extra, before the options (which may quantize a folder) are used
-        if vllm is None:
-            raise ValueError("rollout backend vllm needs its options (qerl.model.served.vllm_options)")
-        return VLLMBackend(model, tokenizer, VLLMOptions(**vllm))
-    if kind == "auto":
-        kind = "engine" if next(model.parameters()).device.type == "cuda" else "reference"
-    return EngineBackend(model, tokenizer, **engine_kwargs) if kind == "engine" else ReferenceBackend(model, tokenizer)

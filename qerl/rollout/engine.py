@@ -1,7 +1,11 @@
-"""Fast rollout engine: static KV cache, CUDA-graph decode steps, sampling on the GPU, compaction of finished rows.
+"""The rollout sampler: static KV cache, CUDA-graph decode steps, sampling on the GPU, compaction of finished rows.
 
-Same contract as `generate.generate` (a `Rollout`; log-probs = log_softmax(logits / T) of the sampled token;
-stop reasons eos/stop/length), built like gpt-fast:
+qerl's one sampler (a `sampling.Rollout`; log-probs = log_softmax(logits / T) of the sampled token; stop reasons
+eos/stop/length), built like gpt-fast. `RolloutEngine.reference(model)` is the same engine with graphs, fused kernels
+and bucketed shapes off: a plain loop over `Transformer.forward` that every optimisation is tested against, and what
+CPU runs sample with (`qerl.rollout.generate.generate`). Each row draws from its own generator when the call gives
+`row_seeds` (a generator per row, or on CUDA the sampling kernel keyed per row), so it samples the same tokens in any
+batch (up to the float rounding of the batch's shapes).
 
 * One static KV cache per layer, [rows, kv_heads, slots, head_dim], owned by the engine and kept across calls, so
   captured graphs stay valid. Rows are a power-of-two bucket; slots are rounded up to `window` (256).
@@ -13,11 +17,14 @@ stop reasons eos/stop/length), built like gpt-fast:
   `base(x)` then one `addmm_` where they run. That takes a layer from ~75 kernels to ~30; in a graph each tiny
   kernel still costs a few µs, which at decode sizes is the same order as reading the (NVFP4) weights. Off CUDA
   it runs the plain PyTorch ops, so CPU runs compute what `Transformer.forward` computes. `fused=False` graphs
-  `Transformer.forward` itself (the reference). The engine never reaches into attention, MLP or LoRA: it owns
-  the caches, which rows and slots are live, graph capture and compaction.
-* Sampling (`qerl.rollout.generate.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization per
-  token. Every `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows
-  to the front of a smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
+  `Transformer.forward` itself. The engine never reaches into MLP or LoRA: it owns the caches (which it hands to
+  the attention modules for the model's forward, in `_install` only), which rows and slots are live, graph capture
+  and compaction.
+* Sampling (`qerl.rollout.sampling.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization
+  per token. With `row_seeds` the one-pass kernel keys each slot by its row's seed and the step (`step_keys`), one
+  launch for the batch; PyTorch's sampler (the CPU, top-k/top-p) draws from each row's generator. Every
+  `check_every` steps one sync counts live rows, scans for stop strings, and moves the live rows to the front of a
+  smaller bucket when they fit one (KV rows are gathered): finished rows stop costing compute.
 * Graphs read LoRA factors, RMSNorm weights (AQN writes noise into them in place) and quantized buffers by
   address: optimizer steps and `NoiseInjector` are in place, so graphs stay valid across RL steps. If any
   parameter or buffer moved (e.g. `adapters_disabled` swaps `.data`, a reload), the graphs are recaptured.
@@ -44,8 +51,8 @@ from qerl.execution import kv8
 from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
 from qerl.rollout import releasable
-from qerl.rollout.generate import (Rollout, StopReason, _decode, _encode, check_sampling_args, default_eos_ids,
-                           distinct_rows, sample_tokens)
+from qerl.rollout.sampling import (Rollout, StopReason, check_sampling_args, decode_ids, default_eos_ids, distinct_rows,
+                                   encode_prompts, random_source, sample_tokens, step_keys)
 
 log = logging.getLogger(__name__)
 
@@ -132,21 +139,27 @@ class RolloutEngine:
         kv_cache_dtype: "model" (the model's dtype) or "fp8" (E4M3 with a scale per vector, qerl.execution.kv8: 0.56x
             the bytes attention reads; where the fused kernels run on a GPU with FP8 conversions, sm_89+, else the
             model's dtype, said once in the log).
+        exact: each call's own shapes: exactly its rows and slots (no buckets, windows or prefill chunks; attention
+            reads every slot of the call), every row kept to the call's end (no compaction), the cache sized for
+            the call. The numbers of a plain loop over `Transformer.forward`, whatever came before; no graphs.
     """
 
     def __init__(self, model: Transformer, *, use_graphs: bool | None = None, fused: bool | None = None,
                  check_every: int = 16, window: int = 256, min_bucket: int | None = None,
                  prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0,
-                 kv_cache_dtype: str = "model"):
+                 kv_cache_dtype: str = "model", exact: bool = False):
         if not isinstance(model, Transformer):
             raise TypeError(f"RolloutEngine needs a qerl.model.transformer.Transformer, got {type(model).__name__}")
         if check_every < 1 or window < 1:
             raise ValueError("check_every and window must be >= 1")
+        if exact and use_graphs:
+            raise ValueError("exact shapes change from call to call: a CUDA graph cannot replay them (use_graphs)")
+        self.exact = exact
         self.model = model
         self.device = model.model.embed_tokens.weight.device
         cuda = self.device.type == "cuda"
         dynamic_rope = (model.config.rope_scaling or {}).get("rope_type") == "dynamic"  # syncs on max position
-        self.use_graphs = cuda and not dynamic_rope if use_graphs is None else use_graphs
+        self.use_graphs = cuda and not dynamic_rope and not exact if use_graphs is None else use_graphs
         self.fused = True if fused is None else fused
         # Triton kernels only where they can run: CUDA, or Triton's CPU interpreter (tests).
         self.kernels = self.fused and model.fused_decode_supported()
@@ -167,6 +180,12 @@ class RolloutEngine:
         self._signature_seen: tuple | None = None
         self.stats: dict[str, float] = {"captures": 0, "compactions": 0, "steps": 0}
 
+    @classmethod
+    def reference(cls, model: Transformer) -> "RolloutEngine":
+        """The engine with graphs, fused kernels and bucketed shapes off, checking its rows after every token (a
+        free host sync on the CPU; the loop ends when the last row does): `Transformer.forward` at each step."""
+        return cls(model, use_graphs=False, fused=False, check_every=1, exact=True)
+
     def _kv8_runs(self) -> bool:
         """Whether the FP8 KV cache can be used here: the fused decode kernels (which read and write its layout),
         and on a GPU the E4M3 conversions of sm_89+."""
@@ -181,7 +200,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------------ memory
 
     def bucket(self, n: int) -> int:
-        return bucket_of(n, self.min_bucket)
+        return n if self.exact else bucket_of(n, self.min_bucket)
 
     def _allocate(self, rows: int, slots: int) -> None:
         """(Re)allocate the cache and static buffers; any captured graph referred to the old ones."""
@@ -261,10 +280,14 @@ class RolloutEngine:
         return ptrs, projections, tuple(x.enabled for x in m.modules() if isinstance(x, LoraLinear))
 
     def _install(self, rows: int, slots: int) -> None:
-        need_rows = self.bucket(max(rows, self.reserve[0]))
-        need_slots = _round_up(max(slots, self.reserve[1]), self.window)
-        if self.caches is None or need_rows > self.cap_rows or need_slots > self.cap_slots:
-            self._allocate(max(need_rows, self.cap_rows), max(need_slots, self.cap_slots))
+        if self.exact:
+            if self.caches is None or (rows, slots) != (self.cap_rows, self.cap_slots):
+                self._allocate(rows, slots)
+        else:
+            need_rows = self.bucket(max(rows, self.reserve[0]))
+            need_slots = _round_up(max(slots, self.reserve[1]), self.window)
+            if self.caches is None or need_rows > self.cap_rows or need_slots > self.cap_slots:
+                self._allocate(max(need_rows, self.cap_rows), max(need_slots, self.cap_slots))
         self._wake()
         for layer in self.model.model.layers:
             layer.self_attn.kv_cache = None  # ours are installed below; the signature must not see a model cache
@@ -334,13 +357,14 @@ class RolloutEngine:
         return graph
 
     def _window(self, slots: int) -> int:
-        return min(self.cap_slots, _round_up(slots, self.window))
+        """The KV window attention reads while `slots` can hold tokens (every slot of the call with `exact`)."""
+        return self.cap_slots if self.exact else min(self.cap_slots, _round_up(slots, self.window))
 
     # ------------------------------------------------------------------------------------------------ rollout
 
     def _prefill(self, ids: Tensor, rows: int, prompt_len: int) -> None:
         window = self._window(prompt_len)
-        chunk = max(1, self.prefill_tokens // prompt_len)
+        chunk = rows if self.exact else max(1, self.prefill_tokens // prompt_len)
         positions = torch.arange(prompt_len, device=self.device)
         try:
             for r0 in range(0, rows, chunk):
@@ -358,8 +382,8 @@ class RolloutEngine:
     def _prefill_once_per_prompt(self, ids: Tensor, valid: Tensor, rows: int, prompt_len: int) -> None:
         """Prefill each distinct row of `ids` once and copy its cache rows and logits to the rows that repeat it:
         GRPO samples every prompt group_size times (1/group_size of the prefill; what vLLM's prefix cache does for a
-        group; as generate.prefill_once_per_prompt, which the reference sampler runs). Padding rows (filler)
-        are one more distinct row. self.valid[:rows] is `valid` afterwards."""
+        group). The cache and logits equal a prefill of every row, up to the float rounding of a smaller batch.
+        Padding rows (filler) are one more distinct row. self.valid[:rows] is `valid` afterwards."""
         unique, inverse = distinct_rows(ids)
         if len(unique) == rows:
             self._prefill(ids.to(self.device), rows, prompt_len)
@@ -410,22 +434,28 @@ class RolloutEngine:
     def generate(self, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
-                 generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
-        """As `qerl.rollout.generate.generate(model, tokenizer, ...)`, on this engine's model."""
+                 generator: torch.Generator | None = None, progress: bool = False,
+                 row_seeds: Sequence[int] | None = None) -> Rollout:
+        """Sample up to `max_new_tokens` per prompt (greedy when temperature == 0).
+
+        Text prompts are tokenized without adding special tokens (they carry their chat template). Rows stop at an
+        EOS id (default: the model config's and the tokenizer's), at the first of `stop_strings` appearing in the
+        decoded completion, or at the length limit. `seed` (or an explicit `generator` on the model's device) makes
+        the samples reproducible; without either, the global RNG is used. `row_seeds` (one per prompt, instead of
+        `seed`) gives every row its own generator (`sampling.random_source`). `progress`: a token bar."""
         stop_strings = check_sampling_args(max_new_tokens, temperature, top_p, top_k, stop_strings, tokenizer,
                                            seed, generator)
 
         model, device = self.model, self.device
-        prompt_ids = _encode(tokenizer, prompts)
-        if seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
+        prompt_ids = encode_prompts(tokenizer, prompts)
+        generator = random_source(device, len(prompt_ids), seed, generator, row_seeds)
         eos = list(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model, tokenizer)
         filler = eos[0] if eos else 0
         batch, prompt_len = len(prompt_ids), max(map(len, prompt_ids))
         reasons: list[StopReason] = ["length"] * batch
         lengths = [max_new_tokens] * batch
         if max_new_tokens == 0:
-            return Rollout(prompt_ids, [[] for _ in prompt_ids], [_decode(tokenizer, []) for _ in prompt_ids],
+            return Rollout(prompt_ids, [[] for _ in prompt_ids], [decode_ids(tokenizer, []) for _ in prompt_ids],
                            [torch.zeros(0) for _ in prompt_ids], reasons)
 
         was_training = model.training
@@ -434,7 +464,7 @@ class RolloutEngine:
             self._install(batch, prompt_len + max_new_tokens)
             tokens, logprobs, first_eos, stop_at = self._run(
                 tokenizer, prompt_ids, prompt_len, max_new_tokens, temperature, top_p, top_k, stop_strings, eos,
-                filler, generator, progress)
+                filler, generator, row_seeds, progress)
         finally:
             self._uninstall()
             model.train(was_training)
@@ -452,9 +482,10 @@ class RolloutEngine:
         return Rollout.from_padded(tokenizer, prompt_ids, tokens, logprobs, lengths, reasons)
 
     def _run(self, tokenizer, prompt_ids, prompt_len, max_new, temperature, top_p, top_k, stop_strings, eos,
-             filler, generator, progress):
+             filler, generator, row_seeds, progress):
         """Prefill + decode loop; returns tokens and log-probs [batch, max_new] (CPU), the first EOS step of each
-        row (max_new if none) and {row: step completing a stop string}."""
+        row (max_new if none) and {row: step completing a stop string}. `generator`: one, None, or one per row
+        (from `row_seeds`)."""
         dev, batch = self.device, len(prompt_ids)
         rows = self.bucket(batch)
         # Per-call outputs, indexed by original row; row `batch` is where padding rows write.
@@ -476,6 +507,17 @@ class RolloutEngine:
         row_host = list(range(batch)) + [batch] * (rows - batch)
         self.row_map[:rows].copy_(torch.tensor(row_host))
         self._prefill_once_per_prompt(ids, valid, rows, prompt_len)
+        spare = torch.Generator(device=dev) if row_seeds is not None and rows > batch else None  # for padding rows
+
+        def slot_randomness():
+            """Each slot draws from its row's generator (or kernel key): a row's tokens do not depend on its slot."""
+            if row_seeds is None:
+                return generator, None
+            seeds = [row_seeds[r] % 2**63 if r < batch else 0 for r in row_host]
+            return ([generator[r] if r < batch else spare for r in row_host],
+                    torch.tensor(seeds, dtype=torch.long, device=dev))
+
+        draw_from, slot_seeds = slot_randomness()
 
         stop_window = max((len(s) for s in stop_strings), default=0) + 8
         host_tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -496,7 +538,7 @@ class RolloutEngine:
                     if r in stop_at:
                         continue
                     for j in range(scanned, min(upto, eos_steps[r] - 1) + 1):
-                        tail = _decode(tokenizer, host_tokens[r][max(0, j + 1 - stop_window):j + 1])
+                        tail = decode_ids(tokenizer, host_tokens[r][max(0, j + 1 - stop_window):j + 1])
                         if any(s in tail for s in stop_strings):
                             stop_at[r] = j
                             done[slot] = True
@@ -507,7 +549,8 @@ class RolloutEngine:
 
         step = 0
         for step in tqdm(range(max_new), desc="generate", unit="tok", disable=not progress):
-            token, logprob = sample_tokens(self.logits_buf[:rows], temperature, top_p, top_k, generator)
+            keys = None if slot_seeds is None else step_keys(slot_seeds, step)
+            token, logprob = sample_tokens(self.logits_buf[:rows], temperature, top_p, top_k, draw_from, keys)
             done, where = self.done[:rows], self.row_map[:rows]
             token = token.masked_fill(done, filler)
             tokens[where, step] = token
@@ -523,8 +566,9 @@ class RolloutEngine:
                 live = check(step)
                 if not live:
                     break
-                if self.bucket(len(live)) < rows:
+                if not self.exact and self.bucket(len(live)) < rows:
                     rows = self._compact(live, rows, row_host)
+                    draw_from, slot_seeds = slot_randomness()
             self.pos_in[:rows] += 1
             self.slot.fill_(prompt_len + step)  # the slot of the token sampled at `step`
             self._decode(rows, self._window(prompt_len + step + 1))
@@ -571,8 +615,9 @@ def release_engine(model: Transformer) -> None:
 def generate_fast(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
                   eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
-                  generator: torch.Generator | None = None, progress: bool = False) -> Rollout:
-    """`qerl.rollout.generate.generate` on the model's `RolloutEngine` (graphs and KV cache kept between calls)."""
+                  generator: torch.Generator | None = None, progress: bool = False,
+                  row_seeds: Sequence[int] | None = None) -> Rollout:
+    """`RolloutEngine.generate` on the model's engine (`engine_for`: graphs and KV cache kept between calls)."""
     return engine_for(model).generate(tokenizer, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, stop_strings=stop_strings, eos_token_ids=eos_token_ids, seed=seed,
-                                      generator=generator, progress=progress)
+                                      generator=generator, progress=progress, row_seeds=row_seeds)

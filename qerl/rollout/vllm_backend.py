@@ -31,7 +31,7 @@ from torch import nn
 
 from qerl.model.lora import LoraSettings, lora_layers, save_adapter
 from qerl.rollout.backends import RolloutBackend, Sampling
-from qerl.rollout.generate import Rollout, default_eos_ids
+from qerl.rollout.sampling import Rollout, default_eos_ids
 
 __all__ = ["VLLMOptions", "VLLMBackend", "require_vllm"]
 
