@@ -17,6 +17,7 @@ other way, lazily or for types included (tests/test_architecture.py checks both)
 """
 
 import os as _os
+from pathlib import Path as _Path
 
 # OpenMP threads that spin while waiting turn every small CPU op 15-150x slower as soon as another process shares
 # the cores (measured on 2-core machines: a 0.9 ms matmul took 16 ms). Passive waiting costs nothing when alone.
@@ -24,3 +25,11 @@ import os as _os
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
+
+# kernels/, tasks/ and flows/ sit at the top of the repository but are qerl's: pip installs them as qerl/kernels,
+# qerl/tasks, qerl/flows (pyproject.toml's package-dir). A source checkout run without installing (PYTHONPATH=$PWD, as
+# the GPU machines run the tree) finds them under the same names: there qerl's subpackages are also looked for at the
+# checkout's root, after qerl/ itself. Only qerl's own module search path changes, nothing process-wide.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "pyproject.toml").is_file():
+    __path__.append(str(_checkout))
