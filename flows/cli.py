@@ -12,8 +12,8 @@ import logging
 import sys
 from typing import Callable
 
-from flows.prefect_api import PrefectUnavailable
-from flows.tracking import TrackingUnavailable
+from qerl.flows.prefect_api import PrefectUnavailable
+from qerl.flows.tracking import TrackingUnavailable
 from qerl.errors import FAILURE_EXIT, debug_requested, report
 
 DEFAULT_PARAMS = "params/default.yaml"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import flows
+from qerl import flows
 from qerl.config import Settings
 from qerl.rl.tracking import NullTracker
 

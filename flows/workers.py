@@ -1,7 +1,7 @@
 """Worker processes for experiments of many runs: where each worker runs (a GPU slot or a share of the CPU cores),
 which run it takes next (a claim lock per run folder), and a supervisor that replaces a worker that crashed.
 
-Prefect-free on purpose: `flows.compare --jobs` uses it under Prefect, and the bare GPU driver
+Prefect-free on purpose: `qerl.flows.compare --jobs` uses it under Prefect, and the bare GPU driver
 (`benchmarks/aqn_seeds.py`) uses it where only the qerl core is installed.
 
 - **Slots.** `slot_environments(jobs, per_gpu=...)`: worker i sees GPU i mod G (several workers per GPU when

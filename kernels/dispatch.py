@@ -44,7 +44,7 @@ def m_bucket(m: int) -> int:
 def default_backend(kind: str, layout: str, m: int) -> str:
     """The pick before any measurement, from the measured shape of the trade-off (BENCHMARKS.md): small M is
     weight-bandwidth-bound (a 4-bit kernel wins), large M is tensor-core-bound (cuBLAS on bf16 wins)."""
-    if layout.endswith("-fp8"):  # the FP8 update (kernels.gemm.update_precision)
+    if layout.endswith("-fp8"):  # the FP8 update (qerl.kernels.gemm.update_precision)
         return "gluon" if kind == "fwd" and m <= 64 else "dequant_fp8"
     if layout.endswith("+fp8w"):  # a resident FP8 copy: it streams 1 byte per weight at FP8's tensor-core rate
         return default_backend(kind, layout.removesuffix("+fp8w"), m) if m <= 32 else "fp8_weight"

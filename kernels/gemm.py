@@ -6,7 +6,7 @@ kernels/gluon_nvfp4.py: faster than bf16 at every batch measured, and compiled i
 minute: BENCHMARKS.md, "Rollouts: the Gluon default"). Elsewhere, repacked for humming-kernels when it is
 installed and the shape fits ("humming" layout), else as given ("qerl" layout, read by our Triton kernels);
 `prefer=`, quant.gpu_layout or QERL_NVFP4_LAYOUT choose another. Forward and backward dx then pick a backend per
-(shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
+(shape, M bucket) through `qerl.kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
 dequantize-into-scratch + cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
 With `fp8_weights` (quant.fp8_weights) the layer also keeps a resident FP8 copy of W (E4M3, one scale per output

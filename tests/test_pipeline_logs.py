@@ -16,9 +16,9 @@ pytest.importorskip("prefect")
 
 pytestmark = pytest.mark.slow  # starts Prefect's temporary server (~20 s on 2 cores)
 
-# A flow as the flows package runs it: `flows` imported first (as `python -m flows.train` does), then Prefect.
+# A flow as the flows package runs it: `flows` imported first (as `python -m qerl.flows.train` does), then Prefect.
 SCRIPT = """
-import flows
+from qerl import flows
 from prefect import flow
 
 @flow

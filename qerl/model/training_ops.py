@@ -80,7 +80,7 @@ def _fast(x: Tensor) -> bool:
 
 
 def head_kernel(weight: Tensor):
-    """`kernels.vocab_softmax` for the update's LM head (`qerl.rl.grpo.head_log_probs`) where the fused backends run
+    """`qerl.kernels.vocab_softmax` for the update's LM head (`qerl.rl.grpo.head_log_probs`) where the fused backends run
     and the head's dtype is one it reads; None elsewhere (PyTorch computes the head, as the CPU always has).
     `QERL_VOCAB_KERNEL=0` turns this kernel alone off, for A/B measurements. Ours because neither Liger-kernel (its
     `fused_selective_log_softmax` takes the log-prob alone) nor inductor gives the log-prob, entropy and softmax in
@@ -88,7 +88,7 @@ def head_kernel(weight: Tensor):
     if not _fast(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
             or os.environ.get("QERL_VOCAB_KERNEL", "1") == "0":
         return None
-    from kernels import vocab_softmax
+    from qerl.kernels import vocab_softmax
 
     return vocab_softmax
 
@@ -109,7 +109,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if not _fast(x):
         return rope_eager(x, cos, sin)
     if _backend == "liger":
-        from kernels import rope as rope_kernel
+        from qerl.kernels import rope as rope_kernel
 
         if rope_kernel.supports(x, cos):
             return rope_kernel.Rope.apply(x, cos, sin)
@@ -142,7 +142,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         return silu_mul_eager(gate, up)
     fused = _fused_halves(gate, up)
     if fused is not None:  # the halves of one gate/up GEMM output: our kernel reads them where they lie
-        from kernels.swiglu import SiluMulFused
+        from qerl.kernels.swiglu import SiluMulFused
 
         return SiluMulFused.apply(fused)
     if _backend == "liger":

@@ -5,10 +5,10 @@ quantized per call to E4M3, one scale per row of what the GEMM reads (W's rows n
 dx = dy W: `torch._scaled_mm` scales only along the dimensions it does not contract), activations and gradients
 per row, and the product runs through `torch._scaled_mm`. Nothing is kept between calls but the two scale vectors
 (W is frozen, so they are computed once): memory as the bf16 update, plus one FP8 copy of the largest weight in
-flight; or, inside `kernels.gemm.held_weights` (the update, when memory allows), both FP8 copies of each weight
+flight; or, inside `qerl.kernels.gemm.held_weights` (the update, when memory allows), both FP8 copies of each weight
 kept through the update. Quantizing W reads 2 and writes 1 byte per weight, ~15% of the FP8 GEMM's time at a 7B's
 training sizes.
-NVFP4 layers have their own path (kernels.gemm: dequantized straight into FP8); this one is for plain linears.
+NVFP4 layers have their own path (qerl.kernels.gemm: dequantized straight into FP8); this one is for plain linears.
 """
 from __future__ import annotations
 
@@ -74,11 +74,11 @@ def _weight_fp8(w: Tensor, inv: Tensor, transposed: bool) -> Tensor:
 
 def weight_fp8(w: Tensor, inv: Tensor, transposed: bool) -> Tensor:
     """`_weight_fp8` in one Triton kernel on CUDA (kernels/fp8_rows.py): one read of W, one (transposing) write;
-    inside `kernels.gemm.held_weights` (the update, when memory allows) made once per weight and direction."""
+    inside `qerl.kernels.gemm.held_weights` (the update, when memory allows) made once per weight and direction."""
     if not w.is_cuda:
         return _weight_fp8(w, inv, transposed)
-    from kernels.fp8_rows import weight_fp8 as triton_weight
-    from kernels.gemm import weight_copy
+    from qerl.kernels.fp8_rows import weight_fp8 as triton_weight
+    from qerl.kernels.gemm import weight_copy
 
     return weight_copy(w, ("fp8", transposed), w.numel(), torch.float8_e4m3fn, w.device,
                        lambda flat: triton_weight(w.contiguous(), inv, transposed, out=flat))
@@ -86,7 +86,7 @@ def weight_fp8(w: Tensor, inv: Tensor, transposed: bool) -> Tensor:
 
 def _product(a: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
     """a [M, C] @ w8ᵀ with w8 [D, C] in E4M3 scaled per row by w_scale [D]: [M, D] in a's dtype."""
-    from kernels.gemm import fp8_rows
+    from qerl.kernels.gemm import fp8_rows
 
     aq, s_a = fp8_rows(a)
     return torch._scaled_mm(aq, w8.t(), scale_a=s_a, scale_b=w_scale[None, :], out_dtype=a.dtype)[:a.shape[0]]

@@ -16,7 +16,7 @@ this machine.
 Skipped kernels leave their outputs unwritten; nothing on this path branches on values, so every worker meets the
 same kernels (a failed worker is a warning: the trainer compiles what is missing itself). Workers measure no GEMM
 backend (timings taken while other workers share the GPU would be wrong) but run each candidate once
-(QERL_GEMM_TUNE=compile), so the trainer, which measures them once per machine in its first step (kernels.dispatch),
+(QERL_GEMM_TUNE=compile), so the trainer, which measures them once per machine in its first step (qerl.kernels.dispatch),
 finds every candidate compiled. The stand-in has at least two layers: the kernels between two layers (the residual add
 and the next layer's norm and LoRA input) exist only there.
 
