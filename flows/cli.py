@@ -1,4 +1,4 @@
-"""The one command-line shape of `python -m flows.<name>`: each module declares its own arguments and what to run;
+"""The one command-line shape of `python -m qerl.flows.<name>`: each module declares its own arguments and what to run;
 this builds the parser (with --params and -S overrides), sets up logging and ends every error in one line.
 
 Exit codes are `qerl.errors`': 2 for bad input, 1 for anything else (an unreachable tracking or Prefect server

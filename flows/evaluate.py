@@ -81,7 +81,8 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="qerl.flows.evaluate", doc=__doc__, arguments=_arguments, run=_run, expected=(NoVersion,))
+    return cli.main(argv, module="qerl.flows.evaluate", doc=__doc__, arguments=_arguments, run=_run,
+                    expected=(NoVersion,))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The Prefect API a flow command runs against, made sure of before its flow starts (`python -m flows.<name>`).
+"""The Prefect API a flow command runs against, made sure of before its flow starts (`python -m qerl.flows.<name>`).
 
 - PREFECT_API_URL set (in the environment, or in the profile by `prefect config set`): the server must answer. A
   stopped server used to fail the command with Prefect's "Failed to reach API", though a user who had followed the

@@ -15,8 +15,8 @@ from prefect import flow, get_run_logger
 
 from qerl.flows import cli, prefect_api
 from qerl.flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
-from qerl.flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, log_eval, run_name, run_tags,
-                         train_and_evaluate)
+from qerl.flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, log_eval, run_name,
+                              run_tags, train_and_evaluate)
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.tasks import evaluate, find_newest_data
 
@@ -155,7 +155,8 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="qerl.flows.retrain", doc=__doc__, arguments=_arguments, run=_run, expected=(NoChampion,))
+    return cli.main(argv, module="qerl.flows.retrain", doc=__doc__, arguments=_arguments, run=_run,
+                    expected=(NoChampion,))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""How command-line entry points (`qerl`, `python -m flows.*`) end on an error: one line on stderr, never a traceback
-unless asked for (`--debug` or QERL_DEBUG=1), like DVC's `ERROR: ...` and its `-v`.
+"""How command-line entry points (`qerl`, `python -m qerl.flows.*`) end on an error: one line on stderr, never a
+traceback unless asked for (`--debug` or QERL_DEBUG=1), like DVC's `ERROR: ...` and its `-v`.
 
 Exit codes: 2 for what the user can fix (parameters, data files, paths, a run folder in use or holding another run,
 damaged checkpoints, a full disk), 1 for anything else (a bug, out of memory), 130 for Ctrl-C; a training stopped by

@@ -9,21 +9,25 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST_PARTY = ("qerl", "kernels", "tasks", "flows")
+# Folder -> the package it installs as: qerl/ itself, and the top-level folders pyproject.toml maps under qerl.
+FIRST_PARTY = {"qerl": "qerl", **{folder: package for package, folder in
+                                  tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                                  ["package-dir"].items()}}
 
 
 def modules() -> dict[str, Path]:
     """Dotted name -> file, for every first-party module (a package is its `__init__.py`)."""
     found = {}
-    for top in FIRST_PARTY:
-        for path in sorted((ROOT / top).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for folder, package in FIRST_PARTY.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            found[".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
     return found
 
 

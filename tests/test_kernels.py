@@ -82,8 +82,8 @@ def test_interpreter_subprocess():
 
 
 def test_import_without_triton():
-    code = ("import sys; sys.modules['triton'] = None; import kernels, torch; assert not kernels.available(); "
-            "from qerl.quant import nvfp4; w = torch.randn(8, 32); q = kernels.nvfp4_quantize(w); "
+    code = ("import sys; sys.modules['triton'] = None; import torch; from qerl import kernels; "
+            "assert not kernels.available(); from qerl.quant import nvfp4; w = torch.randn(8, 32); q = kernels.nvfp4_quantize(w); "
             "y = kernels.nvfp4_linear(torch.randn(2, 32), *q); assert y.shape == (2, 8)")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(120))

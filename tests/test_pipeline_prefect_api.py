@@ -1,4 +1,4 @@
-"""The Prefect API behind `python -m flows.<name>` (flows/prefect_api.py): a configured server that is gone fails in
+"""The Prefect API behind `python -m qerl.flows.<name>` (flows/prefect_api.py): a configured server that is gone fails in
 one line that says how to get back to the temporary server; two flow commands starting at once on a fresh
 PREFECT_HOME both run, their temporary servers started one after the other."""
 
@@ -66,7 +66,8 @@ def test_every_flow_command_checks_the_prefect_api_first(module, tmp_path, main_
     assert err.splitlines() == [f"python -m qerl.flows.{module}: error: {stale(url, where)}"]
 
 
-# A flow as `python -m flows.<name>` runs one, without a model: `flows` first, the Prefect API made sure of, the flow.
+# A flow as `python -m qerl.flows.<name>` runs one, without a model: `qerl.flows` first, the Prefect API made sure
+# of, the flow.
 # Both processes meet at a barrier after their imports (the server's too), so that their start-ups really coincide.
 FLOW_AT_ONCE = """
 import sys, time

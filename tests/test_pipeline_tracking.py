@@ -16,8 +16,8 @@ from tests.patience import patience
 
 pytest.importorskip("mlflow")
 
-from qerl.flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry, TrackingUnavailable,  # noqa: E402
-                            open_tracker, probe, resolve_tracking_uri)
+from qerl.flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry,  # noqa: E402
+                                 TrackingUnavailable, open_tracker, probe, resolve_tracking_uri)
 from qerl.config import load_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

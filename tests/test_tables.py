@@ -130,8 +130,8 @@ def stages(*args: str, cache: Path, tmp_path: Path) -> subprocess.CompletedProce
     """`python -m qerl.flows.stages ...` offline, with `cache` as the datasets cache (read when `datasets` is imported)."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
            "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "qerl.flows.stages", *args, "--params", str(ROOT / "params/tiny.yaml")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=patience(300))
+    return subprocess.run([sys.executable, "-m", "qerl.flows.stages", *args,
+                           "--params", str(ROOT / "params/tiny.yaml")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=patience(300))
 
 
 def test_hub_id_loads_offline_from_the_datasets_cache(hub_cache, tmp_path):

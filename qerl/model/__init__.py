@@ -6,5 +6,5 @@ model family changes), `training_ops` / `fused_ops` (the blocks' kernels for tra
 format), `aqn` (the noise schedules and the noise on the norm weights), `loading` (HF folders, GGUF, our quantized
 folders), `runtime` (settings into a live model: device, dtype, seeds) and `export` (`qerl export`).
 
-May import: qerl.config, qerl.errors, qerl.quant, qerl.run, kernels.
+May import: qerl.config, qerl.errors, qerl.quant, qerl.run, qerl.kernels.
 """

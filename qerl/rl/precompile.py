@@ -45,7 +45,7 @@ from qerl.config import LoraSettings, ModelSettings, QuantSettings, Settings
 log = logging.getLogger(__name__)
 
 WAIT_S = 600  # a worker that takes longer is stopped: the trainer compiles what is left itself
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds qerl/ and kernels/ (their sources key the stamp)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds qerl/ (and, in a source checkout, kernels/ beside it)
 
 
 def jobs(settings: Settings, config, prompt_len: int, device: torch.device, workers: int) -> list[dict[str, Any]]:
@@ -104,8 +104,8 @@ def stamp_path(job: dict[str, Any]) -> Path:
     h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode())
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     h.update(f"{gpu}|{torch.__version__}|{triton.__version__}".encode())
-    for folder in ("qerl", "kernels"):
-        for path in sorted((_PACKAGE_ROOT / folder).rglob("*.py")):
+    for package in ("qerl", "qerl.kernels"):  # kernels/ lies inside qerl/ when installed, beside it in a checkout
+        for path in sorted(Path(importlib.util.find_spec(package).origin).parent.rglob("*.py")):
             h.update(path.read_bytes())
     return _triton_cache_dir() / "qerl-precompiled" / h.hexdigest()[:32]
 
