@@ -2,6 +2,12 @@
 
 import os as _os
 
+from qerl.cli import prepare_process
+
+# Every flow command enters through this package (`python -m qerl.flows.<name>` imports it before the flow's module,
+# which loads Prefect and torch), so the flows' processes make their settings here.
+prepare_process()
+
 # Without PREFECT_API_URL, Prefect runs each flow on a temporary local server. Its telemetry heartbeat is of no use
 # there and, racing the flow's writes to the server's SQLite file, printed a ~120-line "database is locked"
 # traceback on runs that succeeded. Off unless the user says otherwise; a server you run yourself keeps its own

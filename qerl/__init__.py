@@ -16,13 +16,7 @@ other way, lazily or for types included (tests/test_architecture.py checks both)
     cli          the `qerl` command
 """
 
-import os as _os
 from pathlib import Path as _Path
-
-# OpenMP threads that spin while waiting turn every small CPU op 15-150x slower as soon as another process shares
-# the cores (measured on 2-core machines: a 0.9 ms matmul took 16 ms). Passive waiting costs nothing when alone.
-# It only takes effect if set before torch loads its OpenMP runtime, hence here, at the package's first import.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
