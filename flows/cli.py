@@ -14,7 +14,8 @@ from typing import Callable
 
 from qerl.flows.prefect_api import PrefectUnavailable
 from qerl.flows.tracking import TrackingUnavailable
-from qerl.errors import FAILURE_EXIT, debug_requested, report
+from qerl.debug import debug_requested
+from qerl.errors import FAILURE_EXIT, report
 
 DEFAULT_PARAMS = "params/default.yaml"
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qerl.config import ConfigError
+from qerl.debug import variable
 from qerl.run.lock import FolderLock, FolderLocked
 
 CLAIM = ".compare-claim.lock"  # held by the worker training a run (the trainer's own lock is .qerl.lock)
@@ -44,7 +45,7 @@ def visible_gpus() -> list[str]:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = variable("CUDA_VISIBLE_DEVICES")
     if listed is not None and listed.strip():
         return [d.strip() for d in listed.split(",") if d.strip()][:count]
     return [str(i) for i in range(count)]

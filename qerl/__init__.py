@@ -1,9 +1,12 @@
 """qerl: quantization-enhanced RL of LLMs (NVFP4 base + LoRA + adaptive quantization noise).
 
 The parts, bottom up; each imports only parts listed before it (a package's docstring names which ones), never the
-other way, lazily or for types included (tests/test_architecture.py checks both):
+other way, lazily or for types included (tests/test_architecture.py checks both). kernels/, tasks/ and flows/ are
+folders at the repository's top, installed as qerl.kernels, qerl.tasks, qerl.flows (pyproject.toml):
 
-    errors       how an error ends a command: one line, exit codes (imports nothing of qerl)
+    kernels/     the GPU kernels (Triton, Gluon) and their GEMM dispatch (imports nothing of qerl)
+    debug        every environment variable qerl reads, and the reading of them (imports nothing of qerl)
+    errors       how an error ends a command: one line, exit codes (imports only qerl.debug)
     run/         the run on disk: the run folder (lock, start/resume rules, checkpoints, metrics), atomic writes
     quant/       the 4-bit formats, the quantized linear layer, quantized checkpoints
     grading/     is an answer right: extraction, qerl's equality, math-verify in a worker
@@ -14,6 +17,8 @@ other way, lazily or for types included (tests/test_architecture.py checks both)
     evaluation/  accuracy of a policy, comparisons of runs
     rl/          the RL loop: GRPO/DAPO, the trainer and its phases, data parallelism
     cli          the `qerl` command
+    tasks/       the pipeline's Prefect tasks over the core
+    flows/       the pipeline: Prefect flows, MLflow tracking, DVC stage helpers (`python -m qerl.flows.<name>`)
 """
 
 from pathlib import Path as _Path

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from qerl.config import load_settings
-from qerl.errors import debug_requested, report
+from qerl.debug import debug_requested
+from qerl.errors import report
 from qerl.run.outdir import check_writable, removed_if_empty_on_failure
 
 

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-DEBUG_ENV = "QERL_DEBUG"
+from qerl.debug import DEBUG
+
 BAD_INPUT_EXIT = 2
 FAILURE_EXIT = 1
 
@@ -79,10 +80,6 @@ BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
              ConnectionError, BadInput, MissingExtra, DiskFull)
 
 
-def debug_requested(flag: bool = False) -> bool:
-    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
 def one_line(exc: BaseException) -> str:
     """The exception's message on one line (library messages often span several), never empty."""
     text = " ".join(str(exc).split())
@@ -109,6 +106,6 @@ def report(prog: str, exc: BaseException, debug: bool = False) -> int:
     if isinstance(exc, BAD_INPUT):
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return BAD_INPUT_EXIT
-    hint = "" if debug else f" (unexpected; rerun with --debug or {DEBUG_ENV}=1 for the traceback)"
+    hint = "" if debug else f" (unexpected; rerun with --debug or {DEBUG}=1 for the traceback)"
     print(f"{prog}: error: {type(exc).__name__}: {one_line(exc)}{hint}", file=sys.stderr)
     return FAILURE_EXIT

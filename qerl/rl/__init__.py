@@ -5,5 +5,5 @@ Owns `grpo` (advantages and losses), `trainer` (the loop, its steps and metrics;
 `distributed` (data-parallel training over torch.distributed), `launch` (`torchrun` as a subprocess), `tracking` (the
 tracker interface the loop logs through) and `plots` (training curves as PNGs).
 
-May import: qerl.config, qerl.errors, qerl.data, qerl.grading, qerl.model, qerl.quant, qerl.rollout, qerl.run.
+May import: qerl.config, qerl.debug, qerl.errors, qerl.data, qerl.grading, qerl.model, qerl.quant, qerl.rollout, qerl.run.
 """

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from qerl.config import LoraSettings, ModelSettings, QuantSettings, Settings
+from qerl.debug import variable
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def _triton_cache_dir() -> Path:
 
         return Path(knobs.cache.dir)
     except (ImportError, AttributeError):
-        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+        return Path(variable("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
 
 class Precompile:
@@ -125,8 +126,8 @@ class Precompile:
     def __init__(self, job_list: list[dict[str, Any]], stamp: Path):
         self.stamp, self.started = stamp, time.perf_counter()
         self._dir = tempfile.TemporaryDirectory(prefix="qerl-precompile-")
-        env = dict(os.environ, QERL_GEMM_TUNE="compile", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-            filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, QERL_GEMM_TUNE="compile", OMP_NUM_THREADS="1")  # the environment, passed on
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
         self.workers = []
         for i, job in enumerate(job_list):
             job_file = Path(self._dir.name) / f"job{i}.json"
