@@ -317,8 +317,9 @@ def environment_reads(path: Path) -> tuple[set[str], set[str]]:
     a copy passed on to a child process (`dict(os.environ, ...)`)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
-                 and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
+    constants = {t.id: n.value.value for n in tree.body
+                 if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                 for t in n.targets if isinstance(t, ast.Name)}
 
     def named(node: ast.AST | None) -> str:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -372,7 +373,7 @@ def test_qerl_debug_lists_every_environment_variable_qerl_reads():
                          for name, (direct, through) in reads.items()))
     assert "*" not in read, "a read whose variable is not written where it is read"
     assert not read - set(VARIABLES), f"read but not listed in qerl.debug.VARIABLES: {sorted(read - set(VARIABLES))}"
-    assert not set(VARIABLES) - read, f"listed in qerl.debug.VARIABLES but read nowhere: {sorted(set(VARIABLES) - read)}"
+    assert not set(VARIABLES) - read, f"listed in qerl.debug.VARIABLES, read nowhere: {sorted(set(VARIABLES) - read)}"
 
 
 def test_the_environment_read_finder(tmp_path):

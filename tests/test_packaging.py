@@ -65,7 +65,8 @@ def huggingface_kernels(tmp_path_factory) -> Path:
     package of that name whose import says it is the one imported."""
     site = tmp_path_factory.mktemp("hf-site")
     (site / "kernels").mkdir()
-    (site / "kernels" / "__init__.py").write_text("HUGGING_FACE = True\n\ndef get_kernel(repo_id):\n    return repo_id\n")
+    (site / "kernels" / "__init__.py").write_text("HUGGING_FACE = True\n\n\ndef get_kernel(repo_id):\n"
+                                                  "    return repo_id\n")
     return site
 
 
@@ -76,7 +77,8 @@ def test_the_wheel_holds_qerl_only_and_every_module_of_it(wheel):
     assert not outside, f"the wheel installs top-level names other than qerl: {outside}"
     expected = {str(p.relative_to(ROOT)) for p in (ROOT / "qerl").rglob("*.py")}
     for folder, package in MAPPED.items():
-        expected |= {str(Path(*package.split("."), p.relative_to(ROOT / folder))) for p in (ROOT / folder).rglob("*.py")}
+        expected |= {str(Path(*package.split("."), p.relative_to(ROOT / folder)))
+                     for p in (ROOT / folder).rglob("*.py")}
     missing = sorted(expected - set(names))
     assert not missing, f"modules left out of the wheel (a package missing from pyproject.toml's list?): {missing}"
 
