@@ -25,7 +25,7 @@ FAILURE_EXIT = 1
 
 class BadInput(Exception):
     """Base of qerl's own errors that the user can cause or fix (exit 2), where no built-in type says so: a folder in
-    use (`qerl.run.lock.FolderLocked`). Defined here so that this module imports nothing of qerl."""
+    use (`qerl.run.lock.FolderLocked`). Defined here so that this module imports no part of qerl above it."""
 
 
 class MissingExtra(ImportError):
