@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flows.arms import ARMS, parse_arm  # noqa: E402
-from flows.workers import claimed_runs, read_json, slot_environments, supervise, write_json  # noqa: E402
+from qerl.flows.arms import ARMS, parse_arm  # noqa: E402
+from qerl.flows.workers import claimed_runs, read_json, slot_environments, supervise, write_json  # noqa: E402
 
 TASKS: dict[str, tuple[str, list[str]]] = {
     "add2": ("params/compare.yaml", ["eval.n=500", "eval.batch_size=250"]),

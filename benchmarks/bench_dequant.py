@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_kernels import LAYERS, copies_for, interleaved_us  # noqa: E402
-from kernels import gluon_nvfp4 as G  # noqa: E402
-from kernels import nvfp4 as K  # noqa: E402
-from kernels.gemm import NVFP4Gemm  # noqa: E402
-from kernels import humming_nvfp4  # noqa: E402
+from qerl.kernels import gluon_nvfp4 as G  # noqa: E402
+from qerl.kernels import nvfp4 as K  # noqa: E402
+from qerl.kernels.gemm import NVFP4Gemm  # noqa: E402
+from qerl.kernels import humming_nvfp4  # noqa: E402
 from qerl.quant import nvfp4 as codec  # noqa: E402
 
 

@@ -1,8 +1,8 @@
-"""The product's NVFP4 GEMM (kernels.gemm.NVFP4Gemm.forward: the dispatch picks the backend per shape and M, measured
+"""The product's NVFP4 GEMM (qerl.kernels.gemm.NVFP4Gemm.forward: the dispatch picks the backend per shape and M, measured
 on this GPU) against cuBLAS bf16 on the same shape, at the M of RL batches: decoding 64-512 rows and a prefill chunk
 of 2,048 tokens. Shapes: the 7B's layers, and layers of sizes no model of ours has ("never named": the dispatch has
 no prior for them). Two arms of the product: with the resident FP8 copy (quant.fp8_weights on: what `auto` gives a
-7B on an 80 GB+ GPU) and 4-bit only (quant.fp8_weights: false). CUDA-graph timings (kernels.dispatch.graph_time),
+7B on an 80 GB+ GPU) and 4-bit only (quant.fp8_weights: false). CUDA-graph timings (qerl.kernels.dispatch.graph_time),
 median; every call's inputs rotate over 4 sets so L2 does not hold them.
 
     PYTHONPATH=. python3 benchmarks/bench_dispatch_gemm.py [--m 64,128,256,512,2048] [--out DIR]
@@ -17,8 +17,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernels import dispatch, gemm  # noqa: E402
-from kernels.dispatch import graph_time  # noqa: E402
+from qerl.kernels import dispatch, gemm  # noqa: E402
+from qerl.kernels.dispatch import graph_time  # noqa: E402
 from qerl.quant import nvfp4 as codec  # noqa: E402
 
 SHAPES = {  # name: (N, K)

@@ -1,6 +1,6 @@
 """Where the FP8 update's time goes, per GEMM of the 7B's shapes at a training micro-batch (M = 4 x 1,280 tokens):
 the bf16 path (dequantize into bf16 + cuBLAS) against the FP8 path (dequantize into E4M3 + per-row quantization of
-the activations + `torch._scaled_mm`), and each part alone. CUDA-graph timings (kernels.dispatch.graph_time).
+the activations + `torch._scaled_mm`), and each part alone. CUDA-graph timings (qerl.kernels.dispatch.graph_time).
 
     PYTHONPATH=. python3 benchmarks/bench_fp8_gemm.py [--m 5120]
 """
@@ -13,8 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernels import gemm, gluon_nvfp4  # noqa: E402
-from kernels.dispatch import graph_time  # noqa: E402
+from qerl.kernels import gemm, gluon_nvfp4  # noqa: E402
+from qerl.kernels.dispatch import graph_time  # noqa: E402
 from qerl.quant import nvfp4 as codec  # noqa: E402
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}

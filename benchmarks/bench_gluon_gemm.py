@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_kernels import LAYERS, ceilings, copies_for, interleaved_us  # noqa: E402
-from kernels import gluon_nvfp4 as G  # noqa: E402
-from kernels import nvfp4 as K  # noqa: E402
+from qerl.kernels import gluon_nvfp4 as G  # noqa: E402
+from qerl.kernels import nvfp4 as K  # noqa: E402
 from qerl.quant import nvfp4 as codec  # noqa: E402
 
 
@@ -66,8 +66,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     assert G.available(), f"needs Gluon on an sm_90 GPU ({G.IMPORT_ERROR})"
-    from kernels import humming_nvfp4
-    from kernels.gemm import NVFP4Gemm
+    from qerl.kernels import humming_nvfp4
+    from qerl.kernels.gemm import NVFP4Gemm
     dev = torch.cuda.get_device_properties(0)
     bw, peak = ceilings()
     print(f"# {dev.name}, torch {torch.__version__}, triton {__import__('triton').__version__}; copy {bw:.2f} TB/s, "

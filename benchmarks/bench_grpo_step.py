@@ -254,7 +254,7 @@ def main() -> None:
     if args.arm:
         sys.exit(one_arm(args))
     os.makedirs(args.out, exist_ok=True)
-    import kernels
+    from qerl import kernels
 
     total = torch.cuda.get_device_properties(0).total_memory / GIB
     print(f"device {torch.cuda.get_device_name()} ({total:.0f} GiB) | NVFP4 Triton kernels "

@@ -1,5 +1,5 @@
 """The update's LM head on one micro-batch: log-probs, entropies and the hidden states' gradient, PyTorch against
-`kernels.vocab_softmax`, and Liger-kernel's log-prob kernel beside them.
+`qerl.kernels.vocab_softmax`, and Liger-kernel's log-prob kernel beside them.
 
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_head.py --model 7b [--tokens 4096] [--out DIR]
 
@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernels import vocab_softmax  # noqa: E402
+from qerl.kernels import vocab_softmax  # noqa: E402
 from qerl.execution import training_ops  # noqa: E402
 from qerl.rl.grpo import head_log_probs  # noqa: E402
 

@@ -4,7 +4,7 @@
 
 Columns, all in one run: cuBLAS bf16 (the baseline), our Triton fused kernel, humming-kernels' GEMM, our
 dequantize + cuBLAS, bitsandbytes NF4 (`bnb.matmul_4bit`, QLoRA's kernel), and what qerl's dispatch picked
-(kernels.dispatch: measured on this GPU, cached). Forward at every M; backward dx = dy W at M = 2048.
+(qerl.kernels.dispatch: measured on this GPU, cached). Forward at every M; backward dx = dy W at M = 2048.
 Graph-replay timing (CUDA graphs, median of replays); weight copies rotate so each format's working set is
 >= 3x L2. Prints a markdown table (also DIR/bench.md, DIR/bench.json).
 """
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import kernels  # noqa: E402
-from kernels import nvfp4 as K  # noqa: E402
+from qerl import kernels  # noqa: E402
+from qerl.kernels import nvfp4 as K  # noqa: E402
 from qerl.quant import nvfp4 as codec  # noqa: E402
 
 LAYERS = {
@@ -124,7 +124,7 @@ def copies_for(nbytes: int, l2: int) -> int:
 def dequant_table(hw, out, kernel="table_layout_dequant_kernel", kb=4, nb=2, warps=4):
     """W^T of a HummingWeight into out with one of our table-layout kernels and tile shapes (the comparison of
     the dequantize alone; HummingWeight.dequantize runs the chosen one)."""
-    from kernels import _triton_nvfp4 as tk
+    from qerl.kernels import _triton_nvfp4 as tk
 
     code_tbl, scale_tbl, xor = hw.tables
     getattr(tk, kernel)[(-(-hw.k // (16 * kb)), -(-hw.n // (64 * nb)))](
@@ -176,8 +176,8 @@ def _try(fn) -> float:
 
 
 def main() -> None:
-    from kernels import dispatch, humming_nvfp4
-    from kernels.gemm import NVFP4Gemm
+    from qerl.kernels import dispatch, humming_nvfp4
+    from qerl.kernels.gemm import NVFP4Gemm
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="7b,32b,llama8b,qwen3-14b")

@@ -48,9 +48,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Every arm waits on OpenMP passively, as qerl sets it for itself (qerl/__init__.py): an arm that imports torch first
-# (TRL's) would otherwise spin its OpenMP threads, which on a machine shared with other work turns waiting into CPU
-# seconds (TRL's CPU step on a load of 3-7: 221 s spinning, 80 s passive; BENCHMARKS.md "Beside TRL on the CPU").
+# Every arm waits on OpenMP passively, as qerl's commands set it for themselves (qerl.cli.prepare_process): an arm
+# that imports torch first (TRL's) would otherwise spin its OpenMP threads, which on a machine shared with other work
+# turns waiting into CPU seconds (TRL's CPU step on a load of 3-7: 221 s spinning, 80 s passive; BENCHMARKS.md
+# "Beside TRL on the CPU").
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -244,7 +244,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
-    import kernels
+    from qerl import kernels
 
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | NVFP4 Triton kernels "
           f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'} | "

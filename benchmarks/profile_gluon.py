@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gluon_gemm import parse_spec  # noqa: E402
-from kernels import gluon_nvfp4 as G  # noqa: E402
-from kernels import nvfp4 as K  # noqa: E402
+from qerl.kernels import gluon_nvfp4 as G  # noqa: E402
+from qerl.kernels import nvfp4 as K  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--n", type=int, default=37888)

@@ -2,6 +2,13 @@
 
 import os as _os
 
+from qerl.cli import prepare_process
+from qerl.debug import variable
+
+# Every flow command enters through this package (`python -m qerl.flows.<name>` imports it before the flow's module,
+# which loads Prefect and torch), so the flows' processes make their settings here.
+prepare_process()
+
 # Without PREFECT_API_URL, Prefect runs each flow on a temporary local server. Its telemetry heartbeat is of no use
 # there and, racing the flow's writes to the server's SQLite file, printed a ~120-line "database is locked"
 # traceback on runs that succeeded. Off unless the user says otherwise; a server you run yourself keeps its own
@@ -10,6 +17,6 @@ _os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 # MLflow prints "View run / View experiment" links when a run on a tracking server ends; its experiment link opens
 # MLflow 3.17's UI on the GenAI overview in a fresh browser. The flows print their own links to the runs table
-# instead (flows.tracking.experiment_url), unless the user turned MLflow's links off.
-PRINT_MLFLOW_LINKS = _os.environ.get("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "").lower() not in ("true", "1")
+# instead (qerl.flows.tracking.experiment_url), unless the user turned MLflow's links off.
+PRINT_MLFLOW_LINKS = (variable("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT") or "").lower() not in ("true", "1")
 _os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"

@@ -1,6 +1,6 @@
 """The arms of the "does quantization noise help RL?" experiments: named sets of `section.key=value` overrides.
 
-Prefect-free: `flows.compare` and the bare GPU driver (`benchmarks/aqn_seeds.py`) read the same table.
+Prefect-free: `qerl.flows.compare` and the bare GPU driver (`benchmarks/aqn_seeds.py`) read the same table.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one command-line shape of `python -m flows.<name>`: each module declares its own arguments and what to run;
+"""The one command-line shape of `python -m qerl.flows.<name>`: each module declares its own arguments and what to run;
 this builds the parser (with --params and -S overrides), sets up logging and ends every error in one line.
 
 Exit codes are `qerl.errors`': 2 for bad input, 1 for anything else (an unreachable tracking or Prefect server
@@ -12,9 +12,10 @@ import logging
 import sys
 from typing import Callable
 
-from flows.prefect_api import PrefectUnavailable
-from flows.tracking import TrackingUnavailable
-from qerl.errors import FAILURE_EXIT, debug_requested, report
+from qerl.flows.prefect_api import PrefectUnavailable
+from qerl.flows.tracking import TrackingUnavailable
+from qerl.debug import debug_requested
+from qerl.errors import FAILURE_EXIT, report
 
 DEFAULT_PARAMS = "params/default.yaml"
 

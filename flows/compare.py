@@ -1,15 +1,15 @@
 """The experiment flow: arms x seeds of one parameter set, under one MLflow parent run, and the report that compares
 them (does quantization noise help RL here?).
 
-    python -m flows.compare --params params/compare.yaml --arms bf16-lora nvfp4 nvfp4-aqn --seeds 3
+    python -m qerl.flows.compare --params params/compare.yaml --arms bf16-lora nvfp4 nvfp4-aqn --seeds 3
 
 An arm is a named set of `section.key=value` overrides: the built-in ones are in ARMS, and `--arms NAME:K=V,K=V`
-defines another. Every run is `flows.train.train_and_evaluate` in `<out>/runs/<arm>/seed-<n>` (seed n sets
+defines another. Every run is `qerl.flows.train.train_and_evaluate` in `<out>/runs/<arm>/seed-<n>` (seed n sets
 train.seed and aqn.seed; the data and the held-out split stay the same), logged as an MLflow run nested under the
 experiment's parent run and tagged `arm` and `seed`. A rerun skips finished runs (their `result.json`), resumes a
 crashed one from its last checkpoint into the same MLflow run, then rebuilds the report from the run folders.
 
-`--jobs N` trains N runs at once, each in its own worker process (flows.workers): on a GPU machine worker i sees
+`--jobs N` trains N runs at once, each in its own worker process (qerl.flows.workers): on a GPU machine worker i sees
 GPU i mod G, `--per-gpu K` (or `auto`: as many as the free memory holds at `--worker-gib` each) workers sharing a
 GPU; every worker gets cores / N torch threads (a small model's decode steps use several threads poorly, so N
 workers of fewer threads get more done; README, "Does AQN help?"). Workers take the next run nobody holds (a lock
@@ -30,11 +30,11 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli, prefect_api
-from flows.arms import ARMS, DEFAULT_ARMS, parse_arm
-from flows.tracking import MlflowTracker, probe, resolve_tracking_uri
-from flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
-from flows.workers import CLAIM, claimed_runs, slot_environments, supervise  # noqa: F401 (CLAIM: for callers)
+from qerl.flows import cli, prefect_api
+from qerl.flows.arms import ARMS, DEFAULT_ARMS, parse_arm
+from qerl.flows.tracking import MlflowTracker, probe, resolve_tracking_uri
+from qerl.flows.train import QUANTIZED_ROOT, run_tags, train_and_evaluate, with_quantized_base
+from qerl.flows.workers import CLAIM, claimed_runs, slot_environments, supervise  # noqa: F401 (CLAIM: for callers)
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.report import RunRecord, write_report
 from qerl.run.metrics import MetricsLog
@@ -129,7 +129,7 @@ def base_entropy(settings: Settings, out: Path, num_prompts: int, quantized_root
     """The policy entropy of `settings.quant.scheme`'s base (fresh LoRA, AQN off) at step 0 on the first
     `num_prompts` held-out questions, sampled with the same seed for every format; cached in `out/<scheme>.json`."""
     from qerl.evaluation.evaluate import eval_examples
-    from tasks import build_trainer
+    from qerl.tasks import build_trainer
 
     scheme = settings.quant.scheme
     cached = out / f"{scheme}.json"
@@ -161,12 +161,12 @@ def work(params: str, common: list[str], arms: dict[str, list[str]], seeds: int,
 
 def run_workers(params: str, common: list[str], arm_specs: list[str], seeds: int, out: Path, quantized_root: str,
                 jobs: int, per_gpu: int | str = 1, worker_gib: float = 4.0, restarts: int = 2) -> None:
-    """Start `jobs` worker processes (`python -m flows.compare --worker ...`) and wait for all of them; their logs
+    """Start `jobs` worker processes (`python -m qerl.flows.compare --worker ...`) and wait for all of them; their logs
     interleave on this process's output. A worker that crashes is replaced up to `restarts` times per slot (its run
     resumes from its last checkpoint); a slot that still fails is named once every worker has ended."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
-    command = [sys.executable, "-m", "flows.compare", "--worker", "--params", params, "--seeds", str(seeds),
+    command = [sys.executable, "-m", "qerl.flows.compare", "--worker", "--params", params, "--seeds", str(seeds),
                "--out", str(out), "--quantized-root", quantized_root, "--arms", *arm_specs]
     for override in common:
         command += ["-S", override]
@@ -285,7 +285,7 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="flows.compare", doc=__doc__, arguments=_arguments, run=_run,
+    return cli.main(argv, module="qerl.flows.compare", doc=__doc__, arguments=_arguments, run=_run,
                     params="params/compare.yaml", overrides_help="an override for every arm")
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The evaluation flow: accuracy of the base model plus an adapter (a folder, or a registry alias such as `champion`).
 
-    python -m flows.evaluate --params params/default.yaml [--adapter DIR | --alias champion] [--limit N]
+    python -m qerl.flows.evaluate --params params/default.yaml [--adapter DIR | --alias champion] [--limit N]
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli, prefect_api
-from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
-from flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
+from qerl.flows import cli, prefect_api
+from qerl.flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
+from qerl.flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
 from qerl.config import load_settings
-from tasks import evaluate as evaluate_task
+from qerl.tasks import evaluate as evaluate_task
 
 
 class NoVersion(LookupError):
@@ -28,7 +28,7 @@ def require_version(registry: Registry, alias: str):
     version = registry.version(alias)
     if version is None:
         raise NoVersion(f"registered model {registry.name!r} has no {alias!r} version: train one first (python -m "
-                        "flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass "
+                        "qerl.flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass "
                         "--adapter DIR")
     return version
 
@@ -81,7 +81,8 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="flows.evaluate", doc=__doc__, arguments=_arguments, run=_run, expected=(NoVersion,))
+    return cli.main(argv, module="qerl.flows.evaluate", doc=__doc__, arguments=_arguments, run=_run,
+                    expected=(NoVersion,))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The Prefect API a flow command runs against, made sure of before its flow starts (`python -m flows.<name>`).
+"""The Prefect API a flow command runs against, made sure of before its flow starts (`python -m qerl.flows.<name>`).
 
 - PREFECT_API_URL set (in the environment, or in the profile by `prefect config set`): the server must answer. A
   stopped server used to fail the command with Prefect's "Failed to reach API", though a user who had followed the
@@ -13,9 +13,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from qerl.debug import variable
 from qerl.run.lock import FolderLock
 
 PROBE_TIMEOUT_S = 3.0
@@ -58,7 +58,7 @@ def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         return
     reason = getattr(getattr(failure, "response", None), "status_code", None)
     reason = f"HTTP {reason}" if reason else (str(failure) or type(failure).__name__)
-    where = ("unset PREFECT_API_URL in the environment" if "PREFECT_API_URL" in os.environ
+    where = ("unset PREFECT_API_URL in the environment" if variable("PREFECT_API_URL") is not None
              else "prefect config unset PREFECT_API_URL")
     raise PrefectUnavailable(f"Prefect API {url} is unreachable ({reason}); start that server (prefect server start), "
                              f"or run on a temporary local server: {where}")

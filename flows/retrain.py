@@ -1,7 +1,7 @@
 """The retraining flow: continue the registered champion adapter on the newest data, evaluate it against the champion
 on the same evaluation set, and move the `champion` alias only if the new adapter is better.
 
-    python -m flows.retrain --params params/default.yaml [--data-dir data/incoming] [--min-improvement 0.01]
+    python -m qerl.flows.retrain --params params/default.yaml [--data-dir data/incoming] [--min-improvement 0.01]
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows import cli, prefect_api
-from flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
-from flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, log_eval, run_name, run_tags,
-                         train_and_evaluate)
+from qerl.flows import cli, prefect_api
+from qerl.flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
+from qerl.flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, log_eval, run_name,
+                              run_tags, train_and_evaluate)
 from qerl.config import ConfigError, Settings, load_settings
-from tasks import evaluate, find_newest_data
+from qerl.tasks import evaluate, find_newest_data
 
 
 class NoChampion(LookupError):
@@ -47,7 +47,7 @@ def champion_overrides(recorded: dict[str, str], settings: Settings, version: st
             f"champion version {version} of {settings.tracking.registered_model!r} was trained on "
             f"{', '.join(f'{k}={v}' for k, v in other_base.items())}, not {said}: retrain with its base (-S "
             f"{' -S '.join(f'{k}={v}' for k, v in other_base.items())}), or train an adapter on this base with "
-            f"flows.train and move the {CHAMPION!r} alias to its version (MLflow UI, Models)")
+            f"qerl.flows.train and move the {CHAMPION!r} alias to its version (MLflow UI, Models)")
     return [f"{k}={v}" for k, v in recorded.items() if k.startswith(ADAPTER_KEYS) and v != flat.get(k)]
 
 
@@ -155,7 +155,8 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="flows.retrain", doc=__doc__, arguments=_arguments, run=_run, expected=(NoChampion,))
+    return cli.main(argv, module="qerl.flows.retrain", doc=__doc__, arguments=_arguments, run=_run,
+                    expected=(NoChampion,))
 
 if __name__ == "__main__":
     sys.exit(main())

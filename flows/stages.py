@@ -1,8 +1,8 @@
 """Plain entry points for the DVC stages the `qerl` CLI does not cover (no Prefect or MLflow imported here).
 
-    python -m flows.stages fingerprint --params params/default.yaml --out data/fingerprint.json
-    python -m flows.stages prepare --params params/default.yaml --out data/prepared
-    python -m flows.stages curves runs/dvc/train runs/dvc/curves
+    python -m qerl.flows.stages fingerprint --params params/default.yaml --out data/fingerprint.json
+    python -m qerl.flows.stages prepare --params params/default.yaml --out data/prepared
+    python -m qerl.flows.stages curves runs/dvc/train runs/dvc/curves
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from flows import cli
+from qerl.flows import cli
 from qerl.config import Settings, load_settings
 from qerl.run import atomic
 
@@ -108,7 +108,7 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="flows.stages", doc=__doc__, arguments=_arguments, run=_run, params=None)
+    return cli.main(argv, module="qerl.flows.stages", doc=__doc__, arguments=_arguments, run=_run, params=None)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import flows
+from qerl import flows
 from qerl.config import Settings
+from qerl.debug import variable
 from qerl.rl.tracking import NullTracker
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class TrackingUnavailable(RuntimeError):
 
 def resolve_tracking_uri(settings: Settings) -> str:
     """`tracking.tracking_uri`, else $MLFLOW_TRACKING_URI, else a SQLite file in the working directory."""
-    return settings.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    return settings.tracking.tracking_uri or variable("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
 def probe(uri: str, timeout: float = 3.0) -> None:

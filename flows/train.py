@@ -1,7 +1,7 @@
 """The training flow: quantize -> N x (rollout -> score -> GRPO update) with periodic evaluation -> final evaluation ->
 adapter logged and registered in MLflow.
 
-    python -m flows.train --params params/tiny.yaml -S tracking.backend=mlflow [--out DIR] [--max-steps N]
+    python -m qerl.flows.train --params params/tiny.yaml -S tracking.backend=mlflow [--out DIR] [--max-steps N]
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows import cli, prefect_api
-from flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
+from qerl.flows import cli, prefect_api
+from qerl.flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.evaluate import eval_examples
 from qerl.rl.phases import Phases
@@ -28,9 +28,9 @@ from qerl.rl.stopping import TrainingStopped
 from qerl.rl.tracking import log_step
 from qerl.run.lock import FolderLock, run_folder_lock
 from qerl.run.metrics import MetricsLog
-from tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
+from qerl.tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
                    score_rewards, torchrun_train)
-from tasks.quantize import is_complete
+from qerl.tasks.quantize import is_complete
 
 QUANTIZED_ROOT = "runs/quantized"  # quantized bases, one folder per (source, scheme, codec version), shared by runs
 EVAL_METRIC = "accuracy"  # what "better" means when the retrain flow compares adapters (higher is better)
@@ -291,14 +291,14 @@ def _run(args: argparse.Namespace) -> str:
             result = train(args.params, args.overrides, out_dir, args.max_steps, args.resume,
                            overwrite=args.overwrite, nproc=args.nproc)
         except TrainingStopped as stop:  # SIGTERM / Ctrl-C: checkpoint written; its line says how to continue
-            stop.resume_with(["python", "-m", "flows.train"], args.params, args.overrides, out_dir, args.max_steps)
+            stop.resume_with(["python", "-m", "qerl.flows.train"], args.params, args.overrides, out_dir, args.max_steps)
             raise
     return (f"adapter: {result['adapter']}  eval {EVAL_METRIC}: {result['eval'][EVAL_METRIC]:.4f}"
             + (f"  mlflow run {result['run_id']}, version {result['model_version']}" if result["run_id"] else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, module="flows.train", doc=__doc__, arguments=_arguments, run=_run)
+    return cli.main(argv, module="qerl.flows.train", doc=__doc__, arguments=_arguments, run=_run)
 
 if __name__ == "__main__":
     sys.exit(main())

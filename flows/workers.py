@@ -1,7 +1,7 @@
 """Worker processes for experiments of many runs: where each worker runs (a GPU slot or a share of the CPU cores),
 which run it takes next (a claim lock per run folder), and a supervisor that replaces a worker that crashed.
 
-Prefect-free on purpose: `flows.compare --jobs` uses it under Prefect, and the bare GPU driver
+Prefect-free on purpose: `qerl.flows.compare --jobs` uses it under Prefect, and the bare GPU driver
 (`benchmarks/aqn_seeds.py`) uses it where only the qerl core is installed.
 
 - **Slots.** `slot_environments(jobs, per_gpu=...)`: worker i sees GPU i mod G (several workers per GPU when
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qerl.config import ConfigError
+from qerl.debug import variable
 from qerl.run.lock import FolderLock, FolderLocked
 
 CLAIM = ".compare-claim.lock"  # held by the worker training a run (the trainer's own lock is .qerl.lock)
@@ -44,7 +45,7 @@ def visible_gpus() -> list[str]:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = variable("CUDA_VISIBLE_DEVICES")
     if listed is not None and listed.strip():
         return [d.strip() for d in listed.split(",") if d.strip()][:count]
     return [str(i) for i in range(count)]

@@ -40,7 +40,7 @@ class GemmContext:
                  autotune: bool = False, pdl: bool = True):
         """`lora_epilogue`: add LoRA's update in the Gluon GEMM's epilogue instead of one addmm after it (measured
         slower: BENCHMARKS.md, "Rollouts: the Gluon default and LoRA in the epilogue"). `tuning` and `cache`: the
-        dispatch's (`kernels.dispatch.Dispatcher`). `autotune`: time our Triton GEMM's candidate configs the first
+        dispatch's (`qerl.kernels.dispatch.Dispatcher`). `autotune`: time our Triton GEMM's candidate configs the first
         time each shape is seen instead of the tuned table. `pdl`: launch with programmatic dependent launch where
         the GPU has it (kernels/pdl.py)."""
         self.lora_epilogue, self.autotune, self.pdl = lora_epilogue, autotune, pdl

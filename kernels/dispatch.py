@@ -8,7 +8,7 @@ Which of them a layer can use depends on the layout its one weight copy is in.
 Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
 CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in a cache file,
 keyed by GPU name and library versions, so a process pays for each measurement once per machine. A corrupt or
-stale cache file is ignored with one warning. A `Dispatcher` (one per model: its `kernels.context.GemmContext`)
+stale cache file is ignored with one warning. A `Dispatcher` (one per model: its `qerl.kernels.context.GemmContext`)
 holds how it picks: `tuning` "measure" (the above), "defaults" (nothing timed) or "compile" (every candidate
 run once, nothing measured: qerl.rl.precompile's workers, so each candidate's kernels get compiled for the process
 that will measure them); `cache` moves the file.
@@ -43,7 +43,7 @@ def m_bucket(m: int) -> int:
 def default_backend(kind: str, layout: str, m: int) -> str:
     """The pick before any measurement, from the measured shape of the trade-off (BENCHMARKS.md): small M is
     weight-bandwidth-bound (a 4-bit kernel wins), large M is tensor-core-bound (cuBLAS on bf16 wins)."""
-    if layout.endswith("-fp8"):  # the FP8 update (kernels.gemm.update_precision)
+    if layout.endswith("-fp8"):  # the FP8 update (qerl.kernels.gemm.update_precision)
         return "gluon" if kind == "fwd" and m <= 64 else "dequant_fp8"
     if layout.endswith("+fp8w"):  # a resident FP8 copy: it streams 1 byte per weight at FP8's tensor-core rate
         return default_backend(kind, layout.removesuffix("+fp8w"), m) if m <= 32 else "fp8_weight"

@@ -6,7 +6,7 @@ kernels/gluon_nvfp4.py: faster than bf16 at every batch measured, and compiled i
 minute: BENCHMARKS.md, "Rollouts: the Gluon default"). Elsewhere, repacked for humming-kernels when it is
 installed and the shape fits ("humming" layout), else as given ("qerl" layout, read by our Triton kernels);
 `prefer=` or quant.gpu_layout choose another. Forward and backward dx then pick a backend per
-(shape, M bucket) through `kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
+(shape, M bucket) through `qerl.kernels.dispatch`: the 4-bit GEMM where weight bandwidth bounds the call (decode),
 dequantize-into-scratch + cuBLAS where tensor-core time does (training), whatever measured fastest in between.
 
 With `fp8_weights` (quant.fp8_weights) the layer also keeps a resident FP8 copy of W (E4M3, one scale per output
@@ -15,7 +15,7 @@ forward as `_scaled_mm` on FP8 tensor cores with the activations scaled per row 
 W4A16 is compute-bound and dequantizing to bf16 costs more than the bytes it saves; the FP8 update's forward reads
 the same copy instead of dequantizing. The copy costs 1 byte per weight beside the 0.56 of the 4-bit codes.
 
-Each layer runs under its model's `kernels.context.GemmContext` (its settings and phase, never a module global):
+Each layer runs under its model's `qerl.kernels.context.GemmContext` (its settings and phase, never a module global):
 dequantized weights go to the context's scratch buffer, shared by the model's layers on a device and dtype. Inside
 its `held_weights(budget)` (the trainer's update, when memory allows) a layer's dequantized copy is instead kept
 until the block ends: a 7B update dequantizes each weight once, not twice per micro-batch (3,584 kernels of ~75 µs).

@@ -1,5 +1,5 @@
-"""How command-line entry points (`qerl`, `python -m flows.*`) end on an error: one line on stderr, never a traceback
-unless asked for (`--debug` or QERL_DEBUG=1), like DVC's `ERROR: ...` and its `-v`.
+"""How command-line entry points (`qerl`, `python -m qerl.flows.*`) end on an error: one line on stderr, never a
+traceback unless asked for (`--debug` or QERL_DEBUG=1), like DVC's `ERROR: ...` and its `-v`.
 
 Exit codes: 2 for what the user can fix (parameters, data files, paths, a run folder in use or holding another run,
 damaged checkpoints, a full disk), 1 for anything else (a bug, out of memory), 130 for Ctrl-C; a training stopped by
@@ -17,14 +17,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-DEBUG_ENV = "QERL_DEBUG"
+from qerl.debug import DEBUG
+
 BAD_INPUT_EXIT = 2
 FAILURE_EXIT = 1
 
 
 class BadInput(Exception):
     """Base of qerl's own errors that the user can cause or fix (exit 2), where no built-in type says so: a folder in
-    use (`qerl.run.lock.FolderLocked`). Defined here so that this module imports nothing of qerl."""
+    use (`qerl.run.lock.FolderLocked`). Defined here so that this module imports no part of qerl above it."""
 
 
 class MissingExtra(ImportError):
@@ -79,10 +80,6 @@ BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
              ConnectionError, BadInput, MissingExtra, DiskFull)
 
 
-def debug_requested(flag: bool = False) -> bool:
-    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
 def one_line(exc: BaseException) -> str:
     """The exception's message on one line (library messages often span several), never empty."""
     text = " ".join(str(exc).split())
@@ -109,6 +106,6 @@ def report(prog: str, exc: BaseException, debug: bool = False) -> int:
     if isinstance(exc, BAD_INPUT):
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return BAD_INPUT_EXIT
-    hint = "" if debug else f" (unexpected; rerun with --debug or {DEBUG_ENV}=1 for the traceback)"
+    hint = "" if debug else f" (unexpected; rerun with --debug or {DEBUG}=1 for the traceback)"
     print(f"{prog}: error: {type(exc).__name__}: {one_line(exc)}{hint}", file=sys.stderr)
     return FAILURE_EXIT

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # see qerl/__init__.py: spinning OpenMP threads stall shared CPUs
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # see qerl.cli.prepare_process: spinning OpenMP threads stall shared CPUs
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ "${QERL_SKIP_VENV:-0}" = "1" ] || . .venv/bin/activate

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from qerl.config import Settings
-from tasks.retry import retry_transient
+from qerl.tasks.retry import retry_transient
 
 
 # Not cached: an eval is cheap next to training, and caching would need the model's weights in the key.

@@ -2,7 +2,7 @@
 
 Prefect caches the result (the output folder's path) under that key, and the folder's name carries the key too, so an
 unchanged quantization is never recomputed, in this flow run or the next. A cached path whose folder was deleted since
-is the caller's to refresh (`flows.train.with_quantized_base` does).
+is the caller's to refresh (`qerl.flows.train.with_quantized_base` does).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.exceptions import MissingContextError
 
-from tasks.retry import retry_transient
+from qerl.tasks.retry import retry_transient
 
 _CODE = Path(__file__).resolve().parent.parent / "qerl"
 

@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from qerl.config import Settings
 from qerl.rl.tracking import Tracker
-from tasks.retry import retry_transient
+from qerl.tasks.retry import retry_transient
 
 _IN_PROCESS = dict(cache_policy=NO_CACHE, persist_result=False)
 

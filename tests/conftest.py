@@ -7,7 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see qerl/__init__.py
+from qerl.cli import prepare_process  # imports no torch
+
+prepare_process()  # before torch loads: the test run is a process qerl starts
+
 # Prefect's temporary server gets 20 s to answer by default; on 2 shared cores under load it took longer, and the
 # flow failed ("Timed out while attempting to connect to ephemeral Prefect API server"). Set before Prefect loads;
 # subprocesses inherit it.

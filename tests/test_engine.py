@@ -814,7 +814,7 @@ def test_gpu_dependent_launch_changes_the_timing_not_the_samples(scheme, monkeyp
     """Programmatic dependent launch (kernels/pdl.py) lets each decode kernel start before the previous one ends;
     each waits before it reads what the previous one wrote. A kernel that read too early would change the logits:
     the captured rollout must sample the same tokens with the same log-probs bit for bit with it and without."""
-    from kernels import pdl
+    from qerl.kernels import pdl
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch here (needs sm_90+ and Triton >= 3.4)")
@@ -835,7 +835,7 @@ def test_dependent_launch_only_where_it_can_run(monkeypatch):
     """kernels/pdl.py gives a launch PDL only on CUDA: on the CPU (Triton's interpreter) its `PDL` flag is false,
     which compiles the wait out, and no launch option the interpreter would reject is passed. The plan's `pdl`
     off (QERL_PDL=0) turns it off on any GPU, before anything asks the driver."""
-    from kernels import pdl
+    from qerl.kernels import pdl
     from qerl.execution import fused_ops
 
     assert pdl.launch(torch.device("cpu")) == {"PDL": False}

@@ -179,7 +179,7 @@ def test_gpu_fused_training_step_matches_separate(scheme):
 
 
 def test_gpu_layout_setting_reaches_every_nvfp4_layer(smollm2_dir):
-    """quant.gpu_layout picks the layout each layer's GPU GEMM is built in (kernels.gemm.NVFP4Gemm's `layout`): the
+    """quant.gpu_layout picks the layout each layer's GPU GEMM is built in (qerl.kernels.gemm.NVFP4Gemm's `layout`): the
     loader hands it to every quantized layer, and a fused projection inherits it from its members."""
     from qerl.config import ModelSettings, QuantSettings
     from qerl.model.runtime import load_base_model

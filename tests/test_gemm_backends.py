@@ -1,4 +1,4 @@
-"""NVFP4 GEMM backends (kernels.gemm), their dispatch (kernels.dispatch) and the humming-layout dequantize.
+"""NVFP4 GEMM backends (qerl.kernels.gemm), their dispatch (qerl.kernels.dispatch) and the humming-layout dequantize.
 
 CPU: the dispatch with fake timings, its disk cache (round trip, corrupt, stale, another GPU's entries), and the
 table-layout dequantize kernel under Triton's interpreter against the codec, bit for bit, on a synthetic permuted
@@ -22,9 +22,9 @@ CUDA = torch.cuda.is_available()
 if not CUDA and "triton" not in sys.modules:  # as in test_kernels.py: the interpreter is chosen at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
-from kernels import dispatch, gemm, gluon_nvfp4, humming_nvfp4  # noqa: E402
-from kernels import nvfp4 as K  # noqa: E402
-from kernels.context import GemmContext  # noqa: E402
+from qerl.kernels import dispatch, gemm, gluon_nvfp4, humming_nvfp4  # noqa: E402
+from qerl.kernels import nvfp4 as K  # noqa: E402
+from qerl.kernels.context import GemmContext  # noqa: E402
 from tests.patience import patience  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -136,7 +136,7 @@ def _synthetic_tiled_layout(packed: torch.Tensor, scale: torch.Tensor, seed: int
 @pytest.mark.skipif(CUDA, reason="the GPU test below checks the real humming layout")
 @pytest.mark.parametrize("transposed", [False, True])
 def test_table_layout_dequantize_is_bit_identical_to_the_codec(transposed):
-    from kernels import _triton_nvfp4 as tk
+    from qerl.kernels import _triton_nvfp4 as tk
 
     if not K.interpreting():
         pytest.skip("triton was imported before TRITON_INTERPRET could be set")
@@ -304,7 +304,7 @@ def test_interpreter_tests_in_a_subprocess():
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests above cover this on CUDA")
 def test_our_layout_backends_under_the_interpreter(cache):
-    """kernels.gemm's own logic (scratch reuse, transposed views, autograd) on the CPU: Triton's interpreter runs the
+    """qerl.kernels.gemm's own logic (scratch reuse, transposed views, autograd) on the CPU: Triton's interpreter runs the
     kernels (fp16: its bf16 dots are unreliable), cuBLAS's place is taken by torch's CPU matmul."""
     if not K.interpreting():
         pytest.skip("triton was imported before TRITON_INTERPRET could be set")
@@ -349,7 +349,7 @@ def test_table_layout_dequantize_passes_the_compiler_frontend_for_sm90():
             backend = CUDABackend(target)
         except Exception as e:  # internal API of another Triton version
             print("SKIP", e); sys.exit(0)
-        from kernels import _triton_nvfp4 as tk
+        from qerl.kernels import _triton_nvfp4 as tk
         sig = {"w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "code_tbl_ptr": "*i32", "scale_tbl_ptr": "*i32",
                "out_ptr": "*bf16", "N": "i32", "K": "i32", "XOR": "i32", "BLOCK_KB": "constexpr",
                "BLOCK_NB": "constexpr", "TRANSPOSED": "constexpr"}

@@ -6,7 +6,7 @@ gives each program an equal share and every unit to one program; a PyTorch emula
 the layout's dequantize (Triton, run by the interpreter) is bit-identical to the codec's; the kernel compiles for sm_90a with the ptxas Triton ships (the compile asserts the decode needs no data movement
 between threads), and its SASS has no spills, reads codes with 128-bit shared loads and multiplies with wgmma.
 GPU: the kernel against the PyTorch reference at every M bucket, tiles whole and shared among programs; a layer held in the
-"gluon" layout (kernels.gemm) runs forward and backward through the dispatch and keeps its canonical tensors.
+"gluon" layout (qerl.kernels.gemm) runs forward and backward through the dispatch and keeps its canonical tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from kernels import gluon_nvfp4 as G
+from qerl.kernels import gluon_nvfp4 as G
 from qerl.quant import nvfp4 as codec
 from tests.patience import patience
 
@@ -142,7 +142,7 @@ def test_kernel_dataflow_reproduces_the_gemm(w, programs):
 
 DEQUANT_SCRIPT = textwrap.dedent("""
     import torch
-    from kernels import gluon_nvfp4 as G
+    from qerl.kernels import gluon_nvfp4 as G
     from qerl.quant import nvfp4 as codec
     w = torch.randn(192, 256, generator=torch.Generator().manual_seed(0))
     w[0, :16] = 0
@@ -178,7 +178,7 @@ def test_layout_dequantize_is_bit_identical_to_the_codec():
 
 
 def test_layout_choice_is_validated():
-    from kernels.gemm import NVFP4Gemm
+    from qerl.kernels.gemm import NVFP4Gemm
     packed, scale, gs = random_weight(128, 256)
     with pytest.raises(ValueError, match="unknown NVFP4 layout 'marlin'"):
         NVFP4Gemm(packed, scale, gs, prefer="marlin")
@@ -210,7 +210,7 @@ def test_padded_m_and_default_config():
 COMPILE_SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys, tempfile
     import triton
-    from kernels import gluon_nvfp4 as G
+    from qerl.kernels import gluon_nvfp4 as G
     out = {}
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -316,7 +316,7 @@ def test_gpu_low_rank_epilogue_adds_loras_update(m, n, k, rank, programs):
 @gpu
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
 def test_gpu_gluon_layout_layer_forward_backward_and_canonical(m):
-    from kernels.gemm import NVFP4Gemm, linear
+    from qerl.kernels.gemm import NVFP4Gemm, linear
     packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=7))
     gemm = NVFP4Gemm(packed, scale, gs, prefer="gluon")
     assert gemm.layout == "gluon" and gemm.nbytes == packed.numel() + scale.numel() + 4
@@ -343,7 +343,7 @@ def test_gpu_fp8_update_gemms_match_the_exact_product(m, layout):
     """In the FP8 update (its context's update_precision) a layer's forward and dx run dequantize-to-FP8 (one scale
     per row; from the Gluon layout directly, from the others through bf16) + _scaled_mm: within FP8's rounding of
     the exact products (E4M3 keeps 3 mantissa bits: ~3% per element, averaged over K in a dot product)."""
-    from kernels.gemm import NVFP4Gemm, linear
+    from qerl.kernels.gemm import NVFP4Gemm, linear
     packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=3))
     layer = NVFP4Gemm(packed, scale, gs, prefer=layout)
     assert layer.layout == layout
@@ -367,7 +367,7 @@ def test_gpu_resident_fp8_copy_serves_inference_and_never_the_bf16_update(layout
     """quant.fp8_weights: a layer keeps an E4M3 copy of W (one scale per row, exact from the block scales); outside
     the update, the dispatch may run a forward on it ("fp8_weight", within FP8's rounding of the exact product);
     inside the bf16 update no GEMM reads it; the FP8 update's forward reads it instead of dequantizing."""
-    from kernels import gemm as G8
+    from qerl.kernels import gemm as G8
     packed, scale, gs = (t.cuda() for t in random_weight(1024, 2048, seed=5))
     layer = G8.NVFP4Gemm(packed, scale, gs, prefer=layout, fp8_weights=True)
     plain = G8.NVFP4Gemm(packed, scale, gs, prefer=layout)

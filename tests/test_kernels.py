@@ -24,9 +24,9 @@ CUDA = torch.cuda.is_available()
 if not CUDA and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
-import kernels  # noqa: E402
-from kernels import nvfp4 as K  # noqa: E402
-from kernels.reference import quantize_ref, weight_fp64  # noqa: E402
+from qerl import kernels  # noqa: E402
+from qerl.kernels import nvfp4 as K  # noqa: E402
+from qerl.kernels.reference import quantize_ref, weight_fp64  # noqa: E402
 from tests.patience import patience  # noqa: E402
 
 INTERP_ACTIVE = not CUDA and K.interpreting()
@@ -82,8 +82,8 @@ def test_interpreter_subprocess():
 
 
 def test_import_without_triton():
-    code = ("import sys; sys.modules['triton'] = None; import kernels, torch; assert not kernels.available(); "
-            "from qerl.quant import nvfp4; w = torch.randn(8, 32); q = kernels.nvfp4_quantize(w); "
+    code = ("import sys; sys.modules['triton'] = None; import torch; from qerl import kernels; "
+            "assert not kernels.available(); from qerl.quant import nvfp4; w = torch.randn(8, 32); q = kernels.nvfp4_quantize(w); "
             "y = kernels.nvfp4_linear(torch.randn(2, 32), *q); assert y.shape == (2, 8)")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(120))
@@ -163,7 +163,7 @@ def _e4m3(b: int) -> float:
 @pytest.mark.parametrize("bf16", [True, False])
 def test_scale_ptx(bf16):
     """e4m3 scale bytes -> s * 2^119 (bf16) / s * 2^7 (fp16), exact; zero stays zero."""
-    from kernels import _triton_nvfp4 as tk
+    from qerl.kernels import _triton_nvfp4 as tk
 
     asm = (tk.SCALE_BF16 if bf16 else tk.SCALE_FP16).value
     codes = list(range(0, 0x7F)) + [0x00, 0x01, 0x7E, 0x20]
@@ -178,7 +178,7 @@ def test_scale_ptx(bf16):
 @pytest.mark.parametrize("bf16", [True, False])
 def test_dequant_ptx(bf16):
     """The inline-PTX decode (run only on GPUs): slot j of words (w0, w1) / (w2, w3) -> e2m1 * s * 2^-7."""
-    from kernels import _triton_nvfp4 as tk
+    from qerl.kernels import _triton_nvfp4 as tk
 
     asm = (tk.DEQ_BF16 if bf16 else tk.DEQ_FP16).value
     g = torch.Generator().manual_seed(0)
@@ -428,7 +428,7 @@ def test_split_k_in_cuda_graph(gpu_weights):
 def test_swiglu_on_fused_halves_interp(interp, inter):
     """kernels/swiglu.py in the interpreter (fp32): silu(gate) * up read from a fused [rows, 2I] gate/up output, and
     its gradient written into that layout, as eager autograd computes them on the two halves."""
-    from kernels import swiglu
+    from qerl.kernels import swiglu
 
     g = torch.Generator().manual_seed(inter)
     fused = torch.randn(3, 2, 2 * inter, generator=g).requires_grad_()
@@ -446,7 +446,7 @@ def test_vocab_softmax_row_stats_interp(interp, vocab, temperature):
     """kernels/vocab_softmax.py in the interpreter (fp32): each row's log-prob of its token, log-sum-exp, entropy and
     softmax (written over the logits) at the temperature, as float64 PyTorch computes them, with a row whose
     maximum lies in its last block (the running sums rescale)."""
-    from kernels import vocab_softmax
+    from qerl.kernels import vocab_softmax
 
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(3, vocab, generator=g) * 4
@@ -465,7 +465,7 @@ def test_vocab_softmax_row_stats_interp(interp, vocab, temperature):
 
 def test_vocab_softmax_chunks_fit_its_budget():
     """The head's chunk of tokens: the largest power of two whose logits fit CHUNK_BYTES, never under the floor."""
-    from kernels import vocab_softmax
+    from qerl.kernels import vocab_softmax
 
     for vocab, itemsize in [(152064, 2), (49152, 2), (128256, 4), (10**9, 2)]:
         rows = vocab_softmax.chunk_rows(vocab, itemsize)
@@ -479,7 +479,7 @@ def test_vocab_softmax_chunks_fit_its_budget():
 def test_rope_forward_and_backward_interp(interp, tables):
     """kernels/rope.py in the interpreter (fp32): the rotation of a transposed [B, H, T, D] view (as the update's
     q and k are) and its gradient, as eager autograd computes them on the eager expression."""
-    from kernels import rope
+    from qerl.kernels import rope
     from qerl.execution.training_ops import rope_eager
 
     g = torch.Generator().manual_seed(7)

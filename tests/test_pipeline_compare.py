@@ -40,7 +40,7 @@ def test_compare_flow_trains_in_workers_nests_runs_writes_the_report_and_skips_f
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-    import flows.compare as compare_flow
+    import qerl.flows.compare as compare_flow
 
     def no_training_here(*args, **kwargs):
         raise AssertionError("the flow process trained a run itself")
@@ -103,8 +103,8 @@ def test_compare_flow_trains_in_workers_nests_runs_writes_the_report_and_skips_f
     assert client.get_run(first["parent_run_id"]).info.status == "FINISHED"
 
     # The same folder with other settings is refused up front, not skipped as if it were finished.
-    from flows.compare import ARMS as BUILT_IN
-    from flows.compare import plan_runs
+    from qerl.flows.compare import ARMS as BUILT_IN
+    from qerl.flows.compare import plan_runs
     from qerl.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"seed-0 holds a run started with other settings .* another --out$"):
@@ -114,17 +114,17 @@ def test_compare_flow_trains_in_workers_nests_runs_writes_the_report_and_skips_f
 
 
 def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path, main_here):
-    from flows.compare import main
+    from qerl.flows.compare import main
 
     code, _, err = main_here(main, "--params", TINY, "--arms", "fp8-lora", "--out", tmp_path / "exp")
     assert code == 2
     assert err.strip().splitlines() == [
-        "python -m flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
+        "python -m qerl.flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
         "nvfp4-aqn, nvfp4-aqn-entropy, qlora-bnb; or define one as NAME:section.key=value,...)"]
     assert not (tmp_path / "exp").exists()
 
 
 def test_jobs_must_be_positive(tmp_path):
-    from flows.compare import main
+    from qerl.flows.compare import main
 
     assert main(["--params", TINY, "--jobs", "0", "--out", str(tmp_path / "x")]) == 2

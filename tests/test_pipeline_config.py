@@ -4,7 +4,6 @@ stage helpers, the quantization cache key, the retry and promotion rules."""
 from __future__ import annotations
 
 import csv
-import importlib
 import os
 import subprocess
 import time
@@ -76,6 +75,7 @@ def test_dvc_pipeline_is_valid():
 
 
 def test_prefect_yaml_deployments():
+    load_flow_from_entrypoint = pytest.importorskip("prefect.flows").load_flow_from_entrypoint
     config = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in config["deployments"]}
     assert set(deployments) == {"train-embedded", "retrain-nightly"}
@@ -83,13 +83,13 @@ def test_prefect_yaml_deployments():
     assert deployments["retrain-nightly"]["schedules"][0]["cron"]
     for d in deployments.values():
         assert d["work_pool"]["name"] == "qerl-process"
-        module, _, name = d["entrypoint"].partition(":")
-        flow = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), name)
+        # as a worker loads it: the file by its path (the flows import as qerl.flows.*, the folder stays flows/)
+        flow = load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
         assert set(d["parameters"]) <= set(flow.parameters.properties)
 
 
 def test_prepare_writes_what_training_reads(tmp_path):
-    from flows.stages import curves, prepare
+    from qerl.flows.stages import curves, prepare
     from qerl.data import problems as data
 
     settings = load_settings(ROOT / "params/tiny.yaml")
@@ -107,7 +107,7 @@ def test_prepare_writes_what_training_reads(tmp_path):
 
 def test_quantization_cache_key(tmp_path):
     pytest.importorskip("prefect")
-    from tasks.quantize import code_version, quantized_dir
+    from qerl.tasks.quantize import code_version, quantized_dir
 
     model = tmp_path / "model"
     model.mkdir()
@@ -124,7 +124,7 @@ def test_quantization_cache_key(tmp_path):
 
 def test_retry_only_transient_faults():
     pytest.importorskip("prefect")
-    from tasks.retry import is_transient
+    from qerl.tasks.retry import is_transient
 
     assert is_transient(ConnectionResetError()) and is_transient(TimeoutError()) and is_transient(OSError(5, "EIO"))
     assert not is_transient(FileNotFoundError()) and not is_transient(ValueError()) and not is_transient(KeyError())
@@ -132,7 +132,7 @@ def test_retry_only_transient_faults():
 
 def test_promotion_rule():
     pytest.importorskip("prefect")
-    from flows.retrain import beats
+    from qerl.flows.retrain import beats
 
     assert beats(0.6, 0.5) and not beats(0.5, 0.5) and not beats(0.4, 0.5)
     assert not beats(0.55, 0.5, min_improvement=0.1) and beats(0.0, 0.0, min_improvement=-1)
@@ -140,7 +140,7 @@ def test_promotion_rule():
 
 def test_the_verdict_names_a_margin_only_when_there_is_one():
     pytest.importorskip("prefect")
-    from flows.retrain import margin
+    from qerl.flows.retrain import margin
 
     assert margin(0.0) == "" and margin(0.01) == " by more than 0.01" and margin(-1) == " by more than -1"
 
@@ -149,7 +149,7 @@ def test_a_retrain_takes_the_champions_adapter_settings_and_refuses_another_base
     """The champion's run recorded its settings: its adapter's win over the params; a champion on another base is
     refused in one line saying what to do (exit 2: a ConfigError)."""
     pytest.importorskip("prefect")
-    from flows.retrain import ChampionMismatch, champion_overrides
+    from qerl.flows.retrain import ChampionMismatch, champion_overrides
     from qerl.config import ConfigError
 
     smoke = {k: str(v) for k, v in load_settings(ROOT / "params/tiny.yaml").to_flat_dict().items()}
@@ -161,7 +161,7 @@ def test_a_retrain_takes_the_champions_adapter_settings_and_refuses_another_base
         champion_overrides({**smoke, "quant.scheme": "bf16"}, nightly, "3")
     assert isinstance(info.value, ConfigError) and str(info.value) == (
         "champion version 3 of 'qerl-adapter' was trained on quant.scheme=bf16, not quant.scheme=nvfp4: retrain with "
-        "its base (-S quant.scheme=bf16), or train an adapter on this base with flows.train and move the 'champion' "
+        "its base (-S quant.scheme=bf16), or train an adapter on this base with qerl.flows.train and move the 'champion' "
         "alias to its version (MLflow UI, Models)")
 
 
@@ -174,7 +174,7 @@ def test_a_smoke_run_registers_apart_from_the_team_model():
 
 def test_run_names_and_tags_say_what_differs():
     pytest.importorskip("prefect")
-    from flows.train import run_name, run_tags, settings_hash
+    from qerl.flows.train import run_name, run_tags, settings_hash
 
     overrides = ["optim.lr=1e-4", "tracking.backend=mlflow"]
     settings = load_settings(ROOT / "params/default.yaml", overrides)
@@ -211,7 +211,7 @@ def test_a_flow_waits_for_a_quantization_in_progress_and_reuses_it(tmp_path, tin
     import subprocess
     import sys
 
-    from tasks.quantize import quantize_checkpoint, quantized_dir
+    from qerl.tasks.quantize import quantize_checkpoint, quantized_dir
 
     root = tmp_path / "quantized"
     dst = quantized_dir(str(tiny_llama_dir), "nvfp4", str(root))

@@ -1,4 +1,4 @@
-"""What a user sees when running a flow directly (`python -m flows.*` without PREFECT_API_URL): Prefect's temporary
+"""What a user sees when running a flow directly (`python -m qerl.flows.*` without PREFECT_API_URL): Prefect's temporary
 local server must stay quiet; before, its telemetry heartbeat printed a ~120-line traceback on successful runs."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ pytest.importorskip("prefect")
 
 pytestmark = pytest.mark.slow  # starts Prefect's temporary server (~20 s on 2 cores)
 
-# A flow as the flows package runs it: `flows` imported first (as `python -m flows.train` does), then Prefect.
+# A flow as the flows package runs it: `qerl.flows` imported first (as `python -m qerl.flows.train` does), then Prefect.
 SCRIPT = """
-import flows
+from qerl import flows
 from prefect import flow
 
 @flow

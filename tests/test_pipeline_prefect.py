@@ -127,7 +127,7 @@ def _task_states(flow_run_id) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def incoming(stack):
     """A 'new data' drop for the retrain flow: the newest *.jsonl in the folder is what it trains on."""
-    from flows.stages import prepare
+    from qerl.flows.stages import prepare
     from qerl.config import load_settings
 
     folder = stack.tmp / "incoming"
@@ -145,7 +145,7 @@ def test_retrain_promotes_only_a_better_adapter(stack, deployed_run, incoming, m
     """The margin makes "beats" certain: accuracies lie in [0, 1], so -1 always promotes and +1 never does."""
     from mlflow import MlflowClient
 
-    from flows.retrain import retrain
+    from qerl.flows.retrain import retrain
 
     assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
     client = MlflowClient(stack.tracking_uri)
@@ -176,7 +176,7 @@ def test_retrain_promotes_only_a_better_adapter(stack, deployed_run, incoming, m
 def test_evaluate_flow_scores_the_champion(stack, deployed_run):
     from mlflow import MlflowClient
 
-    from flows.evaluate import evaluate
+    from qerl.flows.evaluate import evaluate
 
     assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
     out = stack.tmp / "runs" / "eval-champion"
@@ -192,7 +192,7 @@ def test_bf16_lora_run_sits_next_to_the_nvfp4_run(stack, deployed_run):
     """The baseline of the comparison: same experiment and metric names, told apart by run name and tags."""
     from mlflow import MlflowClient
 
-    from flows.train import train
+    from qerl.flows.train import train
 
     assert deployed_run[0].returncode == 0
     result = train(params=TINY, overrides=["quant.scheme=bf16", "aqn.enabled=false", *QUICK],
@@ -213,7 +213,7 @@ def test_the_nightly_retrain_continues_a_smoke_champion_of_another_adapter_shape
     continues the champion with the adapter settings its run recorded, and says so. Quick sizes, the smoke registry."""
     from mlflow import MlflowClient
 
-    from flows.retrain import retrain
+    from qerl.flows.retrain import retrain
 
     assert deployed_run[0].returncode == 0, "needs the champion the deployment run registered"
     folder, _ = incoming

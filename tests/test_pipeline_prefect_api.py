@@ -1,4 +1,4 @@
-"""The Prefect API behind `python -m flows.<name>` (flows/prefect_api.py): a configured server that is gone fails in
+"""The Prefect API behind `python -m qerl.flows.<name>` (flows/prefect_api.py): a configured server that is gone fails in
 one line that says how to get back to the temporary server; two flow commands starting at once on a fresh
 PREFECT_HOME both run, their temporary servers started one after the other."""
 
@@ -38,13 +38,13 @@ def test_a_stopped_server_left_in_the_profile_is_one_line_naming_prefect_config_
     subprocess.run(["prefect", "config", "set", f"PREFECT_API_URL={url}"], env=env, check=True, capture_output=True,
                    timeout=patience(60))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "flows.train", "--params", "params/tiny.yaml", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "qerl.flows.train", "--params", "params/tiny.yaml", "--out", str(out),
                            "-S", "tracking.backend=none"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=patience(120))
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        f"python -m flows.train: error: {stale(url, 'prefect config unset PREFECT_API_URL')}"]
+        f"python -m qerl.flows.train: error: {stale(url, 'prefect config unset PREFECT_API_URL')}"]
     assert not out.exists()
 
 
@@ -58,20 +58,21 @@ def test_every_flow_command_checks_the_prefect_api_first(module, tmp_path, main_
     url = f"http://127.0.0.1:{closed_port()}/api"
     monkeypatch.setenv("PREFECT_API_URL", url)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")  # never opened: probed only
-    main = importlib.import_module(f"flows.{module}").main
+    main = importlib.import_module(f"qerl.flows.{module}").main
     with temporary_settings(updates={PREFECT_API_URL: url}):  # Prefect read the environment when it was imported
         code, out, err = main_here(main, "--params", "params/tiny.yaml", "--out", tmp_path / "out")
     assert (code, out) == (1, "")
     where = "unset PREFECT_API_URL in the environment"
-    assert err.splitlines() == [f"python -m flows.{module}: error: {stale(url, where)}"]
+    assert err.splitlines() == [f"python -m qerl.flows.{module}: error: {stale(url, where)}"]
 
 
-# A flow as `python -m flows.<name>` runs one, without a model: `flows` first, the Prefect API made sure of, the flow.
+# A flow as `python -m qerl.flows.<name>` runs one, without a model: `qerl.flows` first, the Prefect API made sure
+# of, the flow.
 # Both processes meet at a barrier after their imports (the server's too), so that their start-ups really coincide.
 FLOW_AT_ONCE = """
 import sys, time
 from pathlib import Path
-from flows import prefect_api
+from qerl.flows import prefect_api
 from prefect import flow
 import prefect.server.api.server
 
@@ -117,7 +118,7 @@ def test_two_flows_starting_at_once_on_a_fresh_prefect_home_both_run(tmp_path):
 
 
 TOO_SLOW = """
-from flows import prefect_api
+from qerl.flows import prefect_api
 prefect_api.MIN_STARTUP_S = 0  # a machine too busy for even a generous limit, simulated by a tiny one
 try:
     prefect_api.connect()
@@ -138,6 +139,6 @@ def test_a_temporary_server_too_slow_to_start_is_one_line_saying_what_to_do(tmp_
         "Prefect's temporary server did not start within 1 s (a busy machine?): set "
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher, or start a server (prefect server start) and prefect "
         "config set PREFECT_API_URL=http://127.0.0.1:4200/api"], proc.stderr[-2000:]
-    from flows.prefect_api import MIN_STARTUP_S
+    from qerl.flows.prefect_api import MIN_STARTUP_S
 
     assert MIN_STARTUP_S >= 120

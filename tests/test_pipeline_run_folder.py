@@ -50,10 +50,10 @@ def long_params(tmp_path, tiny_llama_dir) -> Path:
 
 def test_a_second_training_flow_on_a_folder_fails_before_mlflow_and_prefect_start(tmp_path, long_params, main_here,
                                                                                    monkeypatch):
-    """The first flow is a `python -m flows.train` child; the second, the same command's main, runs here."""
+    """The first flow is a `python -m qerl.flows.train` child; the second, the same command's main, runs here."""
     pytest.importorskip("prefect")
     pytest.importorskip("mlflow")
-    from flows.train import main
+    from qerl.flows.train import main
 
     fresh = tmp_path / "fresh"  # no MLflow database yet: its set-up is where the loser used to die
     fresh.mkdir()
@@ -63,7 +63,7 @@ def test_a_second_training_flow_on_a_folder_fails_before_mlflow_and_prefect_star
     env.pop("PREFECT_API_URL", None)
     env.pop("MLFLOW_TRACKING_URI", None)
     args = ["--params", str(long_params), "-S", "tracking.backend=mlflow", "--out", str(run)]
-    first = start([sys.executable, "-m", "flows.train", *args], fresh, env, tmp_path / "first.log")
+    first = start([sys.executable, "-m", "qerl.flows.train", *args], fresh, env, tmp_path / "first.log")
     try:
         wait_for(run / ".qerl.lock", first)
         monkeypatch.chdir(fresh)
@@ -75,7 +75,7 @@ def test_a_second_training_flow_on_a_folder_fails_before_mlflow_and_prefect_star
     assert code == 2
     assert out == ""  # no Prefect start-up output
     assert err.splitlines() == [
-        f"python -m flows.train: error: run folder {run} is in use by PID {first.pid} on host {socket.gethostname()} "
+        f"python -m qerl.flows.train: error: run folder {run} is in use by PID {first.pid} on host {socket.gethostname()} "
         f"(lock file {run / '.qerl.lock'}); wait for it to finish or stop it, or choose another folder"]
 
 
@@ -147,7 +147,7 @@ def test_dvc_repro_and_exp_run_leave_a_live_run_untouched_and_name_it(tmp_path, 
 def test_the_training_flows_check_the_evaluation_data_before_training(tmp_path, long_params):
     """The final evaluation comes after the whole run: its `eval.n` is checked before anything is quantized or built."""
     pytest.importorskip("prefect")
-    from flows.train import train_and_evaluate
+    from qerl.flows.train import train_and_evaluate
     from qerl.config import load_settings
 
     table = tmp_path / "problems.csv"

@@ -16,8 +16,8 @@ from tests.patience import patience
 
 pytest.importorskip("mlflow")
 
-from flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry, TrackingUnavailable,  # noqa: E402
-                            open_tracker, probe, resolve_tracking_uri)
+from qerl.flows.tracking import (DEFAULT_TRACKING_URI, LocalOnly, MlflowTracker, Registry,  # noqa: E402
+                                 TrackingUnavailable, open_tracker, probe, resolve_tracking_uri)
 from qerl.config import load_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,9 +145,9 @@ def test_unreachable_server_is_a_fast_one_line_error():
 
 
 def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path, main_here, monkeypatch):
-    """`python -m flows.train` (its main, here) with a dead tracking server: exit 1, one line on stderr, no run
+    """`python -m qerl.flows.train` (its main, here) with a dead tracking server: exit 1, one line on stderr, no run
     folder, no model."""
-    from flows.train import main
+    from qerl.flows.train import main
 
     out = tmp_path / "run"
     uri = f"http://127.0.0.1:{closed_port()}"
@@ -157,14 +157,14 @@ def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path, main_
     assert code == 1, err
     assert stdout == ""
     lines = err.strip().splitlines()
-    assert lines == [f"python -m flows.train: error: MLflow tracking server {uri} is unreachable "
+    assert lines == [f"python -m qerl.flows.train: error: MLflow tracking server {uri} is unreachable "
                      f"{lines[0].split('unreachable ', 1)[1]}"]
     assert not out.exists()
 
 
 def test_train_flow_checks_the_server_before_loading_anything(tmp_path):
     """The flow itself (what a deployment runs) raises the same error before it creates the run folder."""
-    from flows.train import train
+    from qerl.flows.train import train
 
     out = tmp_path / "run"
     with pytest.raises(TrackingUnavailable, match="unreachable"):
@@ -175,7 +175,7 @@ def test_train_flow_checks_the_server_before_loading_anything(tmp_path):
 
 SET_UP_AT = """
 import sys, time
-from flows.tracking import mlflow_client
+from qerl.flows.tracking import mlflow_client
 start = float(sys.argv[2])
 while time.time() < start:
     time.sleep(0.001)
@@ -208,7 +208,7 @@ def test_the_experiment_link_names_a_route_and_view_of_the_installed_ui():
     """MLflow 3.17's UI opens an experiment in the view its URL's `workflowType` names, else the browser's stored
     choice (GenAI when fresh), whatever the experiment's kind tag: the link must name the runs route and the machine
     learning view, as the installed UI spells them (an MLflow upgrade that renames them fails here)."""
-    from flows.tracking import experiment_url, run_url
+    from qerl.flows.tracking import experiment_url, run_url
 
     bundle = _ui_bundle()
     assert '"/experiments/:experimentId/runs"' in bundle and '"/experiments/:experimentId/runs/:runUuid"' in bundle
@@ -299,7 +299,7 @@ def test_the_experiment_link_opens_the_runs_table_in_a_headless_browser(served_s
 def test_retrain_without_a_champion_is_one_line_before_prefect_starts(store, tmp_path, main_here, monkeypatch):
     """It used to start Prefect's temporary server and run the flow, whose failure Prefect logs with a traceback,
     before the same line."""
-    from flows.retrain import main
+    from qerl.flows.retrain import main
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     out = tmp_path / "run"
@@ -307,18 +307,18 @@ def test_retrain_without_a_champion_is_one_line_before_prefect_starts(store, tmp
     assert (code, stdout) == (1, "")
     lines = [line for line in err.splitlines() if "INFO mlflow" not in line]  # a fresh store's set-up
     assert lines == [
-        "python -m flows.retrain: error: registered model 'qerl-smoke' has no 'champion' version yet: run the train "
+        "python -m qerl.flows.retrain: error: registered model 'qerl-smoke' has no 'champion' version yet: run the train "
         "flow first (its first registered adapter becomes the champion)"]
     assert not out.exists()
 
 
 def test_evaluate_of_an_alias_that_is_not_there_is_one_line_before_prefect_starts(store, main_here, monkeypatch):
     """It was MLflow's "Registered Model with name=... not found" after Prefect's traceback, called unexpected."""
-    from flows.evaluate import main
+    from qerl.flows.evaluate import main
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     code, stdout, err = main_here(main, "--params", "params/default.yaml", "--alias", "champion")
     assert (code, stdout) == (1, "")
     assert [line for line in err.splitlines() if "INFO mlflow" not in line] == [
-        "python -m flows.evaluate: error: registered model 'qerl-adapter' has no 'champion' version: train one first "
-        "(python -m flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass --adapter DIR"]
+        "python -m qerl.flows.evaluate: error: registered model 'qerl-adapter' has no 'champion' version: train one first "
+        "(python -m qerl.flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass --adapter DIR"]

@@ -68,7 +68,7 @@ def prefect_home(tmp_path, monkeypatch):
 
 def test_the_flow_writes_what_the_command_line_writes_resampling_rounds_as_tasks(tmp_path, params_file,
                                                                                    prefect_home):
-    from flows.train import train
+    from qerl.flows.train import train
     from qerl.cli import main as qerl_main
 
     assert qerl_main(["train", "--params", str(params_file), "--out", str(tmp_path / "cli")]) == 0
@@ -107,7 +107,7 @@ def test_two_processes_train_then_the_flow_evaluates_logs_and_registers(tmp_path
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
-    from flows.train import train
+    from qerl.flows.train import train
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     out = tmp_path / "dp2"
@@ -138,7 +138,7 @@ def test_two_processes_train_then_the_flow_evaluates_logs_and_registers(tmp_path
 def test_a_failed_job_fails_the_flow_with_its_last_lines(tmp_path, params_file, prefect_home,
                                                          child_imports_this_checkout):
     """3 prompts per step do not split over 2 processes: every rank exits with that line, torchrun with 1."""
-    from flows.train import train
+    from qerl.flows.train import train
     from qerl.rl.launch import LaunchFailed
 
     with pytest.raises(LaunchFailed) as failed:
@@ -153,7 +153,7 @@ def test_a_failed_job_fails_the_flow_with_its_last_lines(tmp_path, params_file, 
 
 
 def test_nproc_below_one_is_refused_in_a_line(params_file):
-    from flows.train import train
+    from qerl.flows.train import train
     from qerl.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^nproc=0: must be >= 1 \(the number of training processes\)$"):

@@ -113,7 +113,7 @@ def test_the_first_step_bench_counts_only_the_trainers_own_slow_compiles(tmp_pat
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     log = tmp_path / "compile.jsonl"
-    rows = [{"pid": 7, "s": 0.8, "fn": "kernels.gluon_nvfp4.nvfp4_decode_gemm_kernel"},
+    rows = [{"pid": 7, "s": 0.8, "fn": "qerl.kernels.gluon_nvfp4.nvfp4_decode_gemm_kernel"},
             {"pid": 7, "s": 0.002, "fn": "qerl.execution.fused_ops._sample_kernel"},  # found on disk
             {"pid": 9, "s": 0.6, "fn": "qerl.execution.fused_ops._sample_kernel"}]  # a worker's
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -127,11 +127,11 @@ def hub_cache(tmp_path_factory):
 
 
 def stages(*args: str, cache: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    """`python -m flows.stages ...` offline, with `cache` as the datasets cache (read when `datasets` is imported)."""
+    """`python -m qerl.flows.stages ...` offline, with `cache` as the datasets cache (read when `datasets` is imported)."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
            "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "flows.stages", *args, "--params", str(ROOT / "params/tiny.yaml")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=patience(300))
+    return subprocess.run([sys.executable, "-m", "qerl.flows.stages", *args,
+                           "--params", str(ROOT / "params/tiny.yaml")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=patience(300))
 
 
 def test_hub_id_loads_offline_from_the_datasets_cache(hub_cache, tmp_path):
@@ -151,7 +151,7 @@ def test_uncached_hub_dataset_offline_is_one_line_naming_it_and_how_to_fetch_it(
                   cache=hub_cache, tmp_path=tmp_path)
     assert proc.returncode == 2  # bad input, as every one-line error
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("python -m flows.stages: error: hub dataset 'someone/absent' (config 'v2') is not in the "
+    assert last.startswith("python -m qerl.flows.stages: error: hub dataset 'someone/absent' (config 'v2') is not in the "
                            f"local datasets cache ({hub_cache})")
     assert "datasets.load_dataset('someone/absent', 'v2')" in last
     assert not (tmp_path / "prepared").exists()

@@ -148,7 +148,7 @@ def test_fused_gate_up_halves_are_found_and_nothing_else():
 def test_gpu_swiglu_on_fused_halves_matches_liger_and_writes_the_fused_gradient(shape):
     """Our SwiGLU on a fused gate/up output (kernels/swiglu.py, what training_ops.silu_mul runs for such halves)
     gives Liger's forward and gradients, with the gradient in the fused tensor's layout and no copy of the halves."""
-    from kernels import swiglu
+    from qerl.kernels import swiglu
 
     if training_ops._liger() is None:
         pytest.skip("liger-kernel is not installed")
@@ -267,7 +267,7 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
     another, e.g. a shape Gluon cannot hold; or bf16) in FP8. The evidence a user needs: per-token log-probs close
     to the bf16 update's, LoRA gradients pointing the same way, and the FP8 GEMMs really ran (forward and backward
     of every layer)."""
-    from kernels import gemm
+    from qerl.kernels import gemm
     from qerl.execution import update_precision
     from qerl.quant import fp8
 
@@ -321,7 +321,7 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
 def test_the_fp8_update_leaves_cpu_linears_exact():
     """Off CUDA (and outside the FP8 update) a frozen linear is computed as it always was: `frozen_linear` is the
     hook every base projection goes through, so it must be the identity wherever FP8 does not apply."""
-    from kernels.context import GemmContext
+    from qerl.kernels.context import GemmContext
     from qerl.quant import fp8
 
     torch.manual_seed(0)
@@ -338,8 +338,8 @@ def test_the_fp8_update_leaves_cpu_linears_exact():
 def test_gpu_fp8_quantize_kernels_equal_their_references(m, k):
     """The FP8 update's Triton kernels (rows of activations; W and Wᵀ of a bf16 weight) write exactly what the
     PyTorch expressions they replace write, padding rows to 16 for `_scaled_mm`."""
-    from kernels import fp8_rows as kern
-    from kernels.gemm import _fp8_rows
+    from qerl.kernels import fp8_rows as kern
+    from qerl.kernels.gemm import _fp8_rows
     from qerl.quant import fp8
 
     g = torch.Generator("cuda").manual_seed(m)
@@ -421,10 +421,10 @@ def test_gpu_update_path_gives_the_plain_paths_gradients(monkeypatch, scheme):
 
 
 def test_held_weights_are_written_once_within_the_budget_and_freed_after():
-    """kernels.gemm.weight_copy: outside `held_weights` every call writes the shared scratch; inside, each owner's
+    """qerl.kernels.gemm.weight_copy: outside `held_weights` every call writes the shared scratch; inside, each owner's
     copy is written once and read after, while the budget lasts (beyond it, the scratch as before); on exit nothing
     is held."""
-    from kernels.context import GemmContext
+    from qerl.kernels.context import GemmContext
 
     cpu, writes, context = torch.device("cpu"), [], GemmContext()
     a, b, c = object(), object(), object()
@@ -454,7 +454,7 @@ def test_gpu_held_weights_give_the_same_update_and_dequantize_each_weight_once(m
     """The trainer's update with the dequantized NVFP4 weights kept (model.keep_dequantized): bit for bit the
     gradients of dequantizing per GEMM, over two micro-batches, with each weight dequantized once (per direction in
     FP8, whose forward and dx copies are scaled along different dimensions)."""
-    from kernels import gluon_nvfp4
+    from qerl.kernels import gluon_nvfp4
     from qerl.execution import execution_of, held_weights, update_precision
 
     calls = []
@@ -497,7 +497,7 @@ def test_gpu_held_weights_give_the_same_update_and_dequantize_each_weight_once(m
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_gpu_head_kernel_gives_the_pytorch_paths_log_probs_entropies_and_gradient(monkeypatch, chunk_size,
                                                                                     temperature):
-    """`kernels.vocab_softmax` under the update's head (bf16, a frozen head) computes what the PyTorch path does from
+    """`qerl.kernels.vocab_softmax` under the update's head (bf16, a frozen head) computes what the PyTorch path does from
     the same bf16 logits: log-probs and entropies to fp32 reduction order, the hidden states' bf16 gradient to
     its rounding."""
     from qerl.rl.grpo import head_log_probs

@@ -1,4 +1,4 @@
-"""flows.workers: worker slots on GPUs and cores, run claims, and the supervisor that replaces a crashed worker.
+"""qerl.flows.workers: worker slots on GPUs and cores, run claims, and the supervisor that replaces a crashed worker.
 
 The supervisor tests start real processes (a few lines of Python each, no model): several workers share a plan of
 run folders through the claim locks, one kills itself with SIGKILL in the middle of a run, and the test checks what
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.workers import attempts, claimed_runs, slot_environments, supervise
+from qerl.flows.workers import attempts, claimed_runs, slot_environments, supervise
 from qerl.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
-    from flows.workers import claimed_runs
+    from qerl.flows.workers import claimed_runs
     root = Path(sys.argv[1]); crash_once = set(sys.argv[2].split(",")); crash_always = set(sys.argv[3].split(","))
     folders = sorted(p for p in root.iterdir() if p.is_dir())
     for folder in claimed_runs(folders, done=lambda d: (d / "result.json").is_file(), max_attempts=2):
@@ -150,7 +150,7 @@ def test_slots_keep_the_visible_device_ids_and_share_cores_on_the_cpu():
 
 
 def test_the_state_files_are_json(tmp_path):
-    from flows.workers import read_json, write_json
+    from qerl.flows.workers import read_json, write_json
 
     write_json(tmp_path / "a.json", {"x": 1})
     assert read_json(tmp_path / "a.json") == {"x": 1} and read_json(tmp_path / "b.json") is None

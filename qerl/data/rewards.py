@@ -13,7 +13,7 @@ from typing import Callable
 
 from qerl import grading
 from qerl.grading.equality import answers_equal
-from qerl.grading.extract import _matching_brace, extract_answer
+from qerl.grading.extract import matching_brace, extract_answer
 from qerl.grading.normalize import normalize_answer
 
 __all__ = ["RewardFn", "REWARDS", "score", "format_reward", "get_reward_fn", "combined_reward", "extract_answer",
@@ -49,7 +49,7 @@ def format_reward(completion: str, gold: str = "") -> float:
         open_at = completion.find("{", start)
         if open_at < 0 or completion[start:open_at] not in ("\\boxed", "\\fbox"):
             return 0.0
-        close_at = _matching_brace(completion, open_at)
+        close_at = matching_brace(completion, open_at)
         if close_at is None or not completion[open_at + 1 : close_at].strip():
             return 0.0
         reasoning = re.sub(r"\s", "", completion[:start])

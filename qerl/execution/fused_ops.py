@@ -518,7 +518,7 @@ def check_kv8(k_cache: Tensor, v_cache: Tensor, head_dim: int) -> bool:
 
 
 def _pdl(device: torch.device) -> dict:
-    from kernels import pdl  # on first launch, not at import: importing kernels loads its NVFP4 GEMMs too
+    from qerl.kernels import pdl  # on first launch, not at import: importing kernels loads its NVFP4 GEMMs too
 
     return pdl.launch(device, debug.pdl())  # QERL_PDL=0 turns it off for an A/B measurement
 

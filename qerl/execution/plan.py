@@ -1,7 +1,7 @@
 """A model's execution plan: what the params say about how it runs, made live on that model alone.
 
 `ExecutionPlan.from_settings` reads `model.training_kernels`, the `execution:` section and the debugging switches
-of `qerl.debug`; `attach(model, plan)` hands the model's frozen layers one `kernels.context.GemmContext` (their
+of `qerl.debug`; `attach(model, plan)` hands the model's frozen layers one `qerl.kernels.context.GemmContext` (their
 GEMM settings, the update's precision, held weights, scratch) and its blocks one `TrainingOps`. Two models in one
 process each have their own: nothing here is a module global. `update_precision(model, p)` and
 `held_weights(model, budget)` open the update's phases on one model's context.
@@ -52,7 +52,7 @@ class Execution:
     """A plan made live on one model: the GEMM context its frozen layers share and the ops its blocks call."""
 
     def __init__(self, plan: ExecutionPlan):
-        from kernels.context import GemmContext  # no Triton: kernels/context.py imports none
+        from qerl.kernels.context import GemmContext  # no Triton: kernels/context.py imports none
 
         self.plan = plan
         self.gemm = GemmContext(lora_epilogue=plan.lora_epilogue, tuning=plan.gemm_tuning, cache=plan.gemm_cache,

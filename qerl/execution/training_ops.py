@@ -82,14 +82,14 @@ class TrainingOps:
         return self.backend != "eager" and x.is_cuda and not torch.cuda.is_current_stream_capturing()
 
     def head_kernel(self, weight: Tensor):
-        """`kernels.vocab_softmax` for the update's LM head (`qerl.rl.grpo.head_log_probs`) where the fused backends
+        """`qerl.kernels.vocab_softmax` for the update's LM head (`qerl.rl.grpo.head_log_probs`) where the fused backends
         run and the head's dtype is one it reads; None elsewhere (PyTorch computes the head, as the CPU always has).
         Ours because neither Liger-kernel (its `fused_selective_log_softmax` takes the log-prob alone) nor inductor
         gives the log-prob, entropy and softmax in one pass (BENCHMARKS.md, "The update's LM head")."""
         if not self._fast(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
                 or not self.vocab_kernel:
             return None
-        from kernels import vocab_softmax
+        from qerl.kernels import vocab_softmax
 
         return vocab_softmax
 
@@ -108,7 +108,7 @@ class TrainingOps:
         if not self._fast(x):
             return rope_eager(x, cos, sin)
         if self.backend == "liger":
-            from kernels import rope as rope_kernel
+            from qerl.kernels import rope as rope_kernel
 
             if rope_kernel.supports(x, cos):
                 return rope_kernel.Rope.apply(x, cos, sin)
@@ -121,7 +121,7 @@ class TrainingOps:
             return silu_mul_eager(gate, up)
         fused = _fused_halves(gate, up)
         if fused is not None:  # the halves of one gate/up GEMM output: our kernel reads them where they lie
-            from kernels.swiglu import SiluMulFused
+            from qerl.kernels.swiglu import SiluMulFused
 
             return SiluMulFused.apply(fused)
         if self.backend == "liger":

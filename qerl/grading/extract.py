@@ -69,7 +69,7 @@ _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # an English word, not a 
 _TEXT_RUN_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")  # "So", "cm": a reply with one is not all math
 
 
-def _matching_brace(text: str, open_at: int) -> int | None:
+def matching_brace(text: str, open_at: int) -> int | None:
     """Index of the `}` closing the `{` at `open_at`, skipping escaped `\\{` `\\}`.
 
     None if unclosed within MAX_ANSWER_CHARS: a longer box is no final answer, and the bound keeps
@@ -102,7 +102,7 @@ def _box_at(text: str, start: int) -> tuple[str | None, int]:
     i = start + (6 if text.startswith("\\boxed", start) else 5)
     i = _SPACES_RE.match(text, i).end()
     if i < len(text) and text[i] == "{":
-        end = _matching_brace(text, i)
+        end = matching_brace(text, i)
         return (None, i) if end is None else (text[i + 1 : end].strip(), end + 1)
     bare = re.match(r"[^\s$]+", text[i : i + MAX_ANSWER_CHARS + 1])  # `\boxed 5`
     return (bare.group(0), i + bare.end()) if bare else (None, i)

@@ -7,5 +7,5 @@ blocks recompute in backward), `lora` (adapters in PEFT format), `aqn` (the nois
 weights), `loading` (HF folders, GGUF, our quantized folders), `runtime` (settings into a live model: device, dtype,
 seeds, its execution plan) and `export` (`qerl export`). How the model runs fast is `qerl.execution`'s.
 
-May import: qerl.config, qerl.debug, qerl.errors, qerl.execution, qerl.quant, qerl.run, kernels.
+May import: qerl.config, qerl.debug, qerl.errors, qerl.execution, qerl.quant, qerl.run, qerl.kernels.
 """

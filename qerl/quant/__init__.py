@@ -4,7 +4,7 @@
 interface; ``linear.QuantLinear`` computes with them; ``checkpoint.quantize_checkpoint`` writes folders.
 This package owns the bytes of a quantized weight; ``bnb`` holds QLoRA's base through bitsandbytes.
 
-May import: qerl.errors, qerl.run, kernels.
+May import: qerl.errors, qerl.run, qerl.kernels.
 """
 
 from qerl.quant.formats import SCHEMES, Codec, get_codec

@@ -1,7 +1,7 @@
 """The FP8 update for bf16 bases: a frozen `nn.Linear`'s forward and dx GEMMs on FP8 tensor cores.
 
 Inside `qerl.execution.update_precision(model, "fp8")` (`model.base_gemm: fp8`: the FP8 phase of the model's
-`kernels.context.GemmContext`, which `qerl.execution` hands each frozen linear as `gemm_context`), the frozen bf16
+`qerl.kernels.context.GemmContext`, which `qerl.execution` hands each frozen linear as `gemm_context`), the frozen bf16
 weight W [N, K] is quantized per call to E4M3, one scale per row of what the GEMM reads (W's rows n for y = x Wᵀ,
 Wᵀ's rows k for dx = dy W: `torch._scaled_mm` scales only along the dimensions it does not contract), activations
 and gradients per row, and the product runs through `torch._scaled_mm`. Nothing is kept between calls but the two
@@ -9,7 +9,7 @@ scale vectors (W is frozen, so they are computed once): memory as the bf16 updat
 flight; or, inside the context's `held_weights` (the update, when memory allows), both FP8 copies of each weight
 kept through the update. Quantizing W reads 2 and writes 1 byte per weight, ~15% of the FP8 GEMM's time at a 7B's
 training sizes.
-NVFP4 layers have their own path (kernels.gemm: dequantized straight into FP8); this one is for plain linears.
+NVFP4 layers have their own path (qerl.kernels.gemm: dequantized straight into FP8); this one is for plain linears.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def weight_fp8(w: Tensor, inv: Tensor, transposed: bool, context) -> Tensor:
     direction."""
     if not w.is_cuda:
         return _weight_fp8(w, inv, transposed)
-    from kernels.fp8_rows import weight_fp8 as triton_weight
+    from qerl.kernels.fp8_rows import weight_fp8 as triton_weight
 
     return context.weight_copy(w, ("fp8", transposed), w.numel(), torch.float8_e4m3fn, w.device,
                                lambda flat: triton_weight(w.contiguous(), inv, transposed, out=flat))
@@ -75,7 +75,7 @@ def weight_fp8(w: Tensor, inv: Tensor, transposed: bool, context) -> Tensor:
 
 def _product(a: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
     """a [M, C] @ w8ᵀ with w8 [D, C] in E4M3 scaled per row by w_scale [D]: [M, D] in a's dtype."""
-    from kernels.gemm import fp8_rows
+    from qerl.kernels.gemm import fp8_rows
 
     aq, s_a = fp8_rows(a)
     return torch._scaled_mm(aq, w8.t(), scale_a=s_a, scale_b=w_scale[None, :], out_dtype=a.dtype)[:a.shape[0]]

@@ -47,13 +47,13 @@ def fused_group_key(name: str) -> str | None:
 
 @functools.cache
 def _gpu_gemm() -> ModuleType | None:
-    """kernels.gemm (NVFP4 GEMM backends, optional: needs Triton) if it imports, else None."""
+    """qerl.kernels.gemm (NVFP4 GEMM backends, optional: needs Triton) if it imports, else None."""
     try:
-        from kernels import gemm
+        from qerl.kernels import gemm
     except ImportError:
         return None
     except Exception as e:  # a broken Triton install must not take the reference path down with it
-        log.warning("kernels.gemm failed to import (%s); using the PyTorch reference path", e)
+        log.warning("qerl.kernels.gemm failed to import (%s); using the PyTorch reference path", e)
         return None
     return gemm
 
@@ -140,15 +140,15 @@ class QuantLinear(nn.Module):
         codec.check_shape(out_features, in_features, name)
         self.in_features, self.out_features = in_features, out_features
         self.codec: Codec = codec
-        # which layout holds the weight on a CUDA GPU (quant.gpu_layout; kernels.gemm.NVFP4Gemm's `layout`)
+        # which layout holds the weight on a CUDA GPU (quant.gpu_layout; qerl.kernels.gemm.NVFP4Gemm's `layout`)
         self.gpu_layout = "auto"
         self.fp8_weights = False  # also keep a resident FP8 copy on the GPU (quant.fp8_weights; plan_fp8_weights)
-        # the model's kernels.context.GemmContext (settings, update precision, held weights: qerl.execution.attach);
+        # the model's qerl.kernels.context.GemmContext (settings, update precision, held weights: qerl.execution.attach);
         # None: the GPU GEMM makes one of its own, with the defaults
         self.gemm_context = None
         self.dtype = dtype
         self.use_kernel = True  # False forces the PyTorch reference path (parity tests, debugging)
-        # On CUDA, NVFP4 layers hand their tensors to a kernels.gemm.NVFP4Gemm at the first forward; if it
+        # On CUDA, NVFP4 layers hand their tensors to a qerl.kernels.gemm.NVFP4Gemm at the first forward; if it
         # repacks them for another backend, that repacked copy is the only one kept (the buffers become None).
         self._gemm = None
         self._dense_cache: tuple | None = None  # (dtype, [(stored tensor, version)], dense weight): compute_weight
@@ -273,7 +273,7 @@ class QuantLinear(nn.Module):
         return {name: getattr(self, name) for name in self._codec_names()}
 
     def cuda_gemm(self):
-        """The kernels.gemm.NVFP4Gemm that runs this layer on its GPU (created, and the weight repacked for the
+        """The qerl.kernels.gemm.NVFP4Gemm that runs this layer on its GPU (created, and the weight repacked for the
         fastest backend, on first use)."""
         if self._gemm is None:
             tensors = self.quantized_tensors()
@@ -381,13 +381,13 @@ class QuantLinear(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _on_gpu_kernel(self, x: torch.Tensor) -> bool:
-        """Whether x goes through kernels.gemm (a CUDA input in bf16/fp16 to a codec with a GPU kernel, installed)."""
+        """Whether x goes through qerl.kernels.gemm (a CUDA input in bf16/fp16 to a codec with a GPU kernel, installed)."""
         return self.use_kernel and x.is_cuda and self.codec.gpu_kernel \
             and x.dtype in (torch.bfloat16, torch.float16) and _gpu_gemm() is not None
 
     def plus_low_rank(self, x: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """self(x) + scale * h @ b^T for 2-D x (inference: LoRA's update, h = x A^T, b = B): on the GPU kernel's
-        path through kernels.gemm.NVFP4Gemm.forward_low_rank (into the GEMM's epilogue where enabled), else one
+        path through qerl.kernels.gemm.NVFP4Gemm.forward_low_rank (into the GEMM's epilogue where enabled), else one
         addmm."""
         if self._rows_of is None and self._on_gpu_kernel(x):
             x2 = x if x.stride(-1) == 1 else x.contiguous()

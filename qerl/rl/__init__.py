@@ -9,5 +9,5 @@ phases and the batch passed between them, which the Prefect flow wraps as tasks)
 training over torch.distributed), `launch` (`torchrun` as a subprocess), `tracking` (the tracker interface the loop
 logs through) and `plots` (training curves as PNGs).
 
-May import: qerl.config, qerl.errors, qerl.data, qerl.execution, qerl.grading, qerl.model, qerl.quant, qerl.rollout, qerl.run.
+May import: qerl.config, qerl.debug, qerl.errors, qerl.data, qerl.execution, qerl.grading, qerl.model, qerl.quant, qerl.rollout, qerl.run.
 """

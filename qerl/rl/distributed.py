@@ -9,7 +9,6 @@ one-process gradient, and the identical optimizer steps keep the adapters equal.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from qerl.debug import variable
 
 T = TypeVar("T")
 
@@ -116,11 +117,11 @@ def process_group(timeout_s: float) -> Iterator[Group]:
     died or hangs fails the others within it instead of blocking them forever. Outside torchrun (WORLD_SIZE unset
     or 1) this yields the one-process group and touches nothing.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    if int(variable("WORLD_SIZE") or "1") <= 1 or dist.is_initialized():
         yield current()
         return
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # "cuda" then means this rank's GPU
+        torch.cuda.set_device(int(variable("LOCAL_RANK") or "0"))  # "cuda" then means this rank's GPU
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

@@ -236,7 +236,7 @@ def head_log_probs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: flo
         hidden: ``[B, T, H]`` final hidden states at the positions that predict ``ids``.
         weight: ``[V, H]`` LM head weight (no bias).
         ids: ``[B, T]`` token ids.
-        chunk_size: tokens per chunk; None: `kernels.vocab_softmax.chunk_rows` where its kernel runs, else 128.
+        chunk_size: tokens per chunk; None: `qerl.kernels.vocab_softmax.chunk_rows` where its kernel runs, else 128.
         ops: the model's training ops (`qerl.execution`): where they are fused, the head's kernel runs.
     Returns:
         ``([B, T] float32 log-probs, [B, T] float32 entropies or None)``; the entropies carry no gradient.

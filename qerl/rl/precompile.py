@@ -17,8 +17,8 @@ Skipped kernels leave their outputs unwritten; nothing on this path branches on 
 same kernels (a failed worker is a warning: the trainer compiles what is missing itself). Workers measure no GEMM
 backend (timings taken while other workers share the GPU would be wrong) but run each candidate once
 (their execution plan's gemm_tuning "compile"), so the trainer, which measures them once per machine in its first
-step (kernels.dispatch), finds every candidate compiled. The stand-in has at least two layers: the kernels between two layers (the residual add
-and the next layer's norm and LoRA input) exist only there.
+step (qerl.kernels.dispatch), finds every candidate compiled. The stand-in has at least two layers: the kernels
+between two layers (the residual add and the next layer's norm and LoRA input) exist only there.
 
 Run as a worker: `python -m qerl.rl.precompile JOB.json`.
 """
@@ -41,12 +41,13 @@ from typing import Any
 import torch
 
 from qerl.config import ExecutionSettings, LoraSettings, ModelSettings, QuantSettings, Settings
+from qerl.debug import variable
 from qerl.execution import ExecutionPlan
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 600  # a worker that takes longer is stopped: the trainer compiles what is left itself
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds qerl/ and kernels/ (their sources key the stamp)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds qerl/ (and, in a source checkout, kernels/ beside it)
 
 
 def jobs(settings: Settings, config, prompt_len: int, device: torch.device, workers: int) -> list[dict[str, Any]]:
@@ -106,8 +107,8 @@ def stamp_path(job: dict[str, Any]) -> Path:
     h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode())
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     h.update(f"{gpu}|{torch.__version__}|{triton.__version__}".encode())
-    for folder in ("qerl", "kernels"):
-        for path in sorted((_PACKAGE_ROOT / folder).rglob("*.py")):
+    for package in ("qerl", "qerl.kernels"):  # kernels/ lies inside qerl/ when installed, beside it in a checkout
+        for path in sorted(Path(importlib.util.find_spec(package).origin).parent.rglob("*.py")):
             h.update(path.read_bytes())
     return _triton_cache_dir() / "qerl-precompiled" / h.hexdigest()[:32]
 
@@ -118,7 +119,7 @@ def _triton_cache_dir() -> Path:
 
         return Path(knobs.cache.dir)
     except (ImportError, AttributeError):
-        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+        return Path(variable("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
 
 class Precompile:
@@ -127,8 +128,8 @@ class Precompile:
     def __init__(self, job_list: list[dict[str, Any]], stamp: Path):
         self.stamp, self.started = stamp, time.perf_counter()
         self._dir = tempfile.TemporaryDirectory(prefix="qerl-precompile-")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-            filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, OMP_NUM_THREADS="1")  # the environment, passed on
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
         self.workers = []
         for i, job in enumerate(job_list):
             job_file = Path(self._dir.name) / f"job{i}.json"

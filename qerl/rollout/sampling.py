@@ -6,7 +6,6 @@ engine in its reference configuration.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,9 +109,7 @@ def step_keys(row_seeds: Tensor, step: int) -> Tensor:
 def _sampling_kernel_runs(logits: Tensor) -> bool:
     """Whether plain tempered sampling takes the one-pass kernel: on CUDA (or Triton's CPU interpreter, in tests).
     CPU runs keep the PyTorch sampler and its random numbers (bit-exact resumes, the README's measured runs)."""
-    if not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    from qerl.execution import fused_ops
+    from qerl.execution import fused_ops  # imported with the model's default execution plan already
 
     return fused_ops.kernels_run_on(logits.device)
 
