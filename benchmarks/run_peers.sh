@@ -21,7 +21,7 @@ out=${1:-outputs/peers}; arms=${2:-${ARMS:-qerl-nvfp4,qerl-nvfp4-ckpt,qerl-bf16,
 whl=${WHL:-.whl-peers}; device=${DEVICE:-cuda}
 mkdir -p "$out"
 # gluon: no humming-kernels JIT in the NVFP4 arm's process; nothing reaches the network (the machine has none).
-export QERL_NVFP4_LAYOUT=gluon PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false UNSLOTH_DISABLE_STATISTICS=1 PEERS_MODEL_DIR=${PEERS_MODEL_DIR:-/tmp/peers-models}
 site=/tmp/site-peers
 pip_in() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }

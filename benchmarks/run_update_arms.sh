@@ -5,7 +5,7 @@
 #   bash benchmarks/run_update_arms.sh OUTDIR
 set -uo pipefail
 out=${1:-outputs/update-arms}; mkdir -p "$out"
-export QERL_NVFP4_LAYOUT=gluon PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
