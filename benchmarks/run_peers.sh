@@ -20,7 +20,8 @@ set -uo pipefail
 out=${1:-outputs/peers}; arms=${2:-${ARMS:-qerl-nvfp4,qerl-nvfp4-ckpt,qerl-bf16,trl}}
 whl=${WHL:-.whl-peers}; device=${DEVICE:-cuda}
 mkdir -p "$out"
-# gluon: no humming-kernels JIT in the NVFP4 arm's process; nothing reaches the network (the machine has none).
+# Nothing reaches the network (the machine has none). The NVFP4 arm takes Hopper's default Gluon layout (no
+# humming-kernels JIT in its process).
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false UNSLOTH_DISABLE_STATISTICS=1 PEERS_MODEL_DIR=${PEERS_MODEL_DIR:-/tmp/peers-models}
 site=/tmp/site-peers
