@@ -52,8 +52,14 @@ def write_folder(model: str, folder: Path) -> None:
     h, i, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = h // heads
+    # (out_features, in_features) of each projection of a block: the weights, and the adapter on all seven
+    shapes = {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h), "self_attn.v_proj": (kv * d, h),
+              "self_attn.o_proj": (h, heads * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+              "mlp.down_proj": (h, i)}
     g = torch.Generator(device="cuda").manual_seed(0)
-    rand = lambda *shape, std: (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()  # noqa: E731
+
+    def rand(*shape, std):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()
     bf16 = folder / "bf16"
     bf16.mkdir(parents=True, exist_ok=True)
     index, shard, shard_no, size = {}, {}, 0, 0
@@ -76,9 +82,6 @@ def write_folder(model: str, folder: Path) -> None:
     add("model.embed_tokens.weight", rand(cfg["vocab_size"], h, std=1.0))
     for layer in range(n_layers):
         p = f"model.layers.{layer}."
-        shapes = {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h), "self_attn.v_proj": (kv * d, h),
-                  "self_attn.o_proj": (h, heads * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
-                  "mlp.down_proj": (h, i)}
         for name, (out_f, in_f) in shapes.items():
             add(p + name + ".weight", rand(out_f, in_f, std=in_f ** -0.5))
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -98,9 +101,7 @@ def write_folder(model: str, folder: Path) -> None:
     lora.mkdir(exist_ok=True)
     tensors = {}
     for layer in range(n_layers):
-        for name, (out_f, in_f) in {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h),
-                                    "self_attn.v_proj": (kv * d, h), "self_attn.o_proj": (h, heads * d),
-                                    "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}.items():
+        for name, (out_f, in_f) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{name}"
             tensors[f"{key}.lora_A.weight"] = rand(LORA_RANK, in_f, std=in_f ** -0.5)
             tensors[f"{key}.lora_B.weight"] = rand(out_f, LORA_RANK, std=1e-3)
@@ -195,8 +196,10 @@ def table(rows: list[dict]) -> str:
            "|---" * (len(ARMS) + 3) + "|"]
     for b, n in keys:
         cells = [f"{by[(a, b, n)]['tokens_per_s']:,.0f}" if (a, b, n) in by else "-" for a in ARMS]
-        ratio = lambda s: (f"{by[('qerl-' + s, b, n)]['tokens_per_s'] / by[('vllm-' + s, b, n)]['tokens_per_s']:.2f}x"  # noqa: E731
-                           if ("qerl-" + s, b, n) in by and ("vllm-" + s, b, n) in by else "-")
+
+        def ratio(fmt):
+            ours, theirs = by.get((f"qerl-{fmt}", b, n)), by.get((f"vllm-{fmt}", b, n))
+            return f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if ours and theirs else "-"
         out.append(f"| {b} x {n} | " + " | ".join(cells) + f" | {ratio('bf16')} | {ratio('nvfp4')} |")
     return "\n".join(out)
 

@@ -77,7 +77,8 @@ with open(f"{stage}/site.tar.zst", "rb") as f, zstandard.ZstdDecompressor().stre
 EOF
   rm -f "$STAGE/site.tar.zst"
   mv "$STAGE"/unpack/* "$STAGE/site" && rmdir "$STAGE/unpack"  # the archive's one top folder
-  echo "export PYTHONPATH=$STAGE/site\${PYTHONPATH:+:\$PYTHONPATH} VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1" > "$STAGE/env"
+  { echo "export PYTHONPATH=$STAGE/site\${PYTHONPATH:+:\$PYTHONPATH} VLLM_ENABLE_V1_MULTIPROCESSING=0"
+    echo "export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1"; } > "$STAGE/env"
   echo "stage_vllm: unpacked into $STAGE/site ($(du -sh "$STAGE/site" | cut -f1)); . $STAGE/env"
 }
 

@@ -46,7 +46,8 @@ def test_an_nvfp4_run_serves_the_folder_qerl_quantize_writes_once(tiny_llama_dir
     options = vllm_options(s, context=512)
     assert options["base"] == folder and options["max_num_seqs"] == 32 and options["max_model_len"] == 512
     # a pre-quantized folder is served as it is
-    q = load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=nvfp4", f"quant.quantized_path={folder}"])
+    q = load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=nvfp4",
+                                 f"quant.quantized_path={folder}"])
     assert served_base(q) == folder
     with pytest.raises(ValueError, match="holds a nvfp4 base but quant.scheme is mxfp4"):
         served_base(load_settings(overrides=[f"model.path={folder}", "quant.scheme=mxfp4"]))

@@ -31,12 +31,9 @@ from torch import nn
 
 from qerl.model.lora import LoraSettings, lora_layers, save_adapter
 from qerl.rollout.backends import RolloutBackend, Sampling
-from qerl.rollout.sampling import Rollout, default_eos_ids
+from qerl.rollout.sampling import Rollout, decode_ids, default_eos_ids, encode_prompts
 
 __all__ = ["VLLMOptions", "VLLMBackend", "require_vllm"]
-
-LORA_UPDATES = ("new_id", "reload")
-
 
 def require_vllm():
     """The vllm module, or one line saying how to install it."""
@@ -57,7 +54,7 @@ class VLLMOptions:
     max_model_len: int
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.3  # TRL's colocate default: weights + KV cache, a share of the whole GPU
-    lora_update: str = "new_id"
+    lora_update: str = "new_id"  # or "reload" (rollout.vllm_lora_update, checked by qerl.config)
     sleep_level: int = 1  # 0: never sleep; 1: weights to host memory and KV cache dropped between rollouts
     seed: int = 0
     enforce_eager: bool = False
@@ -70,9 +67,6 @@ class VLLMBackend(RolloutBackend):
 
     def __init__(self, model: nn.Module, tokenizer: Any, options: VLLMOptions):
         require_vllm()
-        if options.lora_update not in LORA_UPDATES:
-            raise ValueError(f"rollout.vllm_lora_update = {options.lora_update!r}; choose one of "
-                             f"{', '.join(LORA_UPDATES)}")
         super().__init__(model, tokenizer)
         self.options = options
         # The engine core in this process (TRL's colocate): its model is reachable for the norm copies, and it
@@ -85,8 +79,9 @@ class VLLMBackend(RolloutBackend):
         # Without tokenizer files beside the base (random-weight benchmarks) vLLM takes token ids alone; our own
         # tokenizer decodes the completions either way.
         self._detokenize = any((options.base / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.llm = LLM(model=str(options.base), skip_tokenizer_init=not self._detokenize, dtype="bfloat16", seed=options.seed, enable_lora=True,
-                       max_lora_rank=max(8, options.lora.rank), max_loras=1, max_model_len=options.max_model_len,
+        self.llm = LLM(model=str(options.base), skip_tokenizer_init=not self._detokenize, dtype="bfloat16",
+                       seed=options.seed, enable_lora=True, max_lora_rank=max(8, options.lora.rank), max_loras=1,
+                       max_model_len=options.max_model_len,
                        max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
                        enable_sleep_mode=options.sleep_level > 0, enforce_eager=options.enforce_eager,
                        # log_softmax(logits / temperature) before top-k/top-p: what qerl's samplers return and
@@ -96,29 +91,28 @@ class VLLMBackend(RolloutBackend):
                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self._lora_id = 0
         self._lora_version: int | None = None
-        self._norm_names = self._shared_norms()
+        self._norms = self._shared_norms()
         self._asleep = False
 
     # ------------------------------------------------------------------------------------------------ weights
     def _vllm_model(self) -> nn.Module:
         return self.llm.collective_rpc(lambda worker: worker.get_model())[0]  # the nn.Module under its graph wrappers
 
-    def _shared_norms(self) -> list[str]:
-        """The norm weights of our model that vLLM's model holds under the same name (all of them, or an error)."""
-        ours = [n for n, p in self.model.named_parameters() if n.endswith("norm.weight")]
+    def _shared_norms(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(ours, vLLM's) for every norm weight of our model, matched by name (all of them, or an error). Found once:
+        both sides keep their parameters (AQN writes ours in place; vLLM's sleep restores its at the same addresses)."""
+        ours = {n: p for n, p in self.model.named_parameters() if n.endswith("norm.weight")}
         theirs = dict(self._vllm_model().named_parameters())
         missing = [n for n in ours if n not in theirs]
         if missing:
             raise ValueError(f"vLLM's model of {self.options.base} has no parameter {missing[0]} (and "
                              f"{len(missing) - 1} more): AQN noise and trained norms cannot reach it")
-        return ours
+        return [(p, theirs[n]) for n, p in ours.items()]
 
     def _copy_norms(self) -> None:
-        ours = dict(self.model.named_parameters())
-        theirs = dict(self._vllm_model().named_parameters())
         with torch.no_grad():
-            for name in self._norm_names:
-                theirs[name].copy_(ours[name].to(theirs[name].dtype))
+            for ours, theirs in self._norms:
+                theirs.copy_(ours.to(theirs.dtype))
 
     def _lora_request(self):
         """This rollout's LoRARequest: the adapter rewritten only when the model's LoRA tensors changed."""
@@ -145,8 +139,7 @@ class VLLMBackend(RolloutBackend):
         from vllm import SamplingParams
 
         self.wake()
-        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-                      for p in prompts]  # as qerl's samplers encode chat-templated text
+        prompt_ids = encode_prompts(self.tokenizer, prompts)  # as the engine encodes chat-templated text
         eos = list(sampling.eos_token_ids) if sampling.eos_token_ids is not None \
             else default_eos_ids(self.model, self.tokenizer)
         if sampling.stop_strings and not self._detokenize:
@@ -169,9 +162,8 @@ class VLLMBackend(RolloutBackend):
             logprobs.append(torch.tensor([step[t].logprob for step, t in zip(c.logprobs, ids)], dtype=torch.float32))
             reasons.append("length" if c.finish_reason == "length" else
                            "stop" if isinstance(c.stop_reason, str) else "eos")
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True) if self.tokenizer else \
-            [""] * len(completion_ids)
-        return Rollout(prompt_ids=prompt_ids, completion_ids=completion_ids, texts=texts, logprobs=logprobs,
+        return Rollout(prompt_ids=prompt_ids, completion_ids=completion_ids,
+                       texts=[decode_ids(self.tokenizer, ids) for ids in completion_ids], logprobs=logprobs,
                        stop_reasons=reasons)
 
     def reduced_precision(self) -> list[str]:
