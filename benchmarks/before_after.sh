@@ -3,9 +3,9 @@
 # before and after the redesign, each arm its own process, interleaved so that drift on the machine hits both trees.
 #
 #   git archive 3d399ee qerl kernels tasks flows pyproject.toml benchmarks/bench_rollout.py \
-#       benchmarks/bench_grpo_step.py | tar -x -C .before        # the tree before issue 50 (git-ignored)
+#       benchmarks/bench_grpo_step.py params | tar -x -C .before        # the tree before issue 50 (git-ignored)
 #   run(carry=[".whl", ".before"], command="bash benchmarks/before_after.sh tests rollout")
-#   run(carry=[".whl", ".before"], command="bash benchmarks/before_after.sh step")
+#   run(carry=[".whl", ".before"], command="bash benchmarks/before_after.sh step shared128 bf16")
 #
 # `tests`: pytest stopped by SIGINT at its budget still prints what failed so far (a SIGKILL prints nothing).
 set -uo pipefail
@@ -13,6 +13,12 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 here=$PWD
+arm() {  # tree scheme prompts variants: one bench_grpo_step call at 8 samples per prompt, 256 + 1,024 tokens
+  local dir=$here; [ "$1" = before ] && dir=$here/.before
+  (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 280 python3 benchmarks/bench_grpo_step.py --models 7b \
+     --schemes "$2" --prompts "$3" --micro 8 --prompt 256 --new 1024 --steps 2 --variants "$4" --out "$OUT/step-$1") \
+    2>&1 | sed "s/^/[$1] /" | tee -a "$OUT/step.log" | grep -v "^\[.*\]   (\|INFO"
+}
 for what in "$@"; do
   case "$what" in
     tests) PYTHONPATH=$here:$PYTHONPATH timeout -s INT -k 20 "${TESTS_S:-280}" python3 -m pytest -q -rfE \
@@ -24,12 +30,9 @@ for what in "$@"; do
                (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 150 python3 benchmarks/bench_rollout.py --models 7b \
                   --schemes $scheme --batches 64,256 --new 1024 --out "$OUT/rollout-$tree") 2>&1 \
                  | sed "s/^/[$tree] /" | tee -a "$OUT/rollout.log" | grep -v "^\[.*\]   (" ; done; done ;;
-    step) for tree in before after; do
-            dir=$here; [ $tree = before ] && dir=$here/.before
-            variants='default:'; [ $tree = after ] && variants='default:;plain:model.share_prompts=false'
-            (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 280 python3 benchmarks/bench_grpo_step.py --models 7b \
-               --schemes nvfp4 --micro 8 --prompt 256 --new 1024 --steps 2 --variants "$variants" --out "$OUT/step-$tree") 2>&1 \
-              | sed "s/^/[$tree] /" | tee -a "$OUT/step.log"; done ;;
-    *) echo "unknown part $what (tests, rollout, step)" >&2; exit 2 ;;
+    step) arm before nvfp4 8 'default:'; arm after nvfp4 8 'default:' ;;          # issue 50: the step unchanged
+    shared128) arm after nvfp4 16 'shared:;plain:model.share_prompts=false' ;;     # issue 48 at 128 rows
+    bf16) arm after bf16 8 'default:' ;;                                          # the step against bf16 LoRA
+    *) echo "unknown part $what (tests, rollout, step, shared128, bf16)" >&2; exit 2 ;;
   esac
 done

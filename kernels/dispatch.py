@@ -145,19 +145,18 @@ class Dispatcher:
             default = next(iter(candidates))
         if self.tuning == "defaults" or len(candidates) == 1 or _capturing():
             return default
-        if self.tuning == "compile":
-            for fn in candidates.values():
-                fn()
-            return default
-        timer = timer or graph_time
+        compile_only = self.tuning == "compile"  # run each once so its kernels get compiled; time nothing
+        timer = (lambda fn: (fn(), 0.0)[1]) if compile_only else timer or graph_time
         times = {}
         for name, fn in candidates.items():
+            # A backend that fails here is not picked (out of shared memory; humming's shape asserts). In compile
+            # mode too: a precompile worker that let it escape died, and its share went uncompiled.
             try:
                 times[name] = timer(fn)
-            except Exception as e:  # a backend that fails here is not picked (e.g. out of shared memory)
+            except Exception as e:
                 log.warning("GEMM backend %s cannot run %s (%s%s); the other backends are measured", name, key,
                             type(e).__name__, f": {e}" if str(e) else "")  # e.g. humming's shape asserts say nothing
-        if not times:
+        if compile_only or not times:
             return default
         pick = min(times, key=times.get)
         log.info("GEMM %s: %s", key, ", ".join(f"{b} {t * 1e6:.1f} us" for b, t in sorted(times.items())))

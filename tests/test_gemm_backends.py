@@ -86,6 +86,25 @@ def test_dispatch_ignores_a_failing_backend(cache, caplog):
     assert "triton cannot run fwd|qerl|64x64" in caplog.text and "out of shared memory" in caplog.text
 
 
+
+def test_compile_tuning_runs_each_backend_once_past_a_failing_one(cache, caplog):
+    """execution.gemm_tuning "compile" (the precompile workers): every candidate runs once so that its kernels get
+    compiled, nothing is timed or cached, and one that raises (humming's shape asserts) does not end the worker."""
+    ran = []
+
+    def humming():
+        ran.append("humming")
+        raise AssertionError
+
+    cands = {"humming": humming, "dequant_cublas": lambda: ran.append("dequant_cublas")}
+    with caplog.at_level(logging.WARNING):
+        pick = dispatch.Dispatcher("compile", cache).choose("fwd", "humming", 960, 576, 512, cands,
+                                                             lambda fn: pytest.fail("timed"))
+    assert pick == "dequant_cublas" and ran == ["humming", "dequant_cublas"]
+    assert "humming cannot run fwd|humming|960x576" in caplog.text
+    assert not cache.exists()
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "choices": {}}),
                                      json.dumps({"version": 1, "choices": "nope"}), ""])
 def test_a_corrupt_or_stale_cache_is_ignored_with_one_warning(cache, caplog, content):
