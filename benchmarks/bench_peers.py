@@ -37,8 +37,8 @@ and vLLM's graphs beside the trainer; the same for the Unsloth arms, whose own d
 time is TRL's `_generate` as the other TRL arms' (with vLLM it includes waking vLLM, pushing the merged weights
 (also given apart as `sync_s`), and putting it back to sleep). Their peak memory cannot be read off PyTorch's
 allocator (vLLM allocates its weights and KV cache through its own memory pool): every CUDA arm also reports
-`device_peak_gib`, the most GPU memory in use (total - free, CUDA context included) sampled every 20 ms through the
-arm, the figure the table compares on CUDA.
+`device_peak_gib`, the most GPU memory the arm held (as nvidia-smi counts it, CUDA context included), sampled
+through NVML every 20 ms, the figure the table compares on CUDA.
 
 `--arms` takes `ARM@ROWS` (e.g. `trl-vllm@128`): that arm at 8 samples of ROWS / 8 prompts per step (default
 `--rows`, 64); the table holds one line per arm and row count, each compared with the same row count's TRL and qerl
@@ -106,36 +106,47 @@ def _peak_gib(device: str) -> float:
 
 
 class DevicePeak:
-    """The most GPU memory in use (total - free: PyTorch's allocator, vLLM's own pool, the CUDA context), sampled by a
-    thread every `every` seconds while the arm runs. PyTorch's peak misses what vLLM allocates itself (its weights and
-    KV cache live in its sleep-mode pool), and vLLM's `gpu_memory_utilization` is only its ceiling: this is the figure
-    both sides of a colocated step add up to. The machine runs one arm at a time, so the device's use is the arm's."""
+    """The most memory the arm held on the GPU: PyTorch's allocator, vLLM's own pool, the CUDA context, all of it,
+    as nvidia-smi counts it. PyTorch's peak misses what vLLM allocates itself (its weights and KV cache live in its
+    sleep-mode pool), and vLLM's `gpu_memory_utilization` is only its ceiling: this is what both sides of a colocated
+    step add up to. Read through NVML (nvidia-ml-py, on the GPU image and a vLLM dependency) by a thread every `every`
+    seconds: NVML is not the CUDA runtime, so the thread cannot disturb a CUDA graph being captured in the arm (a
+    CUDA call from another thread during a global-mode capture invalidates it). Counted from what the device held
+    when the arm began, before its CUDA context (the machine runs one arm at a time)."""
 
     def __init__(self, every: float = 0.02):
         import threading
 
-        import torch
+        import pynvml
 
-        self.every, self.peak, self._stop = every, 0, threading.Event()
-        self._read = torch.cuda.mem_get_info
-        self.sample()
+        pynvml.nvmlInit()
+        visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+        self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
+        self.every, self._stop = every, threading.Event()
+        self.start = self.peak = self._used()
         self._thread = threading.Thread(target=self._run, name="device-peak", daemon=True)
         self._thread.start()
 
-    def sample(self) -> None:
-        free, total = self._read()
-        self.peak = max(self.peak, total - free)
+    @classmethod
+    def begin(cls) -> "DevicePeak | None":
+        """A sampler, or None (said on stderr) where NVML cannot be read: the arm runs without the figure."""
+        try:
+            return cls()
+        except Exception as e:  # noqa: BLE001 -- pynvml missing, or no NVML library: the figure only
+            print(f"bench_peers: no device memory figure ({type(e).__name__}: {first_line(e)})", file=sys.stderr)
+            return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            self.sample()
+            self.peak = max(self.peak, self._used())
 
     def stop(self) -> float:
-        """Stops sampling; the peak in GiB."""
+        """Stops sampling; the peak over the start, in GiB."""
         self._stop.set()
         self._thread.join()
-        self.sample()
-        return self.peak / 2**30
+        self.peak = max(self.peak, self._used())
+        return (self.peak - self.start) / 2**30
 
 
 def _reached(args, **kv) -> None:
@@ -539,7 +550,7 @@ def first_line(e: BaseException | str) -> str:
 
 def one_arm(args) -> int:
     arm = args.arm
-    device_peak = None
+    device_peak = DevicePeak.begin() if args.device == "cuda" else None  # before the arm's CUDA context
     try:
         if arm.startswith("unsloth") and (args.device == "cuda" or args.tiny):
             import_unsloth(standby=arm in VLLM_ARMS)
@@ -547,7 +558,6 @@ def one_arm(args) -> int:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-            device_peak = DevicePeak()
         if arm.startswith("qerl-"):
             # qerl-<scheme>, or qerl-<scheme>-ckpt: every block recomputed in the update, as TRL's gradient
             # checkpointing does (the default, `auto`, keeps what the free memory holds: faster, higher peak).
@@ -586,7 +596,8 @@ def one_arm(args) -> int:
         import torch
 
         row["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        row["device_peak_gib"] = device_peak.stop()
+        if device_peak is not None:
+            row["device_peak_gib"] = device_peak.stop()
     _write_row(args, row)
     return 0
 

@@ -167,3 +167,12 @@ def test_a_vllm_arm_that_cannot_run_here_says_why_and_the_run_goes_on(tmp_path):
     assert row["arm"] == "trl-vllm" and row["rows"] == 16
     assert row["unavailable"].startswith(f"{missing} is not installed"), row
     assert f"| trl-vllm | 16 | did not run: {missing} is not installed" in done.stdout
+
+
+def test_without_nvml_an_arm_runs_without_the_device_figure_and_says_so(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("NVML answers on a GPU machine")
+    assert peers.DevicePeak.begin() is None
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("bench_peers: no device memory figure (")
