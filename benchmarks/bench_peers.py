@@ -35,10 +35,12 @@ QLoRA and Unsloth arms' (PEERS_MODEL_DIR), and give vLLM `--vllm-memory` of the 
 default: 42 of the H200's 141 GB, room for the 7B's bf16 weights, a KV cache for 128 rows x 1,280 tokens (9.4 GB)
 and vLLM's graphs beside the trainer; the same for the Unsloth arms, whose own default is 0.5). Their generation
 time is TRL's `_generate` as the other TRL arms' (with vLLM it includes waking vLLM, pushing the merged weights
-(also given apart as `sync_s`), and putting it back to sleep). Their peak memory cannot be read off PyTorch's
-allocator (vLLM allocates its weights and KV cache through its own memory pool): every CUDA arm also reports
-`device_peak_gib`, the most GPU memory the arm held (as nvidia-smi counts it, CUDA context included), sampled
-through NVML every 20 ms, the figure the table compares on CUDA.
+(also given apart as `sync_s`), and putting it back to sleep); the rest of the step is the update (with it TRL's
+forward over the completions for the log-probs its importance-sampling correction of vLLM's sampling needs, on by
+default with vLLM, as its users run it). Their peak memory cannot be read off PyTorch's allocator (vLLM allocates
+its weights and KV cache through its own memory pool): every CUDA arm also reports `device_peak_gib`, the most GPU
+memory the arm held (as nvidia-smi counts it, CUDA context included), sampled through NVML every 20 ms, the figure
+the table compares on CUDA.
 
 `--arms` takes `ARM@ROWS` (e.g. `trl-vllm@128`): that arm at 8 samples of ROWS / 8 prompts per step (default
 `--rows`, 64); the table holds one line per arm and row count, each compared with the same row count's TRL and qerl
