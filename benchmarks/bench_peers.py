@@ -742,6 +742,8 @@ def main() -> None:
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     every = GPU_ARMS if args.device == "cuda" or args.tiny else CPU_ARMS
     try:
+        if args.rows <= 0 or args.rows % GROUP:
+            raise ValueError(f"--rows {args.rows} must be a positive multiple of the group size {GROUP}")
         arms = parse_arms(args.arms, every, args.rows)
     except ValueError as e:
         print(f"bench_peers: {e}", file=sys.stderr)

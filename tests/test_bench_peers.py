@@ -131,6 +131,11 @@ def test_an_unknown_arm_on_the_command_line_is_one_line_and_exit_2(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"bench_peers: --arms: unknown arm 'unsloth-vllm' in 'unsloth-vllm' (arms: {', '.join(peers.GPU_ARMS)})"]
     assert not (tmp_path / "out").exists()  # nothing written for a run that did not start
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--rows", "60",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "bench_peers: --rows 60 must be a positive multiple of the group size 8"]
 
 
 def test_the_table_compares_each_row_count_with_its_own_trl_and_qerl_lines():
