@@ -82,6 +82,7 @@ archive() {  # archive WORK FOLDER...: WORK's folders as one zstd tarball split 
   for p in "$work"/part.*; do n=$((n + 1)); mkdir -p ".vllm/$n"; mv "$p" ".vllm/$n/"; done
   (cd "$work" && sha256sum site.tar.zst | cut -d' ' -f1) > .vllm/1/manifest
   echo "$n" >> .vllm/1/manifest
+  rm -f "$work/site.tar.zst"
   echo "$n"
 }
 
