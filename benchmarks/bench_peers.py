@@ -297,7 +297,10 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False, vllm: bool = F
         import trl
         from peft import LoraConfig
     except ImportError as e:
-        raise Unavailable(f"{e.name} is not installed (pip install trl peft)") from None
+        if e.name in ("trl", "peft"):
+            raise Unavailable(f"{e.name} is not installed (pip install trl peft)") from None
+        # Installed, but something under it does not import here (a staged package built for another Python, say)
+        raise Unavailable(f"trl or peft does not import here: {type(e).__name__}: {first_line(e)}") from None
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -737,7 +740,7 @@ def main() -> None:
         return
     if args.table:
         rows = [json.loads(line) for f in args.table for line in Path(f).read_text().splitlines() if line.strip()]
-        print(table(rows, "cpu" if rows and rows[0].get("device") == "cpu" else "cuda"))
+        print(table(rows, "cpu" if any(r.get("device") == "cpu" for r in rows) else "cuda"))
         return
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     every = GPU_ARMS if args.device == "cuda" or args.tiny else CPU_ARMS
