@@ -198,6 +198,12 @@ def test_generate_fast_keeps_one_engine_and_leaves_the_model_clean():
     assert engine.caches is None and engine_for(model) is not engine
 
 
+def test_the_model_takes_its_caches_one_per_layer():
+    model = tiny()
+    with pytest.raises(ValueError, match="1 KV caches for 2 layers"):
+        model.use_kv_caches([None])
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_new_tokens=-1), "max_new_tokens"), (dict(seed=1, generator=torch.Generator()), "seed or generator"),

@@ -416,8 +416,16 @@ class Transformer(nn.Module):
 
     def free_kv_cache(self) -> None:
         """Drop the cache, returning its memory (e.g. before a training step)."""
-        for layer in self.model.layers:
-            layer.self_attn.kv_cache = None
+        self.use_kv_caches(None)
+
+    def use_kv_caches(self, caches: Sequence | None) -> None:
+        """Have attention read and write `caches` (one per layer, each with `update(k, v, positions)` and
+        `k_cache`, as KVCache; the rollout engine's own) in the forwards that pass `cache_position`; None: none."""
+        caches = [None] * len(self.model.layers) if caches is None else list(caches)
+        if len(caches) != len(self.model.layers):
+            raise ValueError(f"{len(caches)} KV caches for {len(self.model.layers)} layers")
+        for layer, cache in zip(self.model.layers, caches):
+            layer.self_attn.kv_cache = cache
 
     def fused_decode_supported(self) -> bool:
         """Whether `decode_step(fused=True)` can run here (`qerl.execution.decode.supported`)."""

@@ -17,9 +17,9 @@ batch (up to the float rounding of the batch's shapes).
   `base(x)` then one `addmm_` where they run. That takes a layer from ~75 kernels to ~30; in a graph each tiny
   kernel still costs a few µs, which at decode sizes is the same order as reading the (NVFP4) weights. Off CUDA
   it runs the plain PyTorch ops, so CPU runs compute what `Transformer.forward` computes. `fused=False` graphs
-  `Transformer.forward` itself. The engine never reaches into MLP or LoRA: it owns the caches (which it hands to
-  the attention modules for the model's forward, in `_install` only), which rows and slots are live, graph capture
-  and compaction.
+  `Transformer.forward` itself. The engine never reaches into the model's modules: it owns the caches (handed to the
+  model's forward through `Transformer.use_kv_caches`, as gpt-fast's model takes its caches), which rows and slots
+  are live, graph capture and compaction.
 * Sampling (`qerl.rollout.sampling.sample_tokens`) runs eagerly on the GPU between replays: no host synchronization
   per token. With `row_seeds` the one-pass kernel keys each slot by its row's seed and the step (`step_keys`), one
   launch for the batch; PyTorch's sampler (the CPU, top-k/top-p) draws from each row's generator. Every
@@ -252,8 +252,7 @@ class RolloutEngine:
         self.graphs.clear()
         self._pool = None
         if self.caches is not None:
-            for layer in self.model.model.layers:
-                layer.self_attn.kv_cache = None
+            self.model.use_kv_caches(None)
         self.caches = self.kv = None
         if self._kv_memory is not None:
             self._kv_memory.close()  # after the graphs and every view of it are gone
@@ -289,20 +288,17 @@ class RolloutEngine:
             if self.caches is None or need_rows > self.cap_rows or need_slots > self.cap_slots:
                 self._allocate(max(need_rows, self.cap_rows), max(need_slots, self.cap_slots))
         self._wake()
-        for layer in self.model.model.layers:
-            layer.self_attn.kv_cache = None  # ours are installed below; the signature must not see a model cache
+        self.model.use_kv_caches(None)  # ours are handed over below; the signature must not see a model cache
         signature = self._signature()
         if signature != self._signature_seen:
             if self.graphs:
                 log.info("model tensors or LoRA switches changed: recapturing rollout graphs")
             self.graphs.clear()
             self._signature_seen = signature
-        for layer, cache in zip(self.model.model.layers, self.caches):
-            layer.self_attn.kv_cache = cache
+        self.model.use_kv_caches(self.caches)
 
     def _uninstall(self) -> None:
-        for layer in self.model.model.layers:
-            layer.self_attn.kv_cache = None
+        self.model.use_kv_caches(None)
 
     # ------------------------------------------------------------------------------------------------ forward
 
