@@ -4,15 +4,14 @@
 # decide between the calls: each has its budget inside its timeout, and what it found is read after the last.
 #
 #   run(carry=[".whl", ".vllm/1"], timeout_s=400, command="bash benchmarks/gpu_chain.sh 1")  # ~6 min
-#   run(carry=[".whl", ".vllm/2"], timeout_s=300, command="bash benchmarks/gpu_chain.sh 2")  # ~4.5 min
+#   run(carry=[".whl", ".vllm/2"], timeout_s=220, command="bash benchmarks/gpu_chain.sh 2")  # ~3 min
 #   run(carry=[".whl", ".vllm/3"], timeout_s=560, command="bash benchmarks/gpu_chain.sh 3")  # ~9 min
 #   run(carry=[".whl"], timeout_s=500, command="bash benchmarks/gpu_chain.sh 4")             # ~8 min
 #
 # With the machine's start (~2 min) and the gaps, ~28 of a session's 30 device minutes. What each call settles:
 #   1. issue 50: the GPU tests its last changes owe (the precompile workers past humming's shape assert; the model
 #      taking its KV caches, through test_engine's CUDA cases and a CLI run) and the qerl-only arm of #46's step.
-#   2. the 7B folder the vLLM arms load (qerl quantize's NVFP4 output, bench_grpo_step --folder) and the bf16 7B
-#      folder issue 49's TRL arms load (bench_peers --save-model), written while part 2 travels.
+#   2. the 7B folders the vLLM arms load (random bf16, and qerl quantize's NVFP4 of it: bench_grpo_step --folder).
 #   3. unpack; issue 46's GPU tests (the export served by vLLM, merged and not; rollout.backend vllm trains, resumes
 #      and evaluates), then the nf4-bnb CLI case (bitsandbytes comes with the peers' packages).
 #   4. issue 46's step: rollout.backend vllm with a new LoRA id per step, and with the adapter reloaded in place.
@@ -23,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 step="${1:?usage: gpu_chain.sh 1|2|3|4}"
 bash benchmarks/stage_vllm.sh receive
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PEERS_MODEL_DIR=/tmp/peers-models
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
   && export PYTHONPATH=$PYTHONPATH:/tmp/site
 [ -f /tmp/qerl-vllm/env ] && . /tmp/qerl-vllm/env && export PYTHONPATH=$PWD:$PYTHONPATH
@@ -40,8 +39,7 @@ case "$step" in
      step_arms 120 'engine:' ;;
   2) timeout 150 python3 -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks')
-from bench_vllm import write_folder; write_folder('7b', Path('/tmp/qerl-vllm-bench'))" 2>&1 | log
-     timeout 120 python3 benchmarks/bench_peers.py --device cuda --model 7b --save-model 2>&1 | log ;;
+from bench_vllm import write_folder; write_folder('7b', Path('/tmp/qerl-vllm-bench'))" 2>&1 | log ;;
   3) [ -f /tmp/qerl-vllm/env ] || { echo "gpu_chain: vLLM is not unpacked (were calls 1-2 back to back?)"; exit 1; }
      tests 400 -x tests/test_gpu_vllm.py
      tests 120 "tests/test_gpu_cli.py::test_gpu_quantize_train_resume_eval_export[nf4-bnb-auto]" ;;
