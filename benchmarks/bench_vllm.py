@@ -6,7 +6,10 @@ NVFP4 + LoRA on each side, random-weight Qwen2.5 shapes, the same prompts and le
 
 vLLM's arms load a folder this script writes once (`--folder`): a random bf16 Hugging Face checkpoint of the shape,
 its NVFP4 form written by qerl's own `quantize_checkpoint` (compressed-tensors `nvfp4-pack-quantized`, which vLLM
-runs with its Marlin FP4 kernels on Hopper), and a random rank-16 PEFT adapter on all seven projections. vLLM runs as
+runs with its Marlin FP4 kernels on Hopper), and a random rank-16 PEFT adapter on all seven projections. With
+`--weights dummy` (the 32B: its bf16 checkpoint, 65 GB, does not fit a 64 GB disk beside its NVFP4 form) the two
+model folders hold only their config.json, the NVFP4 one with the quantization_config `quantize_checkpoint` writes,
+and vLLM makes up the weights (`load_format="dummy"`: small uniform values; speed does not depend on them). vLLM runs as
 users run it offline: `LLM(...)` with its defaults (torch.compile, piecewise CUDA graphs, FlashAttention 3 on
 Hopper), LoRA enabled, the engine core in this process, `gpu_memory_utilization` 0.85. qerl's arms run
 `benchmarks/bench_rollout.py`'s model (the same shape built in memory, `quant.fp8_weights: auto` for NVFP4) through
@@ -36,30 +39,64 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 # ------------------------------------------------------------------------------------------------------- the folder
-def write_folder(model: str, folder: Path) -> None:
-    """`folder`/bf16 (random weights), `folder`/nvfp4 (qerl's quantize_checkpoint of it), `folder`/lora (PEFT)."""
+def model_config(model: str) -> dict:
+    """The Hugging Face config.json of a random-weight model of `model`'s published shape."""
+    from bench_rollout import hf_config
+
+    return {**hf_config(model), "architectures": ["Qwen2ForCausalLM"], "torch_dtype": "bfloat16",
+            "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu", "attention_dropout": 0.0}
+
+
+def projection_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each projection of a block: the weights, and the adapter on all seven."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // heads
+    return {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h), "self_attn.v_proj": (kv * d, h),
+            "self_attn.o_proj": (h, heads * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i)}
+
+
+def write_config_folders(cfg: dict, folder: Path) -> None:
+    """`folder`/bf16 and `folder`/nvfp4 as config.json alone (vLLM's `load_format="dummy"` makes up the weights); the
+    NVFP4 one declares what `quantize_checkpoint` would write for this config: the same quantization_config."""
+    from qerl.quant.checkpoint import quantization_config
+
+    for scheme in ("bf16", "nvfp4"):
+        (folder / scheme).mkdir(parents=True, exist_ok=True)
+        qc = quantization_config(scheme)
+        (folder / scheme / "config.json").write_text(json.dumps({**cfg, **({"quantization_config": qc} if qc else {})},
+                                                                indent=2, sort_keys=True))
+
+
+def write_folder(model: str, folder: Path, weights: str = "random") -> None:
+    """`folder`/bf16 (random weights), `folder`/nvfp4 (qerl's quantize_checkpoint of it), `folder`/lora (PEFT);
+    with `weights` "dummy", the same under `folder`/dummy, the two model folders as config.json alone
+    (write_config_folders)."""
     import torch
     from safetensors.torch import save_file
 
-    from bench_rollout import hf_config
     from qerl.quant.checkpoint import quantize_checkpoint
 
-    if (folder / "done").is_file():
+    if weights == "dummy":  # a folder of its own: never mistaken for (or mixed into) the random checkpoint's
+        folder = folder / "dummy"
+    done = folder / "done"
+    if done.is_file():
         return
     t0 = time.perf_counter()
-    cfg = {**hf_config(model), "architectures": ["Qwen2ForCausalLM"], "torch_dtype": "bfloat16",
-           "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu", "attention_dropout": 0.0}
-    h, i, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
-    # (out_features, in_features) of each projection of a block: the weights, and the adapter on all seven
-    shapes = {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h), "self_attn.v_proj": (kv * d, h),
-              "self_attn.o_proj": (h, heads * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
-              "mlp.down_proj": (h, i)}
-    g = torch.Generator(device="cuda").manual_seed(0)
+    cfg = model_config(model)
+    h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    shapes = projection_shapes(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, std):
-        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()
+        return (torch.randn(*shape, generator=g, device=device) * std).to(torch.bfloat16).cpu()
+    if weights == "dummy":
+        write_config_folders(cfg, folder)
+        write_adapter(folder / "lora", folder / "bf16", shapes, n_layers, rand)
+        done.write_text("ok")
+        return
     bf16 = folder / "bf16"
     bf16.mkdir(parents=True, exist_ok=True)
     index, shard, shard_no, size = {}, {}, 0, 0
@@ -97,8 +134,16 @@ def write_folder(model: str, folder: Path) -> None:
     t0 = time.perf_counter()
     quantize_checkpoint(bf16, folder / "nvfp4", "nvfp4", progress=False)
     print(f"nvfp4 folder written in {time.perf_counter() - t0:.0f} s", flush=True)
-    lora = folder / "lora"
-    lora.mkdir(exist_ok=True)
+    write_adapter(folder / "lora", bf16, shapes, n_layers, rand)
+    done.write_text("ok")
+
+
+def write_adapter(lora: Path, base: Path, shapes: dict, n_layers: int, rand) -> None:
+    """A random rank-LORA_RANK PEFT adapter on all seven projections of every block (lora_B small, not zero: the
+    adapter's GEMMs run as a trained one's do)."""
+    from safetensors.torch import save_file
+
+    lora.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for layer in range(n_layers):
         for name, (out_f, in_f) in shapes.items():
@@ -108,8 +153,7 @@ def write_folder(model: str, folder: Path) -> None:
     save_file(tensors, str(lora / "adapter_model.safetensors"), metadata={"format": "pt"})
     (lora / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": list(PROJECTIONS),
-        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(bf16)}))
-    (folder / "done").write_text("ok")
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base)}))
 
 
 # ---------------------------------------------------------------------------------------------------------- the arms
@@ -127,12 +171,13 @@ def vllm_arm(args, scheme: str) -> list[dict]:
     from bench_rollout import random_prompts
 
     import vllm
-    folder = Path(args.folder)
+    folder = Path(args.folder) / ("dummy" if args.weights == "dummy" else "")
     longest = max(n for _, n in configs(args))
     t0 = time.perf_counter()
     llm = LLM(model=str(folder / scheme), skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_lora=True,
               max_lora_rank=LORA_RANK, max_loras=1, max_model_len=args.prompt + longest,
-              max_num_seqs=max(r for r, _ in configs(args)), gpu_memory_utilization=args.gpu_memory_utilization)
+              max_num_seqs=max(r for r, _ in configs(args)), gpu_memory_utilization=args.gpu_memory_utilization,
+              load_format="dummy" if args.weights == "dummy" else "auto")
     start_s = time.perf_counter() - t0
     lora = LoRARequest("bench", 1, str(folder / "lora"))
     free, total = torch.cuda.mem_get_info()
@@ -185,7 +230,8 @@ def run_arm(args) -> None:
     rows = vllm_arm(args, scheme) if side == "vllm" else qerl_arm(args, scheme)
     with open(os.path.join(args.out, "vllm.jsonl"), "a") as f:
         for r in rows:
-            f.write(json.dumps({**r, "arm": args.arm, "model": args.model, "prompt": args.prompt}) + "\n")
+            f.write(json.dumps({**r, "arm": args.arm, "model": args.model, "prompt": args.prompt,
+                                "weights": args.weights}) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------- the table
@@ -215,6 +261,8 @@ def main() -> None:
     ap.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in this process (the parent's child)
     ap.add_argument("--folder", default="/tmp/qerl-vllm-bench")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--weights", choices=("random", "dummy"), default="random",
+                    help="vLLM's weights: a random checkpoint written to --folder, or made up by vLLM (config only)")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -222,7 +270,7 @@ def main() -> None:
         return run_arm(args)
     arms = args.arms.split(",")
     if any(a.startswith("vllm") for a in arms):
-        write_folder(args.model, Path(args.folder))
+        write_folder(args.model, Path(args.folder), args.weights)
     for arm in arms:
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
