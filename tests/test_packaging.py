@@ -151,8 +151,9 @@ def test_a_checkout_on_the_path_leaves_kernels_tasks_and_flows_to_their_public_n
 
 
 def test_importing_qerl_changes_no_process_wide_setting(tmp_path):
-    """Every module of the core imported after torch (which sets its own): the environment is as it was. The flows'
-    and tasks' package is where their processes start (qerl.flows makes its settings there, before Prefect loads)."""
+    """Every module of the core and of kernels/ imported after torch (which sets its own): the environment is as it
+    was. flows/ and tasks/ are left out: their processes start there (qerl.flows.startup makes its settings, before
+    Prefect loads)."""
     core = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
                   for p in (ROOT / "qerl").rglob("*.py") if p.name != "__main__.py")
     core += [f"qerl.kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__"]
