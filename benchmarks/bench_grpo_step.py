@@ -254,11 +254,11 @@ def main() -> None:
     if args.arm:
         sys.exit(one_arm(args))
     os.makedirs(args.out, exist_ok=True)
-    from qerl import kernels
+    from qerl.kernels import nvfp4_ops
 
     total = torch.cuda.get_device_properties(0).total_memory / GIB
     print(f"device {torch.cuda.get_device_name()} ({total:.0f} GiB) | NVFP4 Triton kernels "
-          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'} | "
+          f"{'available' if nvfp4_ops.available() else 'NOT available (PyTorch dequantize path)'} | "
           f"bitsandbytes {bnb_version()}", flush=True)
     rows = []
     with open(os.path.join(args.out, "grpo_step.jsonl"), "a") as log:

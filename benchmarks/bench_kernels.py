@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from qerl import kernels  # noqa: E402
+from qerl.kernels import nvfp4_ops  # noqa: E402
 from qerl.kernels import nvfp4 as K  # noqa: E402
 from qerl.quant import nvfp4 as codec  # noqa: E402
 
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dequant-only", action="store_true", help="only the dequantize-alone table")
     args = ap.parse_args()
-    assert torch.cuda.is_available() and kernels.available(), "needs CUDA + triton"
+    assert torch.cuda.is_available() and nvfp4_ops.available(), "needs CUDA + triton"
     try:
         import bitsandbytes as bnb
     except Exception as e:

@@ -244,10 +244,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
-    from qerl import kernels
+    from qerl.kernels import nvfp4_ops
 
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | NVFP4 Triton kernels "
-          f"{'available' if kernels.available() else 'NOT available (PyTorch dequantize path)'} | "
+          f"{'available' if nvfp4_ops.available() else 'NOT available (PyTorch dequantize path)'} | "
           f"bitsandbytes {bnb_version()}", flush=True)
     rows: list[dict] = []
     skipped: list[str] = []

@@ -5,6 +5,8 @@ Prefect-free: `qerl.flows.compare` and the bare GPU driver (`benchmarks/aqn_seed
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 from qerl.config import ConfigError
 
 # The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's

@@ -7,6 +7,8 @@ included), 130 for Ctrl-C; QERL_DEBUG=1 shows the traceback.
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 import argparse
 import logging
 import sys

@@ -20,6 +20,8 @@ way with any N.
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 import argparse
 import gc
 import json
@@ -129,7 +131,7 @@ def base_entropy(settings: Settings, out: Path, num_prompts: int, quantized_root
     """The policy entropy of `settings.quant.scheme`'s base (fresh LoRA, AQN off) at step 0 on the first
     `num_prompts` held-out questions, sampled with the same seed for every format; cached in `out/<scheme>.json`."""
     from qerl.evaluation.evaluate import eval_examples
-    from qerl.tasks import build_trainer
+    from qerl.tasks.training import build_trainer
 
     scheme = settings.quant.scheme
     cached = out / f"{scheme}.json"

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 import argparse
 import sys
 import time
@@ -16,7 +18,7 @@ from qerl.flows import cli, prefect_api
 from qerl.flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
 from qerl.config import load_settings
-from qerl.tasks import evaluate as evaluate_task
+from qerl.tasks.evaluation import evaluate as evaluate_task
 
 
 class NoVersion(LookupError):

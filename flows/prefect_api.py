@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 from pathlib import Path
 
 from qerl.debug import variable

@@ -6,6 +6,8 @@ on the same evaluation set, and move the `champion` alias only if the new adapte
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 import argparse
 import dataclasses
 import sys
@@ -18,7 +20,8 @@ from qerl.flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolv
 from qerl.flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, log_eval, run_name,
                               run_tags, train_and_evaluate)
 from qerl.config import ConfigError, Settings, load_settings
-from qerl.tasks import evaluate, find_newest_data
+from qerl.tasks.data import find_newest_data
+from qerl.tasks.evaluation import evaluate
 
 
 class NoChampion(LookupError):

@@ -6,6 +6,8 @@ is thread-local, and Prefect may run a task on another thread than its flow.
 
 from __future__ import annotations
 
+from qerl.flows import startup  # first of all: the process's settings, before Prefect, MLflow, torch
+
 import fcntl
 import logging
 import math
@@ -19,7 +21,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from qerl import flows
 from qerl.config import Settings
 from qerl.debug import variable
 from qerl.rl.tracking import NullTracker
@@ -225,8 +226,8 @@ class MlflowTracker:
         return str(version.version)
 
     def end(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)  # MLflow's own links are off: flows/__init__.py
-        if urlparse(self.tracking_uri).scheme in ("http", "https") and flows.PRINT_MLFLOW_LINKS:
+        self.client.set_terminated(self.run_id, status)  # MLflow's own links are off: flows/startup.py
+        if urlparse(self.tracking_uri).scheme in ("http", "https") and startup.PRINT_MLFLOW_LINKS:
             print(f"🏃 View run {self.run_name} at: {run_url(self.tracking_uri, self.experiment_id, self.run_id)}")
             print(f"🧪 View experiment at: {experiment_url(self.tracking_uri, self.experiment_id)}")
 

@@ -6,6 +6,8 @@ adapter logged and registered in MLflow.
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 import argparse
 import contextlib
 import dataclasses
@@ -28,9 +30,10 @@ from qerl.rl.stopping import TrainingStopped
 from qerl.rl.tracking import log_step
 from qerl.run.lock import FolderLock, run_folder_lock
 from qerl.run.metrics import MetricsLog
-from qerl.tasks import (build_trainer, evaluate, export_adapter, generate_rollouts, grpo_update, quantize_checkpoint,
-                   score_rewards, torchrun_train)
-from qerl.tasks.quantize import is_complete
+from qerl.tasks.evaluation import evaluate
+from qerl.tasks.quantize import is_complete, quantize_checkpoint
+from qerl.tasks.training import (build_trainer, export_adapter, generate_rollouts, grpo_update, score_rewards,
+                                 torchrun_train)
 
 QUANTIZED_ROOT = "runs/quantized"  # quantized bases, one folder per (source, scheme, codec version), shared by runs
 EVAL_METRIC = "accuracy"  # what "better" means when the retrain flow compares adapters (higher is better)

@@ -19,6 +19,8 @@ Prefect-free on purpose: `qerl.flows.compare --jobs` uses it under Prefect, and 
 
 from __future__ import annotations
 
+from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
+
 import json
 import os
 import shutil

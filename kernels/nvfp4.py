@@ -1,6 +1,6 @@
 """Launchers, shape dispatch, optional autotuning and the autograd function for the NVFP4 kernels.
 
-Needs triton (imported by kernels/__init__.py only inside a guard). Tensors must be on CUDA, or on the CPU
+Needs triton (imported by nvfp4_ops.py only inside a guard). Tensors must be on CUDA, or on the CPU
 with TRITON_INTERPRET=1 set before the kernel module was imported (tests).
 """
 

@@ -29,7 +29,9 @@ __version__ = "0.1.0"
 # kernels/, tasks/ and flows/ sit at the top of the repository but are qerl's: pip installs them as qerl/kernels,
 # qerl/tasks, qerl/flows (pyproject.toml's package-dir). A source checkout run without installing (PYTHONPATH=$PWD, as
 # the GPU machines run the tree) finds them under the same names: there qerl's subpackages are also looked for at the
-# checkout's root, after qerl/ itself. Only qerl's own module search path changes, nothing process-wide.
+# checkout's root, after qerl/ itself. Only qerl's own module search path changes, nothing process-wide. The three
+# folders have no __init__.py (namespace portions): with the checkout's root on sys.path, a bare `import kernels` then
+# finds an installed `kernels` (Hugging Face's) rather than ours, which a regular package would have shadowed.
 _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "pyproject.toml").is_file():
     __path__.append(str(_checkout))

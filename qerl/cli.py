@@ -160,7 +160,7 @@ def _cmd_params(args) -> int:
 
 
 def prepare_process() -> None:
-    """What a process that qerl starts sets for itself, first (the `qerl` command, the flows' package, scripts):
+    """What a process that qerl starts sets for itself, first (the `qerl` command, qerl.flows.startup, scripts):
     importing qerl sets nothing process-wide.
 
     OpenMP threads that spin while waiting turn every small CPU op 15-150x slower as soon as another process shares

@@ -57,10 +57,19 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
+def namespace_packages() -> dict[str, Path]:
+    """Dotted name -> folder, for the mapped folders without an `__init__.py` (namespace portions, so that a checkout
+    on the path does not shadow their public namesakes): nothing of theirs runs on import, but `from qerl import
+    kernels` is still an arrow to them."""
+    return {package: ROOT / folder for folder, package in FIRST_PARTY.items()
+            if not (ROOT / folder / "__init__.py").exists()}
+
+
 @functools.cache
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: imports(name, path, known) for name, path in known.items()}
+    names = {**namespace_packages(), **known}
+    return {name: imports(name, path, names) for name, path in known.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -196,6 +205,32 @@ def test_every_part_imports_only_parts_listed_before_it():
                    for t in targets if unit(t) in order and order[unit(t)] > order[unit(m)]
                    and f"{m} -> {t}" not in KERNELS_IMPORT_ALLOWED)
     assert not wrong, "imports against the order of qerl/__init__.py's docstring: " + "; ".join(wrong)
+
+
+def test_the_mapped_folders_are_namespace_packages_and_an_import_of_one_counts(tmp_path):
+    """kernels/, tasks/ and flows/ have no `__init__.py` (tests/test_packaging.py says why), so they are no modules
+    of the graph; an import that names one still is an arrow to it."""
+    assert set(namespace_packages()) == set(FIRST_PARTY.values()) - {"qerl"}
+    path = tmp_path / "m.py"
+    path.write_text("from qerl import kernels, tasks\nimport qerl.flows\n")
+    found = imports("qerl.m", path, {**namespace_packages(), **modules()})
+    assert found == {"qerl.kernels", "qerl.tasks", "qerl.flows"}
+
+
+def test_every_module_of_flows_sets_the_process_up_first():
+    """flows/ has no `__init__.py` to run before its modules (a namespace portion): each module imports
+    qerl.flows.startup before anything else, so the process's settings precede Prefect, MLflow and torch however a
+    flow module is reached (`python -m`, a Prefect worker loading the file, a test)."""
+    wrong = []
+    for path in sorted((ROOT / "flows").glob("*.py")):
+        if path.name == "startup.py":
+            continue
+        first = next((node for node in ast.parse(path.read_text(encoding="utf-8")).body
+                      if isinstance(node, (ast.Import, ast.ImportFrom)) and node.module != "__future__"), None)
+        if not (isinstance(first, ast.ImportFrom) and first.module == "qerl.flows"
+                and [a.name for a in first.names] == ["startup"]):
+            wrong.append(path.name)
+    assert not wrong, f"flows/ modules whose first import is not `from qerl.flows import startup`: {wrong}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

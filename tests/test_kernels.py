@@ -24,7 +24,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
-from qerl import kernels  # noqa: E402
+from qerl.kernels import nvfp4_ops  # noqa: E402
 from qerl.kernels import nvfp4 as K  # noqa: E402
 from qerl.kernels.reference import quantize_ref, weight_fp64  # noqa: E402
 from tests.patience import patience  # noqa: E402
@@ -82,9 +82,10 @@ def test_interpreter_subprocess():
 
 
 def test_import_without_triton():
-    code = ("import sys; sys.modules['triton'] = None; import torch; from qerl import kernels; "
-            "assert not kernels.available(); from qerl.quant import nvfp4; w = torch.randn(8, 32); q = kernels.nvfp4_quantize(w); "
-            "y = kernels.nvfp4_linear(torch.randn(2, 32), *q); assert y.shape == (2, 8)")
+    code = ("import sys; sys.modules['triton'] = None; import torch; from qerl.kernels import nvfp4_ops; "
+            "assert not nvfp4_ops.available(); from qerl.quant import nvfp4; w = torch.randn(8, 32); "
+            "q = nvfp4_ops.nvfp4_quantize(w); y = nvfp4_ops.nvfp4_linear(torch.randn(2, 32), *q); "
+            "assert y.shape == (2, 8)")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(120))
     assert r.returncode == 0, r.stderr
@@ -254,7 +255,7 @@ def test_autograd_interp(interp):
     p, s, gs = quantize_ref(make_weight("normal", 40, 64, torch.float32))
     x = torch.randn(2, 3, 64).half().requires_grad_()
     b = torch.randn(40).half().requires_grad_()
-    y = kernels.nvfp4_linear(x, p, s, gs, bias=b)
+    y = nvfp4_ops.nvfp4_linear(x, p, s, gs, bias=b)
     dy = torch.randn_like(y)
     y.backward(dy)
     w64 = weight_fp64(p, s, gs)
@@ -273,7 +274,7 @@ def test_reference_fallback_fp32():
     """fp32 activations (and CPU without the interpreter) take the PyTorch reference path."""
     p, s, gs = quantize_ref(make_weight("normal", 24, 32, torch.float32))
     x = torch.randn(3, 32)
-    torch.testing.assert_close(kernels.nvfp4_linear(x, p, s, gs), x @ codec.dequantize(p, s, gs, torch.float32).T)
+    torch.testing.assert_close(nvfp4_ops.nvfp4_linear(x, p, s, gs), x @ codec.dequantize(p, s, gs, torch.float32).T)
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -302,7 +303,7 @@ def gpu_weights():
 def test_quantize_bit_exact_gpu(kind, dtype):
     for n, k in [(1000, 272), (4608, 3584)] if kind == "normal" else [(1000, 272)]:
         w = make_weight(kind, n, k, dtype, device="cuda")
-        assert_same_quant(kernels.nvfp4_quantize(w), quantize_ref(w))
+        assert_same_quant(nvfp4_ops.nvfp4_quantize(w), quantize_ref(w))
 
 
 @pytest.mark.gpu
@@ -397,7 +398,7 @@ def test_autograd_gpu(gpu_weights):
     p, s, gs, w64 = gpu_weights[(4608, 3584)]
     x = torch.randn(2, 150, 3584, device="cuda").bfloat16().requires_grad_()
     b = torch.randn(4608, device="cuda").bfloat16().requires_grad_()
-    y = kernels.nvfp4_linear(x, p, s, gs, bias=b)
+    y = nvfp4_ops.nvfp4_linear(x, p, s, gs, bias=b)
     dy = torch.randn_like(y)
     y.backward(dy)
     assert rel_err(y, x.detach().double() @ w64.T + b.detach().double()) < TOL[torch.bfloat16]
@@ -411,10 +412,10 @@ def test_split_k_in_cuda_graph(gpu_weights):
     """Split-K counters reset themselves: graph replays with new inputs stay right (and deterministic)."""
     p, s, gs, w64 = gpu_weights[(3584, 18944)]
     x = torch.randn(4, 18944, device="cuda").bfloat16()
-    kernels.nvfp4_linear(x, p, s, gs)  # warm-up: compile, counters
+    nvfp4_ops.nvfp4_linear(x, p, s, gs)  # warm-up: compile, counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = kernels.nvfp4_linear(x, p, s, gs)
+        y = nvfp4_ops.nvfp4_linear(x, p, s, gs)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()

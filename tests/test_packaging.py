@@ -62,13 +62,15 @@ def installed(wheel, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def huggingface_kernels(tmp_path_factory) -> Path:
-    """A folder holding a stand-in for Hugging Face's `kernels` (the real one is not installed here): a top-level
-    package of that name whose import says it is the one imported."""
-    site = tmp_path_factory.mktemp("hf-site")
-    (site / "kernels").mkdir()
-    (site / "kernels" / "__init__.py").write_text("HUGGING_FACE = True\n\n\ndef get_kernel(repo_id):\n"
-                                                  "    return repo_id\n")
+def namesakes(tmp_path_factory) -> Path:
+    """A site folder holding stand-ins for the public distributions named as our mapped folders (Hugging Face's
+    `kernels`, PyPI's `tasks` and `flows`; none is installed here): regular top-level packages whose import says it
+    is the one imported."""
+    site = tmp_path_factory.mktemp("namesakes-site")
+    for folder in MAPPED:
+        (site / folder).mkdir()
+        (site / folder / "__init__.py").write_text("STAND_IN = True\n\n\ndef get_kernel(repo_id):\n"
+                                                   "    return repo_id\n")
     return site
 
 
@@ -85,22 +87,24 @@ def test_the_wheel_holds_qerl_only_and_every_module_of_it(wheel):
     assert not missing, f"modules left out of the wheel (a package missing from pyproject.toml's list?): {missing}"
 
 
-def test_installed_qerl_and_huggingface_kernels_both_import(installed, huggingface_kernels, tmp_path):
+def test_installed_qerl_and_huggingface_kernels_both_import(installed, namesakes, tmp_path):
     """Before, qerl's wheel installed kernels/ as a top-level package: the two overwrote each other in site-packages,
     and whichever came first on the path was `kernels` for both."""
     code = f"""
         import importlib.util, sys
         from pathlib import Path
         import qerl.kernels, qerl.flows
+        from qerl.kernels.nvfp4_ops import nvfp4_quantize
         import kernels
-        assert kernels.HUGGING_FACE and kernels.get_kernel("kernels-community/activation")
-        assert Path(kernels.__file__).is_relative_to({str(huggingface_kernels)!r}), kernels.__file__
-        for where in (qerl.kernels.__file__, qerl.flows.__file__, importlib.util.find_spec("qerl.tasks").origin):
+        assert kernels.STAND_IN and kernels.get_kernel("kernels-community/activation")
+        assert Path(kernels.__file__).is_relative_to({str(namesakes)!r}), kernels.__file__
+        for where in (*qerl.kernels.__path__, *qerl.flows.__path__, importlib.util.find_spec("qerl.tasks.data").origin,
+                      sys.modules[nvfp4_quantize.__module__].__file__):
             assert Path(where).is_relative_to({str(installed / "qerl")!r}), where
-        assert sys.modules["kernels"] is kernels and qerl.kernels.nvfp4_quantize
+        assert sys.modules["kernels"] is kernels
         print("both import")
     """
-    proc = child(code, [installed, huggingface_kernels], cwd=tmp_path)
+    proc = child(code, [installed, namesakes], cwd=tmp_path)
     assert proc.returncode == 0 and "both import" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -109,20 +113,47 @@ def test_a_source_checkout_finds_the_top_level_folders_as_qerl_packages(tmp_path
     code = f"""
         import importlib.util
         from pathlib import Path
-        import qerl.flows  # imports, besides being found (finding the others loads nothing but qerl)
         for name, folder in [("qerl.kernels", "kernels"), ("qerl.tasks", "tasks"), ("qerl.flows", "flows"),
                              ("qerl.flows.train", "flows"), ("qerl.data", "qerl/data")]:
-            where = Path(importlib.util.find_spec(name).origin).parent
-            assert where == Path({str(ROOT)!r}) / folder, (name, where)
+            spec = importlib.util.find_spec(name)  # a package says where it is by its search path, a module by its file
+            where = [Path(p) for p in spec.submodule_search_locations or [Path(spec.origin).parent]]
+            assert where == [Path({str(ROOT)!r}) / folder], (name, where)
         print("from the checkout")
     """
     proc = child(code, [ROOT], cwd=tmp_path)
     assert proc.returncode == 0 and "from the checkout" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_checkout_on_the_path_leaves_kernels_tasks_and_flows_to_their_public_namesakes(namesakes, tmp_path):
+    """Run from the checkout's root (PYTHONPATH=$PWD, `python -m qerl.cli`), the root comes first on the path. Before,
+    kernels/, tasks/ and flows/ were regular packages there, and Python's path finder takes a regular package from
+    any path entry before a namespace one: a bare `import kernels` (transformers' hub kernels) got qerl's folder, not
+    Hugging Face's installed `kernels`. As namespace portions, the installed namesakes win and qerl's still resolve
+    under qerl."""
+    first_module = {folder: min(p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__")
+                    for folder in MAPPED}
+    code = f"""
+        import importlib, importlib.util
+        from pathlib import Path
+        root, site, first_module = Path({str(ROOT)!r}), Path({str(namesakes)!r}), {first_module!r}
+        for folder, package in {MAPPED!r}.items():
+            public = importlib.import_module(folder)
+            assert getattr(public, "STAND_IN", False), f"import {{folder}} gave qerl's {{public.__path__}}"
+            assert Path(public.__file__) == site / folder / "__init__.py", public.__file__
+            ours = importlib.import_module(package)
+            assert [Path(p) for p in ours.__path__] == [root / folder], (package, ours.__path__)
+            module = importlib.util.find_spec(f"{{package}}.{{first_module[folder]}}")
+            assert Path(module.origin).parent == root / folder, module.origin
+        print("namesakes win")
+    """
+    proc = child(code, [ROOT, namesakes], cwd=tmp_path)
+    assert proc.returncode == 0 and "namesakes win" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_importing_qerl_changes_no_process_wide_setting(tmp_path):
-    """Every module of the core imported after torch (which sets its own): the environment is as it was. The flows'
-    and tasks' package is where their processes start (qerl.flows makes its settings there, before Prefect loads)."""
+    """Every module of the core and of kernels/ imported after torch (which sets its own): the environment is as it
+    was. flows/ and tasks/ are left out: their processes start there (qerl.flows.startup makes its settings, before
+    Prefect loads)."""
     core = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
                   for p in (ROOT / "qerl").rglob("*.py") if p.name != "__main__.py")
     core += [f"qerl.kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__"]

@@ -16,9 +16,9 @@ pytest.importorskip("prefect")
 
 pytestmark = pytest.mark.slow  # starts Prefect's temporary server (~20 s on 2 cores)
 
-# A flow as the flows package runs it: `qerl.flows` imported first (as `python -m qerl.flows.train` does), then Prefect.
+# A flow as the flows run one: `qerl.flows.startup` imported first (as every module of flows/ does), then Prefect.
 SCRIPT = """
-from qerl import flows
+from qerl.flows import startup
 from prefect import flow
 
 @flow

@@ -66,8 +66,8 @@ def test_every_flow_command_checks_the_prefect_api_first(module, tmp_path, main_
     assert err.splitlines() == [f"python -m qerl.flows.{module}: error: {stale(url, where)}"]
 
 
-# A flow as `python -m qerl.flows.<name>` runs one, without a model: `qerl.flows` first, the Prefect API made sure
-# of, the flow.
+# A flow as `python -m qerl.flows.<name>` runs one, without a model: `qerl.flows.startup` first (prefect_api imports
+# it), the Prefect API made sure of, the flow.
 # Both processes meet at a barrier after their imports (the server's too), so that their start-ups really coincide.
 FLOW_AT_ONCE = """
 import sys, time

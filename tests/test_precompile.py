@@ -48,6 +48,15 @@ def test_the_stamp_names_shapes_and_settings_not_the_share(config, tmp_path, mon
     assert len({precompile.stamp_path(j) for j in (a, longer, fp8)}) == 3
 
 
+def test_the_stamp_hashes_the_sources_of_qerl_and_of_its_kernels():
+    """kernels/ is a namespace portion (no `__init__.py`, so no file to find it by): its sources still count, and
+    nothing else of the checkout does (qerl's search path holds the checkout's root)."""
+    files = precompile.source_files()
+    assert {REPO / "qerl" / "rl" / "precompile.py", REPO / "kernels" / "gemm.py"} <= set(files)
+    outside = [f for f in files if not (f.is_relative_to(REPO / "qerl") or f.is_relative_to(REPO / "kernels"))]
+    assert not outside, outside[:5]
+
+
 def test_nothing_starts_off_cuda_or_when_turned_off(config):
     assert precompile.start(load_settings(), config, 40, torch.device("cpu"), loaded=True) is None
     off = load_settings(overrides=["model.precompile_kernels=false"])

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl import debug
+from qerl.kernels import pdl
 
 try:  # optional: the fused decode kernels (CUDA, or CPU under TRITON_INTERPRET=1 in tests)
     import triton
@@ -518,8 +519,6 @@ def check_kv8(k_cache: Tensor, v_cache: Tensor, head_dim: int) -> bool:
 
 
 def _pdl(device: torch.device) -> dict:
-    from qerl.kernels import pdl  # on first launch, not at import: importing kernels loads its NVFP4 GEMMs too
-
     return pdl.launch(device, debug.pdl())  # QERL_PDL=0 turns it off for an A/B measurement
 
 

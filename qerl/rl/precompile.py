@@ -107,10 +107,18 @@ def stamp_path(job: dict[str, Any]) -> Path:
     h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode())
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     h.update(f"{gpu}|{torch.__version__}|{triton.__version__}".encode())
-    for package in ("qerl", "qerl.kernels"):  # kernels/ lies inside qerl/ when installed, beside it in a checkout
-        for path in sorted(Path(importlib.util.find_spec(package).origin).parent.rglob("*.py")):
-            h.update(path.read_bytes())
+    for path in source_files():
+        h.update(path.read_bytes())
     return _triton_cache_dir() / "qerl-precompiled" / h.hexdigest()[:32]
+
+
+def source_files() -> list[Path]:
+    """qerl's Python sources, the kernels' included: kernels/ lies inside qerl/ when installed, beside it in a
+    checkout. qerl.kernels is a namespace package (no file of its own): its folder is its search path."""
+    # qerl's folder by its file, not its search path: in a checkout that also holds the checkout's root
+    folders = [Path(importlib.util.find_spec("qerl").origin).parent,
+               *map(Path, importlib.util.find_spec("qerl.kernels").submodule_search_locations)]
+    return sorted({path for folder in folders for path in folder.rglob("*.py")})
 
 
 def _triton_cache_dir() -> Path:

@@ -1,10 +1,11 @@
-"""Triton NVFP4 kernels (Hopper-tuned) behind qerl's quantized linear layer.
+"""The NVFP4 linear and quantizer that run anywhere: qerl's Triton kernels (nvfp4.py, Hopper-tuned) where they can
+run, the PyTorch references (reference.py) elsewhere.
 
-Public API (names used by qerl.quant.linear):
   nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias=None) -> y   (autograd: dx only)
   nvfp4_quantize(w, global_scale=None) -> (weight_packed, weight_scale, weight_global_scale)
   available() -> bool: Triton imported and a CUDA device is present.
-Importing never fails without CUDA or Triton: the functions then run the PyTorch references (reference.py).
+Importing never fails without CUDA or Triton: the functions then run the references. (The quantized linear layer
+runs its GEMMs through gemm.py's backends instead; this module is the kernels' plain entry, for tests and benchmarks.)
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
-"""Prefect flows over the qerl core (train, evaluate, retrain), MLflow tracking and the DVC stage helpers."""
+"""What a flow command's process sets for itself before Prefect, MLflow or torch load.
+
+Every module of flows/ imports this first (tests/test_architecture.py checks it), so `python -m qerl.flows.<name>`, a
+Prefect worker loading `flows/train.py` and a test importing any one module all start the same way. A package's
+`__init__.py` would do it, but flows/ has none: as a namespace portion it does not shadow PyPI's `flows` in a
+checkout whose root is on the path (tests/test_packaging.py).
+"""
 
 import os as _os
 
 from qerl.cli import prepare_process
 from qerl.debug import variable
 
-# Every flow command enters through this package (`python -m qerl.flows.<name>` imports it before the flow's module,
-# which loads Prefect and torch), so the flows' processes make their settings here.
 prepare_process()
 
 # Without PREFECT_API_URL, Prefect runs each flow on a temporary local server. Its telemetry heartbeat is of no use
