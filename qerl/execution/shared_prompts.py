@@ -57,6 +57,14 @@ def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_len: int)
     return owner, first.scatter_reduce_(0, owner, rows, "amin")
 
 
+def per_row(per_prompt: Tensor, owner: Tensor) -> Tensor:
+    """`per_prompt[owner]`: each row's copy of its prompt's tensor. By index_select, whose backward (index_add_)
+    sums the rows' gradients into their prompt in a fixed order: the backward of `per_prompt[owner]` (index_put_
+    with accumulate) sums them from several CPU threads at once, in whatever order they run, so two runs of the
+    same step differed in their last bits (the README's Determinism)."""
+    return per_prompt.index_select(0, owner)
+
+
 def forward_shared_prompts(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
                            share: bool = True, pack: bool = False) -> Tensor:
     """`decoder(input_ids, attention_mask=attention_mask)` (a `qerl.model.transformer.Decoder`) for rows that are
@@ -99,7 +107,7 @@ def forward_shared_prompts(decoder: nn.Module, input_ids: Tensor, attention_mask
             x = _block(layer, x, shared)
     x = shared.unpack(decoder.norm(x))
     n = shared.prompts * p
-    return torch.cat([x[:n].view(shared.prompts, p, -1)[owner], x[n:].view(batch, seq - p, -1)], dim=1)
+    return torch.cat([per_row(x[:n].view(shared.prompts, p, -1), owner), x[n:].view(batch, seq - p, -1)], dim=1)
 
 
 def _block(layer: nn.Module, x: Tensor, shared: SharedPrompts) -> Tensor:
@@ -134,8 +142,8 @@ def attention(attn: nn.Module, x: Tensor, shared: SharedPrompts, sliding: bool =
     q_p, k_p = attn.ops.rope(q_p, cos_p, sin_p), attn.ops.rope(k_p, cos_p, sin_p)
     q_c, k_c = attn.ops.rope(q_c, cos_c, sin_c), attn.ops.rope(k_c, cos_c, sin_c)
     # Each row's keys and values: its prompt's, then its completion's.
-    k_c = torch.cat([k_p[shared.owner], k_c], dim=2)
-    v_c = torch.cat([v_p[shared.owner], v_c], dim=2)
+    k_c = torch.cat([per_row(k_p, shared.owner), k_c], dim=2)
+    v_c = torch.cat([per_row(v_p, shared.owner), v_c], dim=2)
     groups, options = heads // kv_heads, dict(attn.sdpa_scale)
     if groups > 1 and x.device.type == "cpu":
         # SDPA's own GQA on the CPU: the same numbers as repeated keys and values (bitwise, torch 2.13), with a
