@@ -58,11 +58,12 @@ def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_len: int)
 
 
 def per_row(per_prompt: Tensor, owner: Tensor) -> Tensor:
-    """`per_prompt[owner]`: each row's copy of its prompt's tensor. By index_select, whose backward (index_add_)
-    sums the rows' gradients into their prompt in a fixed order: the backward of `per_prompt[owner]` (index_put_
-    with accumulate) sums them from several CPU threads at once, in whatever order they run, so two runs of the
-    same step differed in their last bits (the README's Determinism)."""
-    return per_prompt.index_select(0, owner)
+    """`per_prompt[owner]`: each row's copy of its prompt's tensor, with a backward that sums the rows' gradients
+    into their prompt in one order, so that a step computes the same bits every time (README, Determinism). The
+    backward of indexing (index_put_ with accumulate) does that on CUDA (it sorts the indices) but not on the CPU,
+    where several threads add at once in whatever order they run; index_select's (index_add_) is the reverse:
+    serial on the CPU, atomic adds on CUDA."""
+    return per_prompt.index_select(0, owner) if per_prompt.device.type == "cpu" else per_prompt[owner]
 
 
 def forward_shared_prompts(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
