@@ -23,6 +23,10 @@ from tests.patience import patience
 from tests.reference import policy_logprobs
 
 CUDA = torch.cuda.is_available()
+# Triton's interpreter runs the kernels on the CPU (CI); on the GPU image (triton 3.6, numpy 2.5) it mis-reads scalar
+# arguments and cannot loop from a program id, and the CUDA tests there cover the same kernels compiled.
+interpreter_only = pytest.mark.skipif(CUDA, reason="CUDA present: the GPU tests cover the kernels (and Triton 3.6's "
+                                      "interpreter mis-reads scalar arguments on the GPU image)")
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # Triton chooses interpreter or compiler once, when it is first imported. test_kernels switches this process to the
 # interpreter if nothing imported Triton before it; the compiler-frontend test below needs compiled kernels, and the
@@ -214,8 +218,7 @@ def test_rejects_bad_arguments(kwargs, match):
         RolloutEngine(tiny()).generate(None, prompts(2), **kwargs)
 
 
-@pytest.mark.skipif(CUDA, reason="CUDA present: the GPU tests cover the kernels (and Triton 3.6's "
-                    "interpreter mis-reads scalar arguments on the GPU image)")
+@interpreter_only
 def test_triton_kernels_in_the_interpreter():
     """The fused kernels against the ops they replace (fp32), and a whole fused rollout, in Triton's interpreter."""
     pytest.importorskip("triton")
@@ -342,30 +345,8 @@ def test_fp8_kv_layout_round_trips_within_e4m3_rounding():
     assert packed[..., 68:].eq(0).all()  # padding after the scale
 
 
-@pytest.fixture(scope="module")
-def interpreter_loops():
-    """Skip, with Triton's own error, where the interpreter cannot loop from a program id: Triton 3.6's interpreter
-    calls int() on a one-element array there, which NumPy 2.5 refuses (the GPU image: triton 3.6, numpy 2.5). The
-    kernels compile and pass their CUDA tests there; only this CPU check of them cannot run."""
-    pytest.importorskip("triton")
-    probe = textwrap.dedent("""
-        import torch, triton, triton.language as tl
-        @triton.jit
-        def fill(X, n, chunk, BLOCK: tl.constexpr):  # the split-K loop of the decode kernels
-            start = tl.program_id(0) * chunk
-            for i in range(start, tl.minimum(start + chunk, n), BLOCK):
-                tl.store(X + i + tl.arange(0, BLOCK), 1.0)
-        x = torch.zeros(8)
-        fill[(2,)](x, 8, 4, BLOCK=2)
-        assert x.sum() == 8, x
-    """)
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=patience(120))
-    if res.returncode != 0:
-        pytest.skip("Triton's interpreter cannot loop from a program id here: " + res.stderr.strip().splitlines()[-1])
-
-
-def test_fp8_kv_kernels_in_the_interpreter(interpreter_loops):
+@interpreter_only
+def test_fp8_kv_kernels_in_the_interpreter():
     """The FP8 KV layout in the decode kernels (Triton's interpreter): the RoPE kernel writes each k and v vector as
     kv8.pack writes it (codes within one E4M3 step, the scale exact); attention over packed caches equals SDPA over
     their unpacked values; an engine rollout with kv_cache_dtype=fp8 keeps its cache packed and samples what the
@@ -427,8 +408,7 @@ def test_fp8_kv_kernels_in_the_interpreter(interpreter_loops):
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
-@pytest.mark.skipif(CUDA, reason="CUDA present: the GPU tests cover the kernels (and Triton 3.6's "
-                    "interpreter mis-reads scalar arguments on the GPU image)")
+@interpreter_only
 def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     """The one-pass sampling kernel: log-probs are log_softmax(logits / T) of the drawn token, the draws follow that
     distribution (frequencies over many rows), a seeded generator repeats them, and every token can come out."""
@@ -464,7 +444,8 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
-def test_row_keyed_sampler_draws_each_row_alone_in_the_interpreter(interpreter_loops):
+@interpreter_only
+def test_row_keyed_sampler_draws_each_row_alone_in_the_interpreter():
     """With row_seeds the one-pass kernel keys each row by its own seed and the step (`step_keys`): a row draws the
     same token whatever rows share its batch and however the vocabulary is split, the draws follow the tempered
     distribution, and the engine takes that kernel (not one launch per row) where it runs."""
