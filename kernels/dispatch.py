@@ -156,8 +156,12 @@ class Dispatcher:
             except Exception as e:
                 log.warning("GEMM backend %s cannot run %s (%s%s); the other backends are measured", name, key,
                             type(e).__name__, f": {e}" if str(e) else "")  # e.g. humming's shape asserts say nothing
-        if compile_only or not times:
+        if not times:
             return default
+        if compile_only:  # the default if it ran, else one that did (a worker died running a default that raised)
+            pick = default if default in times else next(iter(times))
+            choices[key] = pick  # this process only: it was not measured, so it is not saved
+            return pick
         pick = min(times, key=times.get)
         log.info("GEMM %s: %s", key, ", ".join(f"{b} {t * 1e6:.1f} us" for b, t in sorted(times.items())))
         choices[key] = pick

@@ -105,6 +105,25 @@ def test_compile_tuning_runs_each_backend_once_past_a_failing_one(cache, caplog)
     assert not cache.exists()
 
 
+def test_compile_tuning_never_returns_a_default_that_raised(cache):
+    """At small M humming is the default; where its shape asserts fire (3072x576 on the GPU, 2026-11-28), compile
+    tuning must hand back a backend that ran, or the layer's own call raises and the precompile worker dies. The
+    choice holds for the process, so the candidates run once per shape, not once per call."""
+    ran = []
+
+    def humming():
+        ran.append("humming")
+        raise AssertionError
+
+    cands = {"humming": humming, "dequant_cublas": lambda: ran.append("dequant_cublas")}
+    tuner = dispatch.Dispatcher("compile", cache)
+    assert dispatch.default_backend("fwd", "humming", 64) == "humming"
+    for _ in range(3):
+        assert tuner.choose("fwd", "humming", 3072, 576, 64, cands, lambda fn: pytest.fail("timed")) \
+            == "dequant_cublas"
+    assert ran == ["humming", "dequant_cublas"] and not cache.exists()
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "choices": {}}),
                                      json.dumps({"version": 1, "choices": "nope"}), ""])
 def test_a_corrupt_or_stale_cache_is_ignored_with_one_warning(cache, caplog, content):

@@ -4,6 +4,7 @@ end-to-end check is tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_com
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,8 @@ def test_a_failed_worker_is_a_warning_and_leaves_no_stamp(tmp_path, caplog):
         ok = precompile.Precompile([bad], stamp).wait(timeout_s=300)
     assert not ok and not stamp.exists()
     assert "kernel precompile worker 0 failed" in caplog.text and "the first step compiles its share" in caplog.text
+    # it names where in our code it failed: a library's bare assert (humming's shape checks) says nothing of that
+    assert re.search(r'File "[^"]*qerl[^"]*\.py", line \d+, in \w+', caplog.text), caplog.text
 
 
 def test_stopped_workers_leave_no_process_and_no_stamp(config, tmp_path):

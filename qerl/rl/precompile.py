@@ -163,7 +163,7 @@ class Precompile:
             if rc != 0:
                 ok = False
                 log.warning("kernel precompile worker %d failed (exit %s): %s; the first step compiles its share",
-                            i, rc, " | ".join(lines[-3:]))
+                            i, rc, failure(lines))
             elif lines:
                 summaries.append(lines[-1])
         if ok:
@@ -187,6 +187,13 @@ class Precompile:
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
+
+
+def failure(lines: list[str]) -> str:
+    """A failed worker's output in one line: the last frame of ours in its traceback (a library's assert names
+    neither the layer nor the call that reached it) and the traceback's last three lines."""
+    ours = [line.strip() for line in lines if line.lstrip().startswith("File ") and "site-packages" not in line]
+    return " | ".join(ours[-1:] + lines[-3:])
 
 
 def start(settings: Settings, config, prompt_len: int, device: torch.device, loaded: bool) -> Precompile | None:
