@@ -57,3 +57,64 @@ def test_qloras_base_has_no_vllm_form(tiny_llama_dir):
     s = load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=nf4-bnb"])
     with pytest.raises(ValueError, match="serves quant.scheme bf16, nvfp4, mxfp4, not 'nf4-bnb'"):
         served_base(s)
+
+
+class _Engine:
+    """vLLM's LLMEngine as the backend drives its LoRA: what it was asked, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def add_lora(self, request):
+        self.calls.append(("add", request.lora_int_id, request.load_inplace))
+
+    def remove_lora(self, lora_id):
+        self.calls.append(("remove", lora_id))
+
+
+@pytest.mark.parametrize("update", ["new_id", "reload"])
+def test_the_policy_reaches_vllm_once_per_change_and_no_request_reloads_it(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                           update):
+    """generate's LoRARequest goes with every engine step: one with load_inplace made vLLM 0.26 reload the adapter
+    from its files at each of a 7B rollout's 1,024 steps (65 s instead of 9). `reload` loads it once per change."""
+    import dataclasses
+    import sys
+    import types
+
+    from safetensors.torch import load_file
+
+    from qerl.config import LoraSettings
+    from qerl.model import lora
+    from qerl.model.loading import load_model
+    from qerl.rollout.vllm_backend import VLLMBackend, VLLMOptions
+
+    @dataclasses.dataclass
+    class LoRARequest:  # vllm.lora.request.LoRARequest's fields that the backend uses
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+        load_inplace: bool = False
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", types.SimpleNamespace(LoRARequest=LoRARequest))
+    model, _ = load_model(str(tiny_llama_dir), device="cpu")
+    settings = LoraSettings(rank=4, alpha=8)
+    params = lora.apply_lora(model, settings)
+    backend = object.__new__(VLLMBackend)  # everything but vLLM's engine, which is the stand-in
+    backend.model, backend.llm = model, types.SimpleNamespace(llm_engine=_Engine())
+    backend.options = VLLMOptions(base=tiny_llama_dir, lora=settings, max_model_len=64, lora_update=update)
+    backend._adapter_dir, backend._lora_id, backend._lora_version = tmp_path, 0, None
+
+    requests = [backend._lora_request() for _ in range(2)]  # two rollouts, the policy unchanged
+    with torch.no_grad():
+        params[1].add_(1.0)  # an update
+    requests += [backend._lora_request() for _ in range(2)]
+    assert not any(r.load_inplace for r in requests)
+    ids = [r.lora_int_id for r in requests]
+    if update == "new_id":
+        assert ids == [1, 1, 2, 2] and backend.llm.llm_engine.calls == [("remove", 1)]
+    else:
+        assert ids == [1, 1, 1, 1] and backend.llm.llm_engine.calls == [("add", 1, True)]
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")  # what vLLM reads: the updated policy
+    assert any(t.shape == params[1].shape and torch.equal(t, params[1].detach().to(t.dtype)) for t in saved.values())

@@ -115,24 +115,28 @@ class VLLMBackend(RolloutBackend):
                 theirs.copy_(ours.to(theirs.dtype))
 
     def _lora_request(self):
-        """This rollout's LoRARequest: the adapter rewritten only when the model's LoRA tensors changed."""
+        """This rollout's LoRARequest. The adapter is rewritten only when the model's LoRA tensors changed; `reload`
+        then loads it into its id's slot here, once. The request generate carries never asks for that itself:
+        vLLM 0.26 applies a batch's requests at every engine step, and one with `load_inplace` reloads the adapter
+        from its files each time (a 7B rollout of 1,024 tokens took 65 s instead of 9: BENCHMARKS.md)."""
         from vllm.lora.request import LoRARequest
 
         version = sum(p._version for layer in lora_layers(self.model).values()
                       for p in (layer.lora_A, layer.lora_B))
-        reload = False
+        path = str(self._adapter_dir / "adapter")
         if version != self._lora_version:
-            shutil.rmtree(self._adapter_dir / "adapter", ignore_errors=True)
-            save_adapter(self.model, self._adapter_dir / "adapter", str(self.options.base), self.options.lora)
+            shutil.rmtree(path, ignore_errors=True)
+            save_adapter(self.model, Path(path), str(self.options.base), self.options.lora)
             self._lora_version = version
             if self.options.lora_update == "new_id" or self._lora_id == 0:
                 if self._lora_id:
                     self.llm.llm_engine.remove_lora(self._lora_id)
                 self._lora_id += 1
             else:
-                reload = True
-        return LoRARequest(lora_name=f"policy-{self._lora_id}", lora_int_id=self._lora_id,
-                           lora_path=str(self._adapter_dir / "adapter"), load_inplace=reload)
+                self.llm.llm_engine.add_lora(LoRARequest(lora_name=f"policy-{self._lora_id}",
+                                                         lora_int_id=self._lora_id, lora_path=path,
+                                                         load_inplace=True))
+        return LoRARequest(lora_name=f"policy-{self._lora_id}", lora_int_id=self._lora_id, lora_path=path)
 
     # ----------------------------------------------------------------------------------------------- sampling
     def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
