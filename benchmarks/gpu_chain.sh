@@ -43,7 +43,7 @@ from bench_vllm import write_folder; write_folder('7b', Path('/tmp/qerl-vllm-ben
   3) [ -f /tmp/qerl-vllm/env ] || { echo "gpu_chain: vLLM is not unpacked (were calls 1-2 back to back?)"; exit 1; }
      # the backend first, and no -x: a failing export case (seen once, cause unseen) must not hide the backend's
      tests 400 tests/test_gpu_vllm.py::test_vllm_backend_trains_resumes_and_evaluates \
-       tests/test_gpu_vllm.py::test_our_export_served_by_vllm_gives_our_greedy_tokens
+       tests/test_gpu_vllm.py::test_our_export_served_by_vllm_computes_our_policy
      tests 120 "tests/test_gpu_cli.py::test_gpu_quantize_train_resume_eval_export[nf4-bnb-auto]" ;;
   4) [ -f /tmp/qerl-vllm/env ] || { echo "gpu_chain: vLLM is not unpacked (a cold machine?)"; exit 1; }
      step_arms 470 'vllm:rollout.backend=vllm;vllm-reload:rollout.backend=vllm,rollout.vllm_lora_update=reload' ;;

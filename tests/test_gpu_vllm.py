@@ -1,4 +1,4 @@
-"""vLLM beside qerl on CUDA (issue 46): our export served by vLLM gives our engine's greedy tokens, and
+"""vLLM beside qerl on CUDA (issue 46): our export served by vLLM computes our policy, and
 `rollout.backend: vllm` trains, resumes and evaluates through `qerl train` / `qerl eval`.
 
 Needs CUDA and vLLM (`pip install "qerl[vllm]"`; on the GPU machines `benchmarks/stage_vllm.sh` stages it). The model
@@ -25,10 +25,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2)
-# A vLLM greedy token must be our own forward's argmax, or as good to within this many nats under our forward:
-# two engines' bf16 roundings may order near-ties differently, nothing more.
-NEAR_TIE = 0.05
-
+# vLLM's log-probs of its own greedy tokens may stray from the exact function of the checkpoint (our forward in fp32)
+# by at most this many times what our own bf16 forward strays, on average over the tokens. Two bf16 engines err
+# alike (0.036 vs 0.022 nats against the trainer at 7B, BENCHMARKS.md); a misread format, scale or config (RoPE,
+# norms, tied head) errs by nats.
+BF16_ERROR_FACTOR = 3.0
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -47,8 +48,9 @@ def qerl(*args, env=None):
     return proc
 
 
-def served_tokens(folder: Path, prompts: list[list[int]], adapter: Path | None, out: Path, env) -> list[list[int]]:
-    """vLLM's greedy 32 tokens of each prompt, in a process of its own (as a user's `vllm serve`)."""
+def served(folder: Path, prompts: list[list[int]], adapter: Path | None, out: Path, env):
+    """vLLM's greedy 32 tokens of each prompt and its log-prob of each, in a process of its own (as a user's
+    `vllm serve`)."""
     script = f"""
 import json
 from vllm import LLM, SamplingParams
@@ -57,26 +59,36 @@ llm = LLM(model={str(folder)!r}, dtype="bfloat16", enable_lora={adapter is not N
           max_model_len=1024, gpu_memory_utilization=0.3, seed=0)
 lora = LoRARequest("policy", 1, {str(adapter)!r}) if {adapter is not None} else None
 outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}],
-                    SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), lora_request=lora, use_tqdm=False)
-open({str(out)!r}, "w").write(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+                    SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0), lora_request=lora,
+                    use_tqdm=False)
+done = [(list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+        for c in (o.outputs[0] for o in outs)]
+open({str(out)!r}, "w").write(json.dumps(done))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=patience(600),
                           env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    done = json.loads(out.read_text())
+    return [tokens for tokens, _ in done], [torch.tensor(logp) for _, logp in done]
 
 
-def greedy_gaps(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    """Per position, how far (nats, under our forward) `tokens` falls behind our argmax: 0 where they agree."""
-    ids = torch.tensor([prompt + tokens], device="cuda")
+def token_log_probs(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under `model` (teacher-forced): the log-prob of each of `tokens`, and how far each falls behind the argmax."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + tokens], device=device)
     with torch.no_grad():
         logits = model(ids)
-        logp = torch.log_softmax(getattr(logits, "logits", logits)[0, len(prompt) - 1:-1].float(), -1)
-    return (logp.max(-1).values - logp.gather(-1, ids[0, len(prompt):, None])[:, 0]).tolist()
+        logp = torch.log_softmax(getattr(logits, "logits", logits)[0, len(prompt) - 1:-1].float(), -1).cpu()
+    chosen = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    return chosen, logp.max(-1).values - chosen
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
-def test_our_export_served_by_vllm_gives_our_greedy_tokens(tmp_path, model_dir, vllm_env, merge):
+def test_our_export_served_by_vllm_computes_our_policy(tmp_path, model_dir, vllm_env, merge):
+    """vLLM's log-probs of its greedy tokens against the exact function of the export (fp32), beside our own bf16
+    forward's. Not greedy agreement: on this random model 23% of positions have their top two tokens within 0.1 nats
+    and a bf16 forward errs by up to 0.05-0.07, so two engines' greedy paths part within 32 tokens in most prompts
+    (5 of 6 on the H200, 2026-11-28, where the token vLLM chose was at most 0.22 nats behind our argmax)."""
     from qerl.config import load_settings
     from qerl.model import lora
     from qerl.model.export import export_policy
@@ -102,14 +114,25 @@ def test_our_export_served_by_vllm_gives_our_greedy_tokens(tmp_path, model_dir, 
                [(3, 4), (12, 30), (7, 7), (25, 61), (90, 9), (40, 2)]]
     ours = make_backend(model, tokenizer, "engine").generate(prompts, Sampling(max_new_tokens=32, temperature=0,
                                                                                eos_token_ids=()))
-    theirs = served_tokens(export.out if merge else export.out / "base", prompts,
-                           None if merge else export.out / "adapter", tmp_path / "served.json", vllm_env)
+    theirs, their_logp = served(export.out if merge else export.out / "base", prompts,
+                                None if merge else export.out / "adapter", tmp_path / "served.json", vllm_env)
+    # The exact function of what was served: the same folder (and adapter) in fp32, on the CPU
+    exact_s = load_settings(overrides=[f"model.path={export.out if merge else export.out / 'base'}",
+                                       "model.device=cpu", "model.dtype=float32", "quant.scheme=nvfp4"])
+    exact, _ = load_base_model(exact_s.model, exact_s.quant)
+    if not merge:
+        lora.load_adapter(exact, export.out / "adapter", dtype=torch.float32)
+    exact_logp, behind = zip(*(token_log_probs(exact, p, t) for p, t in zip(prompts, theirs)))
+    our_logp = [token_log_probs(model, p, t)[0] for p, t in zip(prompts, theirs)]
+    vllm_error = torch.cat([(a - b).abs() for a, b in zip(their_logp, exact_logp)]).mean().item()
+    our_error = torch.cat([(a - b).abs() for a, b in zip(our_logp, exact_logp)]).mean().item()
     same = sum(a == b for a, b in zip(ours.completion_ids, theirs))
-    worst = max(max(greedy_gaps(model, p, t)) for p, t in zip(prompts, theirs))
-    print(f"vLLM's greedy tokens equal ours in {same} of {len(prompts)} prompts; worst gap {worst:.4f} nats")
-    assert worst <= NEAR_TIE, f"vLLM chose a token {worst:.3f} nats below our argmax ({same}/{len(prompts)} equal)"
-    assert same >= len(prompts) // 2
-
+    print(f"log-prob error against fp32, mean over {sum(map(len, theirs))} tokens: vLLM {vllm_error:.4f}, "
+          f"our bf16 {our_error:.4f} nats; greedy tokens equal ours in {same} of {len(prompts)} prompts (where "
+          f"not, vLLM's token is at most {max(torch.cat(behind)):.3f} nats behind the fp32 argmax)")
+    assert len(their_logp) == len(prompts) and all(len(t) == 32 for t in theirs)
+    assert vllm_error <= BF16_ERROR_FACTOR * our_error, \
+        f"vLLM's log-probs of our export err by {vllm_error:.4f} nats, ours by {our_error:.4f}"
 
 def test_vllm_backend_trains_resumes_and_evaluates(tmp_path, model_dir, vllm_env):
     params = params_file(tmp_path, model_dir, None, rollout__backend="vllm")
