@@ -4,6 +4,7 @@ The backend itself runs on a GPU with vLLM: tests/test_gpu_vllm.py.
 """
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,44 @@ def test_the_policy_reaches_vllm_once_per_change_and_no_request_reloads_it(tiny_
         assert ids == [1, 1, 1, 1] and backend.llm.llm_engine.calls == [("add", 1, True)]
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")  # what vLLM reads: the updated policy
     assert any(t.shape == params[1].shape and torch.equal(t, params[1].detach().to(t.dtype)) for t in saved.values())
+
+
+def test_a_sleeping_vllm_is_not_counted_in_the_steps_peak(monkeypatch):
+    """vLLM's sleep unmaps its pool under live tensors that torch.cuda.max_memory_allocated still counts: the 7B
+    step's update reported 106.5 GiB, 66 of them the trainer's. The backend declares what the device got back while
+    it sleeps, and the step's peak leaves it out; awake, vLLM's pool is counted as it is."""
+    import types
+
+    from qerl.rl.memory import peak_memory_gb
+    from qerl.rollout import releasable
+    from qerl.rollout.vllm_backend import VLLMBackend, VLLMOptions
+
+    GiB = 2**30
+    free = {"bytes": 20 * GiB}
+
+    class LLM:  # vLLM's sleep gives its 41 GiB pool back to the driver; waking takes it again
+        def sleep(self, level):
+            free["bytes"] += 41 * GiB
+
+        def wake_up(self):
+            free["bytes"] -= 41 * GiB
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 141 * GiB))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 107 * GiB)  # the trainer's 66 + 41
+    backend = object.__new__(VLLMBackend)
+    backend.llm, backend._asleep, backend._adapter_dir = LLM(), False, Path("/nonexistent")
+    backend.options = VLLMOptions(base=Path("."), lora=None, max_model_len=64)
+    cuda = torch.device("cuda", 0)
+    try:
+        assert peak_memory_gb(cuda) == 107  # awake: all of it is real
+        backend.sleep()
+        assert releasable.released_bytes(0) == 41 * GiB and peak_memory_gb(cuda) == 66
+        backend.wake()
+        assert peak_memory_gb(cuda) == 107
+        backend.sleep()
+        backend.close()  # the engine may go: count it again rather than too little
+        assert releasable.released_bytes(0) == 0
+    finally:
+        releasable.set_released_bytes(0, 0)

@@ -20,10 +20,12 @@ from qerl.rollout import releasable
 
 def peak_memory_gb(device: torch.device) -> float:
     """The peak since the last `reset_peak_memory`: on CUDA, PyTorch's allocations plus the rollout engine's KV
-    cache where it lives outside PyTorch's allocator (mapped for the whole phase measured, or not at all); on the
-    CPU the process's peak resident set."""
+    cache where it lives outside PyTorch's allocator, less what a sleeping vLLM has given back under tensors
+    PyTorch still counts (each mapped, or released, for the whole phase measured, or not at all); on the CPU the
+    process's peak resident set."""
     if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device) + releasable.mapped_bytes(device)) / 2**30
+        return (torch.cuda.max_memory_allocated(device) + releasable.mapped_bytes(device)
+                - releasable.released_bytes(device)) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 

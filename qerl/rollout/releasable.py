@@ -8,7 +8,9 @@ again at the same addresses before the next rollout. Graphs stay valid; the cont
 zeroes the cache when it maps it again).
 
 Memory mapped here is outside PyTorch's caching allocator: `torch.cuda.memory_allocated` does not count it,
-`mapped_bytes` does (the trainer adds it to its peak-memory figure).
+`mapped_bytes` does (the trainer adds it to its peak-memory figure). The converse also happens: vLLM's sleep mode
+unmaps its memory pool's pages under live PyTorch tensors, which `torch.cuda.memory_allocated` goes on counting;
+the backend that sleeps it declares those bytes (`set_released_bytes`), and the trainer takes them off.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import threading
 
 import torch
 
-__all__ = ["ReleasableBuffer", "mapped_bytes", "Unsupported"]
+__all__ = ["ReleasableBuffer", "mapped_bytes", "released_bytes", "set_released_bytes", "Unsupported"]
 
 _CU_MEM_ALLOCATION_TYPE_PINNED = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -52,6 +54,7 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
 _driver = None
 _lock = threading.Lock()
 _mapped: dict[int, int] = {}  # device index -> bytes mapped now
+_released: dict[int, int] = {}  # device index -> bytes PyTorch counts as allocated whose pages are released now
 
 
 def _cuda():
@@ -91,13 +94,26 @@ def _check(rc: int, what: str) -> None:
         raise (torch.cuda.OutOfMemoryError if rc == _CUDA_ERROR_OUT_OF_MEMORY else RuntimeError)(message)
 
 
+def _index(device: torch.device | int) -> int:
+    return device if isinstance(device, int) else (device.index if device.index is not None
+                                                   else torch.cuda.current_device())
+
+
 def mapped_bytes(device: torch.device | int | None = None) -> int:
     """Bytes of releasable memory mapped now on `device` (all devices when None)."""
-    if device is None:
-        return sum(_mapped.values())
-    index = device if isinstance(device, int) else (device.index if device.index is not None
-                                                    else torch.cuda.current_device())
-    return _mapped.get(index, 0)
+    return sum(_mapped.values()) if device is None else _mapped.get(_index(device), 0)
+
+
+def set_released_bytes(device: torch.device | int, nbytes: int) -> None:
+    """Declare that `nbytes` on `device` that PyTorch counts as allocated have their physical pages back with the
+    driver now (another engine's sleep unmapped them under live tensors); 0 once they are mapped again."""
+    with _lock:
+        _released[_index(device)] = max(0, int(nbytes))
+
+
+def released_bytes(device: torch.device | int) -> int:
+    """What `set_released_bytes` last declared for `device`."""
+    return _released.get(_index(device), 0)
 
 
 class _CudaArray:
