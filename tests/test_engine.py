@@ -445,6 +445,45 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
 
 
 @interpreter_only
+def test_row_keyed_top_k_and_top_p_draw_in_the_kernel_in_the_interpreter():
+    """With row keys, top-k/top-p restrict the logits and the keyed kernel draws from them: one launch for the
+    batch where the generators' path took one per row (the engine's rollouts with rollout.top_p < 1). The support is
+    the restricted one, the frequencies are its renormalized probabilities, the log-probs the full policy's, a row
+    draws alone what it draws in its batch, and a whole block outside the support costs the kernel nothing."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from qerl.execution import fused_ops as K
+        from qerl.rollout.sampling import restrict, sample_tokens, step_keys
+        probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+        logits = probs.log().expand(300, 4).contiguous()
+        gens = [torch.Generator().manual_seed(s) for s in range(300)]
+        states = [g.get_state() for g in gens]
+        keys = step_keys(torch.arange(300), step=0)
+        for kwargs, support in [(dict(top_k=2), {0, 1}), (dict(top_p=0.75), {0, 1}), (dict(top_p=0.9), {0, 1, 2})]:
+            tok, logp = sample_tokens(logits[:40], 1.0, generator=gens[:40], row_keys=keys[:40], **kwargs)
+            assert set(tok.tolist()) == support, (kwargs, tok)
+            assert torch.allclose(logp, probs.log()[tok])  # the untruncated policy's log-probs
+        tok, _ = sample_tokens(logits, 1.0, generator=gens, row_keys=keys, top_p=0.9)
+        freq = torch.bincount(tok, minlength=4).float() / 300
+        assert (freq - torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95).abs().max() < 0.1, freq  # 3.5 s.e. at p = 0.53
+        assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))  # the kernel drew
+        alone, _ = sample_tokens(logits[7:8], 1.0, generator=gens[7:8], row_keys=keys[7:8], top_p=0.9)
+        assert alone.item() == tok[7].item()
+        torch.manual_seed(0)
+        wide = torch.randn(6, 37) * 1.5  # 16 entries a block: top-2 leaves whole blocks outside the support
+        kept = restrict(wide, top_k=2, fill=torch.finfo(torch.float32).min)
+        tok, logp = K.fused_sample(kept, 1.0, block=16, seeds=keys[:6])
+        top2 = wide.topk(2, -1).indices
+        assert all(t in row for t, row in zip(tok.tolist(), top2.tolist())) and torch.isfinite(logp).all()
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@interpreter_only
 def test_row_keyed_sampler_draws_each_row_alone_in_the_interpreter():
     """With row_seeds the one-pass kernel keys each row by its own seed and the step (`step_keys`): a row draws the
     same token whatever rows share its batch and however the vocabulary is split, the draws follow the tempered

@@ -63,7 +63,8 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
 
     `generator` may be one generator for the batch or one per row: with one per row, a row's samples do not depend
     on which other rows share its batch. `row_keys` (with one generator per row; `step_keys`): each row's key for
-    the one-pass kernel, which then draws in their place where it runs (on CUDA: one kernel, not a launch per row).
+    the one-pass kernel, which then draws in their place where it runs (on CUDA: one kernel, not a launch per row;
+    with top-k/top-p too, on the restricted logits).
 
     The log-prob is that of the full tempered distribution (untempered for greedy, temperature 0), since top-k/top-p
     only restrict where we sample, not the policy being optimized.
@@ -72,29 +73,45 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
         tokens = logits.argmax(-1)
         return tokens, F.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     per_row = isinstance(generator, Sequence)
-    if top_k == 0 and top_p >= 1.0 and (not per_row or row_keys is not None) and _sampling_kernel_runs(logits):
+    kernel = (not per_row or row_keys is not None) and _sampling_kernel_runs(logits)
+    if kernel and top_k == 0 and top_p >= 1.0:
         from qerl.execution import fused_ops
 
         return fused_ops.fused_sample(logits, temperature, None if per_row else generator, seeds=row_keys)
     scaled = logits / temperature
     logprobs = F.log_softmax(scaled, -1)
-    if top_k > 0 and top_k < scaled.shape[-1]:
-        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = scaled.sort(-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass of strictly more likely tokens already reaches top_p (the top one always stays).
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probs = scaled.softmax(-1)
+    if kernel and per_row:
+        from qerl.execution import fused_ops
+
+        # Row keys with top-k/top-p: the restricted logits go through the same keyed kernel (one launch; a row's
+        # draw independent of its batch) rather than one generator call per row. The fill is finite: the kernel's
+        # split log-sum-exp would turn a block of -inf into NaN (its tokens would not change, its log-probs would).
+        restricted = restrict(scaled, top_p, top_k, fill=torch.finfo(scaled.dtype).min)
+        tokens, _ = fused_ops.fused_sample(restricted, 1.0, seeds=row_keys)
+        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    probs = restrict(scaled, top_p, top_k).softmax(-1)
     # Exponential race: argmax(p / E), E ~ Exp(1), is an exact draw from p without a host sync (unlike multinomial).
-    if isinstance(generator, Sequence):
+    if per_row:
         noise = torch.stack([torch.empty_like(row).exponential_(1.0, generator=g) for row, g in zip(probs, generator)])
     else:
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     tokens = (probs / noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def restrict(scaled: Tensor, top_p: float = 1.0, top_k: int = 0, fill: float = float("-inf")) -> Tensor:
+    """Tempered logits [B, V] with `fill` outside each row's top-k tokens and outside its nucleus (the fewest most
+    likely tokens whose mass reaches top_p; the top one always stays); the input itself when neither applies."""
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, fill)
+    if top_p < 1.0:
+        sorted_logits, order = scaled.sort(-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass of strictly more likely tokens already reaches top_p (the top one always stays).
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), fill)
+    return scaled
 
 
 def step_keys(row_seeds: Tensor, step: int) -> Tensor:
