@@ -11,6 +11,7 @@
 #   run(carry=[".whl"], timeout_s=480, command="bash benchmarks/gpu_chain.sh 4")             # ~6 min
 #   run(carry=[".whl"], timeout_s=560, command="bash benchmarks/gpu_chain.sh 5")             # ~8 min
 #   run(carry=[".whl"], timeout_s=300, command="bash benchmarks/gpu_chain.sh 6")             # ~3.5 min
+#   run(carry=[".whl"], timeout_s=240, command="bash benchmarks/gpu_chain.sh 7")             # ~3 min, no vLLM
 #
 # What each call settles:
 #   1. qerl's arms of the 32B anchor (bf16 and NVFP4 + LoRA at 1 and 8 rows x 1,024; the model built in memory).
@@ -22,12 +23,14 @@
 #   5. vLLM's arms of the 32B anchor (load_format dummy), at 1 and 8 rows.
 #   6. the vLLM backend's step with the adapter reloaded in place (fixed: it reloaded at every engine step) and the
 #      step's peak without the sleeping pool (fixed: it counted it).
+#   7. our engine's step with rollout.top_p 0.95 beside top_p 1: row-keyed top-p sampling now takes the keyed
+#      kernel (it took one generator call per row), so the two should be within a few percent.
 # `.vllm/` comes from `bash benchmarks/stage_vllm.sh pack peers` (~3-6 min here); `.whl/` holds humming-kernels and
 # liger-kernel (BENCHMARKS.md names the versions). Issue 49's peers need a session of their own:
 # benchmarks/peers_chain.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step="${1:?usage: gpu_chain.sh 1|2|3|4|5|6}"
+step="${1:?usage: gpu_chain.sh 1|2|3|4|5|6|7}"
 bash benchmarks/stage_vllm.sh receive
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
@@ -56,5 +59,6 @@ write_folder('7b', Path('/tmp/qerl-vllm-bench')); write_folder('32b', Path('/tmp
   4) need_vllm; anchor 450 --rows 64,128,256 --long "" --arms vllm-bf16,vllm-nvfp4 ;;
   5) need_vllm; anchor 530 --model 32b --rows 1,8 --long "" --weights dummy --arms vllm-nvfp4,vllm-bf16 ;;
   6) need_vllm; step_arms 280 'vllm-reload:rollout.backend=vllm,rollout.vllm_lora_update=reload' ;;
-  *) echo "gpu_chain: unknown step $step (1-6)" >&2; exit 2 ;;
+  7) step_arms 220 'engine:;top-p:rollout.top_p=0.95' ;;
+  *) echo "gpu_chain: unknown step $step (1-7)" >&2; exit 2 ;;
 esac
