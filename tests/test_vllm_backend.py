@@ -160,3 +160,17 @@ def test_a_sleeping_vllm_is_not_counted_in_the_steps_peak(monkeypatch):
         assert releasable.released_bytes(0) == 0
     finally:
         releasable.set_released_bytes(0, 0)
+
+
+def test_beside_vllm_our_model_keeps_no_fp8_copies_unless_the_update_reads_them():
+    """quant.fp8_weights auto: the FP8 copies serve our engine's many-row forwards and the FP8 update; where vLLM
+    samples and the update is bf16 they would only hold a byte per weight (6.1 GiB at 7B) beside vLLM's base."""
+    from qerl.model.served import own_model_settings
+
+    def fp8(*overrides):
+        return own_model_settings(load_settings(overrides=list(overrides))).quant.fp8_weights
+
+    assert fp8("rollout.backend=vllm") is False
+    assert fp8("rollout.backend=vllm", "model.base_gemm=fp8") == "auto"  # the FP8 update reads them
+    assert fp8("rollout.backend=vllm", "quant.fp8_weights=true") is True  # asked for
+    assert fp8() == "auto"  # our engine samples: the copies are its many-row GEMMs

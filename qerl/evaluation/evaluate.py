@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from qerl.config import Settings
-from qerl.model.served import vllm_options
+from qerl.model.served import own_model_settings, vllm_options
 from qerl.rollout.backends import RolloutBackend, Sampling
 from qerl.rollout.factory import make_backend
 from qerl.run import atomic
@@ -178,7 +178,7 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
     examples = fit_prompts(examples, tokenizer, system_prompt, context, e.max_new_tokens, source=e.path or e.name,
                            setting="eval.max_new_tokens", policy=settings.data.overlong_prompts)
     if model is None:
-        model, tokenizer = load_policy(settings, adapter=adapter)
+        model, tokenizer = load_policy(own_model_settings(settings), adapter=adapter)
     backend = backend or make_backend(
         model, tokenizer, settings.rollout.backend, kv_cache_dtype=settings.rollout.kv_cache_dtype,
         vllm=vllm_options(settings, model_context(model)) if settings.rollout.backend == "vllm" else None)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from qerl.config import Settings
 from qerl.model.loading import cache_dir, resolve_model
 
-__all__ = ["served_base", "vllm_options"]
+__all__ = ["own_model_settings", "served_base", "vllm_options"]
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +55,14 @@ def vllm_options(settings: Settings, context: int) -> dict[str, Any]:
     return dict(base=served_base(settings), lora=settings.lora, max_model_len=context,
                 max_num_seqs=max(rows, settings.eval.batch_size), gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                 lora_update=r.vllm_lora_update, sleep_level=1 if r.release_kv_cache else 0, seed=settings.train.seed)
+
+
+def own_model_settings(settings: Settings) -> Settings:
+    """The settings qerl's own model loads with. Where vLLM samples (`rollout.backend: vllm`), `quant.fp8_weights:
+    auto` is off unless the update is FP8 (`model.base_gemm: fp8`): the resident FP8 copies serve our engine's
+    many-row forwards and the FP8 update's, nothing else, and would hold a byte per weight beside vLLM's own
+    copy of the base (6.1 GiB at 7B). An explicit true is kept."""
+    if settings.rollout.backend != "vllm" or settings.quant.fp8_weights != "auto" or settings.model.base_gemm == "fp8":
+        return settings
+    log.info("quant.fp8_weights auto: off, since vLLM samples (rollout.backend: vllm) and the update is bf16")
+    return replace(settings, quant=replace(settings.quant, fp8_weights=False))

@@ -24,7 +24,7 @@ from qerl.errors import naming_a_full_disk
 from qerl.execution import ExecutionPlan, attach
 from qerl.model import lora
 from qerl.model.aqn import build_schedule
-from qerl.model.served import vllm_options
+from qerl.model.served import own_model_settings, vllm_options
 from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
 from qerl.quant.linear import fp8_available
@@ -97,7 +97,7 @@ class Trainer:
         weights load, then the model, what the update trains with, the sampler, and last the state of a run to
         resume."""
         # The thread count in use is part of the run's settings: params.yaml, checkpoints and MLflow record it
-        self.settings = s = replace(settings, model=pin_cpu_threads(settings.model))
+        self.settings = s = own_model_settings(replace(settings, model=pin_cpu_threads(settings.model)))
         self.tracker = tracker or NullTracker()
         self.progress = progress
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
