@@ -10,7 +10,7 @@
 #   run(carry=[".whl", ".vllm/3"], timeout_s=380, command="bash benchmarks/gpu_chain.sh 3")  # ~5.5 min
 #   run(carry=[".whl"], timeout_s=480, command="bash benchmarks/gpu_chain.sh 4")             # ~6 min
 #   run(carry=[".whl"], timeout_s=560, command="bash benchmarks/gpu_chain.sh 5")             # ~8 min
-#   run(carry=[".whl"], timeout_s=300, command="bash benchmarks/gpu_chain.sh 6")             # ~3.5 min
+#   run(carry=[".whl"], timeout_s=460, command="bash benchmarks/gpu_chain.sh 6")             # ~6 min
 #   run(carry=[".whl"], timeout_s=240, command="bash benchmarks/gpu_chain.sh 7")             # ~3 min, no vLLM
 #
 # What each call settles:
@@ -21,8 +21,9 @@
 #   4. vLLM's arms of the 7B anchor without per-request seeds, at 64, 128 and 256 rows (the first table's vLLM
 #      numbers there were low by up to ~15%: BENCHMARKS.md).
 #   5. vLLM's arms of the 32B anchor (load_format dummy), at 1 and 8 rows.
-#   6. the vLLM backend's step with the adapter reloaded in place (fixed: it reloaded at every engine step) and the
-#      step's peak without the sleeping pool (fixed: it counted it).
+#   6. the vLLM backend's step, a new LoRA id per step and the adapter reloaded in place (fixed: it reloaded at
+#      every engine step), with the step's peak without the sleeping pool and without our FP8 copies (both fixed);
+#      call 7's engine arm is their baseline of the same session (issue 46 asks for the three arms in one run).
 #   7. our engine's step with rollout.top_p 0.95 beside top_p 1: row-keyed top-p sampling now takes the keyed
 #      kernel (it took one generator call per row), so the two should be within a few percent.
 # `.vllm/` comes from `bash benchmarks/stage_vllm.sh pack peers` (~3-6 min here); `.whl/` holds humming-kernels and
@@ -58,7 +59,7 @@ write_folder('7b', Path('/tmp/qerl-vllm-bench')); write_folder('32b', Path('/tmp
   3) need_vllm; tests 330 tests/test_gpu_vllm.py::test_our_export_served_by_vllm_computes_our_policy ;;
   4) need_vllm; anchor 450 --rows 64,128,256 --long "" --arms vllm-bf16,vllm-nvfp4 ;;
   5) need_vllm; anchor 530 --model 32b --rows 1,8 --long "" --weights dummy --arms vllm-nvfp4,vllm-bf16 ;;
-  6) need_vllm; step_arms 280 'vllm-reload:rollout.backend=vllm,rollout.vllm_lora_update=reload' ;;
+  6) need_vllm; step_arms 420 'vllm:rollout.backend=vllm;vllm-reload:rollout.backend=vllm,rollout.vllm_lora_update=reload' ;;
   7) step_arms 220 'engine:;top-p:rollout.top_p=0.95' ;;
   *) echo "gpu_chain: unknown step $step (1-7)" >&2; exit 2 ;;
 esac
