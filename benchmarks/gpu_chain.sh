@@ -2,20 +2,22 @@
 # The GPU work issue 46 still owes (after 2026-11-28's fourth session; .notes/vllm.md), as device calls back to back
 # that stage vLLM on the way. A machine keeps /tmp only 30 s after a call, so there is nothing to decide between
 # calls 1-4: each has its budget inside its timeout, and what it found is read after the last. Calls 5 and 6 go as
-# far as `status` says the budget allows (5 first: the 32B anchor is a cell of the issue's table; 6 re-measures a
-# fixed bug).
+# far as `status` says the budget allows (6 first: with call 2's engine arm it gives the issue's three step arms in
+# one session; 5 is the 32B anchor's vLLM side).
 #
 #   run(carry=[".whl", ".vllm/1"], timeout_s=340, command="bash benchmarks/gpu_chain.sh 1")  # ~5 min
-#   run(carry=[".whl", ".vllm/2"], timeout_s=150, command="bash benchmarks/gpu_chain.sh 2")  # ~1 min
+#   run(carry=[".whl", ".vllm/2"], timeout_s=390, command="bash benchmarks/gpu_chain.sh 2")  # ~4.5 min
 #   run(carry=[".whl", ".vllm/3"], timeout_s=380, command="bash benchmarks/gpu_chain.sh 3")  # ~5.5 min
 #   run(carry=[".whl"], timeout_s=480, command="bash benchmarks/gpu_chain.sh 4")             # ~6 min
 #   run(carry=[".whl"], timeout_s=560, command="bash benchmarks/gpu_chain.sh 5")             # ~8 min
 #   run(carry=[".whl"], timeout_s=460, command="bash benchmarks/gpu_chain.sh 6")             # ~6 min
-#   run(carry=[".whl"], timeout_s=240, command="bash benchmarks/gpu_chain.sh 7")             # ~3 min, no vLLM
 #
 # What each call settles:
 #   1. qerl's arms of the 32B anchor (bf16 and NVFP4 + LoRA at 1 and 8 rows x 1,024; the model built in memory).
-#   2. the folders vLLM loads: the 7B random checkpoint (bf16 and qerl quantize's NVFP4), the 32B as config only.
+#   2. the folders vLLM loads: the 7B random checkpoint (bf16 and qerl quantize's NVFP4), the 32B as config only;
+#      then our engine's step with rollout.top_p 0.95 beside top_p 1: row-keyed top-p sampling now takes the keyed
+#      kernel (it took one generator call per row), so the two should be within a few percent. Its engine arm is
+#      also the same-session baseline of call 6.
 #   3. unpack; the export served by vLLM, judged by its log-probs against the export's fp32 function (the test
 #      was rewritten after the greedy check failed on near-ties, 2026-11-28).
 #   4. vLLM's arms of the 7B anchor without per-request seeds, at 64, 128 and 256 rows (the first table's vLLM
@@ -23,15 +25,13 @@
 #   5. vLLM's arms of the 32B anchor (load_format dummy), at 1 and 8 rows.
 #   6. the vLLM backend's step, a new LoRA id per step and the adapter reloaded in place (fixed: it reloaded at
 #      every engine step), with the step's peak without the sleeping pool and without our FP8 copies (both fixed);
-#      call 7's engine arm is their baseline of the same session (issue 46 asks for the three arms in one run).
-#   7. our engine's step with rollout.top_p 0.95 beside top_p 1: row-keyed top-p sampling now takes the keyed
-#      kernel (it took one generator call per row), so the two should be within a few percent.
+#      call 2's engine arm is their baseline of the same session (issue 46 asks for the three arms in one run).
 # `.vllm/` comes from `bash benchmarks/stage_vllm.sh pack peers` (~3-6 min here); `.whl/` holds humming-kernels and
 # liger-kernel (BENCHMARKS.md names the versions). Issue 49's peers need a session of their own:
 # benchmarks/peers_chain.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step="${1:?usage: gpu_chain.sh 1|2|3|4|5|6|7}"
+step="${1:?usage: gpu_chain.sh 1|2|3|4|5|6}"
 bash benchmarks/stage_vllm.sh receive
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
@@ -55,11 +55,11 @@ case "$step" in
   2) timeout 120 python3 -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks')
 from bench_vllm import write_folder
-write_folder('7b', Path('/tmp/qerl-vllm-bench')); write_folder('32b', Path('/tmp/qerl-vllm-bench'), 'dummy')" 2>&1 | log ;;
+write_folder('7b', Path('/tmp/qerl-vllm-bench')); write_folder('32b', Path('/tmp/qerl-vllm-bench'), 'dummy')" 2>&1 | log
+     step_arms 230 'engine:;top-p:rollout.top_p=0.95' ;;
   3) need_vllm; tests 330 tests/test_gpu_vllm.py::test_our_export_served_by_vllm_computes_our_policy ;;
   4) need_vllm; anchor 450 --rows 64,128,256 --long "" --arms vllm-bf16,vllm-nvfp4 ;;
   5) need_vllm; anchor 530 --model 32b --rows 1,8 --long "" --weights dummy --arms vllm-nvfp4,vllm-bf16 ;;
   6) need_vllm; step_arms 420 'vllm:rollout.backend=vllm;vllm-reload:rollout.backend=vllm,rollout.vllm_lora_update=reload' ;;
-  7) step_arms 220 'engine:;top-p:rollout.top_p=0.95' ;;
-  *) echo "gpu_chain: unknown step $step (1-7)" >&2; exit 2 ;;
+  *) echo "gpu_chain: unknown step $step (1-6)" >&2; exit 2 ;;
 esac
