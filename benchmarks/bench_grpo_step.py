@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_rollout import SCHEMES, bnb_version, build_model, free_cuda  # noqa: E402
+from device_peak import DevicePeak  # noqa: E402
 from qerl.config import load_settings  # noqa: E402
 from qerl.rl.trainer import Trainer  # noqa: E402
 
@@ -165,8 +166,9 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | base | variant | recomputed blocks | weights GiB | KV GiB | rollout s (tok/s) | scoring s | "
-             "update s (tokens) | step s (step 1) | peak GiB | reserved GiB | logp gap | step speed vs bf16 / vs QLoRA |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "update s (tokens) | step s (step 1) | peak GiB | reserved GiB | device peak GiB | logp gap | "
+             "step speed vs bf16 / vs QLoRA |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     step = {(r["model"], r["scheme"], r["variant"]): r["step_s"] for r in rows}
 
     def speedup(r: dict, scheme: str) -> str:
@@ -179,6 +181,7 @@ def table(rows: list[dict]) -> str:
                      f"{r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['scoring_s']:.2f} | "
                      f"{r['update_s']:.1f} ({r.get('update_tokens', 0):,}) | "
                      f"{r['step_s']:.1f} ({r['first_step_s']:.1f}) | {r['peak_gib']:.1f} | {r['reserved_gib']:.1f} | "
+                     f"{r.get('device_peak_gib', float('nan')):.1f} | "
                      f"{r['rollout_logp_gap']:.3f} | {speedup(r, 'bf16')} / {speedup(r, 'nf4-bnb')} |")
     return "\n".join(lines)
 
@@ -211,6 +214,9 @@ def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], ar
 
 def one_arm(args) -> int:
     name, scheme, variant = args.arm
+    # The device's own figure beside the trainer's peak_memory_gb: what a colocated vLLM holds in its own pool
+    # (and gives back asleep) is where the two could part
+    device_peak = DevicePeak.begin("bench_grpo_step") if torch.cuda.is_available() else None
     try:
         r = grpo_step(name, scheme, prompts=args.prompts, prompt_len=args.prompt, new=args.new, micro=args.micro,
                       sigma=args.sigma, steps=args.steps,
@@ -221,6 +227,7 @@ def one_arm(args) -> int:
     except torch.OutOfMemoryError as e:
         print(f"[{name} {scheme}] out of memory: {str(e).splitlines()[0]}", flush=True)
         return 4
+    r["device_peak_gib"] = device_peak.stop() if device_peak is not None else float("nan")
     Path(args.row).write_text(json.dumps(r))
     print(f"[{name} {scheme} {variant}] " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                                    for k, v in r.items()), flush=True)

@@ -82,6 +82,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
+from device_peak import DevicePeak  # noqa: E402 -- this folder is on the path from here
+
 CPU_ARMS = ("qerl-nvfp4", "qerl-bf16", "trl")
 VLLM_ARMS = ("trl-vllm", "trl-vllm-qlora", "unsloth-vllm-4bit", "unsloth-vllm-16bit")
 GPU_ARMS = ("qerl-nvfp4", "qerl-nvfp4-ckpt", "qerl-bf16", "qerl-nf4-bnb", "trl", "trl-qlora", "unsloth", *VLLM_ARMS)
@@ -105,50 +107,6 @@ def _peak_gib(device: str) -> float:
 
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-class DevicePeak:
-    """The most memory the arm held on the GPU: PyTorch's allocator, vLLM's own pool, the CUDA context, all of it,
-    as nvidia-smi counts it. PyTorch's peak misses what vLLM allocates itself (its weights and KV cache live in its
-    sleep-mode pool), and vLLM's `gpu_memory_utilization` is only its ceiling: this is what both sides of a colocated
-    step add up to. Read through NVML (nvidia-ml-py, on the GPU image and a vLLM dependency) by a thread every `every`
-    seconds: NVML is not the CUDA runtime, so the thread cannot disturb a CUDA graph being captured in the arm (a
-    CUDA call from another thread during a global-mode capture invalidates it). Counted from what the device held
-    when the arm began, before its CUDA context (the machine runs one arm at a time)."""
-
-    def __init__(self, every: float = 0.02):
-        import threading
-
-        import pynvml
-
-        pynvml.nvmlInit()
-        visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
-        self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
-        self.every, self._stop = every, threading.Event()
-        self.start = self.peak = self._used()
-        self._thread = threading.Thread(target=self._run, name="device-peak", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def begin(cls) -> "DevicePeak | None":
-        """A sampler, or None (said on stderr) where NVML cannot be read: the arm runs without the figure."""
-        try:
-            return cls()
-        except Exception as e:  # noqa: BLE001 -- pynvml missing, or no NVML library: the figure only
-            print(f"bench_peers: no device memory figure ({type(e).__name__}: {first_line(e)})", file=sys.stderr)
-            return None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            self.peak = max(self.peak, self._used())
-
-    def stop(self) -> float:
-        """Stops sampling; the peak over the start, in GiB."""
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._used())
-        return (self.peak - self.start) / 2**30
 
 
 def _reached(args, **kv) -> None:
@@ -555,7 +513,7 @@ def first_line(e: BaseException | str) -> str:
 
 def one_arm(args) -> int:
     arm = args.arm
-    device_peak = DevicePeak.begin() if args.device == "cuda" else None  # before the arm's CUDA context
+    device_peak = DevicePeak.begin("bench_peers") if args.device == "cuda" else None  # before the arm's CUDA context
     try:
         if arm.startswith("unsloth") and (args.device == "cuda" or args.tiny):
             import_unsloth(standby=arm in VLLM_ARMS)

@@ -178,6 +178,6 @@ def test_without_nvml_an_arm_runs_without_the_device_figure_and_says_so(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("NVML answers on a GPU machine")
-    assert peers.DevicePeak.begin() is None
+    assert peers.DevicePeak.begin("bench_peers") is None
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("bench_peers: no device memory figure (")
