@@ -25,7 +25,8 @@
 #   5. vLLM's arms of the 32B anchor (load_format dummy), at 1 and 8 rows.
 #   6. the vLLM backend's step, a new LoRA id per step and the adapter reloaded in place (fixed: it reloaded at
 #      every engine step), with the step's peak without the sleeping pool and without our FP8 copies (both fixed),
-#      beside the device's own peak (NVML, the device peak GiB column): the two should now agree to ~1-2 GiB;
+#      beside the device's own peak (NVML, the device peak GiB column): above ours by the CUDA context
+#      and PyTorch's cache (a few GiB), no longer by vLLM's 41 GiB pool;
 #      call 2's engine arm is their baseline of the same session (issue 46 asks for the three arms in one run).
 # `.vllm/` comes from `bash benchmarks/stage_vllm.sh pack peers` (~3-6 min here); `.whl/` holds humming-kernels and
 # liger-kernel (BENCHMARKS.md names the versions). Issue 49's peers need a session of their own:
