@@ -97,13 +97,16 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         # vLLM loads its base from a folder: the trainer's base is loaded from the same one (bench_vllm.py writes it)
         from bench_vllm import write_folder
         from qerl.model.runtime import load_base_model
+        from qerl.model.served import own_model_settings
 
         write_folder(name, Path(folder))
         base = [f"model.path={folder}/bf16", "model.device=cuda"]
         if scheme.startswith("nvfp4"):
             base.append(f"quant.quantized_path={folder}/nvfp4")
         fp8 = ["quant.fp8_weights=false"] if scheme == "nvfp4-4bit" else []
-        loaded = load_settings(overrides=[*base, f"quant.scheme={scheme.replace('-4bit', '')}", *fp8])
+        # as `qerl train` loads it beside vLLM (own_model_settings: no FP8 copies unless the update reads them)
+        loaded = own_model_settings(load_settings(overrides=[*base, f"quant.scheme={scheme.replace('-4bit', '')}",
+                                                             *fp8, *overrides]))
         model, _ = load_base_model(loaded.model, loaded.quant)
     else:
         model = build_model(name, scheme, lora_rank=0)  # the trainer applies LoRA after the fusion, as `qerl train`
