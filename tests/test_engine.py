@@ -34,6 +34,14 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # the suite in compiled mode; the interpreter runs in subprocesses.
 
 
+def run_in_interpreter(code: str) -> None:
+    """Run `code` in a process of its own under Triton's CPU interpreter (set before triton imports); it prints
+    "ok" last when its checks pass."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
 def tiny(model_type="llama", vocab=97, layers=2, hidden=64, heads=4, kv_heads=2, seed=0, device="cpu",
          dtype=torch.float32):
     cfg = ModelConfig.from_hf({"model_type": model_type, "hidden_size": hidden, "intermediate_size": 2 * hidden,
@@ -325,9 +333,7 @@ def test_triton_kernels_in_the_interpreter():
             assert out.completion_ids == generate(model, None, ps, 5, temperature=0, eos_token_ids=[]).completion_ids
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_in_interpreter(code)
 
 
 def test_fp8_kv_layout_round_trips_within_e4m3_rounding():
@@ -403,9 +409,7 @@ def test_fp8_kv_kernels_in_the_interpreter():
         assert gap < 0.05, gap
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_in_interpreter(code)
 
 
 @interpreter_only
@@ -439,9 +443,7 @@ def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
         assert torch.equal(first, again) and not torch.equal(first, other)  # 60 rows alike by chance: p < 1e-27
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_in_interpreter(code)
 
 
 @interpreter_only
@@ -478,9 +480,7 @@ def test_row_keyed_top_k_and_top_p_draw_in_the_kernel_in_the_interpreter():
         assert all(t in row for t, row in zip(tok.tolist(), top2.tolist())) and torch.isfinite(logp).all()
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_in_interpreter(code)
 
 
 @interpreter_only
@@ -528,9 +528,7 @@ def test_row_keyed_sampler_draws_each_row_alone_in_the_interpreter():
                 == out.completion_ids[i]
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=patience(300))
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_in_interpreter(code)
 
 
 def test_triton_kernels_pass_the_compiler_frontend_for_sm90():

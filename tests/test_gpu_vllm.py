@@ -114,14 +114,14 @@ def test_our_export_served_by_vllm_computes_our_policy(tmp_path, model_dir, vllm
                [(3, 4), (12, 30), (7, 7), (25, 61), (90, 9), (40, 2)]]
     ours = make_backend(model, tokenizer, "engine").generate(prompts, Sampling(max_new_tokens=32, temperature=0,
                                                                                eos_token_ids=()))
-    theirs, their_logp = served(export.out if merge else export.out / "base", prompts,
-                                None if merge else export.out / "adapter", tmp_path / "served.json", vllm_env)
+    folder, adapter = (export.out, None) if merge else (export.out / "base", export.out / "adapter")
+    theirs, their_logp = served(folder, prompts, adapter, tmp_path / "served.json", vllm_env)
     # The exact function of what was served: the same folder (and adapter) in fp32, on the CPU
-    exact_s = load_settings(overrides=[f"model.path={export.out if merge else export.out / 'base'}",
-                                       "model.device=cpu", "model.dtype=float32", "quant.scheme=nvfp4"])
+    exact_s = load_settings(overrides=[f"model.path={folder}", "model.device=cpu", "model.dtype=float32",
+                                       "quant.scheme=nvfp4"])
     exact, _ = load_base_model(exact_s.model, exact_s.quant)
-    if not merge:
-        lora.load_adapter(exact, export.out / "adapter", dtype=torch.float32)
+    if adapter is not None:
+        lora.load_adapter(exact, adapter, dtype=torch.float32)
     exact_logp, behind = zip(*(token_log_probs(exact, p, t) for p, t in zip(prompts, theirs)))
     our_logp = [token_log_probs(model, p, t)[0] for p, t in zip(prompts, theirs)]
     vllm_error = torch.cat([(a - b).abs() for a, b in zip(their_logp, exact_logp)]).mean().item()
