@@ -162,6 +162,31 @@ def test_a_sleeping_vllm_is_not_counted_in_the_steps_peak(monkeypatch):
         releasable.set_released_bytes(0, 0)
 
 
+def test_vllm_wakes_after_the_updates_cache_went_back_to_the_driver(monkeypatch):
+    """The 7B step's device peak beside vLLM was 104 GiB against the trainer's 60: the update left its blocks in
+    PyTorch's cache and vLLM took its 41 GiB pool next to them. What the device holds once vLLM is awake is the
+    trainer's live tensors and vLLM's pool, not the update's cache."""
+    from qerl.rollout.vllm_backend import VLLMBackend, VLLMOptions
+
+    GiB = 2**30
+    device = {"live": 25 * GiB, "cached": 35 * GiB, "peak": 0}
+
+    def empty_cache():
+        device["cached"] = 0
+
+    class LLM:
+        def wake_up(self):
+            device["peak"] = max(device["peak"], device["live"] + device["cached"] + 41 * GiB)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    backend = object.__new__(VLLMBackend)
+    backend.llm, backend._asleep = LLM(), True
+    backend.options = VLLMOptions(base=Path("."), lora=None, max_model_len=64)
+    backend.wake()
+    assert device["peak"] == 66 * GiB and not backend._asleep
+
+
 def test_beside_vllm_our_model_keeps_no_fp8_copies_unless_the_update_reads_them():
     """quant.fp8_weights auto: the FP8 copies serve our engine's many-row forwards and the FP8 update; where vLLM
     samples and the update is bf16 they would only hold a byte per weight (6.1 GiB at 7B) beside vLLM's base."""

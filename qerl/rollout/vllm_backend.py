@@ -176,7 +176,11 @@ class VLLMBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------- memory
     def wake(self) -> None:
+        """Take vLLM's pool back for a rollout. PyTorch's cache goes back to the driver first: the update leaves
+        tens of GiB cached, and waking beside them put the 7B step's device peak at 104 GiB against the trainer's
+        60 (vLLM's sleep empties that cache anyway, so the next update re-grows it either way)."""
         if self._asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             releasable.set_released_bytes(torch.cuda.current_device(), 0)
             self._asleep = False
