@@ -9,12 +9,13 @@
 #
 # `tests`: pytest stopped by SIGINT at its budget still prints what failed so far (a SIGKILL prints nothing).
 #
-# One-row rollouts fell from 286 to 183 tok/s (7B NVFP4, H200) after ccdf029, the tree of 2026-11-27's table, while
-# 8 rows did not move (BENCHMARKS.md, "Beside vLLM, completed"). `rows1` times both trees at 1 and 8 rows, and
-# `profile1` prints where a one-row step goes in each (benchmarks/profile_rollout_rows.py, copied into the old tree):
+# One-row rollouts read 286 tok/s at ccdf029 (2026-11-27's table, 7B NVFP4, H200) and 183 on 2026-11-28, with 8 rows
+# unchanged. Most likely the later figure paid one-time work in its timed call (BENCHMARKS.md, "Beside vLLM,
+# completed"). `profile1` settles whether any of it is per step: both trees' warm decode step at 1 and 8 rows, and
+# where it goes (benchmarks/profile_rollout_rows.py, copied into the old tree; it times a rollout after a warm one):
 #   rm -rf .before && mkdir .before && git archive ccdf029 qerl kernels tasks flows pyproject.toml benchmarks params \
 #       | tar -x -C .before
-#   run(carry=[".whl", ".before"], command="bash benchmarks/before_after.sh rows1 profile1")   # ~5 min
+#   run(carry=[".whl", ".before"], command="bash benchmarks/before_after.sh profile1")   # ~5 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null
@@ -37,20 +38,15 @@ for what in "$@"; do
                (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 150 python3 benchmarks/bench_rollout.py --models 7b \
                   --schemes $scheme --batches 64,256 --new 1024 --out "$OUT/rollout-$tree") 2>&1 \
                  | sed "s/^/[$tree] /" | tee -a "$OUT/rollout.log" | grep -v "^\[.*\]   (" ; done; done ;;
-    rows1) for scheme in nvfp4 bf16; do for tree in before after; do
-             dir=$here; [ $tree = before ] && dir=$here/.before
-             (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 100 python3 benchmarks/bench_rollout.py --models 7b \
-                --schemes $scheme --batches 1,8 --new 1024 --out "$OUT/rows1-$tree") 2>&1 \
-               | sed "s/^/[$tree] /" | tee -a "$OUT/rows1.log" | grep -v "^\[.*\]   (" ; done; done ;;
     profile1) cp benchmarks/profile_rollout_rows.py .before/benchmarks/
               for tree in before after; do
                 dir=$here; [ $tree = before ] && dir=$here/.before
-                (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 100 python3 benchmarks/profile_rollout_rows.py \
-                   --model 7b --scheme nvfp4 --rows 1 --new 1024 --top 25) 2>&1 | grep -v "USDT\|dispatch: GEMM" \
+                (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 150 python3 benchmarks/profile_rollout_rows.py \
+                   --model 7b --scheme nvfp4 --rows 1,8 --new 1024 --top 25) 2>&1 | grep -v "USDT\|dispatch: GEMM" \
                   | sed "s/^/[$tree] /" | tee -a "$OUT/profile1.log" ; done ;;
     step) arm before nvfp4 8 'default:'; arm after nvfp4 8 'default:' ;;          # issue 50: the step unchanged
     shared128) arm after nvfp4 16 'shared:;plain:model.share_prompts=false' ;;     # issue 48 at 128 rows
     bf16) arm after bf16 8 'default:' ;;                                          # the step against bf16 LoRA
-    *) echo "unknown part $what (tests, rollout, rows1, profile1, step, shared128, bf16)" >&2; exit 2 ;;
+    *) echo "unknown part $what (tests, rollout, profile1, step, shared128, bf16)" >&2; exit 2 ;;
   esac
 done

@@ -193,6 +193,29 @@ def test_lora_updates_and_aqn_noise_are_read_live():
         assert engine._signature_seen != signature
 
 
+def test_graphs_prepared_ahead_are_kept_by_the_first_rollout():
+    """`prepare` captures the decode graphs before a rollout; a quantized layer's first GPU call (its prefill)
+    repacks its weight and drops its own buffers. The next rollout must see no change, or it recaptures every graph
+    inside the rollout (a fresh 7B model's first timed rollout paid that). A buffer replaced on the model's first
+    forward stands in for the repack here."""
+    model, ps = tiny(), prompts(2)
+    layer = model.model.layers[0].mlp
+    layer.register_buffer("repacked", torch.zeros(4))
+
+    def repack_once(module, args):
+        if not getattr(module, "_repacked_once", False):
+            module.repacked = torch.zeros(4)  # a new address, as a GPU GEMM's own copy of the weight
+            module._repacked_once = True
+
+    layer.register_forward_pre_hook(repack_once)
+    engine = RolloutEngine(model)
+    engine.prepare(len(ps), max(map(len, ps)), 6)
+    assert engine._signature_seen == engine._signature(sync=False)  # what prepare captured still holds
+    seen = engine._signature_seen
+    engine.generate(None, ps, 6, temperature=0, eos_token_ids=[])
+    assert engine._signature_seen == seen
+
+
 def test_generate_fast_keeps_one_engine_and_leaves_the_model_clean():
     model, ps = tiny(), prompts(3)
     out = generate_fast(model, None, ps, 6, temperature=0, eos_token_ids=[])

@@ -300,6 +300,13 @@ class RolloutEngine:
     def _uninstall(self) -> None:
         self.model.use_kv_caches(None)
 
+    def _signature_after_run(self) -> None:
+        """A prefill or rollout may change what the signature sees, consistently with the graphs it captured: a
+        quantized layer's first GPU call repacks its weight for the GEMM backend (its own buffers go) and a fused
+        group's GEMM comes to exist. Taken again (caches uninstalled), the next rollout keeps those graphs. Missing
+        after `prepare`, the first timed rollout of a fresh model recaptured every graph prepare had captured."""
+        self._signature_seen = self._signature(sync=False)
+
     # ------------------------------------------------------------------------------------------------ forward
 
     def _decode_step(self, rows: int, window: int) -> None:
@@ -425,6 +432,7 @@ class RolloutEngine:
         finally:
             self._uninstall()
             model.train(was_training)
+        self._signature_after_run()
 
     @torch.no_grad()
     def generate(self, tokenizer: Any, prompts: list[str] | list[list[int]], max_new_tokens: int,
@@ -464,10 +472,7 @@ class RolloutEngine:
         finally:
             self._uninstall()
             model.train(was_training)
-        # The run itself may have changed what the signature sees, consistently with the graphs it captured: a
-        # quantized layer's first GPU call repacks its weight for the GEMM backend (its own buffers go) and a fused
-        # group's GEMM comes to exist. Taken again now (caches uninstalled), the next rollout does not recapture.
-        self._signature_seen = self._signature(sync=False)
+        self._signature_after_run()
 
         for i in range(batch):
             e, s = int(first_eos[i]), stop_at.get(i)
