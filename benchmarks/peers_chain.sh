@@ -12,7 +12,8 @@
 #
 # `.vllm/` comes from `bash benchmarks/stage_vllm.sh pack peers` here (~3 min; 44 + 44 + 25 MiB and the zstandard
 # wheel, each part + the ~14 MB repository under a call's 64 MiB). With the machine's start (~2 min) and the gaps,
-# ~27 of a session's 30 device minutes. Each call's bench_peers.py run has a budget that ends it inside its
+# ~29 of a session's 30 device minutes by these estimates. They are upper bounds: gpu_chain.sh's calls took 30-75%
+# of theirs on 2026-11-28 and a start ~40 s. Each call's bench_peers.py run has a budget that ends it inside its
 # timeout with every row written (an arm past it: "did not run: ... (killed)" with how far it got; arms after it:
 # "no time left"), so the arms stand in each call in the order they matter:
 #   1. qerl-nvfp4 at 64 and 128 rows (qerl's baseline; vLLM is not needed and not unpacked yet, so Liger is not on the
