@@ -1,9 +1,9 @@
 """Where a decode step of our engine goes at few rows: wall time per step against the GPU's busy time, and the
 kernels by time, for each row count (one process, one model).
 
-Why: one-row rollouts fell from 286 to 183 tok/s at 7B NVFP4 between 2026-11-27 and 2026-11-28 while 8 rows did
-not move (BENCHMARKS.md, "Beside vLLM, completed"). If the GPU is busy most of a one-row step, a kernel grew; if it
-idles, the host loop (sampling and bookkeeping between graph replays) is what bounds it.
+Why: one-row figures read 286 then 183 tok/s at 7B NVFP4 (2026-11-27, 2026-11-28) while 8 rows did not move
+(BENCHMARKS.md, "Beside vLLM, completed"). A rollout is timed here after a warm one, so one-time work stays out;
+if the GPU is busy most of the step, its kernels bound it, and if it idles, the host loop between graph replays.
 
     PYTHONPATH=. python3 benchmarks/profile_rollout_rows.py --model 7b --scheme nvfp4 --rows 1,8
 """
