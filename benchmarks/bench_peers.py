@@ -186,7 +186,11 @@ def qerl_arm(args, scheme: str, extra: tuple[str, ...] = ()) -> dict:
             rows = trainer.run.metrics.read()
     last = rows[-1]
     r = {"times": times, "cpu": cpu, "generate_s": last["seconds_rollout"], "update_s": last["seconds_update"],
-         "reward_mean": [r["reward_mean"] for r in rows]}
+         "reward_mean": [r["reward_mean"] for r in rows],
+         # The update's memory plan (model.gradient_checkpointing / keep_dequantized: auto), which sets its speed
+         # and its peak: the blocks recomputed and the dequantized weights kept, per step.
+         "recomputed_blocks": [r.get("recomputed_blocks") for r in rows],
+         "held_weights_gib": [r.get("held_weights_gib") for r in rows]}
     if args.device == "cuda":
         # The trainer's own figure: PyTorch's allocations plus the engine's KV cache, which lives outside PyTorch's
         # allocator (mapped during rollouts, handed back for updates), so max_memory_allocated alone would miss it.
