@@ -308,6 +308,11 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False, vllm: bool = F
         per_device_train_batch_size=micro, gradient_accumulation_steps=w["prompts"] * GROUP // micro,
         num_generations=GROUP, max_completion_length=w["new"], temperature=1.0, loss_type="dapo", beta=0.0,
         epsilon=0.2, epsilon_high=0.28, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+        # Truncated completions stay in the loss, as in qerl's arm (grpo.mask_truncated: false) and TRL's default.
+        # Said explicitly for Unsloth, which turns it on when left unset with loss_type dapo; EOS never ends a
+        # completion here, so that zeroed its loss (and gradient) and took each completion out of the update's
+        # attention mask, which may change its work too (its rows of 2026-11-28).
+        mask_truncated_completions=False,
         use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
         # Unsloth's notebooks leave it off here: get_peft_model(use_gradient_checkpointing="unsloth") set its own.
         gradient_checkpointing=gpu_work(args) and not unsloth,
@@ -376,7 +381,7 @@ def trl_arm(args, quantized: bool = False, unsloth: bool = False, vllm: bool = F
          "work": {k: getattr(trainer.args, k, None) for k in (
              "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
              "num_generations", "max_completion_length", "loss_type", "beta", "gradient_checkpointing", "use_vllm",
-             "vllm_mode", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization")}}
+             "vllm_mode", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "mask_truncated_completions")}}
     if sync_s:
         r["sync_s"] = sync_s[-1]
     if generate_s:
