@@ -667,6 +667,55 @@ def table(rows: list[dict], device: str) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], out: str | Path) -> Path:
+    """The table as a picture: per row count, one bar per arm that ran (generation, its weight sync apart where the
+    arm has one, then the update; the step time and qerl NVFP4's speed-up at the end), fastest on top; a second
+    panel gives each arm's peak (the device's where measured). Arms that did not run are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if "step_s" in r]
+    if not ran:
+        raise ValueError("no arm in these rows ran: nothing to plot")
+    counts = sorted({r.get("rows", 64) for r in ran})
+    fig, axes = plt.subplots(len(counts), 2, figsize=(13, 0.55 * len(ran) + 1.6 * len(counts)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]})
+    for (speed, memory), n in zip(axes, counts):
+        group = sorted((r for r in ran if r.get("rows", 64) == n), key=lambda r: r["step_s"], reverse=True)
+        ours = next((r["step_s"] for r in group if r["arm"] == "qerl-nvfp4"), None)
+        names = [r["arm"] for r in group]
+        gen = [r.get("generate_s", 0.0) - r.get("sync_s", 0.0) for r in group]
+        sync = [r.get("sync_s", 0.0) for r in group]
+        upd = [r.get("update_s", r["step_s"] - r.get("generate_s", 0.0)) for r in group]
+        speed.barh(names, gen, color="#4c72b0", label="generation")
+        speed.barh(names, sync, left=gen, color="#8172b2", label="weight sync into vLLM")
+        speed.barh(names, upd, left=[g + y for g, y in zip(gen, sync)], color="#dd8452", label="update")
+        for i, r in enumerate(group):
+            note = f" {r['step_s']:.1f} s" + (f"  (qerl NVFP4 {r['step_s'] / ours:.2f}x faster)"
+                                              if ours and r["arm"] != "qerl-nvfp4" else "")
+            speed.text(r["step_s"], i, note, va="center", fontsize=8)
+        speed.set_xlim(0, max(r["step_s"] for r in group) * 1.6)
+        speed.set_xlabel("seconds per GRPO step (the arm's last step)")
+        speed.set_title(f"{n} rows: step time, generation + update")
+        speed.legend(loc="upper right", fontsize=8)  # fastest on top: its bar is the shortest
+        peaks = [r.get("device_peak_gib", r.get("peak_gib", 0.0)) for r in group]
+        memory.barh(names, peaks, color="#55a868")
+        memory.set_yticks(range(len(names)), [""] * len(names))
+        for i, v in enumerate(peaks):
+            memory.text(v, i, f" {v:.0f}", va="center", fontsize=8)
+        memory.set_xlim(0, max(peaks) * 1.3 if max(peaks) else 1)
+        memory.set_xlabel("peak GiB (the device's where measured)")
+        memory.set_title("memory")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -689,6 +738,7 @@ def main() -> None:
                     help="a folder put first on the unsloth arm's PYTHONPATH (its pinned TRL and datasets)")
     ap.add_argument("--out", default="outputs/peers")
     ap.add_argument("--table", nargs="+", metavar="JSONL", help="print the table of these runs' rows and exit")
+    ap.add_argument("--plot", metavar="PNG", help="with --table: also draw it into this PNG")
     ap.add_argument("--save-model", action="store_true", help="write the vLLM and Unsloth arms' model folder into "
                     "PEERS_MODEL_DIR and exit (so a device call before theirs pays the 15 GB write)")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
@@ -708,6 +758,12 @@ def main() -> None:
     if args.table:
         rows = [json.loads(line) for f in args.table for line in Path(f).read_text().splitlines() if line.strip()]
         print(table(rows, "cpu" if any(r.get("device") == "cpu" for r in rows) else "cuda"))
+        if args.plot:
+            try:
+                print(f"bench_peers: {plot(rows, args.plot)}")
+            except ValueError as e:
+                print(f"bench_peers: --plot {args.plot}: {e}", file=sys.stderr)
+                sys.exit(2)
         return
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     every = GPU_ARMS if args.device == "cuda" or args.tiny else CPU_ARMS

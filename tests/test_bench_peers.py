@@ -159,6 +159,29 @@ def test_the_table_compares_each_row_count_with_its_own_trl_and_qerl_lines():
     assert "did not run: vllm is not installed (reached: model_loaded_s 3.0)" in lines[("unsloth-vllm-4bit", "128")]
 
 
+def test_the_table_is_drawn_into_a_png_and_a_run_where_nothing_ran_is_one_line(tmp_path):
+    ran = {"steps": 2, "first_step_s": 30.0, "cpu_s_per_step": 1.0, "peak_gib": 40.0}
+    rows = [{"arm": "qerl-nvfp4", "rows": 64, "step_s": 11.0, "generate_s": 6.0, "update_s": 5.0, **ran},
+            {"arm": "trl-vllm", "rows": 64, "step_s": 20.0, "generate_s": 7.0, "sync_s": 0.2, "update_s": 13.0,
+             "device_peak_gib": 57.0, **ran},
+            {"arm": "unsloth-vllm-4bit", "rows": 128, "unavailable": "no time left"}]
+    runs = tmp_path / "peers.jsonl"
+    runs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--table", str(runs)]
+    done = subprocess.run([*script, "--plot", str(tmp_path / "plots" / "peers.png")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    png = (tmp_path / "plots" / "peers.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert "| qerl-nvfp4 | 64 | 11.00 |" in done.stdout  # the table is printed as before
+    runs.write_text(json.dumps(rows[-1]) + "\n")
+    done = subprocess.run([*script, "--plot", str(tmp_path / "none.png")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"bench_peers: --plot {tmp_path / 'none.png'}: no arm in these rows ran: nothing to plot"]
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_a_vllm_arm_that_cannot_run_here_says_why_and_the_run_goes_on(tmp_path):
     """The CPU dry run of a vLLM arm: its process reports the package it lacks (TRL, or vLLM where TRL is
     installed) as its row, exit 0, and the table says so; nothing hangs on the missing engine."""
