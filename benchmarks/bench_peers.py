@@ -18,7 +18,8 @@ first, which pays one-offs), the first step, CPU seconds per step (user + system
 
 * `qerl-nvfp4`, `qerl-bf16` (fp32 on the CPU), `qerl-nf4-bnb` (CUDA): `qerl.rl.trainer.Trainer`, as `qerl train` runs;
   `qerl-nvfp4-ckpt`: the same with `model.gradient_checkpointing=true` (every block recomputed, as TRL does; the
-  default `auto` keeps what free memory holds, so its peak grows with the card);
+  default `auto` keeps what free memory holds, so its peak grows with the card); `qerl-nvfp4-fp8`: with
+  `model.base_gemm=fp8` (the update's frozen-base GEMMs on FP8 tensor cores, opt-in);
 * `trl`: TRL's GRPOTrainer + PEFT LoRA on the plain model, generation through `transformers.generate`;
 * `trl-qlora` (CUDA): the same on a bitsandbytes NF4 base (`BitsAndBytesConfig(load_in_4bit=True)`), as TRL's docs
   run QLoRA;
@@ -86,8 +87,10 @@ from device_peak import DevicePeak  # noqa: E402 -- this folder is on the path f
 
 CPU_ARMS = ("qerl-nvfp4", "qerl-bf16", "trl")
 VLLM_ARMS = ("trl-vllm", "trl-vllm-qlora", "unsloth-vllm-4bit", "unsloth-vllm-16bit")
-GPU_ARMS = ("qerl-nvfp4", "qerl-nvfp4-ckpt", "qerl-bf16", "qerl-nf4-bnb", "trl", "trl-qlora", "unsloth", *VLLM_ARMS)
+GPU_ARMS = ("qerl-nvfp4", "qerl-nvfp4-ckpt", "qerl-nvfp4-fp8", "qerl-bf16", "qerl-nf4-bnb", "trl", "trl-qlora",
+            "unsloth", *VLLM_ARMS)
 PEER_ARMS = ("trl", "trl-qlora", "unsloth", *VLLM_ARMS)
+QERL_SETTINGS = {"-ckpt": "model.gradient_checkpointing=true", "-fp8": "model.base_gemm=fp8"}
 PROMPTS_DEFAULT, GROUP, RANK = 8, 8, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -531,10 +534,13 @@ def one_arm(args) -> int:
 
             torch.cuda.reset_peak_memory_stats()
         if arm.startswith("qerl-"):
-            # qerl-<scheme>, or qerl-<scheme>-ckpt: every block recomputed in the update, as TRL's gradient
-            # checkpointing does (the default, `auto`, keeps what the free memory holds: faster, higher peak).
-            scheme = arm.removeprefix("qerl-").removesuffix("-ckpt")
-            extra = ("model.gradient_checkpointing=true",) if arm.endswith("-ckpt") else ()
+            # qerl-<scheme>, or qerl-<scheme>-<setting>: -ckpt, every block recomputed in the update, as TRL's
+            # gradient checkpointing does (the default, `auto`, keeps what the free memory holds: faster, higher
+            # peak); -fp8, the update's frozen-base GEMMs in FP8 (opt-in, model.base_gemm).
+            scheme, extra = arm.removeprefix("qerl-"), ()
+            for suffix, setting in QERL_SETTINGS.items():
+                if scheme.endswith(suffix):
+                    scheme, extra = scheme.removesuffix(suffix), (setting,)
             if scheme == "nf4-bnb" and args.device != "cuda":
                 raise Unavailable("bitsandbytes' NF4 base is a CUDA arm")
             r = qerl_arm(args, scheme, extra)
