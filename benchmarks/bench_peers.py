@@ -534,13 +534,7 @@ def one_arm(args) -> int:
 
             torch.cuda.reset_peak_memory_stats()
         if arm.startswith("qerl-"):
-            # qerl-<scheme>, or qerl-<scheme>-<setting>: -ckpt, every block recomputed in the update, as TRL's
-            # gradient checkpointing does (the default, `auto`, keeps what the free memory holds: faster, higher
-            # peak); -fp8, the update's frozen-base GEMMs in FP8 (opt-in, model.base_gemm).
-            scheme, extra = arm.removeprefix("qerl-"), ()
-            for suffix, setting in QERL_SETTINGS.items():
-                if scheme.endswith(suffix):
-                    scheme, extra = scheme.removesuffix(suffix), (setting,)
+            scheme, extra = qerl_arm_settings(arm)
             if scheme == "nf4-bnb" and args.device != "cuda":
                 raise Unavailable("bitsandbytes' NF4 base is a CUDA arm")
             r = qerl_arm(args, scheme, extra)
@@ -602,6 +596,18 @@ def parse_arms(spec: str, every: tuple[str, ...], rows: int) -> list[tuple[str, 
             raise ValueError(f"--arms: rows in {entry!r} must be a positive multiple of the group size {GROUP}")
         pairs.append((arm, int(n) if n else rows))
     return pairs
+
+
+def qerl_arm_settings(arm: str) -> tuple[str, tuple[str, ...]]:
+    """qerl-<scheme>, or qerl-<scheme>-<setting>, as the quantization scheme and the `-S` overrides the arm runs:
+    -ckpt, every block recomputed in the update, as TRL's gradient checkpointing does (the default, `auto`, keeps
+    what the free memory holds: faster, higher peak); -fp8, the update's frozen-base GEMMs in FP8 (model.base_gemm,
+    opt-in)."""
+    scheme = arm.removeprefix("qerl-")
+    for suffix, setting in QERL_SETTINGS.items():
+        if scheme.endswith(suffix):
+            return scheme.removesuffix(suffix), (setting,)
+    return scheme, ()
 
 
 def run_arm(arm: str, rows: int, args, limit: float) -> dict:

@@ -124,6 +124,16 @@ def test_arms_take_their_row_count_and_bad_entries_are_named():
         peers.parse_arms("trl-vllm@100", peers.GPU_ARMS, 64)
 
 
+def test_each_qerl_arm_runs_the_setting_its_name_says():
+    assert peers.qerl_arm_settings("qerl-nvfp4") == ("nvfp4", ())
+    assert peers.qerl_arm_settings("qerl-nf4-bnb") == ("nf4-bnb", ())
+    assert peers.qerl_arm_settings("qerl-nvfp4-ckpt") == ("nvfp4", ("model.gradient_checkpointing=true",))
+    assert peers.qerl_arm_settings("qerl-nvfp4-fp8") == ("nvfp4", ("model.base_gemm=fp8",))
+    for arm in peers.GPU_ARMS:  # every qerl arm on the menu resolves to a scheme the CLI knows
+        if arm.startswith("qerl-"):
+            assert peers.qerl_arm_settings(arm)[0] in ("nvfp4", "bf16", "nf4-bnb")
+
+
 def test_an_unknown_arm_on_the_command_line_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--arms", "unsloth-vllm",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
