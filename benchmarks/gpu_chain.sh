@@ -2,7 +2,8 @@
 # The GPU work issue 46 owed after 2026-11-28's fourth session (.notes/vllm.md), as device calls back to back that
 # stage vLLM on the way. All six ran in the fifth session (order 1, 2, 3, 6, 5, 4; 24.8 device minutes;
 # BENCHMARKS.md top section); call 6 after 1-3 re-measures the vLLM backend's device peak after the wake fix.
-# A machine keeps /tmp only 30 s after a call, so there is nothing to decide between calls 1-4: each has its budget inside its timeout, and what it found is read after the last. Calls 5 and 6 go as
+# A machine keeps /tmp only 30 s after a call, so there is nothing to decide between calls 1-4: each has its budget
+# inside its timeout, and what it found is read after the last. Calls 5 and 6 go as
 # far as `status` says the budget allows (6 first: with call 2's engine arm it gives the issue's three step arms in
 # one session; 5 is the 32B anchor's vLLM side).
 #

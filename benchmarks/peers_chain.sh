@@ -48,18 +48,18 @@ peers() {  # peers BUDGET_S ARMS: one bench_peers.py run, its rows appended to $
   timeout $(($1 + 30)) python3 benchmarks/bench_peers.py --device "$device" $size --steps 2 --budget-s "$1" \
     --arm-timeout 330 --vllm-memory 0.3 --arms "$2" --out "$OUT/peers" 2>&1 | log
 }
+vllm_peers() {  # vllm_peers BUDGET_S ARMS: peers, once calls 1-3 have unpacked vLLM on this (still warm) machine
+  [ -f "$stage/env" ] || { echo "peers_chain: vLLM is not unpacked (calls 1-3 back to back? a cold machine?)"; exit 1; }
+  peers "$@"
+}
 [ "$device" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
   | tee -a "$OUT/step$step.log"
 case "$step" in
   1) peers 330 qerl-nvfp4@128,qerl-nvfp4-ckpt@64,qerl-nvfp4-ckpt@128 ;;
   2) timeout 200 python3 benchmarks/bench_peers.py --device "$device" $size --save-model 2>&1 | log ;;
-  3) [ -f "$stage/env" ] || { echo "peers_chain: vLLM is not unpacked (were calls 1-2 back to back?)"; exit 1; }
-     peers 500 unsloth-vllm-16bit@64,unsloth-vllm-16bit@128 ;;
-  4) [ -f "$stage/env" ] || { echo "peers_chain: vLLM is not unpacked (a cold machine?)"; exit 1; }
-     peers 540 unsloth-vllm-16bit@128,unsloth-vllm-4bit@64 ;;
-  5) [ -f "$stage/env" ] || { echo "peers_chain: vLLM is not unpacked (a cold machine?)"; exit 1; }
-     peers 370 unsloth-vllm-4bit@128 ;;
-  6) [ -f "$stage/env" ] || { echo "peers_chain: vLLM is not unpacked (a cold machine?)"; exit 1; }
-     peers 540 trl-vllm-qlora@128 ;;
+  3) vllm_peers 500 unsloth-vllm-16bit@64,unsloth-vllm-16bit@128 ;;
+  4) vllm_peers 540 unsloth-vllm-16bit@128,unsloth-vllm-4bit@64 ;;
+  5) vllm_peers 370 unsloth-vllm-4bit@128 ;;
+  6) vllm_peers 540 trl-vllm-qlora@128 ;;
   *) echo "peers_chain: unknown step $step (1-6)" >&2; exit 2 ;;
 esac
