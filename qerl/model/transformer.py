@@ -83,10 +83,17 @@ class StepCache:
         self.k_cache, self.v_cache, self.window = k_cache, v_cache, window
 
     def update(self, cache_position: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v [rows, Hkv, T, D] written at slots `cache_position`: [T] shared by every row, or [rows, T] (each row
+        at its own slots: rows that advanced by different numbers of tokens, as speculative decoding leaves them)."""
         rows = k.shape[0]
         k_cache, v_cache = self.k_cache[:rows], self.v_cache[:rows]
-        k_cache.index_copy_(2, cache_position, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, cache_position, v.to(v_cache.dtype))
+        if cache_position.dim() == 2:
+            row = torch.arange(rows, device=k.device)[:, None].expand_as(cache_position)
+            k_cache[row, :, cache_position] = k.transpose(1, 2).to(k_cache.dtype)  # [rows, T, Hkv, D]
+            v_cache[row, :, cache_position] = v.transpose(1, 2).to(v_cache.dtype)
+        else:
+            k_cache.index_copy_(2, cache_position, k.to(k_cache.dtype))
+            v_cache.index_copy_(2, cache_position, v.to(v_cache.dtype))
         return k_cache[:, :, :self.window], v_cache[:, :, :self.window]
 
 
@@ -281,8 +288,9 @@ class Decoder(nn.Module):
         padding and causality) and the slot written: sliding layers see only the slots in their window (the
         engine's slots are transformers' kv_idx)."""
         masks = {False: attend}
-        if self.sliding_window is not None:
-            masks[True] = attend & (torch.arange(attend.shape[-1], device=attend.device) > slot - self.sliding_window)
+        if self.sliding_window is not None:  # slot [1] (every row's) or [rows] (each row's own)
+            keys = torch.arange(attend.shape[-1], device=attend.device)
+            masks[True] = attend & (keys > slot.view(-1, 1) - self.sliding_window)
         return masks
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -433,7 +441,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,
-                    kv_caches: Sequence[tuple[Tensor, Tensor]], fused: bool = False) -> Tensor:
+                    kv_caches: Sequence[tuple[Tensor, Tensor]], fused: bool = False,
+                    queries_per_row: int = 1) -> Tensor:
         """One token for each of `rows` sequences over caches the caller owns; logits [rows, vocab] (model dtype).
 
         tokens [rows]; positions [rows, 1] (RoPE positions); slot [1]: the cache slot each row's k, v are written
@@ -442,14 +451,23 @@ class Transformer(nn.Module):
         in rows :rows and slots :window. The blocks' own forward over those caches; `fused=True`: the same blocks as
         the Triton kernels run them (`qerl.execution.decode`, see `fused_decode_supported`), ~1 ulp from it in
         bf16. Everything it launches depends only on shapes, so a CUDA graph of it replays correctly.
+
+        `queries_per_row` Q > 1 (verifying drafted tokens): N = rows * Q query rows, row r * Q + t being token t of
+        cache row r; tokens [N], positions [N, 1], slot [N] (each query's own slot), attend [N, window] (query t of
+        a row written at slot p sees at most slots <= p + t). The same numbers as Q one-token steps, in one forward.
         """
         if fused:
-            return decode.decode_step(self, tokens, positions, slot, attend, kv_caches)
-        decoder, window = self.model, attend.shape[-1]
-        masks = {kind: m[:, None, None, :] for kind, m in decoder.step_masks(attend, slot).items()}
+            return decode.decode_step(self, tokens, positions, slot, attend, kv_caches,
+                                      queries_per_row=queries_per_row)
+        decoder, window, q = self.model, attend.shape[-1], queries_per_row
+        rows = tokens.shape[0] // q
+        masks = {kind: m.view(rows, 1, q, window) for kind, m in decoder.step_masks(attend, slot).items()}
         caches = [StepCache(k, v, window) for k, v in kv_caches]
-        hidden = decoder.blocks(decoder.embed(tokens[:, None]), positions, masks, caches, slot)
-        return self.softcap(self.lm_head(hidden[:, 0]))
+        per_row = slot.numel() > 1  # each row at its own slots: the caches write [rows, Q] positions
+        cache_position = slot.view(rows, q) if per_row else slot
+        hidden = decoder.blocks(decoder.embed(tokens.view(rows, q)), positions.view(rows, q), masks, caches,
+                                cache_position)
+        return self.softcap(self.lm_head(hidden.reshape(rows * q, -1)))
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache_position: Tensor | None = None, logits_to_keep: int | Tensor | None = None) -> Tensor:

@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,12 +55,36 @@ from qerl.model.transformer import Transformer
 from qerl.rollout import releasable
 from qerl.rollout.sampling import (Rollout, StopReason, check_sampling_args, decode_ids, default_eos_ids, distinct_rows,
                                    encode_prompts, random_source, sample_tokens, step_keys)
+from qerl.rollout.speculation import MAX_QUERIES, Row, SpeculativeRows
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RolloutEngine", "generate_fast", "engine_for", "release_engine"]
 
 _ENGINE_ATTR = "_qerl_rollout_engine"
+
+# logits [N, V] fp32 (changed in place), the call's row of each, the completion index each draws
+LogitsProcessor = Callable[[Tensor, Tensor, Tensor], None]
+
+
+@dataclass
+class _Call:
+    """What one `generate` call samples with, as the plain loop and the speculative rows both read it."""
+
+    tokenizer: Any
+    max_new: int
+    eos: set[int]
+    stop_strings: tuple[str, ...]
+    temperature: float
+    top_p: float
+    top_k: int
+    filler: int
+    drafts: Any
+    logits_processor: LogitsProcessor | None
+    max_draft: int
+    prompt_len: int
+    host_tokens: list[list[int]]  # each row's tokens scanned for stop strings so far
+    row_host: list[int] | None = None  # the call's row in each cache row (the batch size: padding)
 
 
 # ---------------------------------------------------------------------------------------------------- cache
@@ -142,12 +168,18 @@ class RolloutEngine:
         exact: each call's own shapes: exactly its rows and slots (no buckets, windows or prefill chunks; attention
             reads every slot of the call), every row kept to the call's end (no compaction), the cache sized for
             the call. The numbers of a plain loop over `Transformer.forward`, whatever came before; no graphs.
+        speculative: off, on or auto: once at most `speculative_rows` rows are live, decode them speculatively
+            (`qerl.rollout.speculation`: drafts from the call's `drafts`, verified in one forward, exact for the
+            policy). auto: on CUDA only, where a step at few rows streams every weight for a few tokens; on the
+            CPU a step's cost grows with its tokens, so verifying drafts buys nothing there.
+        max_draft: the most tokens a row drafts per step (at most `speculation.MAX_QUERIES` - 1).
     """
 
     def __init__(self, model: Transformer, *, use_graphs: bool | None = None, fused: bool | None = None,
                  check_every: int = 16, window: int = 256, min_bucket: int | None = None,
                  prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0,
-                 kv_cache_dtype: str = "model", exact: bool = False):
+                 kv_cache_dtype: str = "model", exact: bool = False, speculative: str = "off",
+                 speculative_rows: int = 8, max_draft: int = 7):
         if not isinstance(model, Transformer):
             raise TypeError(f"RolloutEngine needs a qerl.model.transformer.Transformer, got {type(model).__name__}")
         if check_every < 1 or window < 1:
@@ -178,7 +210,17 @@ class RolloutEngine:
         self._pool = None
         self._stream = None
         self._signature_seen: tuple | None = None
-        self.stats: dict[str, float] = {"captures": 0, "compactions": 0, "steps": 0}
+        if speculative not in ("off", "on", "auto"):
+            raise ValueError(f"unknown speculative {speculative!r}: expected off, on or auto")
+        if not 1 <= max_draft < MAX_QUERIES or speculative_rows < 1:
+            raise ValueError(f"max_draft must be in [1, {MAX_QUERIES - 1}] and speculative_rows >= 1")
+        self.speculative = speculative == "on" or (speculative == "auto" and cuda)
+        self.speculative_rows, self.max_draft = speculative_rows, max_draft
+        self.spec_cap = 0  # query rows the verify step's buffers hold
+        # (live rows, time) at each host check when set (benchmarks: the share of a rollout spent at few rows)
+        self.timeline: list[tuple[int, Any]] | None = None
+        self.stats: dict[str, float] = {"captures": 0, "compactions": 0, "steps": 0, "verify_steps": 0,
+                                        "drafted": 0, "accepted": 0}
 
     @classmethod
     def reference(cls, model: Transformer) -> "RolloutEngine":
@@ -258,8 +300,10 @@ class RolloutEngine:
             self._kv_memory.close()  # after the graphs and every view of it are gone
             self._kv_memory = None
         self.cap_rows = self.cap_slots = 0
-        for name in ("tok_in", "pos_in", "slot", "valid", "key_slots", "done", "row_map", "logits_buf"):
+        for name in ("tok_in", "pos_in", "slot", "valid", "key_slots", "done", "row_map", "logits_buf", "spec_tok",
+                     "spec_pos", "spec_slot", "spec_logits"):
             self.__dict__.pop(name, None)
+        self.spec_cap = 0
 
     def memory_bytes(self) -> int:
         """Bytes held by the KV cache and static buffers (graph pools not counted)."""
@@ -339,23 +383,26 @@ class RolloutEngine:
             graph.replay()
 
     def _capture(self, rows: int, window: int):
-        """Warm up (same inputs as the coming replay, so its cache writes are idempotent), then capture."""
+        return self._capture_fn((rows, window), lambda: self._decode_eager(rows, window))
+
+    def _capture_fn(self, key: tuple, run):
+        """Warm up (same inputs as the coming replay, so its cache writes are idempotent), then capture `run`."""
         if self._pool is None:
             self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # first launches compile Triton kernels and create cuBLAS handles
-            self._decode_eager(rows, window)
+            run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                self._decode_eager(rows, window)
+                run()
         except Exception as e:  # e.g. a layer that syncs or copies from the host: run eagerly from now on
             log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
             self.use_graphs = False
             return None
-        self.graphs[(rows, window)] = graph
+        self.graphs[key] = graph
         self.stats["captures"] += 1
         return graph
 
@@ -439,14 +486,21 @@ class RolloutEngine:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (),
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  generator: torch.Generator | None = None, progress: bool = False,
-                 row_seeds: Sequence[int] | None = None) -> Rollout:
+                 row_seeds: Sequence[int] | None = None, drafts: Any = None,
+                 logits_processor: LogitsProcessor | None = None) -> Rollout:
         """Sample up to `max_new_tokens` per prompt (greedy when temperature == 0).
 
         Text prompts are tokenized without adding special tokens (they carry their chat template). Rows stop at an
         EOS id (default: the model config's and the tokenizer's), at the first of `stop_strings` appearing in the
         decoded completion, or at the length limit. `seed` (or an explicit `generator` on the model's device) makes
         the samples reproducible; without either, the global RNG is used. `row_seeds` (one per prompt, instead of
-        `seed`) gives every row its own generator (`sampling.random_source`). `progress`: a token bar."""
+        `seed`) gives every row its own generator (`sampling.random_source`). `progress`: a token bar.
+
+        `drafts`: where speculative decoding drafts from (a `qerl.rollout.drafts.DraftSession` of these prompts);
+        None with speculation on: no drafts (each verify step then advances a row by one token).
+        `logits_processor(logits, rows, positions)`: changes fp32 logits [N, V] in place before every draw; rows [N]
+        are the call's rows (>= the number of prompts: padding), positions [N] the completion index being drawn (a
+        benchmark forces EOS at set lengths with it, so that the engine's own bookkeeping ends the rows)."""
         stop_strings = check_sampling_args(max_new_tokens, temperature, top_p, top_k, stop_strings, tokenizer,
                                            seed, generator)
 
@@ -465,10 +519,13 @@ class RolloutEngine:
         was_training = model.training
         model.eval()  # dropout off: graphs must not bake in a training-mode RNG draw
         try:
-            self._install(batch, prompt_len + max_new_tokens)
-            tokens, logprobs, first_eos, stop_at = self._run(
-                tokenizer, prompt_ids, prompt_len, max_new_tokens, temperature, top_p, top_k, stop_strings, eos,
-                filler, generator, row_seeds, progress)
+            # speculation: room for a verify step's queries past the last token
+            self._install(batch, prompt_len + max_new_tokens + (MAX_QUERIES if self.speculative else 0))
+            call = _Call(tokenizer=tokenizer, max_new=max_new_tokens, eos=set(eos), stop_strings=stop_strings,
+                         temperature=temperature, top_p=top_p, top_k=top_k, filler=filler, drafts=drafts,
+                         logits_processor=logits_processor, max_draft=self.max_draft, prompt_len=prompt_len,
+                         host_tokens=[[] for _ in prompt_ids])
+            tokens, logprobs, first_eos, stop_at = self._run(call, prompt_ids, generator, row_seeds, progress)
         finally:
             self._uninstall()
             model.train(was_training)
@@ -482,18 +539,19 @@ class RolloutEngine:
                 lengths[i], reasons[i] = e + 1, "eos"
         return Rollout.from_padded(tokenizer, prompt_ids, tokens, logprobs, lengths, reasons)
 
-    def _run(self, tokenizer, prompt_ids, prompt_len, max_new, temperature, top_p, top_k, stop_strings, eos,
-             filler, generator, row_seeds, progress):
+    def _run(self, call: "_Call", prompt_ids, generator, row_seeds, progress):
         """Prefill + decode loop; returns tokens and log-probs [batch, max_new] (CPU), the first EOS step of each
         row (max_new if none) and {row: step completing a stop string}. `generator`: one, None, or one per row
         (from `row_seeds`)."""
+        tokenizer, max_new, stop_strings, filler = call.tokenizer, call.max_new, call.stop_strings, call.filler
+        temperature, top_p, top_k, prompt_len = call.temperature, call.top_p, call.top_k, call.prompt_len
         dev, batch = self.device, len(prompt_ids)
         rows = self.bucket(batch)
         # Per-call outputs, indexed by original row; row `batch` is where padding rows write.
         tokens = torch.full((batch + 1, max_new), filler, dtype=torch.long, device=dev)
         logprobs = torch.zeros((batch + 1, max_new), dtype=torch.float32, device=dev)
         first_eos = torch.full((batch + 1,), max_new, dtype=torch.long, device=dev)
-        eos_t = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        eos_t = torch.tensor(sorted(call.eos), dtype=torch.long, device=dev) if call.eos else None
 
         ids = torch.full((rows, prompt_len), filler, dtype=torch.long)
         valid = torch.zeros((rows, self.cap_slots), dtype=torch.bool)
@@ -505,7 +563,7 @@ class RolloutEngine:
         self.valid[:rows].copy_(valid)
         self.pos_in[:rows, 0].copy_(lens - 1)  # +1 before each decode step
         self.done[:rows].copy_(torch.arange(rows) >= batch)
-        row_host = list(range(batch)) + [batch] * (rows - batch)
+        row_host = call.row_host = list(range(batch)) + [batch] * (rows - batch)
         self.row_map[:rows].copy_(torch.tensor(row_host))
         self._prefill_once_per_prompt(ids, valid, rows, prompt_len)
         spare = torch.Generator(device=dev) if row_seeds is not None and rows > batch else None  # for padding rows
@@ -521,7 +579,7 @@ class RolloutEngine:
         draw_from, slot_seeds = slot_randomness()
 
         stop_window = max((len(s) for s in stop_strings), default=0) + 8
-        host_tokens: list[list[int]] = [[] for _ in range(batch)]
+        host_tokens = call.host_tokens
         stop_at: dict[int, int] = {}
         scanned = 0  # steps already copied to host_tokens
 
@@ -548,9 +606,13 @@ class RolloutEngine:
                 self.done[:rows].copy_(torch.tensor(done))
             return [s for s in range(rows) if not done[s]]
 
+        self.record(batch)
         step = 0
         for step in tqdm(range(max_new), desc="generate", unit="tok", disable=not progress):
             keys = None if slot_seeds is None else step_keys(slot_seeds, step)
+            if call.logits_processor is not None:
+                call.logits_processor(self.logits_buf[:rows], self.row_map[:rows],
+                                      torch.full((rows,), step, dtype=torch.long, device=dev))
             token, logprob = sample_tokens(self.logits_buf[:rows], temperature, top_p, top_k, draw_from, keys)
             done, where = self.done[:rows], self.row_map[:rows]
             token = token.masked_fill(done, filler)
@@ -563,9 +625,14 @@ class RolloutEngine:
             if step + 1 == max_new:
                 break
             self.tok_in[:rows].copy_(token)
-            if (step + 1) % self.check_every == 0:
+            if (step + 1) % self.check_every == 0 or (step == 0 and self.speculative):
                 live = check(step)
+                self.record(len(live))
                 if not live:
+                    break
+                if self.speculative and len(live) <= self.speculative_rows:
+                    rows = self._compact(live, rows, row_host) if self.bucket(len(live)) < rows else rows
+                    self._speculate(call, step, rows, tokens, logprobs, first_eos, stop_at, generator, row_seeds)
                     break
                 if not self.exact and self.bucket(len(live)) < rows:
                     rows = self._compact(live, rows, row_host)
@@ -576,7 +643,130 @@ class RolloutEngine:
             self.stats["steps"] += 1
         if stop_strings:
             check(step)
+        self.record(0)
         return tokens[:batch].cpu(), logprobs[:batch].cpu(), first_eos[:batch].cpu(), stop_at
+
+    # ------------------------------------------------------------------------------------------------ speculation
+
+    def _speculate(self, call: "_Call", step: int, rows: int, tokens: Tensor, logprobs: Tensor, first_eos: Tensor,
+                   stop_at: dict[int, int], generator, row_seeds) -> None:
+        """Hand the live rows (after `step`'s token was drawn, before it is fed) to `SpeculativeRows` and write
+        what they generate into the call's outputs."""
+        batch = len(call.host_tokens)
+        row_host, done = call.row_host, self.done[:rows].tolist()
+        keys = self._row_keys(batch, generator, row_seeds)
+        positions, last = self.pos_in[:rows, 0].tolist(), self.tok_in[:rows].tolist()
+        live = [Row(index=row_host[s], slot=s, write=call.prompt_len + step, position=positions[s] + 1,
+                    count=step + 1, last=last[s], key=keys[row_host[s]], draft_len=min(4, self.max_draft))
+                for s in range(rows) if not done[s]]
+        if call.drafts is not None:
+            so_far = tokens[[r.index for r in live], :step + 1].tolist()
+            for r, ids in zip(live, so_far):
+                call.drafts.extend(r.index, ids)
+        if call.stop_strings:  # the stop-string scan continues from the tokens the plain loop drew
+            for r in live:
+                call.host_tokens[r.index] = tokens[r.index, :step + 1].tolist()
+        SpeculativeRows(self, call, live, rows).run()
+        index, at, values, lps = [], [], [], []
+        for r in live:
+            index += [r.index] * len(r.tokens)
+            at += range(step + 1, step + 1 + len(r.tokens))
+            values += r.tokens
+            lps += r.logprobs
+            end = step + len(r.tokens)  # the step of the row's last token
+            if r.reason == "eos":
+                first_eos[r.index] = end
+            elif r.reason == "stop":
+                stop_at[r.index] = end
+            self.stats["drafted"] += r.proposed
+            self.stats["accepted"] += r.accepted
+        if index:
+            where = (torch.tensor(index, device=self.device), torch.tensor(list(at), device=self.device))
+            tokens[where] = torch.tensor(values, device=self.device)
+            logprobs[where] = torch.tensor(lps, dtype=torch.float32, device=self.device)
+
+    def _row_keys(self, batch: int, generator, row_seeds) -> list[int]:
+        """Each row's key for the verify step's counter-based draws: from its seed (its own, whatever its batch),
+        else drawn from the call's generator or the global RNG."""
+        if row_seeds is not None:
+            return [(s % 2**63) ^ 0x5DEECE66D for s in row_seeds]
+        source = generator if isinstance(generator, torch.Generator) else None
+        device = source.device if source is not None else "cpu"
+        return torch.randint(0, 2**62, (batch,), generator=source, device=device).tolist()
+
+    def verify_inputs(self, live: list[Row], drafts: list[list[int]], rows: int, queries: int,
+                      prompt_len: int) -> None:
+        """Load a verify step's inputs for cache rows :rows: each live row's last token and drafts at its own slots
+        and positions; finished rows feed filler at slots that hold generated tokens (harmless)."""
+        n = rows * queries
+        self._spec_buffers(n)
+        host = torch.zeros(3, rows, queries, dtype=torch.long)
+        host[2] = prompt_len + torch.arange(queries)
+        for r, d in zip(live, drafts):
+            host[0, r.slot, 0] = r.last
+            host[0, r.slot, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+            host[1, r.slot] = r.position + torch.arange(queries)
+            host[2, r.slot] = r.write + torch.arange(queries)
+        host = host.view(3, n).to(self.device)
+        self.spec_tok[:n].copy_(host[0])
+        self.spec_pos[:n, 0].copy_(host[1])
+        self.spec_slot[:n].copy_(host[2])
+
+    def verify_step(self, rows: int, queries: int, slots: int) -> Tensor:
+        """The verify forward (graph-captured on CUDA) for cache rows :rows, `queries` tokens each, attention over
+        the window holding `slots`; fp32 logits [rows * queries, V]."""
+        window = self._window(slots)
+        key = ("verify", rows, window, queries)
+        graph = self.graphs.get(key)
+        run = lambda: self._verify_eager(rows, window, queries)  # noqa: E731
+        if graph is None and self.use_graphs:
+            graph = self._capture_fn(key, run)
+        if graph is None:
+            run()
+        else:
+            graph.replay()
+        self.stats["verify_steps"] += 1
+        return self.spec_logits[:rows * queries]
+
+    def _verify_eager(self, rows: int, window: int, queries: int) -> None:
+        n = rows * queries
+        slots = self.spec_slot[:n]
+        attend = self.valid[:rows, :window].repeat_interleave(queries, 0) & (self.key_slots[:window] <= slots[:, None])
+        logits = self.model.decode_step(self.spec_tok[:n], self.spec_pos[:n], slots, attend, self.kv,
+                                        fused=self.kernels, queries_per_row=queries)
+        self.spec_logits[:n].copy_(logits)
+
+    def _spec_buffers(self, n: int) -> None:
+        """The verify step's static inputs and logits for n query rows (graphs that read smaller ones dropped)."""
+        if n <= self.spec_cap:
+            return
+        n = max(n, self.bucket(self.speculative_rows) * MAX_QUERIES)
+        dev, vocab = self.device, self.model.config.vocab_size
+        self.spec_tok = torch.zeros(n, dtype=torch.long, device=dev)
+        self.spec_pos = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self.spec_slot = torch.zeros(n, dtype=torch.long, device=dev)
+        self.spec_logits = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
+        self.graphs = {k: g for k, g in self.graphs.items() if k[0] != "verify"}
+        self.spec_cap = n
+
+    def compact_rows(self, live: list[Row], rows: int) -> int:
+        """Move the live rows to the front of the next bucket (`_compact`), renumbering their cache rows."""
+        row_host = [-1] * rows
+        new_rows = self._compact([r.slot for r in live], rows, row_host)
+        for i, r in enumerate(live):
+            r.slot = i
+        return new_rows
+
+    def record(self, live: int) -> None:
+        """A point of the timeline (when recording): live rows from now on, and when (a CUDA event or the clock)."""
+        if self.timeline is None:
+            return
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            event = time.perf_counter()
+        self.timeline.append((live, event))
 
     def _compact(self, live: list[int], rows: int, row_host: list[int]) -> int:
         """Move live slots to the front of the next bucket; fill it up with finished slots (harmless rows)."""
