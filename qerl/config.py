@@ -204,6 +204,14 @@ class RolloutSettings:
     # kernels on a GPU of compute capability 8.9+ (elsewhere the model's dtype, said in the log). Its effect on
     # speed and on the rollout/trainer log-prob gap: BENCHMARKS.md, "Rollouts at RL batch sizes".
     kv_cache_dtype: Literal["model", "fp8"] = "model"
+    # Speculative decoding of the rollout's tail (qerl/rollout/speculation.py): once at most `speculative_rows` rows
+    # are live, each drafts up to `speculative_draft` tokens from text the run already has (its prompt's earlier
+    # completions, kept in checkpoints; its group's siblings; its prompt: qerl/rollout/drafts.py, no draft model) and
+    # one forward verifies them by the rejection rule, so the samples and log-probs are exactly the policy's.
+    # off, on, or auto (on with the engine on CUDA; on the CPU a step's cost grows with its tokens: no gain there).
+    speculative: Literal["off", "auto", "on"] = "off"
+    speculative_rows: int = field(default=8, metadata=_check(gt=0))
+    speculative_draft: int = field(default=7, metadata=_check(gt=0, lt=8))
 
 
 # The ratio's clip range where the params leave it unset (null), by importance_sampling_level: DAPO's clip-higher per

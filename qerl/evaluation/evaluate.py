@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from qerl.config import Settings
 from qerl.model.served import own_model_settings, vllm_options
 from qerl.rollout.backends import RolloutBackend, Sampling
-from qerl.rollout.factory import make_backend
+from qerl.rollout.factory import engine_options, make_backend
 from qerl.run import atomic
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
     if model is None:
         model, tokenizer = load_policy(own_model_settings(settings), adapter=adapter)
     backend = backend or make_backend(
-        model, tokenizer, settings.rollout.backend, kv_cache_dtype=settings.rollout.kv_cache_dtype,
+        model, tokenizer, settings.rollout.backend, **engine_options(settings.rollout),
         vllm=vllm_options(settings, model_context(model)) if settings.rollout.backend == "vllm" else None)
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,

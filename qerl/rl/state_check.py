@@ -7,7 +7,8 @@ another shape loads without complaint and fails at the first optimizer step. `fi
 in a few words, and the trainer has the run folder set such a checkpoint aside as it does one with damaged bytes.
 
 What is checked is what `Trainer.apply_checkpoint` hands to PyTorch, numpy and Python, which check little: the
-optimizer against the live one's parameters, the scheduler, the data sampler, the RNG states, the AQN schedule.
+optimizer against the live one's parameters, the scheduler, the data sampler, the RNG states, the AQN schedule,
+the speculative rollouts' draft history.
 Values stay the checkpoint's business (a learning rate, a position within range are checked by their owners).
 """
 
@@ -24,7 +25,7 @@ def first_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> st
     """What first keeps `state` (a trainer state, its `step` already checked) from being applied to a trainer with
     `optimizer`, in a few words starting with the key (`optimizer.state[0].exp_avg has shape ...`); None if it
     fits."""
-    for check in (_optimizer, _scheduler, _sampler, _rng, _aqn):
+    for check in (_optimizer, _scheduler, _sampler, _rng, _aqn, _drafts):
         problem = check(state, optimizer)
         if problem:
             return problem
@@ -118,4 +119,17 @@ def _aqn(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
     saved = state.get("aqn", {})  # older checkpoints: none (a geometric schedule, which keeps no state)
     if not isinstance(saved, dict) or not all(map(_is_number, saved.values())):
         return f"aqn = {_shown(saved)}: not an AQN schedule's state"
+    return None
+
+
+def _drafts(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    saved = state.get("drafts")  # older checkpoints: none (speculation then drafts from the step's own rows)
+    if saved is None:
+        return None
+    from qerl.rollout.drafts import DraftHistory
+
+    try:  # loaded into a throwaway history: its own checks (offsets, counts, format) are the structure's
+        DraftHistory().load_state_dict(saved)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError) as e:
+        return f"drafts = {_shown(saved)}: not a draft history ({' '.join(str(e).split())[:80]})"
     return None

@@ -39,7 +39,8 @@ from qerl.rl.scoring import Scorer
 from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rl.update import PolicyUpdate
 from qerl.rollout.backends import RolloutBackend, Sampling
-from qerl.rollout.factory import make_backend
+from qerl.rollout.drafts import DraftHistory
+from qerl.rollout.factory import engine_options, make_backend
 from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
 from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
 
@@ -125,8 +126,11 @@ class Trainer:
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(
-            model, tokenizer, s.rollout.backend, kv_cache_dtype=s.rollout.kv_cache_dtype,
+            model, tokenizer, s.rollout.backend, **engine_options(s.rollout),
             vllm=vllm_options(s, model_context(model)) if s.rollout.backend == "vllm" else None)
+        # Speculative rollouts draft from the run's earlier completions of each prompt: kept in the checkpoint, so a
+        # resumed run drafts (and so samples) what the uninterrupted one did.
+        self.draft_history = DraftHistory()
         self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
         self.peaks = StepPeaks(self.device)
         self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
@@ -242,7 +246,7 @@ class Trainer:
         start = time.perf_counter()
         self.peaks.start_phase()
         with self.rollout_backend.sync(sigma, noise_seed):
-            out = self.rollout_backend.generate(prompts, sampling,
+            out = self.rollout_backend.generate(prompts, sampling, drafts=self.draft_history,
                                                 progress=self.progress and sys.stderr.isatty())  # a live bar in a terminal
         # The rollout's peak with its KV cache mapped; then the update gets that memory (graphs kept) and its own
         # peak is measured from here.
@@ -432,6 +436,8 @@ class Trainer:
             "rng": rng_state(),
             "settings": self.settings.to_dict(),
         }
+        if len(self.draft_history):  # speculation's history; none without it (the checkpoint as before)
+            state["drafts"] = self.draft_history.state_dict()
         return self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"), keep=keep)
 
     def check_checkpoint(self, checkpoint: Checkpoint) -> None:
@@ -457,4 +463,6 @@ class Trainer:
         if self.aqn is not None:
             self.aqn.load_state_dict(state.get("aqn", {}))  # older checkpoints: geometric only, which keeps no state
         restore_rng(state["rng"])
+        if "drafts" in state:  # older checkpoints hold none: speculation drafts from this step's rows then
+            self.draft_history.load_state_dict(state["drafts"])
         self.step = checkpoint.step

@@ -72,6 +72,8 @@ class RolloutBackend:
     def __init__(self, model: nn.Module, tokenizer: Any):
         self.model, self.tokenizer = model, tokenizer
         self.noise = NoiseInjector(model)  # AQN for rollouts; the trainer's training-forward noise uses it too
+        # `RolloutEngine.generate`'s logits_processor for every call (benchmarks force EOS at traced lengths with it)
+        self.logits_processor = None
 
     @contextmanager
     def sync(self, sigma: float = 0.0, noise_seed: int = 0) -> Iterator["RolloutBackend"]:
@@ -83,18 +85,20 @@ class RolloutBackend:
             yield self
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling: Sampling,
-                 progress: bool = False) -> Rollout:
+                 progress: bool = False, drafts: Any = None) -> Rollout:
         """Completions of `prompts` (chat-templated text, or token ids), in eval mode (no dropout); `progress`: a
-        token bar."""
+        token bar; `drafts`: the `qerl.rollout.drafts.DraftHistory` speculative decoding drafts from and adds this
+        call's completions to (the trainer's; None: drafts from the call's own prompts and rows only)."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                return self._generate(list(prompts), sampling, progress)
+                return self._generate(list(prompts), sampling, progress, drafts)
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:  # pragma: no cover
+    def _generate(self, prompts: list, sampling: Sampling, progress: bool,
+                  drafts: Any) -> Rollout:  # pragma: no cover
         raise NotImplementedError
 
     def reduced_precision(self) -> list[str]:
@@ -122,13 +126,14 @@ class ReferenceBackend(RolloutBackend):
 
     name = "reference"
 
-    def __init__(self, model: nn.Module, tokenizer: Any):
+    def __init__(self, model: nn.Module, tokenizer: Any, **speculation):
         super().__init__(model, tokenizer)
-        self.engine = RolloutEngine.reference(model)
+        self.engine = RolloutEngine.reference(model, **speculation)
 
-    def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
+    def _generate(self, prompts: list, sampling: Sampling, progress: bool, drafts: Any) -> Rollout:
         try:
-            return self.engine.generate(self.tokenizer, prompts, progress=progress, **sampling.kwargs())
+            return self.engine.generate(self.tokenizer, prompts, progress=progress, drafts=drafts,
+                                        logits_processor=self.logits_processor, **sampling.kwargs())
         finally:
             self.engine.free()
 
@@ -142,8 +147,9 @@ class EngineBackend(RolloutBackend):
         super().__init__(model, tokenizer)
         self.engine = engine_for(model, **engine_kwargs)
 
-    def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
-        return self.engine.generate(self.tokenizer, prompts, progress=progress, **sampling.kwargs())
+    def _generate(self, prompts: list, sampling: Sampling, progress: bool, drafts: Any) -> Rollout:
+        return self.engine.generate(self.tokenizer, prompts, progress=progress, drafts=drafts,
+                                    logits_processor=self.logits_processor, **sampling.kwargs())
 
     def reduced_precision(self) -> list[str]:
         """Also the FP8 KV cache (rollout.kv_cache_dtype: fp8; 0.10 nats per token against 0.02 on a small GPU

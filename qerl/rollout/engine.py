@@ -53,6 +53,7 @@ from qerl.execution import kv8
 from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
 from qerl.rollout import releasable
+from qerl.rollout.drafts import DraftHistory, DraftSession
 from qerl.rollout.sampling import (Rollout, StopReason, check_sampling_args, decode_ids, default_eos_ids, distinct_rows,
                                    encode_prompts, random_source, sample_tokens, step_keys)
 from qerl.rollout.speculation import MAX_QUERIES, Row, SpeculativeRows
@@ -223,10 +224,11 @@ class RolloutEngine:
                                         "drafted": 0, "accepted": 0}
 
     @classmethod
-    def reference(cls, model: Transformer) -> "RolloutEngine":
+    def reference(cls, model: Transformer, **speculation) -> "RolloutEngine":
         """The engine with graphs, fused kernels and bucketed shapes off, checking its rows after every token (a
-        free host sync on the CPU; the loop ends when the last row does): `Transformer.forward` at each step."""
-        return cls(model, use_graphs=False, fused=False, check_every=1, exact=True)
+        free host sync on the CPU; the loop ends when the last row does): `Transformer.forward` at each step.
+        `speculation`: the engine's speculative, speculative_rows and max_draft."""
+        return cls(model, use_graphs=False, fused=False, check_every=1, exact=True, **speculation)
 
     def _kv8_runs(self) -> bool:
         """Whether the FP8 KV cache can be used here: the fused decode kernels (which read and write its layout),
@@ -496,8 +498,9 @@ class RolloutEngine:
         the samples reproducible; without either, the global RNG is used. `row_seeds` (one per prompt, instead of
         `seed`) gives every row its own generator (`sampling.random_source`). `progress`: a token bar.
 
-        `drafts`: where speculative decoding drafts from (a `qerl.rollout.drafts.DraftSession` of these prompts);
-        None with speculation on: no drafts (each verify step then advances a row by one token).
+        `drafts`: where speculative decoding drafts from: a `qerl.rollout.drafts.DraftHistory` (the run's earlier
+        completions; this call's are added to it at the end), or None (the call's own prompts and rows), or any
+        object with a `DraftSession`'s `propose` and `extend` for these prompts.
         `logits_processor(logits, rows, positions)`: changes fp32 logits [N, V] in place before every draw; rows [N]
         are the call's rows (>= the number of prompts: padding), positions [N] the completion index being drawn (a
         benchmark forces EOS at set lengths with it, so that the engine's own bookkeeping ends the rows)."""
@@ -521,8 +524,11 @@ class RolloutEngine:
         try:
             # speculation: room for a verify step's queries past the last token
             self._install(batch, prompt_len + max_new_tokens + (MAX_QUERIES if self.speculative else 0))
+            history = drafts if isinstance(drafts, DraftHistory) else None
+            session = (DraftSession(history, prompt_ids) if history is not None or drafts is None else drafts) \
+                if self.speculative else None
             call = _Call(tokenizer=tokenizer, max_new=max_new_tokens, eos=set(eos), stop_strings=stop_strings,
-                         temperature=temperature, top_p=top_p, top_k=top_k, filler=filler, drafts=drafts,
+                         temperature=temperature, top_p=top_p, top_k=top_k, filler=filler, drafts=session,
                          logits_processor=logits_processor, max_draft=self.max_draft, prompt_len=prompt_len,
                          host_tokens=[[] for _ in prompt_ids])
             tokens, logprobs, first_eos, stop_at = self._run(call, prompt_ids, generator, row_seeds, progress)
@@ -537,7 +543,11 @@ class RolloutEngine:
                 lengths[i], reasons[i] = s + 1, "stop"
             elif e < max_new_tokens:
                 lengths[i], reasons[i] = e + 1, "eos"
-        return Rollout.from_padded(tokenizer, prompt_ids, tokens, logprobs, lengths, reasons)
+        out = Rollout.from_padded(tokenizer, prompt_ids, tokens, logprobs, lengths, reasons)
+        if self.speculative and history is not None:  # later calls draft from these (the final, cut completions)
+            for prompt, completion in zip(out.prompt_ids, out.completion_ids):
+                history.add(prompt, completion)
+        return out
 
     def _run(self, call: "_Call", prompt_ids, generator, row_seeds, progress):
         """Prefill + decode loop; returns tokens and log-probs [batch, max_new] (CPU), the first EOS step of each

@@ -11,9 +11,10 @@ from torch import nn
 
 from qerl.rollout.backends import EngineBackend, ReferenceBackend, RolloutBackend
 
-__all__ = ["BACKENDS", "make_backend"]
+__all__ = ["BACKENDS", "make_backend", "engine_options"]
 
 BACKENDS = ("auto", "engine", "reference", "vllm")
+SPECULATION = ("speculative", "speculative_rows", "max_draft")  # the engine settings the reference takes too
 
 
 def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine", "reference", "vllm"] = "auto",
@@ -32,4 +33,14 @@ def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine
         return VLLMBackend(model, tokenizer, VLLMOptions(**vllm))
     if kind == "auto":
         kind = "engine" if next(model.parameters()).device.type == "cuda" else "reference"
-    return EngineBackend(model, tokenizer, **engine_kwargs) if kind == "engine" else ReferenceBackend(model, tokenizer)
+    if kind == "engine":
+        return EngineBackend(model, tokenizer, **engine_kwargs)
+    speculation = {k: v for k, v in engine_kwargs.items() if k in SPECULATION}  # the reference's own shapes else
+    return ReferenceBackend(model, tokenizer, **speculation)
+
+
+def engine_options(rollout: Any) -> dict[str, Any]:
+    """The engine keyword arguments of a params file's `rollout:` section (a `qerl.config.RolloutSettings`), for
+    `make_backend`: the one place training and evaluation read them from."""
+    return dict(kv_cache_dtype=rollout.kv_cache_dtype, speculative=rollout.speculative,
+                speculative_rows=rollout.speculative_rows, max_draft=rollout.speculative_draft)

@@ -140,7 +140,7 @@ class VLLMBackend(RolloutBackend):
         return LoRARequest(lora_name=f"policy-{self._lora_id}", lora_int_id=self._lora_id, lora_path=path)
 
     # ----------------------------------------------------------------------------------------------- sampling
-    def _generate(self, prompts: list, sampling: Sampling, progress: bool) -> Rollout:
+    def _generate(self, prompts: list, sampling: Sampling, progress: bool, drafts: Any = None) -> Rollout:
         from vllm import SamplingParams
 
         self.wake()

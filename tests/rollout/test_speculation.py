@@ -142,3 +142,30 @@ def test_counter_uniforms_are_uniform_and_keyed():
     assert abs((u < 0.1).float().mean().item() - 0.1) < 0.005
     assert not torch.equal(u, uniforms(torch.tensor([8]), torch.arange(200000), 0))
     assert not torch.equal(u, uniforms(torch.tensor([7]), torch.arange(200000), 1))
+
+
+def test_a_resumed_run_with_speculation_samples_what_the_uninterrupted_run_did(tmp_path):
+    """Speculation on (the CPU's reference engine; 8 rows, all speculative), prompts seen again every other step so
+    the drafts come from the history: the run stopped at step 2 and resumed ends with the uninterrupted run's
+    adapter, because the checkpoint keeps the history the drafts come from."""
+    from safetensors.torch import load_file
+
+    from tests.test_trainer import make_trainer, tiny_settings
+
+    settings = tiny_settings(None, rollout={"speculative": "on", "max_new_tokens": 12}, data={"n": 2})
+
+    def adapter(run):
+        return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+    with make_trainer(settings, tmp_path / "whole") as trainer:
+        trainer.train()
+        stats = trainer.rollout_backend.engine.stats
+        assert stats["drafted"] > 0 and stats["accepted"] > 0  # drafts from the history were proposed and kept
+        assert len(trainer.draft_history) > 0
+    with make_trainer(settings, tmp_path / "split") as trainer:
+        trainer.train(max_steps=2)
+    with make_trainer(settings, tmp_path / "split", resume=True) as trainer:
+        assert len(trainer.draft_history) > 0  # restored from the checkpoint
+        trainer.train()
+    whole, split = adapter(tmp_path / "whole"), adapter(tmp_path / "split")
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
