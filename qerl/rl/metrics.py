@@ -77,3 +77,15 @@ def step_metrics(dist: Group, step: int, batch: RolloutBatch, step_rewards: Tens
     metrics.update(peaks)
     metrics.update(batch.extra)
     return metrics
+
+
+def speculation_metrics(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """A rollout's speculative decoding, from the sampler's counts before and after it (`speculation_counts`):
+    the share of drafted tokens accepted, the tokens a row gained per verify step, and the share of the rollout's
+    `tokens` that speculative steps produced; {} when none ran."""
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    if not delta.get("verify_steps"):
+        return {}
+    return {"speculative/acceptance": delta["accepted"] / max(delta["drafted"], 1),
+            "speculative/tokens_per_step": delta["spec_tokens"] / max(delta["spec_row_steps"], 1),
+            "speculative/token_share": delta["spec_tokens"] / max(tokens, 1)}

@@ -31,7 +31,7 @@ from qerl.quant.linear import fp8_available
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
 from qerl.rl.logprobs import PolicyLogProbs
 from qerl.rl.memory import StepPeaks, return_large_frees_to_the_os
-from qerl.rl.metrics import step_metrics
+from qerl.rl.metrics import speculation_metrics, step_metrics
 from qerl.rl.optim import build_optimizer
 from qerl.rl.phases import Phases, RolloutBatch
 from qerl.rl.rng import restore_rng, rng_state
@@ -245,6 +245,7 @@ class Trainer:
                             stop_strings=tuple(r.stop_strings), row_seeds=tuple(row_seeds))
         start = time.perf_counter()
         self.peaks.start_phase()
+        counts = self.rollout_backend.speculation_counts()
         with self.rollout_backend.sync(sigma, noise_seed):
             out = self.rollout_backend.generate(prompts, sampling, drafts=self.draft_history,
                                                 progress=self.progress and sys.stderr.isatty())  # a live bar in a terminal
@@ -258,8 +259,9 @@ class Trainer:
         if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
                      self.settings.train.steps, len(prompts), sum(map(len, out.completion_ids)), seconds)
+        spec = speculation_metrics(counts, self.rollout_backend.speculation_counts(), sum(map(len, out.completion_ids)))
         return RolloutBatch(examples=list(examples), group_size=r.group_size, samples=out, sigma=sigma,
-                            noise_seed=noise_seed, seconds=seconds)
+                            noise_seed=noise_seed, seconds=seconds, extra=spec)
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""

@@ -109,6 +109,13 @@ class RolloutBackend:
         fp8 = any(getattr(m, "fp8_weights", False) for m in self.model.modules())
         return ["the NVFP4 base's FP8 weight copies (quant.fp8_weights)"] if fp8 else []
 
+    def speculation_counts(self) -> dict[str, float]:
+        """Running counts of speculative decoding (`RolloutEngine.stats`: verify_steps, spec_row_steps,
+        spec_tokens, drafted, accepted); {} for a sampler without it."""
+        engine = getattr(self, "engine", None)
+        keys = ("verify_steps", "spec_row_steps", "spec_tokens", "drafted", "accepted")
+        return {k: engine.stats[k] for k in keys} if engine is not None else {}
+
     def free(self) -> None:
         """Hand back memory held between calls (the engine's KV cache and graphs)."""
 

@@ -220,8 +220,10 @@ class RolloutEngine:
         self.spec_cap = 0  # query rows the verify step's buffers hold
         # (live rows, time) at each host check when set (benchmarks: the share of a rollout spent at few rows)
         self.timeline: list[tuple[int, Any]] | None = None
+        # verify_steps: speculative forwards; spec_row_steps: rows they advanced (a row gains spec_tokens /
+        # spec_row_steps tokens a step); drafted / accepted: draft tokens proposed and kept
         self.stats: dict[str, float] = {"captures": 0, "compactions": 0, "steps": 0, "verify_steps": 0,
-                                        "drafted": 0, "accepted": 0}
+                                        "spec_row_steps": 0, "spec_tokens": 0, "drafted": 0, "accepted": 0}
 
     @classmethod
     def reference(cls, model: Transformer, **speculation) -> "RolloutEngine":
@@ -690,6 +692,7 @@ class RolloutEngine:
                 stop_at[r.index] = end
             self.stats["drafted"] += r.proposed
             self.stats["accepted"] += r.accepted
+            self.stats["spec_tokens"] += len(r.tokens)
         if index:
             where = (torch.tensor(index, device=self.device), torch.tensor(list(at), device=self.device))
             tokens[where] = torch.tensor(values, device=self.device)

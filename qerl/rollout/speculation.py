@@ -124,6 +124,7 @@ class SpeculativeRows:
             r.adapt(len(d), a, call.max_draft)
             if call.drafts is not None:
                 call.drafts.extend(r.index, row[:a + 1])
+        engine.stats["spec_row_steps"] += n
         engine.record(sum(r.reason is None for r in live))
 
     def _stopped(self, row: Row, token: int) -> bool:

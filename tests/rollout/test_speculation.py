@@ -5,6 +5,7 @@ CPU, the engine's plain path (the fused path's multi-token step is tested agains
 tests/test_decode_multiquery.py). The drafts here are an oracle that is right or wrong on purpose, so both the accept
 and the reject branches of the rule run.
 """
+import json
 import math
 
 import pytest
@@ -162,6 +163,8 @@ def test_a_resumed_run_with_speculation_samples_what_the_uninterrupted_run_did(t
         stats = trainer.rollout_backend.engine.stats
         assert stats["drafted"] > 0 and stats["accepted"] > 0  # drafts from the history were proposed and kept
         assert len(trainer.draft_history) > 0
+    rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["speculative/acceptance"] <= 1 and r["speculative/tokens_per_step"] >= 1 for r in rows)
     with make_trainer(settings, tmp_path / "split") as trainer:
         trainer.train(max_steps=2)
     with make_trainer(settings, tmp_path / "split", resume=True) as trainer:
