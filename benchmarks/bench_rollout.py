@@ -11,6 +11,30 @@ QLoRA) needs bitsandbytes (`pip install -e ".[qlora]"`); without it that arm is 
 Every row generates exactly `new` tokens (EOS ignored), from 256-token random prompts, temperature 1. Tokens/s =
 batch * new / wall time of one `RolloutEngine.generate` call, prefill included, after `engine.prepare` (graph
 capture is a one-off per engine, reported separately). Results: DIR/rollout.jsonl and a markdown table on stdout.
+
+Ragged rollouts, the lengths RL produces (`benchmarks/lengths.py`: presets gsm8k, long-cot, or a FILE of lengths):
+
+    PYTHONPATH=. python3 benchmarks/bench_rollout.py --models 7b --schemes bf16,nvfp4 --batches 128 \
+        --lengths gsm8k,long-cot [--speculative off,on --acceptance 0.5,0.7,0.9 --speculative-rows 8,16] --out DIR
+
+Each row ends at its traced length: the trace is drawn per GRPO group (`--group` rows of one prompt; the prompts are
+`--prompt`-token random ones, one per group, as the trainer lays a step out) and `lengths.forced_eos` makes the policy
+sample EOS there (rows at the trace's cap run to it, truncated), so the engine's own EOS bookkeeping, compaction and
+buckets end the rows. max_new_tokens is the trace's cap (`--new N`: the trace scaled to cap N, its shape kept: CPU dry
+runs). Reported per arm: useful tokens/s (the completions' tokens / wall time of the call, prefill included), the
+share of decode steps below 8 live rows (exact, from the lengths) and of decode wall time (the engine's timeline),
+and NVFP4 over bf16. Each engine's first call of a trace is preceded by the same call untimed (graph capture of the
+buckets and windows the trace reaches, as a warm trainer has them); so is its first speculative call at each
+`--speculative-rows` (the verify graphs); `captures_timed` says whether a timed call still captured one.
+
+`--speculative on` adds arms whose engine decodes speculatively once <= `--speculative-rows` rows are live. Random
+weights have nothing a real draft source could predict, so with `--acceptance A` a synthetic policy and draft source
+stand in (`lengths.oracle_policy`, `lengths.OracleDrafts`): the logits processor also puts probability A on an
+oracle token o(row, position) (a fixed hash) and the drafts propose the oracle tokens ahead, so each draft token is
+accepted with probability A. The plain arm runs the same processor (at the first A: its cost does not depend on A),
+so both sample the same distribution and lengths; spec/plain is reported at each A with the engine's
+accepted/drafted. Without `--acceptance` speculative arms draft from the call's own prompts and rows (random
+weights: almost nothing to accept). `--device cpu` runs it all on the CPU (dry runs at `--models tiny`).
 """
 from __future__ import annotations
 
@@ -31,6 +55,10 @@ from qerl.model.transformer import DecoderLayer, ModelConfig, RMSNorm, Transform
 from qerl.quant.bnb import quantize_model_bnb, require_bitsandbytes  # noqa: E402
 from qerl.quant.linear import plan_fp8_weights, quantize_model  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
+from qerl.rollout.speculation import MAX_QUERIES  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lengths as traces  # noqa: E402
 
 # Published shapes (the config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct on the Hugging Face hub);
 # Qwen2 = bias on q/k/v, GQA, SwiGLU, rope theta 1e6.
@@ -146,7 +174,19 @@ def bnb_version() -> str:
 
 def free_cuda() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def allocated_gib(peak: bool = False) -> float:
+    if DEVICE != "cuda":
+        return 0.0
+    return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**30
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -163,10 +203,10 @@ def time_engine(engine: RolloutEngine, batch: int, prompt_len: int, new: int, vo
     # prepare() does not do (the sampler's compile, the GEMM dispatch timing this prefill's shape, which a rollout
     # prefills once per distinct prompt). Timed with it, a 7B NVFP4 one-row rollout read 183 tok/s against ~280 warm.
     engine.generate(None, prompts, 8, temperature=1.0, eos_token_ids=[], seed=1)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     out = engine.generate(None, prompts, new, temperature=1.0, eos_token_ids=[], seed=0)
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - t0
     assert all(len(c) == new for c in out.completion_ids)
     return {"seconds": seconds, "tokens_per_s": batch * new / seconds, "capture_s": capture_s,
@@ -207,6 +247,186 @@ def hf_anchor(name: str, batch: int, prompt_len: int, new: int) -> dict:
     return {"seconds": seconds, "tokens_per_s": batch * made / seconds, "new": made}
 
 
+# ------------------------------------------------------------------------------------------------ ragged rollouts
+
+
+def group_prompts(batch: int, group: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`batch` rows of random prompts, `group` consecutive rows per prompt (a GRPO step's layout; a last partial group
+    is cut)."""
+    distinct = random_prompts(-(-batch // group), length, vocab, seed)
+    return [p for p in distinct for _ in range(group)][:batch]
+
+
+def time_ragged(engine: RolloutEngine, prompts: list[list[int]], trace: "traces.Trace", processor, drafts_factory,
+                eos: int, warm_up: bool) -> dict:
+    """One timed `generate` of `prompts` whose rows end at `trace`'s lengths (`processor`: the trace's forced EOS, or
+    the oracle policy), after the same call untimed when `warm_up`; `drafts_factory()`: each call's draft source (or
+    None). Returns the timing, the live-row profile and the engine's counts of the timed call."""
+    sources: list = []
+
+    def call():
+        sources.append(drafts_factory())
+        return engine.generate(None, prompts, trace.cap, temperature=1.0, eos_token_ids=[eos], seed=0,
+                               drafts=sources[-1], logits_processor=processor)
+
+    warmup_s = 0.0
+    if warm_up:
+        t0 = time.perf_counter()
+        call()
+        sync()
+        warmup_s = time.perf_counter() - t0
+    before = dict(engine.stats)
+    engine.timeline = []
+    sync()
+    t0 = time.perf_counter()
+    out = call()
+    sync()
+    seconds = time.perf_counter() - t0
+    timeline, engine.timeline = engine.timeline, None
+    made = [len(c) for c in out.completion_ids]
+    tokens = sum(made)
+    # every row ended where its trace says, by EOS, or truncated at the cap by the length limit
+    exact = made == list(trace.lengths) and all(
+        reason == ("length" if n >= trace.cap else "eos") for n, reason in zip(trace.lengths, out.stop_reasons))
+    counts = {k: engine.stats.get(k, 0) - before.get(k, 0) for k in engine.stats}
+    r = {"seconds": seconds, "tokens": tokens, "useful_tokens_per_s": tokens / seconds,
+         "tokens_per_s": tokens / seconds,  # the fixed rows' key: every token is useful there
+         "warmup_s": warmup_s, "lengths_exact": exact, "decode_steps": counts.get("steps", 0),
+         "verify_steps": counts.get("verify_steps", 0), "drafted": counts.get("drafted", 0),
+         "accepted": counts.get("accepted", 0), "compactions": counts.get("compactions", 0),
+         "captures_timed": counts.get("captures", 0), "graphs": len(engine.graphs), "use_graphs": engine.use_graphs,
+         "kernels": engine.kernels}
+    r["accepted_per_drafted"] = r["accepted"] / r["drafted"] if r["drafted"] else None
+    observed = getattr(sources[-1], "observed_acceptance", None)  # the oracle's per-token acceptance
+    r["oracle_acceptance_observed"] = observed() if observed is not None else None
+    r.update(traces.live_rows_profile(made, timeline))
+    return r
+
+
+def ragged_arms(scheme: str, args) -> list[tuple[bool, int, float | None]]:
+    """(speculative, speculative rows, acceptance) of each arm of a scheme: plain first, then each speculative one."""
+    accs = [float(a) for a in args.acceptance.split(",") if a]
+    arms = [(False, 0, accs[0] if accs else None)]
+    spec_schemes = [x for x in args.speculative_schemes.split(",") if x]
+    if "on" in args.speculative.split(",") and (not spec_schemes or scheme in spec_schemes):
+        for rows in (int(x) for x in args.speculative_rows.split(",")):
+            arms += [(True, rows, a) for a in (accs or [None])]
+    return arms
+
+
+def arm_label(label: str, speculative: bool, rows: int, acceptance: float | None) -> str:
+    if not speculative:
+        return label + (f", plain (oracle A={acceptance:g})" if acceptance is not None else "")
+    return label + f", speculative (<= {rows} rows" + (f", A={acceptance:g})" if acceptance is not None else ")")
+
+
+def run_ragged(args, log, rows: list[dict], skipped: list[str], left) -> None:
+    """The `--lengths` benchmark: every scheme's engine on every trace and batch, plain and speculative arms."""
+    specs = [x for x in args.lengths.split(",") if x]
+    batches = [int(b) for b in args.batches.split(",")]
+    scale = int(args.new.split(",")[0]) if args.new else None
+    cap = max(scale or traces.trace(spec, 1).cap for spec in specs)
+    last: dict[tuple, float] = {}  # (model, trace, batch) -> the slowest timed seconds so far (the budget's guide)
+    for name in args.models.split(","):
+        for scheme in args.schemes.split(","):
+            if left() < 30:
+                skipped.append(f"{name} {scheme} (budget)")
+                continue
+            t0 = time.perf_counter()
+            try:
+                model = build_model(name, scheme, lora_epilogue=args.lora_epilogue, device=DEVICE,
+                                    fuse=DEVICE == "cuda")
+            except ImportError as e:  # the QLoRA arm without bitsandbytes
+                print(f"[{name} {scheme}] skipped: {e}", flush=True)
+                skipped.append(f"{name} {scheme} ({e})")
+                continue
+            gib = allocated_gib()
+            print(f"[{name} {scheme}] built in {time.perf_counter() - t0:.1f} s, {gib:.1f} GiB", flush=True)
+            vocab = model.config.vocab_size
+            eos = vocab - 1  # bench_grpo_step's numbered tokenizer's end token
+            for kv in args.kv.split(","):
+                label = LABELS[scheme] + KV_LABELS[kv]
+                # One engine for every arm: the speculative ones switch it on (as `rollout.speculative` builds it) over
+                # the same cache and graphs; its slots leave room for a verify step's queries
+                engine = RolloutEngine(model, kv_cache_dtype=kv, max_draft=args.max_draft,
+                                       max_batch_size=max(batches), max_seq_len=args.prompt + cap + MAX_QUERIES)
+                for spec in specs:
+                    for batch in batches:
+                        trace = traces.trace(spec, batch, args.group, args.trace_seed)
+                        trace = trace.scaled(scale) if scale else trace
+                        prompts = group_prompts(batch, args.group, args.prompt, vocab)
+                        warmed: set = set()
+                        for speculative, spec_rows, acceptance in ragged_arms(scheme, args):
+                            arm = arm_label(label, speculative, spec_rows, acceptance)
+                            warm = (speculative, spec_rows) not in warmed or args.warmup == "every"
+                            guess = last.get((name, spec, batch))
+                            if guess is not None and guess * (2 if warm else 1) * 1.3 + 10 > left():
+                                skipped.append(f"{name} {arm} b{batch} {trace.name} (budget)")
+                                continue
+                            engine.speculative, engine.speculative_rows = speculative, max(1, spec_rows)
+                            if acceptance is None:
+                                processor = traces.forced_eos(trace.lengths, eos, vocab, cap=trace.cap)
+                                drafts = lambda: None  # noqa: E731
+                            else:
+                                processor = traces.oracle_policy(trace.lengths, eos, vocab, acceptance, cap=trace.cap)
+                                drafts = (lambda: traces.OracleDrafts(vocab, eos)) if speculative else lambda: None
+                            try:
+                                r = time_ragged(engine, prompts, trace, processor, drafts, eos, warm)
+                            except Exception as e:  # keep the other arms
+                                print(f"  {arm} b{batch} {trace.name}: FAILED {type(e).__name__}: {e}", flush=True)
+                                skipped.append(f"{name} {arm} b{batch} {trace.name} (error: {type(e).__name__})")
+                                engine.free()
+                                free_cuda()
+                                warmed.clear()
+                                continue
+                            warmed.add((speculative, spec_rows))
+                            last[(name, spec, batch)] = max(r["seconds"], last.get((name, spec, batch), 0.0))
+                            stats = trace.stats()
+                            r.update(model=name, engine=arm, scheme=scheme, kv=kv, batch=batch, new=trace.cap,
+                                     prompt=args.prompt, group_size=args.group, trace=trace.name,
+                                     trace_seed=args.trace_seed, speculative=speculative,
+                                     speculative_rows=spec_rows if speculative else None,
+                                     max_draft=args.max_draft if speculative else None, acceptance=acceptance,
+                                     trace_median=stats["median"], trace_mean=stats["mean"],
+                                     trace_truncated_share=stats["truncated_share"], weights_gib=gib,
+                                     peak_gib=allocated_gib(peak=True), kv_gib=engine.memory_bytes() / 2**30)
+                            rows.append(r)
+                            log.write(json.dumps(r) + "\n")
+                            log.flush()
+                            spec_note = (f", accepted {r['accepted']}/{r['drafted']} in "
+                                         f"{r['verify_steps']} verify steps" if speculative else "")
+                            print(f"  {arm} b{batch} {trace.name}: {r['useful_tokens_per_s']:,.0f} useful tok/s "
+                                  f"({r['seconds']:.2f} s, {r['tokens']:,} tokens, warm-up {r['warmup_s']:.1f} s; "
+                                  f"steps <8 live {r['decode_step_share_below8']:.0%}, wall <8 live "
+                                  f"{r['wall_share_below8']:.0%}{spec_note}; exact lengths {r['lengths_exact']})",
+                                  flush=True)
+                engine.free()
+                del engine
+            del model
+            free_cuda()
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+
+
+def ragged_table(rows: list[dict]) -> str:
+    lines = ["| model | trace | engine | rows | useful tok/s | s | steps <8 live | wall <8 live | accepted/drafted | "
+             "vs plain | NVFP4 vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    plain = {(r["model"], r["scheme"], r["kv"], r["trace"], r["batch"]): r["useful_tokens_per_s"]
+             for r in rows if not r["speculative"]}
+    for r in rows:
+        key = (r["model"], r["scheme"], r["kv"], r["trace"], r["batch"])
+        vs_plain = f"{r['useful_tokens_per_s'] / plain[key]:.2f}x" if r["speculative"] and key in plain else "-"
+        bf16 = plain.get((r["model"], "bf16", r["kv"], r["trace"], r["batch"]))
+        vs_bf16 = f"{r['useful_tokens_per_s'] / bf16:.2f}x" if bf16 and not r["speculative"] and r["scheme"] != "bf16" \
+            else "-"
+        acc = f"{r['accepted_per_drafted']:.2f}" if r.get("accepted_per_drafted") is not None else "-"
+        lines.append(f"| {r['model']} | {r['trace']} | {r['engine']} | {r['batch']} | "
+                     f"{r['useful_tokens_per_s']:,.0f} | {r['seconds']:.2f} | {r['decode_step_share_below8']:.0%} | "
+                     f"{r['wall_share_below8']:.0%} | {acc} | {vs_plain} | {vs_bf16} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | engine | batch | new tokens | tokens/s | s | vs bf16+LoRA | vs QLoRA | capture s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -231,7 +451,8 @@ def main() -> None:
     ap.add_argument("--models", default="7b,32b")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--batches", default="8,32,64,128")
-    ap.add_argument("--new", default="256,1024")
+    ap.add_argument("--new", default=None, help="new tokens per row (default 256,1024); with --lengths: the trace "
+                    "scaled to this cap (default: the trace's own cap)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--hf", action="store_true", help="also time HF generate (first model, batch 64)")
     ap.add_argument("--hf-new", type=int, default=64)
@@ -244,19 +465,45 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; configs that would not fit are skipped")
     ap.add_argument("--lora-epilogue", action="store_true", help="execution.lora_epilogue: LoRA in the GEMM epilogue")
     ap.add_argument("--out", default="outputs/bench")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs (--models tiny)")
+    ap.add_argument("--lengths", default="", help="ragged rollouts: completion-length traces, comma-separated, each a "
+                    f"preset ({', '.join(traces.PRESETS)}) or a FILE of lengths (benchmarks/lengths.py); default: "
+                    "every row runs to --new")
+    ap.add_argument("--group", type=int, default=8, help="with --lengths: rows per prompt (a GRPO group)")
+    ap.add_argument("--trace-seed", type=int, default=0, help="with --lengths: the preset draw's seed")
+    ap.add_argument("--speculative", default="off", help="with --lengths: off, on or off,on (plain and speculative "
+                    "arms)")
+    ap.add_argument("--speculative-rows", default="8", help="live rows at which speculation starts (comma-separated: "
+                    "an arm each)")
+    ap.add_argument("--speculative-schemes", default="", help="schemes with speculative arms (default: all)")
+    ap.add_argument("--max-draft", type=int, default=7)
+    ap.add_argument("--acceptance", default="", help="with --lengths: the oracle policy's acceptance per drafted "
+                    "token, comma-separated (an arm each); default: no oracle")
+    ap.add_argument("--warmup", choices=("first", "every"), default="first", help="with --lengths: an untimed call "
+                    "before an engine's first plain / first speculative call of a trace, or before every call")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
     from qerl.kernels import nvfp4_ops
 
-    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | NVFP4 Triton kernels "
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    print(f"device {where} | torch {torch.__version__} | NVFP4 Triton kernels "
           f"{'available' if nvfp4_ops.available() else 'NOT available (PyTorch dequantize path)'} | "
           f"bitsandbytes {bnb_version()}", flush=True)
     rows: list[dict] = []
     skipped: list[str] = []
+    if args.lengths:
+        with open(os.path.join(args.out, "rollout.jsonl"), "a") as log:
+            run_ragged(args, log, rows, skipped, left)
+        print("\n" + ragged_table(rows))
+        if skipped:
+            print("\nnot run: " + "; ".join(skipped))
+        return
     batches = [int(b) for b in args.batches.split(",")]
-    news = [int(n) for n in args.new.split(",")]
+    news = [int(n) for n in (args.new or "256,1024").split(",")]
     long_batches = [int(b) for b in args.long_batches.split(",")] if args.long_batches else batches
     configs = [(b, n) for n in news for b in (long_batches if n == max(news) and len(news) > 1 else batches)]
     # Most important first (the targets are at batch 64), so a short budget still measures them.
@@ -269,13 +516,14 @@ def main() -> None:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    model = build_model(name, scheme, lora_epilogue=args.lora_epilogue)
+                    model = build_model(name, scheme, lora_epilogue=args.lora_epilogue, device=DEVICE,
+                                        fuse=DEVICE == "cuda")
                 except ImportError as e:  # the QLoRA arm without bitsandbytes: the other arms still run
                     print(f"[{name} {scheme}] skipped: {e}", flush=True)
                     skipped.append(f"{name} {scheme} ({e})")
                     continue
                 build_s = time.perf_counter() - t0
-                gib = torch.cuda.memory_allocated() / 2**30
+                gib = allocated_gib()
                 print(f"[{name} {scheme}] built in {build_s:.1f} s, {gib:.1f} GiB", flush=True)
                 variants = [(LABELS[scheme] + KV_LABELS[kv], True, order, kv) for kv in args.kv.split(",")]
                 if args.plain and scheme == "bf16":
@@ -305,7 +553,7 @@ def main() -> None:
                             continue
                         per_step = max(per_step, r["seconds"] / new)
                         r.update(model=name, engine=label, batch=batch, new=new, prompt=args.prompt,
-                                 weights_gib=gib, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                                 weights_gib=gib, peak_gib=allocated_gib(peak=True),
                                  kv_gib=engine.memory_bytes() / 2**30)
                         rows.append(r)
                         log.write(json.dumps(r) + "\n")
@@ -316,7 +564,8 @@ def main() -> None:
                     engine.free()
                 del model, engine
                 free_cuda()
-                torch.cuda.reset_peak_memory_stats()
+                if DEVICE == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
         if args.hf:
             name = args.models.split(",")[0]
             if left() > 40:
