@@ -1,4 +1,5 @@
 """The fused decode step: one token per row through the model's own blocks, as the Triton kernels of `fused_ops` run it.
+(Or several per row: speculative decoding's verify step, `queries_per_row`.)
 
 `Transformer.decode_step(fused=True)` is `decode_step(model, ...)` here; the plain step is the model's forward over
 the same caches (`Transformer.decode_step(fused=False)`), which every test of this one compares against. It reads
@@ -36,12 +37,22 @@ def supported(model: nn.Module) -> bool:
 
 @torch.no_grad()  # the fused LoRA path adds in place into a (possibly custom-Function) base output
 def decode_step(model: nn.Module, tokens: Tensor, positions: Tensor, slot: Tensor, attend: Tensor,
-                kv_caches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+                kv_caches: Sequence[tuple[Tensor, Tensor]], queries_per_row: int = 1) -> Tensor:
     """Logits [rows, vocab] of `model` (a `qerl.model.transformer.Transformer`) for one token per row; arguments as
-    `Transformer.decode_step`. ~1 ulp from its forward in bf16."""
+    `Transformer.decode_step`. ~1 ulp from its forward in bf16.
+
+    `queries_per_row` Q > 1: N = rows * Q query rows, query row r * Q + t being token t of cache row r (speculative
+    decoding verifies a row's drafted tokens in one forward): tokens [N], positions [N, 1], slot [N] (each query
+    row's own slot; [1] or [N] at Q = 1), attend [N, window] (the caller's per-query mask, causality within the row
+    included: query t of a row at slot p sees slots <= p + t); logits [N, vocab]. Norms, GEMMs and LoRA are
+    row-wise and run on the N rows as they are; only the two kernels that touch the caches map a query row to its
+    cache row. The same numbers as Q one-token steps, each at its own slot, up to the GEMMs' rounding."""
+    if queries_per_row < 1 or tokens.shape[0] % queries_per_row or attend.shape[0] != tokens.shape[0]:
+        raise ValueError(f"decode_step: {tokens.shape[0]} tokens and attend {tuple(attend.shape)} need one row per "
+                         f"query row, a multiple of queries_per_row={queries_per_row}")
     decoder = model.model
     x = decoder.embed(tokens)
-    tables = decoder.rope_tables(positions)  # [rows, 1, D] fp32
+    tables = decoder.rope_tables(positions)  # [N, 1, D] fp32
     inputs = {}
     for kind, allowed in decoder.step_masks(attend, slot).items():
         # an additive mask, built once per step instead of once per layer
@@ -51,23 +62,25 @@ def decode_step(model: nn.Module, tokens: Tensor, positions: Tensor, slot: Tenso
     residual = None
     for layer, (k_cache, v_cache) in zip(decoder.layers, kv_caches):
         cos, sin, mask = inputs[layer.sliding]
-        x, residual = _block(layer, x, residual, cos, sin, mask, k_cache, v_cache, slot)
+        x, residual = _block(layer, x, residual, cos, sin, mask, k_cache, v_cache, slot, queries_per_row)
     return model.softcap(project(model.lm_head, add_norm(decoder.norm, x, residual)[1]))
 
 
 def _block(layer: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None, cos: Tensor, sin: Tensor,
-           mask: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor) -> tuple[Tensor, Tensor | DeferredLoRA]:
-    """A `DecoderLayer` for one token per row with its residual add deferred into the next norm: takes and returns
-    (x, residual), the block's output being x + residual."""
+           mask: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
+           queries_per_row: int = 1) -> tuple[Tensor, Tensor | DeferredLoRA]:
+    """A `DecoderLayer` for one token per query row (`queries_per_row` of them per cache row) with its residual add
+    deferred into the next norm: takes and returns (x, residual), the block's output being x + residual."""
     attn, mlp = layer.self_attn, layer.mlp
     if layer.sandwich:
         x, h, _ = add_norm(layer.input_layernorm, x, residual)
-        residual = layer.post_attention_layernorm(finished(_attention(attn, h, cos, sin, mask, k_cache, v_cache, slot)))
+        residual = layer.post_attention_layernorm(finished(_attention(attn, h, cos, sin, mask, k_cache, v_cache, slot,
+                                                                      queries_per_row=queries_per_row)))
         x, h, _ = add_norm(layer.pre_feedforward_layernorm, x, residual)
         return x, layer.post_feedforward_layernorm(finished(_mlp(mlp, h)))
     # each norm's kernel also computes the next group's x·Aᵀ (LoRA's first product) where it is deferred
     x, h, h_lora = add_norm(layer.input_layernorm, x, residual, _lora_a(attn, x.dtype))
-    residual = _attention(attn, h, cos, sin, mask, k_cache, v_cache, slot, h_lora)
+    residual = _attention(attn, h, cos, sin, mask, k_cache, v_cache, slot, h_lora, queries_per_row)
     x, h, h_lora = add_norm(layer.post_attention_layernorm, x, residual,
                             _lora_a(mlp, x.dtype) if mlp.act is F.silu else None)
     return x, _mlp(mlp, h, h_lora)
@@ -141,10 +154,11 @@ def _deferred(block: nn.Module, x: Tensor, h_lora: Tensor | None, plain) -> tupl
 
 
 def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
-               slot: Tensor, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:
-    """`Attention` for h [rows, hidden] (normed), cos/sin [rows, head_dim]: writes k, v at cache slot `slot` [1] of
-    rows :rows and attends over the first mask.shape[-1] slots (mask [rows, window], additive). Returns the o_proj
-    output [rows, hidden], its LoRA update possibly left to the next norm's kernel."""
+               slot: Tensor, h_lora: Tensor | None = None, queries_per_row: int = 1) -> Tensor | DeferredLoRA:
+    """`Attention` for h [N, hidden] (normed) of N query rows, cos/sin [N, head_dim]: query row i writes its k, v
+    into cache row i // queries_per_row at `slot` ([1]: every row's; [N]: its own) and attends over that row's
+    first mask.shape[-1] slots (mask [N, window], additive). Returns the o_proj output [N, hidden], its LoRA
+    update possibly left to the next norm's kernel."""
     from qerl.execution import fused_ops
 
     rows, heads, kv_heads, dim = h.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -158,8 +172,9 @@ def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tenso
         k = attn.k_norm(k.view(rows, kv_heads, dim)).view(rows, kv_heads * dim)
         norms = (None, None)
     q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim, *norms,
-                                   low_rank=low_rank)
-    out = fused_ops.decode_attention(q, k_cache, v_cache, mask, heads, kv_heads, dim, **attn.sdpa_scale)
+                                   low_rank=low_rank, queries_per_row=queries_per_row)
+    out = fused_ops.decode_attention(q, k_cache, v_cache, mask, heads, kv_heads, dim, **attn.sdpa_scale,
+                                     queries_per_row=queries_per_row)
     return _project_deferred(attn.o_proj, out)
 
 

@@ -66,13 +66,37 @@ if triton is not None:
                            HL, LB, s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
                            D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, LOW_RANK: tl.constexpr,
                            RP: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr):
-        """Program (row, head): heads < H rotate q into QO; the rest rotate k and write k, v at cache slot SLOT.
-        s_q, s_k, s_v: row strides of q, k, v (column slices of one fused qkv output). LOW_RANK: q, k, v are the
-        fused output's base part; LoRA's update s·h·LBᵀ (rows of LB: q from 0, k from k_row0, v from v_row0; each
-        member's rank block from its column) is added first, with the rounding of one addmm. KV8: the caches are
-        in the FP8 layout of qerl.execution.kv8 (uint8; strides in bytes), k and v written as their bf16 roundings'
-        codes and scales."""
+        """`_rope_cache` with one token per cache row, every row at the one cache slot SLOT [1] (a decode step).
+        Its own kernel rather than `_rope_cache_rows_kernel` at QPR 1 and slot stride 0: those are constants here,
+        folded away, so this launch compiles to the code it had before per-row slots existed."""
         _after_previous(PDL)
+        _rope_cache(Q, K, V, COS, SIN, QO, KC, VC, SLOT, 0, 1, QW, KW, eps, H, s_b, s_h, s_s, s_q, s_k, s_v, HL, LB,
+                    s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0, D, HALF,
+                    QK_NORM, LOW_RANK, RP, KV8)
+
+    @triton.jit
+    def _rope_cache_rows_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOT, s_slot, QPR, QW, KW, eps, H, HKV, s_b, s_h, s_s,
+                                s_q, s_k, s_v, HL, LB, s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col,
+                                v_rank, k_row0, v_row0, D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                                LOW_RANK: tl.constexpr, RP: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr):
+        """`_rope_cache` with QPR query rows per cache row, query row i at slot SLOT[i * s_slot] (speculative
+        decoding's verify step: a row's drafted tokens at consecutive slots; or rows at slots of their own)."""
+        _after_previous(PDL)
+        _rope_cache(Q, K, V, COS, SIN, QO, KC, VC, SLOT, s_slot, QPR, QW, KW, eps, H, s_b, s_h, s_s, s_q, s_k, s_v,
+                    HL, LB, s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0, D,
+                    HALF, QK_NORM, LOW_RANK, RP, KV8)
+
+    @triton.jit
+    def _rope_cache(Q, K, V, COS, SIN, QO, KC, VC, SLOT, s_slot, QPR, QW, KW, eps, H, s_b, s_h, s_s, s_q, s_k, s_v,
+                    HL, LB, s_hl, s_lb, lr_scale, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
+                    D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, LOW_RANK: tl.constexpr,
+                    RP: tl.constexpr, KV8: tl.constexpr):
+        """Program (query row, head): heads < H rotate q into QO; the rest rotate k and write k, v into cache row
+        row // QPR at slot SLOT[row * s_slot] (s_slot 0: one slot for every row). s_q, s_k, s_v: row strides of q,
+        k, v (column slices of one fused qkv output). LOW_RANK: q, k, v are the fused output's base part; LoRA's
+        update s·h·LBᵀ (rows of LB: q from 0, k from k_row0, v from v_row0; each member's rank block from its
+        column) is added first, with the rounding of one addmm. KV8: the caches are in the FP8 layout of
+        qerl.execution.kv8 (uint8; strides in bytes), k and v written as their bf16 roundings' codes and scales."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         offs = tl.arange(0, HALF)
@@ -117,7 +141,8 @@ if triton is not None:
             tl.store(q_out + HALF + offs, o2)
         else:
             kvh = head - H
-            at = row.to(tl.int64) * s_b + kvh * s_h + tl.load(SLOT) * s_s  # int64: big caches pass 2**31 elements
+            # int64: big caches pass 2**31 elements
+            at = (row // QPR).to(tl.int64) * s_b + kvh * s_h + tl.load(SLOT + row * s_slot) * s_s
             if KV8:
                 _store_kv8(KC + at, o1, o2, offs, HALF, D)
             else:
@@ -387,21 +412,40 @@ if triton is not None:
                                          scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, KV8: tl.constexpr,
                                          PDL: tl.constexpr):
-        """Program (row, kv head, split): the G query heads of one kv head against cache slots
-        [split * chunk, (split + 1) * chunk) of the window, with the additive mask; writes the unnormalized output
-        and the running max and sum of that split (flash-decoding's first pass). DIRECT (one split): the
-        normalized output straight into O [rows, H * D], no second pass. KV8: the caches are in the FP8 layout
-        of qerl.execution.kv8 (uint8, strides in bytes): each slot's scale multiplies its score (keys) and its
-        probability (values); codes, q and probabilities go to the tensor cores in fp16, the one type E4M3 converts
-        to in one instruction per pair on Hopper (to bf16 it takes three, and the kernel was bound by them: 50% of
-        the copy bandwidth, no faster than a bf16 cache)."""
+        """`_decode_attention_partial` with one query row per cache row (a decode step). Its own kernel, as
+        `_rope_cache_kernel` is: QPR 1 is a constant here, so this launch compiles to the code it had before."""
         _after_previous(PDL)
+        _decode_attention_partial(Q, KC, VC, MASK, PO, PML, O, s_q, s_kb, s_kh, s_ks, s_m, window, chunk, scale, 1, G,
+                                  GP, D, BLOCK_N, DIRECT, KV8)
+
+    @triton.jit
+    def _decode_attention_partial_rows_kernel(Q, KC, VC, MASK, PO, PML, O, s_q, s_kb, s_kh, s_ks, s_m, window, chunk,
+                                              scale, QPR, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                              BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, KV8: tl.constexpr,
+                                              PDL: tl.constexpr):
+        """`_decode_attention_partial` with QPR query rows per cache row (speculative decoding's verify step)."""
+        _after_previous(PDL)
+        _decode_attention_partial(Q, KC, VC, MASK, PO, PML, O, s_q, s_kb, s_kh, s_ks, s_m, window, chunk, scale, QPR,
+                                  G, GP, D, BLOCK_N, DIRECT, KV8)
+
+    @triton.jit
+    def _decode_attention_partial(Q, KC, VC, MASK, PO, PML, O, s_q, s_kb, s_kh, s_ks, s_m, window, chunk, scale, QPR,
+                                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  DIRECT: tl.constexpr, KV8: tl.constexpr):
+        """Program (query row, kv head, split): the G query heads of one kv head against slots
+        [split * chunk, (split + 1) * chunk) of the window of cache row row // QPR, with the query row's additive
+        mask; writes the unnormalized output and the running max and sum of that split (flash-decoding's first
+        pass). DIRECT (one split): the normalized output straight into O [rows, H * D], no second pass. KV8: the
+        caches are in the FP8 layout of qerl.execution.kv8 (uint8, strides in bytes): each slot's scale multiplies
+        its score (keys) and its probability (values); codes, q and probabilities go to the tensor cores in fp16,
+        the one type E4M3 converts to in one instruction per pair on Hopper (to bf16 it takes three, and the kernel
+        was bound by them: 50% of the copy bandwidth, no faster than a bf16 cache)."""
         row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         q = tl.load(Q + row * s_q + (kvh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
         if KV8:
             q = q.to(tl.float16)
-        kv_base = row.to(tl.int64) * s_kb + kvh * s_kh
+        kv_base = (row // QPR).to(tl.int64) * s_kb + kvh * s_kh  # the query row's cache row
         start = split * chunk
         end = tl.minimum(start + chunk, window)
         m_i = tl.full((GP,), float("-inf"), tl.float32)
@@ -470,17 +514,24 @@ if triton is not None:
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, num_heads: int, num_kv_heads: int,
                      head_dim: int, target_programs: int = 256, scale: float | None = None, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int | None = None) -> Tensor:
-    """One query token per row against the first `mask.shape[-1]` cache slots: q [rows, H * D] (contiguous),
-    k_cache / v_cache [>= rows, Hkv, >= window, D] (unit stride along D), mask [rows, window] additive (0 or -inf).
-    Returns [rows, H * D] as `scaled_dot_product_attention` over the grouped heads would. Split-KV (flash-decoding):
-    the window is cut into splits so that rows * Hkv * splits reaches about `target_programs` programs, then one
+                     num_warps: int = 4, num_stages: int | None = None, queries_per_row: int = 1) -> Tensor:
+    """One query token per query row against the first `mask.shape[-1]` cache slots: q [N, H * D] (contiguous),
+    k_cache / v_cache [>= N / Q, Hkv, >= window, D] (unit stride along D), mask [N, window] additive (0 or -inf),
+    query row i reading cache row i // Q (Q = `queries_per_row`: 1 in a decode step, the tokens verified per row
+    in speculative decoding's verify step, each with its own mask row).
+    Returns [N, H * D] as `scaled_dot_product_attention` over the grouped heads would. Split-KV (flash-decoding):
+    the window is cut into splits so that N * Hkv * splits reaches about `target_programs` programs, then one
     small kernel combines the splits: a decode step has too few (row, head) pairs to fill the GPU otherwise.
     `scale`: the softmax scale (default head_dim ** -0.5; Gemma's is query_pre_attn_scalar ** -0.5).
     `block_n`, `num_warps`, `num_stages`: the partial kernel's launch (benchmarks/bench_decode_attention.py)."""
     rows, window = mask.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("decode_attention needs k and v caches of one layout with unit stride along head_dim")
+    if queries_per_row != 1 and (queries_per_row < 1 or rows % queries_per_row or q.shape[0] != rows
+                                 or k_cache.shape[0] < rows // queries_per_row):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} and mask {tuple(mask.shape)} need one row per query "
+                         f"row, a multiple of queries_per_row={queries_per_row}, and a cache row for each "
+                         f"{queries_per_row} of them (caches have {k_cache.shape[0]})")
     kv8 = check_kv8(k_cache, v_cache, head_dim)
     group = num_heads // num_kv_heads
     gp = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
@@ -494,12 +545,19 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, 
     parts = 1 if direct else rows * num_kv_heads * splits
     partial = torch.empty((parts, gp, head_dim), dtype=torch.float32, device=q.device)
     stats = torch.empty((parts, 2, gp), dtype=torch.float32, device=q.device)
-    _decode_attention_partial_kernel[(rows, num_kv_heads, splits)](
+    # A decode step (Q = 1): the kernel whose cache row is the row itself (QPR a constant), launched as before.
+    # Q > 1: one program per query row, each reading its cache row's whole window, so a row's Q queries read the
+    # same k, v Q times (from L2 after the first): on an H200, bf16, 64 rows x 4 queries over 2048 slots took
+    # 173 µs against 76 µs at one query per row. Packing a row's queries into one tile (G * Q query heads, the mask
+    # per query inside it) would read them once; not done yet.
+    kernel, per_row = ((_decode_attention_partial_kernel, ()) if queries_per_row == 1
+                       else (_decode_attention_partial_rows_kernel, (queries_per_row,)))
+    kernel[(rows, num_kv_heads, splits)](
         q, k_cache, v_cache, mask, partial, stats, out, q.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), mask.stride(0), window, chunk, head_dim ** -0.5 if scale is None else scale, G=group,
-        GP=gp, D=head_dim, BLOCK_N=block_n, DIRECT=direct, KV8=kv8, num_warps=num_warps,
+        k_cache.stride(2), mask.stride(0), window, chunk, head_dim ** -0.5 if scale is None else scale, *per_row,
+        G=group, GP=gp, D=head_dim, BLOCK_N=block_n, DIRECT=direct, KV8=kv8, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **_pdl(q.device))
-    if not direct:
+    if not direct:  # the partials are per query row: the combine is the same whatever cache row a query read
         _decode_attention_combine_kernel[(rows, num_kv_heads)](partial, stats, out, splits, G=group, GP=gp,
                                                                D=head_dim, SPLITS=triton.next_power_of_2(splits),
                                                                num_warps=4, **_pdl(q.device))
@@ -620,15 +678,24 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: f
 
 def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, k_cache: Tensor,
                      v_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, low_rank=None) -> Tensor:
-    """Rotated q [rows, H*D] (contiguous); rotated k and v written into rows :rows of the caches at slot `slot` [1].
-    q, k, v may be column slices of one [rows, (H + 2 Hkv) D] projection (unit stride along a row). With
+                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, low_rank=None,
+                     queries_per_row: int = 1) -> Tensor:
+    """Rotated q [N, H*D] (contiguous) of N query rows; rotated k and v of query row i written into cache row
+    i // Q (Q = `queries_per_row`) at its slot: `slot` [1] (every row's: a decode step, Q = 1) or [N] (query row
+    i at slot[i]: rows at slots of their own, or a row's Q drafted tokens at theirs). cos, sin [N, D].
+    q, k, v may be column slices of one [N, (H + 2 Hkv) D] projection (unit stride along a row). With
     `low_rank` (a `qerl.model.lora.DeferredLoRA` of the q, k, v members), q, k and v are the base part of the
     projection and the kernel adds LoRA's update to them first."""
     rows = q.shape[0]
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_rope_cache needs unit stride along a row, got strides {t.stride()}")
+    shared = queries_per_row == 1 and slot.numel() == 1  # rows == 1: one slot either way
+    if not shared and (queries_per_row < 1 or rows % queries_per_row or slot.dim() != 1 or slot.shape[0] != rows):
+        # Q > 1 with one slot would write a row's Q tokens over each other at that slot
+        raise ValueError(f"fused_rope_cache: slot must be [1] (queries_per_row 1) or [{rows}] (one per query row), "
+                         f"and {rows} query rows a multiple of queries_per_row={queries_per_row}; got slot "
+                         f"{tuple(slot.shape)}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     norm = q_norm is not None
     if low_rank is not None:
@@ -639,12 +706,15 @@ def fused_rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
         q_col = q_rank = k_col = k_rank = v_col = v_rank = k_row0 = v_row0 = 0
         lr, rp = (q, q, 0, 0, 0.0), 16
     kv8 = check_kv8(k_cache, v_cache, head_dim)
-    _rope_cache_kernel[(rows, num_heads + num_kv_heads)](
-        q, k, v, cos, sin, out, k_cache, v_cache, slot, q_norm.weight if norm else q, k_norm.weight if norm else q,
-        q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        q.stride(0), k.stride(0), v.stride(0), *lr, q_col, q_rank, k_col, k_rank, v_col, v_rank, k_row0, v_row0,
-        D=head_dim, HALF=head_dim // 2, QK_NORM=norm, LOW_RANK=low_rank is not None, RP=rp, KV8=kv8,
-        num_warps=1 if low_rank is None else 2, **_pdl(q.device))
+    # a decode step: the kernel without a slot stride or QPR (constants there, folded away), launched as before
+    kernel, per_row = ((_rope_cache_kernel, ()) if shared
+                       else (_rope_cache_rows_kernel, (slot.stride(0), queries_per_row)))
+    kernel[(rows, num_heads + num_kv_heads)](
+        q, k, v, cos, sin, out, k_cache, v_cache, slot, *per_row, q_norm.weight if norm else q,
+        k_norm.weight if norm else q, q_norm.eps if norm else 0.0, num_heads, num_kv_heads, k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0), v.stride(0), *lr, q_col, q_rank, k_col, k_rank,
+        v_col, v_rank, k_row0, v_row0, D=head_dim, HALF=head_dim // 2, QK_NORM=norm, LOW_RANK=low_rank is not None,
+        RP=rp, KV8=kv8, num_warps=1 if low_rank is None else 2, **_pdl(q.device))
     return out
 
 
