@@ -26,6 +26,25 @@ The update with and without each group's prompt computed once (`model.share_prom
 
 (`packed`: `model.pack_completions` on top of shared prompts. A random policy's completions all run to `--new`, so
 this arm measures what packing costs where there is no padding to skip, not what it saves on real completions.)
+
+Ragged rollouts (`--lengths PRESET|FILE[,...]`, `benchmarks/lengths.py`): the trainer's completions end at a trace's
+lengths, drawn per group (its 8 rows of one prompt): the rollout backend's `logits_processor` forces the numbered
+tokenizer's EOS at each row's length (rows at the trace's cap run to it, truncated), so the engine's own EOS
+bookkeeping ends them, and the update sees completions as ragged as RL's. Every step samples the same trace (step 1's
+one-offs are then the shapes step 2 runs). max_new_tokens is the trace's cap (`--new N`: the trace scaled to cap N).
+`--acceptance A` runs every arm's rollouts under `lengths.oracle_policy` (probability A on an oracle token per
+position) and gives arms with `rollout.speculative=on` the oracle's drafts (`lengths.OracleDrafts`) instead of the
+trainer's draft history, so a random-weight policy's speculation accepts each drafted token with probability A:
+
+    PYTHONPATH=. python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4 --prompts 16 --lengths gsm8k \
+        --acceptance 0.7 --variants 'plain:;packed:model.pack_completions=true;spec:rollout.speculative=on' --out DIR
+
+Rows then also report the trace (median, truncated share), whether every completion ended exactly at its traced
+length (`lengths_exact`), the update's completion tokens (the longest row x rows, or their sum when packed), and the
+speculative metrics of the last step (`rollout.speculative=on` may be written bare: it is quoted for YAML). The logp
+gap column means nothing on a trace: the rollouts' log-probs are those of the processed (forced-EOS) policy, not the
+model's. `--device cpu` runs the arms on the CPU (dry runs at `--models tiny`);
+`--budget S` skips the arms that the previous arm's time says would not fit.
 """
 from __future__ import annotations
 
@@ -34,6 +53,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -47,6 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_rollout import SCHEMES, bnb_version, build_model, free_cuda  # noqa: E402
 from device_peak import DevicePeak  # noqa: E402
+import lengths as traces  # noqa: E402
 from qerl.config import load_settings  # noqa: E402
 from qerl.rl.trainer import Trainer  # noqa: E402
 
@@ -85,13 +106,50 @@ def numbered_tokenizer(vocab: int, distinct_pad: bool = False):
     return tokenizer
 
 
-def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_len: int = 256, new: int = 1024,
+def ragged(backend, trace: "traces.Trace", eos: list[int], vocab: int, acceptance: float | None,
+           speculative: bool, seen: list) -> None:
+    """Make `backend`'s rollouts end at `trace`'s lengths (its logits processor: forced EOS, or the oracle policy at
+    `acceptance`); with `speculative` and an acceptance, each call drafts from the oracle instead of the trainer's
+    draft history. Each call's (completion lengths, stop reasons) go to `seen`."""
+    if acceptance is None:
+        backend.logits_processor = traces.forced_eos(trace.lengths, eos, vocab, cap=trace.cap)
+    else:
+        backend.logits_processor = traces.oracle_policy(trace.lengths, eos, vocab, acceptance, cap=trace.cap)
+    generate = backend.generate
+
+    def traced(prompts, sampling, progress=False, drafts=None):
+        if speculative and acceptance is not None:
+            drafts = traces.OracleDrafts(vocab, eos)
+        out = generate(prompts, sampling, progress=progress, drafts=drafts)
+        seen.append(([len(c) for c in out.completion_ids], list(out.stop_reasons)))
+        return out
+
+    backend.generate = traced  # this backend object's own: the trainer calls it once a step
+
+
+def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_len: int = 256, new: int | None = None,
               micro: int = 4, sigma: float = 1e-2, steps: int = 2, lora_rank: int = 16,
               overrides: tuple[str, ...] = (), variant: str = "default", reward: str = "hash",
-              folder: str = "/tmp/qerl-vllm-bench") -> dict:
+              folder: str = "/tmp/qerl-vllm-bench", lengths: str = "", acceptance: float | None = None,
+              trace_seed: int = 0, device: str = "cuda") -> dict:
+    # YAML reads a bare on / off as a boolean: rollout.speculative=on as the string it means
+    overrides = tuple(re.sub(r"^(rollout\.speculative)=(on|off|auto)$", r"\1='\2'", o) for o in overrides)
+    trace = None
+    if lengths:
+        trace = traces.trace(lengths, prompts * group, group, trace_seed)
+        trace = trace.scaled(new) if new else trace
+        new = trace.cap
+    new = new or 1024
+    cuda = device == "cuda"
     r: dict = {"model": name, "scheme": scheme, "variant": variant, "settings": list(overrides),
                "rows": prompts * group, "prompt": prompt_len, "new": new, "micro_batch": micro}
-    torch.cuda.reset_peak_memory_stats()
+    if trace is not None:
+        stats = trace.stats()
+        r.update(trace=trace.name, trace_seed=trace_seed, trace_median=stats["median"], trace_mean=stats["mean"],
+                 trace_truncated_share=stats["truncated_share"], trace_tokens=stats["tokens"], acceptance=acceptance,
+                 decode_step_share_below8=stats["decode_step_share_below8"])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     base: list[str] = []
     if "rollout.backend=vllm" in overrides:
         # vLLM loads its base from a folder: the trainer's base is loaded from the same one (bench_vllm.py writes it)
@@ -109,8 +167,9 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
                                                              *fp8, *overrides]))
         model, _ = load_base_model(loaded.model, loaded.quant)
     else:
-        model = build_model(name, scheme, lora_rank=0)  # the trainer applies LoRA after the fusion, as `qerl train`
-    r["weights_gib"] = torch.cuda.memory_allocated() / GIB
+        # the trainer applies LoRA after the fusion, as `qerl train` (fused on CUDA, as load_base_model leaves it)
+        model = build_model(name, scheme, lora_rank=0, device=device, fuse=cuda)
+    r["weights_gib"] = torch.cuda.memory_allocated() / GIB if cuda else 0.0
     vocab = model.config.vocab_size
     tokenizer = numbered_tokenizer(vocab)
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,7 +194,10 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         rows = prompts * group
         shared = sum(len({row // group for row in range(first, min(first + micro, rows))})
                      for first in range(0, rows, micro)) if s.model.share_prompts else rows
-        r["update_tokens"] = shared * prompt_len + rows * new
+        completions = rows * new
+        if trace is not None:  # the batch is padded to its longest completion, unless packed
+            completions = sum(trace.lengths) if s.model.pack_completions else rows * max(trace.lengths)
+        r["update_tokens"] = shared * prompt_len + completions
         s.data.system_prompt = system
         # "hash" / "sparse": stand-ins that cost nothing; "accuracy": the product's default reward, the math grader
         # (math-verify in a worker process where installed) on these completions: what grading costs in a step
@@ -145,6 +207,12 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         start = time.perf_counter()
         with Trainer(s, Path(tmp) / "run", model=model, tokenizer=tokenizer) as trainer:
             r["setup_s"] = time.perf_counter() - start  # the trainer's own setup (the model is built before it)
+            seen: list = []
+            if trace is not None:
+                from qerl.rollout.sampling import default_eos_ids
+
+                ragged(trainer.rollout_backend, trace, default_eos_ids(model, tokenizer), vocab, acceptance,
+                       s.rollout.speculative != "off", seen)
             trainer.train()
             engine = getattr(trainer.rollout_backend, "engine", None)  # the vLLM backend holds its own
             r["kv_gib"] = engine.memory_bytes() / GIB if engine is not None else float("nan")
@@ -154,7 +222,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     r.update(steps=steps, rollout_s=last["seconds_rollout"], update_s=last["seconds_update"],
              scoring_s=last["seconds_scoring"], response_length=last["response_length"],
              rollout_tok_s=last["rollout_tokens_per_s"], peak_gib=last["peak_memory_gb"],
-             reserved_gib=torch.cuda.max_memory_reserved() / GIB, rollout_logp_gap=last["rollout_logp_gap/mean"],
+             reserved_gib=torch.cuda.max_memory_reserved() / GIB if cuda else 0.0,
+             rollout_logp_gap=last["rollout_logp_gap/mean"],
              first_rollout_s=first["seconds_rollout"], first_update_s=first["seconds_update"],
              recomputed_blocks=last["recomputed_blocks"], held_weights_gib=last["held_weights_gib"],
              rollout_s_by_step=[m["seconds_rollout"] for m in rows],  # step-to-step spread: ~±0.3 s of update
@@ -162,24 +231,32 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     r["step_s"], r["first_step_s"] = (m["seconds_rollout"] + m["seconds_scoring"] + m["seconds_update"]
                                       for m in (last, first))
     r["sigma"] = sigma
+    if trace is not None:  # every step's completions ended where the trace says (EOS, or the cap: truncated)
+        want = (list(trace.lengths), ["length" if n >= trace.cap else "eos" for n in trace.lengths])
+        r["lengths_exact"] = bool(seen) and all((made, reasons) == want for made, reasons in seen)
+        r.update({k: last[k] for k in last if k.startswith("speculative/")})
+        r["speculative"] = any(k.startswith("speculative/") for k in last)
     del model
     free_cuda()
     return r
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | base | variant | recomputed blocks | weights GiB | KV GiB | rollout s (tok/s) | scoring s | "
-             "update s (tokens) | step s (step 1) | peak GiB | reserved GiB | device peak GiB | logp gap | "
+    lines = ["| model | base | variant | lengths | recomputed blocks | weights GiB | KV GiB | rollout s (tok/s) | "
+             "scoring s | update s (tokens) | step s (step 1) | peak GiB | reserved GiB | device peak GiB | logp gap | "
              "step speed vs bf16 / vs QLoRA |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    step = {(r["model"], r["scheme"], r["variant"]): r["step_s"] for r in rows}
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    step = {(r["model"], r["scheme"], r["variant"], r.get("trace")): r["step_s"] for r in rows}
 
     def speedup(r: dict, scheme: str) -> str:
-        other = step.get((r["model"], scheme, r["variant"]))
+        other = step.get((r["model"], scheme, r["variant"], r.get("trace")))
         return f"{other / r['step_s']:.2f}x" if other else "-"
 
     for r in rows:
-        lines.append(f"| {r['model']} | {r['scheme']} | {r['variant']} | {r['recomputed_blocks']} | "
+        shape = "fixed" if r.get("trace") is None else (
+            f"{r['trace']} (exact {r.get('lengths_exact')}" + (
+                f", accepted {r['speculative/acceptance']:.2f})" if "speculative/acceptance" in r else ")"))
+        lines.append(f"| {r['model']} | {r['scheme']} | {r['variant']} | {shape} | {r['recomputed_blocks']} | "
                      f"{r['weights_gib']:.1f} | {r['kv_gib']:.1f} | "
                      f"{r['rollout_s']:.1f} ({r['rollout_tok_s']:,.0f}) | {r['scoring_s']:.2f} | "
                      f"{r['update_s']:.1f} ({r.get('update_tokens', 0):,}) | "
@@ -200,15 +277,25 @@ def parse_variants(spec: str) -> list[tuple[str, tuple[str, ...]]]:
     return out
 
 
-def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], args) -> dict | None:
-    """One arm in its own process: its peak memory and its one-offs are its own, not the earlier arms' leftovers."""
+def run_arm(name: str, scheme: str, variant: str, overrides: tuple[str, ...], args, lengths: str = "",
+            timeout: float | None = None) -> dict | None:
+    """One arm in its own process: its peak memory and its one-offs are its own, not the earlier arms' leftovers.
+    `lengths`: its trace ("": fixed lengths); `timeout`: seconds before the arm is stopped (the budget)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
         cmd = [sys.executable, os.path.abspath(__file__), "--arm", name, scheme, variant, "--row", str(result),
-               "--prompts", str(args.prompts), "--prompt", str(args.prompt), "--new", str(args.new),
-               "--micro", str(args.micro), "--sigma", str(args.sigma),
-               "--steps", str(args.steps), "--reward", args.reward, "--folder", args.folder, *(x for o in overrides for x in ("--set", o))]
-        rc = subprocess.run(cmd).returncode
+               "--prompts", str(args.prompts), "--prompt", str(args.prompt), *(["--new", str(args.new)] if args.new
+                                                                               else []),
+               "--micro", str(args.micro), "--sigma", str(args.sigma), "--device", args.device,
+               "--steps", str(args.steps), "--reward", args.reward, "--folder", args.folder,
+               "--trace-seed", str(args.trace_seed), *(["--lengths", lengths] if lengths else []),
+               *(["--acceptance", str(args.acceptance)] if args.acceptance is not None else []),
+               *(x for o in overrides for x in ("--set", o))]
+        try:
+            rc = subprocess.run(cmd, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"[{name} {scheme} {variant}] stopped at the budget ({timeout:.0f} s)", flush=True)
+            return None
         if rc != 0 or not result.exists():
             print(f"[{name} {scheme} {variant}] arm process failed (exit {rc})", flush=True)
             return None
@@ -219,11 +306,13 @@ def one_arm(args) -> int:
     name, scheme, variant = args.arm
     # The device's own figure beside the trainer's peak_memory_gb: what a colocated vLLM holds in its own pool
     # (and gives back asleep) is where the two could part
-    device_peak = DevicePeak.begin("bench_grpo_step") if torch.cuda.is_available() else None
+    device_peak = DevicePeak.begin("bench_grpo_step") if args.device == "cuda" else None
     try:
         r = grpo_step(name, scheme, prompts=args.prompts, prompt_len=args.prompt, new=args.new, micro=args.micro,
                       sigma=args.sigma, steps=args.steps,
-                      overrides=tuple(args.set), variant=variant, reward=args.reward, folder=args.folder)
+                      overrides=tuple(args.set), variant=variant, reward=args.reward, folder=args.folder,
+                      lengths=args.lengths, acceptance=args.acceptance, trace_seed=args.trace_seed,
+                      device=args.device)
     except ImportError as e:  # the QLoRA arm without bitsandbytes
         print(f"[{name} {scheme}] skipped: {e}", flush=True)
         return 3
@@ -244,7 +333,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (8 samples each): 8 = 64 rows")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (about: a system prompt of random words "
                     "before a short question)")
-    ap.add_argument("--new", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=None, help="new tokens per completion (default 1024); with --lengths: "
+                    "the trace scaled to this cap (default: the trace's own)")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--sigma", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=2, help="steps per arm; the last is reported (step 1 pays one-offs)")
@@ -256,6 +346,14 @@ def main() -> None:
                     "write) the base folder vLLM loads (benchmarks/bench_vllm.py)")
     ap.add_argument("--variants", default="", help="arms of settings, e.g. 'ckpt:model.gradient_checkpointing=true;"
                     "auto:' (label:key=value,...; each arm runs every scheme); default: the product's defaults")
+    ap.add_argument("--lengths", default="", help="ragged rollouts: completion-length traces, comma-separated (each "
+                    f"a preset of benchmarks/lengths.py: {', '.join(traces.PRESETS)}, or a FILE); every arm runs each")
+    ap.add_argument("--trace-seed", type=int, default=0)
+    ap.add_argument("--acceptance", type=float, default=None, help="with --lengths: the oracle policy's acceptance "
+                    "(every arm samples it; arms with rollout.speculative=on draft from the oracle)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs (--models tiny)")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds for all arms: an arm is skipped when the "
+                    "slowest arm so far would not fit in what is left, and stopped at the budget")
     ap.add_argument("--arm", nargs=3, help=argparse.SUPPRESS)  # internal: run one arm in this process
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
@@ -266,22 +364,38 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     from qerl.kernels import nvfp4_ops
 
-    total = torch.cuda.get_device_properties(0).total_memory / GIB
-    print(f"device {torch.cuda.get_device_name()} ({total:.0f} GiB) | NVFP4 Triton kernels "
+    if args.device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        where = f"{torch.cuda.get_device_name()} ({total:.0f} GiB)"
+    else:
+        where = args.device
+    print(f"device {where} | NVFP4 Triton kernels "
           f"{'available' if nvfp4_ops.available() else 'NOT available (PyTorch dequantize path)'} | "
           f"bitsandbytes {bnb_version()}", flush=True)
-    rows = []
+    rows, skipped, slowest = [], [], 0.0
+    start = time.perf_counter()
     with open(os.path.join(args.out, "grpo_step.jsonl"), "a") as log:
         for name in args.models.split(","):
-            for variant, overrides in parse_variants(args.variants):
-                for scheme in args.schemes.split(","):
-                    r = run_arm(name, scheme, variant, overrides, args)
-                    if r is None:
-                        continue
-                    rows.append(r)
-                    log.write(json.dumps(r) + "\n")
-                    log.flush()
+            for lengths in args.lengths.split(",") if args.lengths else [""]:
+                for variant, overrides in parse_variants(args.variants):
+                    for scheme in args.schemes.split(","):
+                        arm = f"{name} {scheme} {variant}" + (f" {lengths}" if lengths else "")
+                        left = args.budget - (time.perf_counter() - start)
+                        if slowest * 1.1 > left:
+                            skipped.append(f"{arm} (budget: {left:.0f} s left, the slowest arm took {slowest:.0f})")
+                            continue
+                        t0 = time.perf_counter()
+                        r = run_arm(name, scheme, variant, overrides, args, lengths, timeout=max(1.0, left))
+                        slowest = max(slowest, time.perf_counter() - t0)
+                        if r is None:
+                            continue
+                        r["arm_s"] = time.perf_counter() - t0
+                        rows.append(r)
+                        log.write(json.dumps(r) + "\n")
+                        log.flush()
     print("\n" + table(rows))
+    if skipped:
+        print("\nnot run: " + "; ".join(skipped))
 
 
 if __name__ == "__main__":
