@@ -18,10 +18,19 @@ Hopper), LoRA enabled, the engine core in this process, `gpu_memory_utilization`
 Every row samples exactly `new` tokens (EOS ignored, temperature 1) from 256-token random prompts. Tokens/s = rows *
 new / wall time of one generate call of all rows, prefill included, after a warm-up call (vLLM: its compile and graph
 capture at start; qerl: `engine.prepare`); both are reported apart. Results: DIR/vllm.jsonl, a table on stdout.
+
+Ragged rollouts (`--lengths PRESET|FILE[,...]`, `benchmarks/lengths.py`, replacing --new and --long): the same
+trace on both sides, drawn per group of `--group` rows sharing one random prompt. vLLM has no logits processor of
+ours, so its rows get the ragged shape from per-request `max_tokens` = `min_tokens` = the row's traced length with
+`ignore_eos=True`; qerl's rows end at theirs by forced EOS (`lengths.forced_eos`, as `bench_rollout.py --lengths`),
+rows at the trace's cap running to it on both sides. Tokens/s = the completions' tokens / wall time; both sides run
+the identical call once untimed first (graphs for every bucket the ragged batch reaches). Rows add the trace, the
+share of decode steps below 8 live rows (exact, from the lengths) and, for qerl, of wall time (its timeline).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -158,9 +167,26 @@ def write_adapter(lora: Path, base: Path, shapes: dict, n_layers: int, rand) -> 
 
 # ---------------------------------------------------------------------------------------------------------- the arms
 def configs(args) -> list[tuple[int, int]]:
+    """(rows, new) of each call; with --lengths, (rows, the trace's cap)."""
+    if args.lengths:
+        return [(batch, trace.cap) for batch, trace in ragged_configs(args)]
     out = [(int(r), args.new) for r in args.rows.split(",") if r]
     out += [tuple(int(x) for x in c.split("x")) for c in args.long.split(",") if c]
     return out
+
+
+def ragged_configs(args) -> list:
+    """(rows, lengths.Trace) of each call with --lengths: every trace at every --rows."""
+    import lengths as traces
+
+    return [(int(b), traces.trace(spec, int(b), args.group, args.trace_seed))
+            for spec in args.lengths.split(",") if spec for b in args.rows.split(",") if b]
+
+
+def ragged_fields(trace) -> dict:
+    stats = trace.stats()
+    return {"trace": trace.name, "trace_median": stats["median"], "trace_truncated_share": stats["truncated_share"],
+            "tokens": stats["tokens"], "decode_step_share_below8": stats["decode_step_share_below8"]}
 
 
 def vllm_arm(args, scheme: str) -> list[dict]:
@@ -183,6 +209,30 @@ def vllm_arm(args, scheme: str) -> list[dict]:
     free, total = torch.cuda.mem_get_info()
     vocab = json.loads((folder / "bf16" / "config.json").read_text())["vocab_size"]
     rows = []
+    if args.lengths:
+        from bench_rollout import group_prompts
+
+        for batch, trace in ragged_configs(args):
+            # Each request's own length: max_tokens = min_tokens = the row's traced length, EOS ignored
+            params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=1.0, detokenize=False)
+                      for n in trace.lengths]
+            prompts = [{"prompt_token_ids": p} for p in group_prompts(batch, args.group, args.prompt, vocab)]
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False, lora_request=lora)  # warm-up: the identical call
+            torch.cuda.synchronize()
+            warmup_s = time.perf_counter() - t
+            t = time.perf_counter()
+            out = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t
+            made = [len(o.outputs[0].token_ids) for o in out]
+            rows.append({"engine": f"vLLM {vllm.__version__} {scheme}+LoRA", "batch": batch, "new": trace.cap,
+                         "seconds": seconds, "tokens_per_s": sum(made) / seconds, "start_s": start_s,
+                         "warmup_s": warmup_s, "held_gib": (total - free) / 2**30,
+                         "lengths_exact": made == list(trace.lengths), **ragged_fields(trace)})
+            print(f"  {rows[-1]['engine']} b{batch} {trace.name}: {rows[-1]['tokens_per_s']:,.0f} useful tok/s",
+                  flush=True)
+        return rows
     for batch, new in configs(args):
         # No per-request seed: vLLM 0.26 draws a seeded request's noise row by row, a kernel launch per row per
         # step ("This can be slow", its sampler says); the LLM's own seed keeps the run reproducible, as TRL runs it.
@@ -206,15 +256,34 @@ def vllm_arm(args, scheme: str) -> list[dict]:
 def qerl_arm(args, scheme: str) -> list[dict]:
     import torch
 
-    from bench_rollout import build_model, time_engine
+    import bench_rollout
+    from bench_rollout import allocated_gib, build_model, group_prompts, time_engine, time_ragged
     from qerl.rollout.engine import RolloutEngine
 
+    bench_rollout.DEVICE = args.device
     t0 = time.perf_counter()
-    model = build_model(args.model, scheme, lora_rank=LORA_RANK)
+    model = build_model(args.model, scheme, lora_rank=LORA_RANK, device=args.device, fuse=args.device == "cuda")
     start_s = time.perf_counter() - t0
-    weights = torch.cuda.memory_allocated() / 2**30
+    weights = allocated_gib()
     engine = RolloutEngine(model)
     rows = []
+    if args.lengths:
+        import lengths as traces
+
+        vocab = model.config.vocab_size
+        eos = vocab - 1
+        for batch, trace in ragged_configs(args):
+            processor = traces.forced_eos(trace.lengths, eos, vocab, cap=trace.cap)
+            prompts = group_prompts(batch, args.group, args.prompt, vocab)
+            r = time_ragged(engine, prompts, trace, processor, lambda: None, eos, warm_up=True)
+            rows.append({"engine": f"qerl {scheme}+LoRA", "batch": batch, "new": trace.cap, "seconds": r["seconds"],
+                         "tokens_per_s": r["useful_tokens_per_s"], "start_s": start_s, "warmup_s": r["warmup_s"],
+                         "held_gib": allocated_gib(peak=True), "weights_gib": weights,
+                         "lengths_exact": r["lengths_exact"], "wall_share_below8": r["wall_share_below8"],
+                         **ragged_fields(trace)})
+            print(f"  {rows[-1]['engine']} b{batch} {trace.name}: {r['useful_tokens_per_s']:,.0f} useful tok/s "
+                  f"(warm-up {r['warmup_s']:.1f} s, wall <8 live {r['wall_share_below8']:.0%})", flush=True)
+        return rows
     for batch, new in configs(args):
         r = time_engine(engine, batch, args.prompt, new, model.config.vocab_size)
         rows.append({"engine": f"qerl {scheme}+LoRA", "batch": batch, "new": new, "seconds": r["seconds"],
@@ -231,22 +300,24 @@ def run_arm(args) -> None:
     with open(os.path.join(args.out, "vllm.jsonl"), "a") as f:
         for r in rows:
             f.write(json.dumps({**r, "arm": args.arm, "model": args.model, "prompt": args.prompt,
-                                "weights": args.weights}) + "\n")
+                                "weights": args.weights, "group_size": args.group}) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------- the table
 def table(rows: list[dict]) -> str:
-    by = {(r["arm"], r["batch"], r["new"]): r for r in rows}
-    keys = sorted({(r["batch"], r["new"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    # a call is (rows, new) at fixed lengths, (rows, new, trace) on a trace (tokens/s: the completions' tokens)
+    by = {(r["arm"], r["batch"], r["new"], r.get("trace")): r for r in rows}
+    keys = sorted({(r["batch"], r["new"], r.get("trace")) for r in rows}, key=lambda k: (k[2] or "", k[1], k[0]))
     out = ["| rows x new | " + " | ".join(a for a in ARMS) + " | qerl/vLLM bf16 | qerl/vLLM NVFP4 |",
            "|---" * (len(ARMS) + 3) + "|"]
-    for b, n in keys:
-        cells = [f"{by[(a, b, n)]['tokens_per_s']:,.0f}" if (a, b, n) in by else "-" for a in ARMS]
+    for b, n, t in keys:
+        cells = [f"{by[(a, b, n, t)]['tokens_per_s']:,.0f}" if (a, b, n, t) in by else "-" for a in ARMS]
 
         def ratio(fmt):
-            ours, theirs = by.get((f"qerl-{fmt}", b, n)), by.get((f"vllm-{fmt}", b, n))
+            ours, theirs = by.get((f"qerl-{fmt}", b, n, t)), by.get((f"vllm-{fmt}", b, n, t))
             return f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if ours and theirs else "-"
-        out.append(f"| {b} x {n} | " + " | ".join(cells) + f" | {ratio('bf16')} | {ratio('nvfp4')} |")
+        shape = f"{b} x {n}" if t is None else f"{b} x {t} (cap {n})"
+        out.append(f"| {shape} | " + " | ".join(cells) + f" | {ratio('bf16')} | {ratio('nvfp4')} |")
     return "\n".join(out)
 
 
@@ -263,12 +334,21 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--weights", choices=("random", "dummy"), default="random",
                     help="vLLM's weights: a random checkpoint written to --folder, or made up by vLLM (config only)")
+    ap.add_argument("--lengths", default="", help="ragged calls: completion-length traces, comma-separated (presets of "
+                    "benchmarks/lengths.py or FILEs), each at every --rows (instead of --new and --long)")
+    ap.add_argument("--group", type=int, default=8, help="with --lengths: rows per prompt (a GRPO group)")
+    ap.add_argument("--trace-seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda", help="qerl's arms: cuda, or cpu for dry runs (--model tiny)")
     ap.add_argument("--out", default="outputs/bench")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.arm:
         return run_arm(args)
     arms = args.arms.split(",")
+    skipped = []
+    if importlib.util.find_spec("vllm") is None:  # its arms are named at the end; ours still run
+        skipped = [f"{a} (vLLM is not installed)" for a in arms if a.startswith("vllm")]
+        arms = [a for a in arms if not a.startswith("vllm")]
     if any(a.startswith("vllm") for a in arms):
         write_folder(args.model, Path(args.folder), args.weights)
     for arm in arms:
@@ -281,6 +361,8 @@ def main() -> None:
     path = os.path.join(args.out, "vllm.jsonl")
     rows = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
     print("\n" + table(rows))
+    if skipped:
+        print("\nnot run: " + "; ".join(skipped))
 
 
 if __name__ == "__main__":
