@@ -47,8 +47,9 @@ class Row:
     tokens: list[int] = field(default_factory=list)  # generated in this phase
     logprobs: list[float] = field(default_factory=list)
     reason: str | None = None  # eos / stop / length once finished
-    proposed: int = 0  # drafted tokens, and how many were accepted (acceptance stats)
+    proposed: int = 0  # drafted tokens, how many were accepted, and steps that rejected one (acceptance stats)
     accepted: int = 0
+    rejections: int = 0
 
     def advance(self, emitted: list[int], logprobs: list[float], eos: set[int], max_new: int,
                 stop: Callable[["Row", int], bool]) -> None:
@@ -71,8 +72,14 @@ class Row:
     def adapt(self, proposed: int, accepted: int, max_draft: int) -> None:
         """Draft length for the next step: longer after a fully accepted draft, what was accepted (+1) otherwise."""
         self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
+        self.rejections += accepted < proposed
         if proposed:
             self.draft_len = min(max_draft, self.draft_len + 2) if accepted == proposed else max(1, accepted + 1)
+
+    def acceptance(self) -> float:
+        """Its estimated chance that a draft token is accepted (given the ones before it were): accepted tokens over
+        accepted tokens plus rejections (a geometric run's estimate), with one of each assumed up front."""
+        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
 
 
 class SpeculativeRows:
@@ -99,7 +106,8 @@ class SpeculativeRows:
         call, engine = self.call, self.engine
         drafts = [call.drafts.propose(r.index, min(r.draft_len, call.max_new - r.count))
                   if call.drafts is not None else [] for r in live]
-        t = query_bucket(1 + max(map(len, drafts)))
+        t = self.queries(live, drafts)
+        drafts = [d[:t - 1] for d in drafts]
         engine.verify_inputs(live, drafts, self.bucket, t, call.prompt_len)
         logits = engine.verify_step(self.bucket, t, max(r.write for r in live) + t).view(self.bucket, t, -1)
         n = len(live)
@@ -126,6 +134,24 @@ class SpeculativeRows:
                 call.drafts.extend(r.index, row[:a + 1])
         engine.stats["spec_row_steps"] += n
         engine.record(sum(r.reason is None for r in live))
+
+    def queries(self, live: list[Row], drafts: list[list[int]]) -> int:
+        """Query tokens per row for this step (1, 2, 4 or 8): the most expected tokens per unit of step cost. A row
+        with d drafts at acceptance a gains (1 - a^(d+1)) / (1 - a) tokens; the step costs 1 + c * rows * queries,
+        c = `engine.verify_token_cost` (a query token's share of a step's fixed cost: the weights it streams). At a
+        few rows and good drafts that is 8; with poor drafts or many rows, fewer."""
+        longest = max(map(len, drafts))
+        rates = [min(r.acceptance(), 0.999) for r in live]
+        rows, cost = self.bucket, self.engine.verify_token_cost
+        best, best_t = -1.0, 1
+        for t in (1, 2, 4, MAX_QUERIES):
+            if t // 2 > longest:
+                break  # the last size already held every draft: the same tokens for more cost
+            gain = sum((1 - a ** (min(len(d), t - 1) + 1)) / (1 - a) for a, d in zip(rates, drafts))
+            value = gain / (1 + cost * rows * t)
+            if value > best:
+                best, best_t = value, t
+        return best_t
 
     def _stopped(self, row: Row, token: int) -> bool:
         """Whether the row's completion now ends in one of the call's stop strings (as the plain loop scans)."""
