@@ -118,10 +118,14 @@ def ragged(backend, trace: "traces.Trace", eos: list[int], vocab: int, acceptanc
     generate = backend.generate
 
     def traced(prompts, sampling, progress=False, drafts=None):
-        if speculative and acceptance is not None:
-            drafts = traces.OracleDrafts(vocab, eos)
-        out = generate(prompts, sampling, progress=progress, drafts=drafts)
-        seen.append(([len(c) for c in out.completion_ids], list(out.stop_reasons)))
+        oracle = traces.OracleDrafts(vocab, eos) if speculative and acceptance is not None else None
+        out = generate(prompts, sampling, progress=progress, drafts=oracle if oracle is not None else drafts)
+        # what the oracle saw of this call: how many tokens it drafted, the per-token acceptance, and draws whose
+        # logits were not finite (where the oracle's probability is not A)
+        seen.append(([len(c) for c in out.completion_ids], list(out.stop_reasons),
+                     {"oracle_drafted": oracle.proposed if oracle is not None else None,
+                      "oracle_acceptance_observed": oracle.observed_acceptance() if oracle is not None else None,
+                      "oracle_nonfinite_draws": getattr(backend.logits_processor, "nonfinite", lambda: None)()}))
         return out
 
     backend.generate = traced  # this backend object's own: the trainer calls it once a step
@@ -233,7 +237,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     r["sigma"] = sigma
     if trace is not None:  # every step's completions ended where the trace says (EOS, or the cap: truncated)
         want = (list(trace.lengths), ["length" if n >= trace.cap else "eos" for n in trace.lengths])
-        r["lengths_exact"] = bool(seen) and all((made, reasons) == want for made, reasons in seen)
+        r["lengths_exact"] = bool(seen) and all((made, reasons) == want for made, reasons, _ in seen)
+        r.update(seen[-1][2] if seen else {})  # the last step's (the nonfinite count: the run's so far)
         r.update({k: last[k] for k in last if k.startswith("speculative/")})
         r["speculative"] = any(k.startswith("speculative/") for k in last)
     del model

@@ -299,6 +299,8 @@ def time_ragged(engine: RolloutEngine, prompts: list[list[int]], trace: "traces.
     r["accepted_per_drafted"] = r["accepted"] / r["drafted"] if r["drafted"] else None
     observed = getattr(sources[-1], "observed_acceptance", None)  # the oracle's per-token acceptance
     r["oracle_acceptance_observed"] = observed() if observed is not None else None
+    # draws whose logits were not finite (the oracle's share is then not A): counted over both calls
+    r["oracle_nonfinite_draws"] = processor.nonfinite() if hasattr(processor, "nonfinite") else None
     r.update(traces.live_rows_profile(made, timeline))
     return r
 
@@ -309,8 +311,9 @@ def ragged_arms(scheme: str, args) -> list[tuple[bool, int, float | None]]:
     arms = [(False, 0, accs[0] if accs else None)]
     spec_schemes = [x for x in args.speculative_schemes.split(",") if x]
     if "on" in args.speculative.split(",") and (not spec_schemes or scheme in spec_schemes):
-        for rows in (int(x) for x in args.speculative_rows.split(",")):
-            arms += [(True, rows, a) for a in (accs or [None])]
+        for entry in args.speculative_rows.split(","):  # ROWS, or ROWS@A/A...: at these acceptances only
+            rows, _, own = entry.partition("@")
+            arms += [(True, int(rows), a) for a in ([float(x) for x in own.split("/")] if own else accs or [None])]
     return arms
 
 
@@ -473,8 +476,8 @@ def main() -> None:
     ap.add_argument("--trace-seed", type=int, default=0, help="with --lengths: the preset draw's seed")
     ap.add_argument("--speculative", default="off", help="with --lengths: off, on or off,on (plain and speculative "
                     "arms)")
-    ap.add_argument("--speculative-rows", default="8", help="live rows at which speculation starts (comma-separated: "
-                    "an arm each)")
+    ap.add_argument("--speculative-rows", default="8", help="live rows at which speculation starts, comma-separated: "
+                    "an arm at each --acceptance for each, or ROWS@A/A/...: at those acceptances only")
     ap.add_argument("--speculative-schemes", default="", help="schemes with speculative arms (default: all)")
     ap.add_argument("--max-draft", type=int, default=7)
     ap.add_argument("--acceptance", default="", help="with --lengths: the oracle policy's acceptance per drafted "

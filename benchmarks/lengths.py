@@ -254,12 +254,16 @@ def oracle_policy(lengths_per_row: Sequence[int], eos_id: int | Sequence[int], v
                   cap: int | None = None, temperature: float = 1.0) -> Callable[[Tensor, Tensor, Tensor], None]:
     """`forced_eos`, and at every position before a row's end the oracle token's logit set so that it holds
     probability `acceptance` of the tempered distribution (the rest keeps the policy's own, renormalised): a
-    policy that an `OracleDrafts` source predicts right with probability `acceptance` per token."""
+    policy that an `OracleDrafts` source predicts right with probability `acceptance` per token. The processor's
+    `nonfinite()` counts the draws before a row's end whose logits had no finite value besides the oracle's (NaN or
+    all -inf logits from the model: then the oracle's probability is not `acceptance`); counted on the device, no
+    sync until asked."""
     if not 0.0 < acceptance < 1.0 or temperature <= 0:
         raise ValueError(f"acceptance must be in (0, 1) and temperature > 0, got {acceptance}, {temperature}")
     eos = _eos_list(eos_id)
     table = _Lengths(lengths_per_row, cap)
     odds = math.log(acceptance / (1.0 - acceptance))
+    bad: dict[torch.device, Tensor] = {}
 
     def process(logits: Tensor, rows: Tensor, positions: Tensor) -> None:
         lengths = table(rows)
@@ -268,40 +272,49 @@ def oracle_policy(lengths_per_row: Sequence[int], eos_id: int | Sequence[int], v
         logits.scatter_(1, o, float("-inf"))
         rest = torch.logsumexp(logits if temperature == 1.0 else logits / temperature, dim=1)
         value = temperature * (odds + rest)
-        logits.scatter_(1, o, torch.where(positions < lengths - 1, value, float("-inf"))[:, None])
+        active = positions < lengths - 1
+        if logits.device not in bad:
+            bad[logits.device] = torch.zeros((), dtype=torch.long, device=logits.device)
+        bad[logits.device] += (active & ~torch.isfinite(rest)).sum()
+        logits.scatter_(1, o, torch.where(active, value, float("-inf"))[:, None])
 
+    process.nonfinite = lambda: sum(int(t) for t in bad.values())
     return process
 
 
 class OracleDrafts:
     """A draft source (`propose(row, k)`, `extend(row, tokens)`) proposing each row's oracle tokens from its next
-    position on; one per generate call (it counts each row's tokens). It also counts what the rejection rule did
-    with its drafts: a step that extends a row by a + 1 tokens after a draft of k accepted a of them, and rejected
-    the next one if a < k (`observed_acceptance`: the per-token acceptance, A but for the drafts that meet a row's
-    forced EOS)."""
+    position on; one per generate call (it counts each row's tokens).
+
+    It also measures what the policy did where it had drafted (`observed_acceptance`): of the tokens a verify step
+    emits at positions it had proposed a draft for, the share that are the oracle's. An accepted draft is one; the
+    token drawn at a rejection never is (the residual excludes the draft); a token drawn after every draft the
+    engine used was accepted (it may use fewer than proposed) is the oracle's with the policy's probability, A. So
+    the share estimates A (less for drafts that meet a row's forced EOS), whatever the engine cut."""
 
     def __init__(self, vocab: int, eos: int | Sequence[int]):
         self.vocab, self.eos, self.count = vocab, _eos_list(eos), {}
-        self.pending: dict[int, int] = {}  # row -> the length of its last draft, until the step's extend
-        self.accepted = self.rejected = 0
+        self.pending: dict[int, list[int]] = {}  # row -> its last draft, until the step's extend
+        self.proposed = self.hits = self.seen = 0
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
         self.count[row] = self.count.get(row, 0) + len(tokens)
-        k = self.pending.pop(row, None)
-        if k is not None and tokens:  # a verify step's tokens: its accepted drafts, then one drawn token
-            a = len(tokens) - 1
-            self.accepted += a
-            self.rejected += a < k
+        draft = self.pending.pop(row, None)
+        if draft is not None:  # a verify step's tokens: its accepted drafts, then one drawn token
+            for t, d in zip(tokens, draft):
+                self.seen += 1
+                self.hits += t == d
 
     def propose(self, row: int, k: int) -> list[int]:
         at = self.count.get(row, 0)
-        self.pending[row] = k
-        return [oracle_token(row, at + j, self.vocab, self.eos) for j in range(k)]
+        draft = [oracle_token(row, at + j, self.vocab, self.eos) for j in range(k)]
+        self.pending[row] = draft
+        self.proposed += k
+        return draft
 
     def observed_acceptance(self) -> float | None:
-        """Accepted draft tokens / (accepted + rejected) over the call; None when nothing was drafted."""
-        seen = self.accepted + self.rejected
-        return self.accepted / seen if seen else None
+        """The share of oracle tokens among those emitted where a draft was proposed; None when nothing was."""
+        return self.hits / self.seen if self.seen else None
 
 
 # ------------------------------------------------------------------------------------------------ live-row profiles
