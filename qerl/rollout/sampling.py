@@ -14,7 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-StopReason = str  # "eos" | "stop" | "length"
+# "eos" | "stop" | "length" | "cut". cut: the row's group is not among the `groups_needed` groups a call with
+# `groups` kept (`RolloutEngine.generate` stops once that many groups have every row finished); the row holds the
+# tokens it had when the call stopped (also a row of such a group that had ended by itself: its tokens to its end).
+StopReason = str
 
 
 @dataclass

@@ -91,12 +91,17 @@ class SpeculativeRows:
         self.stop_window = max((len(s) for s in call.stop_strings), default=0) + 8
 
     def run(self) -> list[Row]:
-        """Decode until every row has finished; returns the rows (finished, with their tokens of this phase)."""
+        """Decode until every row has finished, or until the call's `stop_early` (asked after each step with the
+        call's rows still live) says to stop; returns the rows (with their tokens of this phase; those still live
+        then have no reason)."""
         live, done = list(self.rows), []
+        stop_early = getattr(self.call, "stop_early", None)
         while live:
             self.step(live)
             done += [r for r in live if r.reason is not None]
             live = [r for r in live if r.reason is None]
+            if live and stop_early is not None and stop_early([r.index for r in live]):
+                break
             if live and self.engine.bucket(len(live)) < self.bucket:
                 self.bucket = self.engine.compact_rows(live, self.bucket)
         return self.rows
