@@ -212,6 +212,27 @@ class RolloutSettings:
     speculative: Literal["off", "auto", "on"] = "off"
     speculative_rows: int = field(default=8, metadata=_check(gt=0))
     speculative_draft: int = field(default=7, metadata=_check(gt=0, lt=8))
+    # Over-provisioned rollouts (APRIL, arXiv 2509.18521): x > 0 samples ceil(prompts_per_step * (1 + x)) prompts
+    # (group_size completions each) and stops the rollout at the first host check where prompts_per_step groups
+    # have every row finished (EOS, stop string or length); those groups (the first to finish; at the same check the
+    # lowest prompt index) are scored and trained on, the others' rows are cut (stop reason "cut") and dropped, so a
+    # step no longer waits for its longest completions. Whole groups go, so advantages within a group stay
+    # unbiased; across prompts it is biased: prompts whose completions are short are kept more often, those with
+    # long ones (often the hard ones) less, and a dropped group's prompt is consumed (it comes again in a later
+    # epoch). With grpo.dynamic_sampling each round over-provisions so. Not with the vllm backend (it has no such
+    # stop) nor over several processes. Metrics: rollout/groups_dropped, rollout/tokens_dropped. 0: off.
+    overprovision: float = field(default=0.0, metadata=_check(ge=0))
+
+    @property
+    def prompts_drawn(self) -> int:
+        """The prompts a rollout samples: ceil(prompts_per_step * (1 + overprovision)), up to float rounding (so
+        that 10 * 1.1 is 11, not 12)."""
+        return max(self.prompts_per_step, math.ceil(self.prompts_per_step * (1 + self.overprovision) - 1e-9))
+
+    def validate(self) -> None:
+        if self.overprovision > 0 and self.backend == "vllm":
+            raise _RuleError(("overprovision", "backend"), f"overprovision = {self.overprovision}: backend 'vllm' "
+                             "cannot stop a rollout once enough groups are done; use the engine or set it to 0")
 
 
 # The ratio's clip range where the params leave it unset (null), by importance_sampling_level: DAPO's clip-higher per

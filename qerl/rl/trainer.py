@@ -104,10 +104,16 @@ class Trainer:
         self.dist = distributed.current()  # under torchrun: this rank's share of each step; else one process
         seed_everything(s.train.seed)
         self.dist.shard(range(s.rollout.prompts_per_step))  # fail now, not at step 1, if the prompts do not split
+        if s.rollout.overprovision > 0 and self.dist.active:  # each rank would cut its own share: not one run's
+            raise ValueError(f"rollout.overprovision = {s.rollout.overprovision}: not over {self.dist.world_size} "
+                             "processes (each rank's rollout would stop on its own groups, so the ranks would not "
+                             "train what one process does); set it to 0 or run one process")
 
         self.system_prompt = s.data.system_prompt if s.data.system_prompt is not None else data.SYSTEM_PROMPT
         tokenizer, examples = self._training_prompts(model, tokenizer)
-        self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_per_step, seed=s.train.seed)
+        # A rollout draws rollout.prompts_drawn prompts (prompts_per_step, more with rollout.overprovision: the extra
+        # ones are consumed with the rest, kept or not, so the data order is the sampler's, checkpointed as before)
+        self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_drawn, seed=s.train.seed)
         # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
         if model is None:
@@ -165,6 +171,10 @@ class Trainer:
             raise ValueError(f"rollout.prompts_per_step = {s.rollout.prompts_per_step}: more than the "
                              f"{len(examples)} training prompts of {d.path or d.name} (data.n = {d.n}): a step would "
                              f"repeat prompts; set it to {len(examples)} or fewer")
+        if s.rollout.prompts_drawn > len(examples):
+            raise ValueError(f"rollout.overprovision = {s.rollout.overprovision}: a rollout would draw "
+                             f"{s.rollout.prompts_drawn} prompts, more than the {len(examples)} training prompts of "
+                             f"{d.path or d.name} (data.n = {d.n}), repeating some; lower it")
         if model is None:
             check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
         return tokenizer, examples
@@ -231,8 +241,12 @@ class Trainer:
         return hash((self.settings.train.seed,) + parts) % (2**31)
 
     def rollout(self, examples: list[data.Example] | None = None, round_: int = 0) -> RolloutBatch:
-        """Sample `group_size` completions per prompt with AQN noise in the norm weights (removed afterwards)."""
+        """Sample `group_size` completions per prompt with AQN noise in the norm weights (removed afterwards).
+        Without `examples`, the sampler's next prompts: with rollout.overprovision, `prompts_drawn` of them, of
+        which the `prompts_per_step` groups that finish first are kept (the others are cut and dropped)."""
         r = self.settings.rollout
+        # With over-provisioning, the rollout stops once this many groups are finished (None: every row runs out)
+        needed = r.prompts_per_step if examples is None and r.prompts_drawn > r.prompts_per_step else None
         examples = examples if examples is not None else self.sampler.next_batch()
         first, examples = self.dist.shard(examples)  # every rank draws the step's prompts and keeps its groups
         prompts = [data.build_prompt(self.tokenizer, ex.question, self.system_prompt) for ex in examples]
@@ -242,7 +256,8 @@ class Trainer:
                      for j in range(r.group_size)]
         sigma, noise_seed = self.sigma(), self._seed(self.settings.aqn.seed, self.step, 1)
         sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            stop_strings=tuple(r.stop_strings), row_seeds=tuple(row_seeds))
+                            stop_strings=tuple(r.stop_strings), row_seeds=tuple(row_seeds), groups_needed=needed,
+                            group_size=r.group_size)
         start = time.perf_counter()
         self.peaks.start_phase()
         counts = self.rollout_backend.speculation_counts()
@@ -259,9 +274,25 @@ class Trainer:
         if self.progress:  # a step's first sign of life; its summary comes after the update
             log.info("step %d/%d: sampled %d completions (%d tokens) in %.1fs", self.step + 1,
                      self.settings.train.steps, len(prompts), sum(map(len, out.completion_ids)), seconds)
-        spec = speculation_metrics(counts, self.rollout_backend.speculation_counts(), sum(map(len, out.completion_ids)))
-        return RolloutBatch(examples=list(examples), group_size=r.group_size, samples=out, sigma=sigma,
-                            noise_seed=noise_seed, seconds=seconds, extra=spec)
+        extra = speculation_metrics(counts, self.rollout_backend.speculation_counts(),
+                                    sum(map(len, out.completion_ids)))
+        examples = list(examples)
+        if needed is not None:
+            examples, out, dropped = self._finished_groups(examples, out, needed)
+            extra.update(dropped)
+        return RolloutBatch(examples=examples, group_size=r.group_size, samples=out, sigma=sigma,
+                            noise_seed=noise_seed, seconds=seconds, extra=extra)
+
+    def _finished_groups(self, examples: list[data.Example], out, needed: int):
+        """An over-provisioned rollout's kept groups: those without "cut" rows (the sampler kept `needed`; a backend
+        that ran every row to its end, the first `needed`), with the metrics of what was dropped."""
+        G = self.settings.rollout.group_size
+        kept = [g for g in range(len(examples)) if "cut" not in out.stop_reasons[g * G:(g + 1) * G]][:needed]
+        rows = [g * G + j for g in kept for j in range(G)]
+        chosen = set(rows)
+        dropped = {"rollout/groups_dropped": len(examples) - len(kept),
+                   "rollout/tokens_dropped": sum(len(c) for i, c in enumerate(out.completion_ids) if i not in chosen)}
+        return [examples[g] for g in kept], out.select(rows), dropped
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
@@ -289,6 +320,9 @@ class Trainer:
         out.grader_timeouts = sum(b.grader_timeouts for b in drawn)
         kept_groups = int(self.dist.sum([len(out.examples)])[0])
         out.extra.update({"dynamic_sampling/rounds": len(drawn), "dynamic_sampling/kept_groups": kept_groups})
+        for key in ("rollout/groups_dropped", "rollout/tokens_dropped"):  # over-provisioning: every round's
+            if any(key in b.extra for b in drawn):
+                out.extra[key] = sum(b.extra.get(key, 0) for b in drawn)
         return out
 
     def _kept_groups(self, kept: list[RolloutBatch], want: int) -> RolloutBatch:

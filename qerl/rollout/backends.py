@@ -58,10 +58,22 @@ class Sampling:
     # One seed per prompt instead of `seed`: each row its own generator, so a row samples the same tokens in any
     # batch, as data-parallel ranks need.
     row_seeds: tuple[int, ...] | None = None
+    # Over-provisioned rollouts (rollout.overprovision): the prompts come as `group_size` consecutive rows each, and
+    # the call stops once `groups_needed` of these groups have every row finished; the other groups' rows come back
+    # with stop reason "cut" (`RolloutEngine.generate`'s groups). None: every row runs to its end. vLLM has no such
+    # stop: its backend runs every row to its end (the settings refuse rollout.overprovision with backend vllm).
+    groups_needed: int | None = None
+    group_size: int = 1
 
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `RolloutEngine.generate`."""
-        return dataclasses.asdict(self)
+    def kwargs(self, rows: int) -> dict[str, Any]:
+        """Keyword arguments of `RolloutEngine.generate` for a call of `rows` prompt rows."""
+        out = dataclasses.asdict(self)
+        size = out.pop("group_size")
+        if self.groups_needed is not None:
+            if rows % size:
+                raise ValueError(f"{rows} rows are not groups of {size}")
+            out["groups"] = [i // size for i in range(rows)]
+        return out
 
 
 class RolloutBackend:
@@ -140,7 +152,7 @@ class ReferenceBackend(RolloutBackend):
     def _generate(self, prompts: list, sampling: Sampling, progress: bool, drafts: Any) -> Rollout:
         try:
             return self.engine.generate(self.tokenizer, prompts, progress=progress, drafts=drafts,
-                                        logits_processor=self.logits_processor, **sampling.kwargs())
+                                        logits_processor=self.logits_processor, **sampling.kwargs(len(prompts)))
         finally:
             self.engine.free()
 
@@ -156,7 +168,7 @@ class EngineBackend(RolloutBackend):
 
     def _generate(self, prompts: list, sampling: Sampling, progress: bool, drafts: Any) -> Rollout:
         return self.engine.generate(self.tokenizer, prompts, progress=progress, drafts=drafts,
-                                    logits_processor=self.logits_processor, **sampling.kwargs())
+                                    logits_processor=self.logits_processor, **sampling.kwargs(len(prompts)))
 
     def reduced_precision(self) -> list[str]:
         """Also the FP8 KV cache (rollout.kv_cache_dtype: fp8; 0.10 nats per token against 0.02 on a small GPU
