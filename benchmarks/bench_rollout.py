@@ -323,13 +323,10 @@ def arm_label(label: str, speculative: bool, rows: int, acceptance: float | None
     return label + f", speculative (<= {rows} rows" + (f", A={acceptance:g})" if acceptance is not None else ")")
 
 
-def run_ragged(args, log, rows: list[dict], skipped: list[str], left) -> None:
-    """The `--lengths` benchmark: every scheme's engine on every trace and batch, plain and speculative arms."""
-    specs = [x for x in args.lengths.split(",") if x]
-    batches = [int(b) for b in args.batches.split(",")]
-    scale = int(args.new.split(",")[0]) if args.new else None
-    cap = max(scale or traces.trace(spec, 1).cap for spec in specs)
-    last: dict[tuple, float] = {}  # (model, trace, batch) -> the slowest timed seconds so far (the budget's guide)
+def built_models(args, skipped: list[str], left):
+    """(name, scheme, model, build seconds, GiB) for every --models x --schemes arm the budget leaves time for (a
+    scheme that cannot be built here, the QLoRA arm without bitsandbytes, is skipped and named). The caller drops its
+    `model` before asking for the next; its memory is handed back here first."""
     for name in args.models.split(","):
         for scheme in args.schemes.split(","):
             if left() < 30:
@@ -339,76 +336,88 @@ def run_ragged(args, log, rows: list[dict], skipped: list[str], left) -> None:
             try:
                 model = build_model(name, scheme, lora_epilogue=args.lora_epilogue, device=DEVICE,
                                     fuse=DEVICE == "cuda")
-            except ImportError as e:  # the QLoRA arm without bitsandbytes
+            except ImportError as e:  # the QLoRA arm without bitsandbytes: the other arms still run
                 print(f"[{name} {scheme}] skipped: {e}", flush=True)
                 skipped.append(f"{name} {scheme} ({e})")
                 continue
-            gib = allocated_gib()
-            print(f"[{name} {scheme}] built in {time.perf_counter() - t0:.1f} s, {gib:.1f} GiB", flush=True)
-            vocab = model.config.vocab_size
-            eos = vocab - 1  # bench_grpo_step's numbered tokenizer's end token
-            for kv in args.kv.split(","):
-                label = LABELS[scheme] + KV_LABELS[kv]
-                # One engine for every arm: the speculative ones switch it on (as `rollout.speculative` builds it) over
-                # the same cache and graphs; its slots leave room for a verify step's queries
-                engine = RolloutEngine(model, kv_cache_dtype=kv, max_draft=args.max_draft,
-                                       max_batch_size=max(batches), max_seq_len=args.prompt + cap + MAX_QUERIES)
-                for spec in specs:
-                    for batch in batches:
-                        trace = traces.trace(spec, batch, args.group, args.trace_seed)
-                        trace = trace.scaled(scale) if scale else trace
-                        prompts = group_prompts(batch, args.group, args.prompt, vocab)
-                        warmed: set = set()
-                        for speculative, spec_rows, acceptance in ragged_arms(scheme, args):
-                            arm = arm_label(label, speculative, spec_rows, acceptance)
-                            warm = (speculative, spec_rows) not in warmed or args.warmup == "every"
-                            guess = last.get((name, spec, batch))
-                            if guess is not None and guess * (2 if warm else 1) * 1.3 + 10 > left():
-                                skipped.append(f"{name} {arm} b{batch} {trace.name} (budget)")
-                                continue
-                            engine.speculative, engine.speculative_rows = speculative, max(1, spec_rows)
-                            if acceptance is None:
-                                processor = traces.forced_eos(trace.lengths, eos, vocab, cap=trace.cap)
-                                drafts = lambda: None  # noqa: E731
-                            else:
-                                processor = traces.oracle_policy(trace.lengths, eos, vocab, acceptance, cap=trace.cap)
-                                drafts = (lambda: traces.OracleDrafts(vocab, eos)) if speculative else lambda: None
-                            try:
-                                r = time_ragged(engine, prompts, trace, processor, drafts, eos, warm)
-                            except Exception as e:  # keep the other arms
-                                print(f"  {arm} b{batch} {trace.name}: FAILED {type(e).__name__}: {e}", flush=True)
-                                skipped.append(f"{name} {arm} b{batch} {trace.name} (error: {type(e).__name__})")
-                                engine.free()
-                                free_cuda()
-                                warmed.clear()
-                                continue
-                            warmed.add((speculative, spec_rows))
-                            last[(name, spec, batch)] = max(r["seconds"], last.get((name, spec, batch), 0.0))
-                            stats = trace.stats()
-                            r.update(model=name, engine=arm, scheme=scheme, kv=kv, batch=batch, new=trace.cap,
-                                     prompt=args.prompt, group_size=args.group, trace=trace.name,
-                                     trace_seed=args.trace_seed, speculative=speculative,
-                                     speculative_rows=spec_rows if speculative else None,
-                                     max_draft=args.max_draft if speculative else None, acceptance=acceptance,
-                                     trace_median=stats["median"], trace_mean=stats["mean"],
-                                     trace_truncated_share=stats["truncated_share"], weights_gib=gib,
-                                     peak_gib=allocated_gib(peak=True), kv_gib=engine.memory_bytes() / 2**30)
-                            rows.append(r)
-                            log.write(json.dumps(r) + "\n")
-                            log.flush()
-                            spec_note = (f", accepted {r['accepted']}/{r['drafted']} in "
-                                         f"{r['verify_steps']} verify steps" if speculative else "")
-                            print(f"  {arm} b{batch} {trace.name}: {r['useful_tokens_per_s']:,.0f} useful tok/s "
-                                  f"({r['seconds']:.2f} s, {r['tokens']:,} tokens, warm-up {r['warmup_s']:.1f} s; "
-                                  f"steps <8 live {r['decode_step_share_below8']:.0%}, wall <8 live "
-                                  f"{r['wall_share_below8']:.0%}{spec_note}; exact lengths {r['lengths_exact']})",
-                                  flush=True)
-                engine.free()
-                del engine
+            build_s, gib = time.perf_counter() - t0, allocated_gib()
+            print(f"[{name} {scheme}] built in {build_s:.1f} s, {gib:.1f} GiB", flush=True)
+            yield name, scheme, model, build_s, gib
             del model
             free_cuda()
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+
+
+def run_ragged(args, log, rows: list[dict], skipped: list[str], left) -> None:
+    """The `--lengths` benchmark: every scheme's engine on every trace and batch, plain and speculative arms."""
+    specs = [x for x in args.lengths.split(",") if x]
+    batches = [int(b) for b in args.batches.split(",")]
+    scale = int(args.new.split(",")[0]) if args.new else None
+    cap = max(scale or traces.trace(spec, 1).cap for spec in specs)
+    last: dict[tuple, float] = {}  # (model, trace, batch) -> the slowest timed seconds so far (the budget's guide)
+    for name, scheme, model, _, gib in built_models(args, skipped, left):
+        vocab = model.config.vocab_size
+        eos = vocab - 1  # bench_grpo_step's numbered tokenizer's end token
+        for kv in args.kv.split(","):
+            label = LABELS[scheme] + KV_LABELS[kv]
+            # One engine for every arm: the speculative ones switch it on (as `rollout.speculative` builds it) over
+            # the same cache and graphs; its slots leave room for a verify step's queries
+            engine = RolloutEngine(model, kv_cache_dtype=kv, max_draft=args.max_draft,
+                                   max_batch_size=max(batches), max_seq_len=args.prompt + cap + MAX_QUERIES)
+            for spec in specs:
+                for batch in batches:
+                    trace = traces.trace(spec, batch, args.group, args.trace_seed)
+                    trace = trace.scaled(scale) if scale else trace
+                    prompts = group_prompts(batch, args.group, args.prompt, vocab)
+                    warmed: set = set()
+                    for speculative, spec_rows, acceptance in ragged_arms(scheme, args):
+                        arm = arm_label(label, speculative, spec_rows, acceptance)
+                        warm = (speculative, spec_rows) not in warmed or args.warmup == "every"
+                        guess = last.get((name, spec, batch))
+                        if guess is not None and guess * (2 if warm else 1) * 1.3 + 10 > left():
+                            skipped.append(f"{name} {arm} b{batch} {trace.name} (budget)")
+                            continue
+                        engine.speculative, engine.speculative_rows = speculative, max(1, spec_rows)
+                        if acceptance is None:
+                            processor = traces.forced_eos(trace.lengths, eos, vocab, cap=trace.cap)
+                            drafts = lambda: None  # noqa: E731
+                        else:
+                            processor = traces.oracle_policy(trace.lengths, eos, vocab, acceptance, cap=trace.cap)
+                            drafts = (lambda: traces.OracleDrafts(vocab, eos)) if speculative else lambda: None
+                        try:
+                            r = time_ragged(engine, prompts, trace, processor, drafts, eos, warm)
+                        except Exception as e:  # keep the other arms
+                            print(f"  {arm} b{batch} {trace.name}: FAILED {type(e).__name__}: {e}", flush=True)
+                            skipped.append(f"{name} {arm} b{batch} {trace.name} (error: {type(e).__name__})")
+                            engine.free()
+                            free_cuda()
+                            warmed.clear()
+                            continue
+                        warmed.add((speculative, spec_rows))
+                        last[(name, spec, batch)] = max(r["seconds"], last.get((name, spec, batch), 0.0))
+                        stats = trace.stats()
+                        r.update(model=name, engine=arm, scheme=scheme, kv=kv, batch=batch, new=trace.cap,
+                                 prompt=args.prompt, group_size=args.group, trace=trace.name,
+                                 trace_seed=args.trace_seed, speculative=speculative,
+                                 speculative_rows=spec_rows if speculative else None,
+                                 max_draft=args.max_draft if speculative else None, acceptance=acceptance,
+                                 trace_median=stats["median"], trace_mean=stats["mean"],
+                                 trace_truncated_share=stats["truncated_share"], weights_gib=gib,
+                                 peak_gib=allocated_gib(peak=True), kv_gib=engine.memory_bytes() / 2**30)
+                        rows.append(r)
+                        log.write(json.dumps(r) + "\n")
+                        log.flush()
+                        spec_note = (f", accepted {r['accepted']}/{r['drafted']} in "
+                                     f"{r['verify_steps']} verify steps" if speculative else "")
+                        print(f"  {arm} b{batch} {trace.name}: {r['useful_tokens_per_s']:,.0f} useful tok/s "
+                              f"({r['seconds']:.2f} s, {r['tokens']:,} tokens, warm-up {r['warmup_s']:.1f} s; "
+                              f"steps <8 live {r['decode_step_share_below8']:.0%}, wall <8 live "
+                              f"{r['wall_share_below8']:.0%}{spec_note}; exact lengths {r['lengths_exact']})",
+                              flush=True)
+            engine.free()
+            del engine
+        del model  # built_models hands its memory back before the next
 
 
 def ragged_table(rows: list[dict]) -> str:
@@ -512,63 +521,45 @@ def main() -> None:
     # Most important first (the targets are at batch 64), so a short budget still measures them.
     order = sorted(configs, key=lambda bn: (bn[0] != 64, bn[1], bn[0]))
     with open(os.path.join(args.out, "rollout.jsonl"), "a") as log:
-        for name in args.models.split(","):
-            for scheme in args.schemes.split(","):
-                if left() < 30:
-                    skipped.append(f"{name} {scheme} (budget)")
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    model = build_model(name, scheme, lora_epilogue=args.lora_epilogue, device=DEVICE,
-                                        fuse=DEVICE == "cuda")
-                except ImportError as e:  # the QLoRA arm without bitsandbytes: the other arms still run
-                    print(f"[{name} {scheme}] skipped: {e}", flush=True)
-                    skipped.append(f"{name} {scheme} ({e})")
-                    continue
-                build_s = time.perf_counter() - t0
-                gib = allocated_gib()
-                print(f"[{name} {scheme}] built in {build_s:.1f} s, {gib:.1f} GiB", flush=True)
-                variants = [(LABELS[scheme] + KV_LABELS[kv], True, order, kv) for kv in args.kv.split(",")]
-                if args.plain and scheme == "bf16":
-                    variants.append(("qerl bf16+LoRA, unfused", False, [(64, news[0])], "model"))
-                if args.separate and scheme != "nf4-bnb":  # bitsandbytes layers are never fused
-                    variants.append((LABELS[scheme] + ", separate projections", True,
-                                     [(b, news[0]) for b in (8, 64) if b in batches], "model"))
-                per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
-                for label, fused, configs_run, kv in variants:
-                    if label.endswith("separate projections"):
-                        from qerl.execution.fusion import unfuse_projections
+        for name, scheme, model, _, gib in built_models(args, skipped, left):
+            variants = [(LABELS[scheme] + KV_LABELS[kv], True, order, kv) for kv in args.kv.split(",")]
+            if args.plain and scheme == "bf16":
+                variants.append(("qerl bf16+LoRA, unfused", False, [(64, news[0])], "model"))
+            if args.separate and scheme != "nf4-bnb":  # bitsandbytes layers are never fused
+                variants.append((LABELS[scheme] + ", separate projections", True,
+                                 [(b, news[0]) for b in (8, 64) if b in batches], "model"))
+            per_step = 0.0  # slowest seconds per decode step so far, to predict whether a config fits
+            for label, fused, configs_run, kv in variants:
+                if label.endswith("separate projections"):
+                    from qerl.execution.fusion import unfuse_projections
 
-                        unfuse_projections(model)
-                    engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)
-                    for batch, new in configs_run:
-                        if per_step * new * 1.6 + 5 > left():
-                            skipped.append(f"{name} {label} b{batch} x{new} (budget)")
-                            continue
-                        try:
-                            r = time_engine(engine, batch, args.prompt, new, model.config.vocab_size)
-                        except Exception as e:  # keep the other configs
-                            print(f"  {label} b{batch} x{new}: FAILED {type(e).__name__}: {e}", flush=True)
-                            skipped.append(f"{name} {label} b{batch} x{new} (error: {type(e).__name__})")
-                            engine.free()
-                            free_cuda()
-                            engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)
-                            continue
-                        per_step = max(per_step, r["seconds"] / new)
-                        r.update(model=name, engine=label, batch=batch, new=new, prompt=args.prompt,
-                                 weights_gib=gib, peak_gib=allocated_gib(peak=True),
-                                 kv_gib=engine.memory_bytes() / 2**30)
-                        rows.append(r)
-                        log.write(json.dumps(r) + "\n")
-                        log.flush()
-                        print(f"  {label} b{batch} x{new}: {r['tokens_per_s']:,.0f} tok/s ({r['seconds']:.2f} s, "
-                              f"capture {r['capture_s']:.1f} s, graphs={r['use_graphs']}, "
-                              f"fused kernels={r['kernels']})", flush=True)
-                    engine.free()
-                del model, engine
-                free_cuda()
-                if DEVICE == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
+                    unfuse_projections(model)
+                engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)
+                for batch, new in configs_run:
+                    if per_step * new * 1.6 + 5 > left():
+                        skipped.append(f"{name} {label} b{batch} x{new} (budget)")
+                        continue
+                    try:
+                        r = time_engine(engine, batch, args.prompt, new, model.config.vocab_size)
+                    except Exception as e:  # keep the other configs
+                        print(f"  {label} b{batch} x{new}: FAILED {type(e).__name__}: {e}", flush=True)
+                        skipped.append(f"{name} {label} b{batch} x{new} (error: {type(e).__name__})")
+                        engine.free()
+                        free_cuda()
+                        engine = RolloutEngine(model, fused=fused, kv_cache_dtype=kv)
+                        continue
+                    per_step = max(per_step, r["seconds"] / new)
+                    r.update(model=name, engine=label, batch=batch, new=new, prompt=args.prompt,
+                             weights_gib=gib, peak_gib=allocated_gib(peak=True),
+                             kv_gib=engine.memory_bytes() / 2**30)
+                    rows.append(r)
+                    log.write(json.dumps(r) + "\n")
+                    log.flush()
+                    print(f"  {label} b{batch} x{new}: {r['tokens_per_s']:,.0f} tok/s ({r['seconds']:.2f} s, "
+                          f"capture {r['capture_s']:.1f} s, graphs={r['use_graphs']}, "
+                          f"fused kernels={r['kernels']})", flush=True)
+                engine.free()
+            del model, engine  # built_models hands its memory back before the next
         if args.hf:
             name = args.models.split(",")[0]
             if left() > 40:

@@ -733,13 +733,13 @@ class RolloutEngine:
         live = [Row(index=row_host[s], slot=s, write=call.prompt_len + step, position=positions[s] + 1,
                     count=step + 1, last=last[s], key=keys[row_host[s]], draft_len=min(4, self.max_draft))
                 for s in range(rows) if not done[s]]
-        if call.drafts is not None:
+        if call.drafts is not None or call.stop_strings:  # the rows' tokens so far, in one copy to the host
             so_far = tokens[[r.index for r in live], :step + 1].tolist()
             for r, ids in zip(live, so_far):
-                call.drafts.extend(r.index, ids)
-        if call.stop_strings:  # the stop-string scan continues from the tokens the plain loop drew
-            for r in live:
-                call.host_tokens[r.index] = tokens[r.index, :step + 1].tolist()
+                if call.drafts is not None:
+                    call.drafts.extend(r.index, ids)
+                if call.stop_strings:  # the stop-string scan continues from the tokens the plain loop drew
+                    call.host_tokens[r.index] = ids
         SpeculativeRows(self, call, live, rows).run()
         index, at, values, lps = [], [], [], []
         for r in live:

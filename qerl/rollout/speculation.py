@@ -22,14 +22,9 @@ from torch import Tensor
 from qerl.rollout.sampling import decode_ids
 from qerl.rollout.verify import verify
 
-__all__ = ["Row", "SpeculativeRows", "query_bucket", "MAX_QUERIES"]
+__all__ = ["Row", "SpeculativeRows", "MAX_QUERIES"]
 
 MAX_QUERIES = 8  # the last token and up to 7 drafts per row and step
-
-
-def query_bucket(n: int) -> int:
-    """Query tokens per row of a verify step: the next power of two (1, 2, 4, 8), so few graphs cover every step."""
-    return min(MAX_QUERIES, 1 << max(0, n - 1).bit_length())
 
 
 @dataclass
