@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -139,14 +140,19 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     # YAML reads a bare on / off as a boolean: rollout.speculative=on as the string it means
     overrides = tuple(re.sub(r"^(rollout\.speculative)=(on|off|auto)$", r"\1='\2'", o) for o in overrides)
     trace = None
+    # rollout.overprovision=x draws ceil(prompts * (1 + x)) prompts (RolloutSettings.prompts_drawn): the trace covers
+    # every drawn row; its first prompts * group rows are the other arms' trace (lengths.draw is per group)
+    extra = [float(o.split("=", 1)[1]) for o in overrides if o.startswith("rollout.overprovision=")]
+    drawn = max(prompts, math.ceil(prompts * (1 + extra[-1]) - 1e-9)) if extra else prompts
     if lengths:
-        trace = traces.trace(lengths, prompts * group, group, trace_seed)
+        trace = traces.trace(lengths, drawn * group, group, trace_seed)
         trace = trace.scaled(new) if new else trace
         new = trace.cap
     new = new or 1024
     cuda = device == "cuda"
     r: dict = {"model": name, "scheme": scheme, "variant": variant, "settings": list(overrides),
-               "rows": prompts * group, "prompt": prompt_len, "new": new, "micro_batch": micro}
+               "rows": prompts * group, "rows_drawn": drawn * group, "prompt": prompt_len, "new": new,
+               "micro_batch": micro}
     if trace is not None:
         stats = trace.stats()
         r.update(trace=trace.name, trace_seed=trace_seed, trace_median=stats["median"], trace_mean=stats["mean"],
@@ -199,8 +205,10 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         shared = sum(len({row // group for row in range(first, min(first + micro, rows))})
                      for first in range(0, rows, micro)) if s.model.share_prompts else rows
         completions = rows * new
+        packed = s.model.pack_completions
         if trace is not None:  # the batch is padded to its longest completion, unless packed
-            completions = sum(trace.lengths) if s.model.pack_completions else rows * max(trace.lengths)
+            first_rows = trace.lengths[:rows]  # the trained rows (with rollout.overprovision: corrected after the run)
+            completions = sum(first_rows) if packed else rows * max(first_rows)
         r["update_tokens"] = shared * prompt_len + completions
         s.data.system_prompt = system
         # "hash" / "sparse": stand-ins that cost nothing; "accuracy": the product's default reward, the math grader
@@ -236,8 +244,17 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
                                       for m in (last, first))
     r["sigma"] = sigma
     if trace is not None:  # every step's completions ended where the trace says (EOS, or the cap: truncated)
-        want = (list(trace.lengths), ["length" if n >= trace.cap else "eos" for n in trace.lengths])
-        r["lengths_exact"] = bool(seen) and all((made, reasons) == want for made, reasons, _ in seen)
+        want = ["length" if n >= trace.cap else "eos" for n in trace.lengths]
+        # rows of groups cut by rollout.overprovision stop wherever they were: only the kept rows are checked
+        r["lengths_exact"] = bool(seen) and all(
+            all(why == "cut" or (n, why) == (trace.lengths[i], want[i]) for i, (n, why) in enumerate(zip(made, reasons)))
+            for made, reasons, _ in seen)
+        made, reasons, _ = seen[-1] if seen else ([], [], None)
+        kept = [n for n, why in zip(made, reasons) if why != "cut"]
+        if extra and kept:  # the update trains the kept groups: padded to their longest, or packed
+            r["update_tokens"] = (r["update_tokens"] - completions
+                                  + (sum(kept) if packed else len(kept) * max(kept)))
+        r["groups_dropped"] = last.get("rollout/groups_dropped")
         r.update(seen[-1][2] if seen else {})  # the last step's (the nonfinite count: the run's so far)
         r.update({k: last[k] for k in last if k.startswith("speculative/")})
         r["speculative"] = any(k.startswith("speculative/") for k in last)

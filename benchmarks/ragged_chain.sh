@@ -6,6 +6,17 @@
 #   run(carry=[], timeout_s=600, command="bash benchmarks/ragged_chain.sh 1")  # ~320 s: gsm8k rollouts; 2 steps
 #   run(carry=[], timeout_s=600, command="bash benchmarks/ragged_chain.sh 2")  # ~190 s: 2 more steps on gsm8k
 #   run(carry=[], timeout_s=600, command="bash benchmarks/ragged_chain.sh 3")  # ~360 s: long-cot rollouts
+# and issue #60's second round (2026-12-02, second session), the vLLM parts carried one per call (stage_vllm.sh):
+#   run(carry=[".vllm/1"], command="bash benchmarks/ragged_chain.sh 4")  # ~280 s: gsm8k steps: plain, spec, over
+#   run(carry=[".vllm/2"], command="bash benchmarks/ragged_chain.sh 5")  # ~400 s: long-cot steps at 64 rows
+#   run(carry=[".vllm/3"], command="bash benchmarks/ragged_chain.sh 6")  # ~370 s: vLLM NVFP4 vs ours on both traces
+#
+# 4. bench_grpo_step on gsm8k at 128 rows: NVFP4 plain, + rollout.speculative=on (from 8 live rows, the oracle's
+#    drafts at 0.7), + rollout.overprovision=0.25 (20 prompts drawn, the first 16 groups to finish trained).
+# 5. bench_grpo_step on long-cot at 64 rows (8 prompts; the update pads to 4,096 unless packed): NVFP4 and bf16,
+#    each plain and packed.
+# 6. bench_vllm on both traces at 128 rows: vLLM 0.26 NVFP4 (dummy weights: speed does not depend on them) against
+#    our NVFP4 engine, each in its own process, the identical call untimed first.
 #
 # 1. bench_rollout on the gsm8k trace (cap 1,024; median 237 tokens; 1 row truncated; 44% of its decode steps
 #    below 8 live rows): bf16 and NVFP4 plain, NVFP4 speculative at acceptance 0.5 / 0.7 / 0.9 from 8 and from 16
@@ -60,20 +71,31 @@ rollout() {  # rollout END_S TRACE ARGS...: bench_rollout's ragged arms on TRACE
     --schemes bf16,nvfp4 --batches "$rows" --prompt "$prompt" $new --lengths "$trace" --speculative off,on \
     --speculative-schemes nvfp4 --budget "$(left "$end")" --out "$OUT" "$@" 2>&1 | log
 }
-steps() {  # steps END_S SCHEMES VARIANTS: bench_grpo_step's arms on gsm8k at acceptance 0.7, done by END_S
+steps() {  # steps END_S SCHEMES VARIANTS [TRACE [PROMPTS]]: bench_grpo_step's arms at acceptance 0.7, by END_S
   timeout $(($(left "$1") + 20)) python3 benchmarks/bench_grpo_step.py --device "$device" --models "$model" \
-    --schemes "$2" --variants "$3" --prompts "$prompts" --prompt "$prompt" $new --lengths gsm8k --acceptance 0.7 \
+    --schemes "$2" --variants "$3" --prompts "${5:-$prompts}" --prompt "$prompt" $new --lengths "${4:-gsm8k}" \
+    --acceptance 0.7 \
     --budget "$(left "$1")" --out "$OUT" 2>&1 | log
 }
 [ "$device" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
   | tee -a "$OUT/call$call.log"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/call$call.log"
+# calls 4-6 each bring one part of vLLM (stage_vllm.sh): kept in /tmp/qerl-vllm while the machine stays warm
+case "$call" in 4|5|6) bash benchmarks/stage_vllm.sh receive | tee -a "$OUT/call$call.log" ;; esac
 case "$call" in
   1) rollout 220 gsm8k --acceptance 0.5,0.7,0.9 --speculative-rows 8,16 --warmup every
      steps 550 nvfp4 'plain:;packed:model.pack_completions=true' ;;
   2) steps 550 nvfp4 'spec:rollout.speculative=on'
      steps 550 bf16 'plain:' ;;
   3) rollout 550 long-cot --acceptance 0.5,0.7,0.9 --speculative-rows 16 ;;
-  *) echo "ragged_chain: unknown call $call (1-3)" >&2; exit 2 ;;
+  4) steps 560 nvfp4 'plain:;spec:rollout.speculative=on;over:rollout.overprovision=0.25' ;;
+  5) steps 560 nvfp4,bf16 'plain:;packed:model.pack_completions=true' long-cot $((prompts / 2)) ;;
+  6) if [ -f /tmp/qerl-vllm/env ]; then
+       . /tmp/qerl-vllm/env
+       timeout $(($(left 570))) python3 benchmarks/bench_vllm.py --model "$model" --rows "$rows" --prompt "$prompt" \
+         --lengths gsm8k,long-cot --arms vllm-nvfp4,qerl-nvfp4 --weights dummy --folder /tmp/qerl-vllm-bench \
+         --out "$OUT" 2>&1 | log
+     fi ;;
+  *) echo "ragged_chain: unknown call $call (1-6)" >&2; exit 2 ;;
 esac
 echo "ragged_chain $call: done in $(($(date +%s) - start)) s" | tee -a "$OUT/call$call.log"
