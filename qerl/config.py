@@ -230,6 +230,12 @@ class RolloutSettings:
         return max(self.prompts_per_step, math.ceil(self.prompts_per_step * (1 + self.overprovision) - 1e-9))
 
     def validate(self) -> None:
+        # vLLM's own speculation is prompt-lookup n-grams (no run history, no siblings), and with LoRA enabled it
+        # crashed on concurrent requests (vllm-project/vllm#20284, open): a GRPO rollout is nothing but concurrent
+        # requests. So `on` is refused there rather than silently ignored; `auto` means the engine's only.
+        if self.speculative == "on" and self.backend == "vllm":
+            raise _RuleError(("speculative", "backend"), "speculative = 'on': backend 'vllm' has no speculation qerl "
+                             "can use with LoRA adapters (vllm-project/vllm#20284); use the engine or set it to off")
         if self.overprovision > 0 and self.backend == "vllm":
             raise _RuleError(("overprovision", "backend"), f"overprovision = {self.overprovision}: backend 'vllm' "
                              "cannot stop a rollout once enough groups are done; use the engine or set it to 0")

@@ -209,3 +209,11 @@ def test_a_resumed_run_with_overprovision_trains_what_the_uninterrupted_run_did(
     assert all(torch.equal(whole[k], split[k]) for k in whole)
     split_rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/tokens_dropped"] for r in split_rows] == [r["rollout/tokens_dropped"] for r in rows]
+
+
+def test_speculation_on_is_refused_with_the_vllm_backend():
+    # vLLM's n-gram speculation with LoRA crashed on concurrent requests (vllm-project/vllm#20284): `on` must not be
+    # silently ignored there; `auto` means the engine's speculation only and stays accepted
+    with pytest.raises(ConfigError, match="speculative.*vllm"):
+        settings_from_dict({"rollout": {"backend": "vllm", "speculative": "on"}})
+    assert settings_from_dict({"rollout": {"backend": "vllm", "speculative": "auto"}}).rollout.speculative == "auto"
