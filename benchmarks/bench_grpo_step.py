@@ -226,6 +226,9 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
                 ragged(trainer.rollout_backend, trace, default_eos_ids(model, tokenizer), vocab, acceptance,
                        s.rollout.speculative != "off", seen)
             trainer.train()
+            # a run whose LoRA went non-finite samples garbage from then on (and accepts no draft): say so
+            r["trainable_finite"] = bool(all(bool(torch.isfinite(q).all()) for q in model.parameters()
+                                             if q.requires_grad))
             engine = getattr(trainer.rollout_backend, "engine", None)  # the vLLM backend holds its own
             r["kv_gib"] = engine.memory_bytes() / GIB if engine is not None else float("nan")
             rows = trainer.run.metrics.read()
@@ -239,7 +242,9 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
              first_rollout_s=first["seconds_rollout"], first_update_s=first["seconds_update"],
              recomputed_blocks=last["recomputed_blocks"], held_weights_gib=last["held_weights_gib"],
              rollout_s_by_step=[m["seconds_rollout"] for m in rows],  # step-to-step spread: ~±0.3 s of update
-             update_s_by_step=[m["seconds_update"] for m in rows])
+             update_s_by_step=[m["seconds_update"] for m in rows],
+             loss_by_step=[m.get("loss") for m in rows], grad_norm_by_step=[m.get("grad_norm") for m in rows],
+             entropy_by_step=[m.get("entropy") for m in rows])
     r["step_s"], r["first_step_s"] = (m["seconds_rollout"] + m["seconds_scoring"] + m["seconds_update"]
                                       for m in (last, first))
     r["sigma"] = sigma
@@ -256,6 +261,7 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
                                   + (sum(kept) if packed else len(kept) * max(kept)))
         r["groups_dropped"] = last.get("rollout/groups_dropped")
         r.update(seen[-1][2] if seen else {})  # the last step's (the nonfinite count: the run's so far)
+        r["nonfinite_by_call"] = [extra_seen["oracle_nonfinite_draws"] for _, _, extra_seen in seen]  # cumulative
         r.update({k: last[k] for k in last if k.startswith("speculative/")})
         r["speculative"] = any(k.startswith("speculative/") for k in last)
     del model
