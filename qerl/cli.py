@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from qerl.config import load_settings
+from qerl.config import load_settings, require_extras
 from qerl.debug import debug_requested
 from qerl.errors import report
 from qerl.run.outdir import check_writable, removed_if_empty_on_failure
@@ -83,6 +83,7 @@ def _cmd_eval(args) -> int:
     from qerl.run.folder import refuse_run_folder
 
     settings = load_settings(args.params, args.overrides)
+    require_extras(settings)
     named = "--out" if args.out else "eval.out_dir"
     out = check_writable(args.out or settings.eval.out_dir, named)
     refuse_run_folder(out, named)  # as `train` refuses a folder in use or holding a run
@@ -120,6 +121,7 @@ def _cmd_train(args) -> int:
     from qerl.rl.trainer import Trainer
 
     settings = load_settings(args.params, args.overrides)
+    require_extras(settings)  # a package the params need: the first thing to fix, before any path or weight
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps {args.max_steps}: must be >= 1")
     out = check_writable(args.out or settings.train.out_dir, "--out" if args.out else "train.out_dir")

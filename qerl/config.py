@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -493,6 +495,43 @@ class Settings:
         d = self.to_dict()
         chosen = {s: d[s] for s in (sections or d)}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optional packages that a params value needs
+# ---------------------------------------------------------------------------------------------------------------
+
+VLLM_INSTALL = 'pip install "qerl[vllm]" (vllm 0.26, for torch 2.11)'
+
+
+def needed_extras(settings: Settings) -> list[tuple[str, Any, str, str]]:
+    """(key, value, module, install command) of each optional package (pyproject's extras) the settings' values
+    need for a run: the rollout backend, the QLoRA base. (MLflow's `tracking.backend` is the flows', which need the
+    pipeline extra whole; liger and humming kernels are choices that fall back with a warning.)"""
+    from qerl.quant import bnb
+
+    needs = [("rollout.backend", settings.rollout.backend, "vllm", "vllm", VLLM_INSTALL),
+             ("quant.scheme", settings.quant.scheme, bnb.SCHEME, "bitsandbytes", bnb.INSTALL_HINT)]
+    return [(key, value, module, install) for key, value, wanted, module, install in needs if value == wanted]
+
+
+def require_extras(settings: Settings) -> None:
+    """A `MissingExtra` (exit 2) naming the key and the install command when a package the settings need is not
+    installed. Called by the commands that run a model, before it loads (a missing vLLM was found after 9-25 s of
+    loading); not when settings load, since `qerl params`, the flows' planning and comparisons read params on
+    machines without these packages. Found without importing them (importing vLLM alone takes seconds); an install
+    that is present but broken still fails where the package is imported."""
+    from qerl.errors import MissingExtra
+
+    for key, value, module, install in needed_extras(settings):
+        if not _installed(module):
+            raise MissingExtra(f"{key} {value!r} needs {module}, which is not installed: {install}")
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:  # (None there: an import that failed, or a test's stand-in for "not installed")
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------------

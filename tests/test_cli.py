@@ -210,3 +210,16 @@ def test_a_damaged_parquet_file_is_one_line_without_the_datasets_librarys_own_li
     assert code == 2
     assert err.splitlines() == [f"qerl: error: {table}: Parquet magic bytes not found in footer. Either the "
                                         "file is corrupted or this is not a parquet file."]
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_backend_whose_package_is_missing_is_one_line_naming_key_and_install_before_anything_loads(
+        tmp_path, qerl_here, monkeypatch, command):
+    """rollout.backend: vllm without vLLM was found after the model had loaded (9-25 s), exit 1 "unexpected"."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where vLLM is not installed (whether or not it is here)
+    code, out, err = qerl_here(command, "--params", "params/tiny.yaml", "-S", "rollout.backend=vllm",
+                               "--out", tmp_path / "run")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == ["qerl: error: rollout.backend 'vllm' needs vllm, which is not installed: "
+                                'pip install "qerl[vllm]" (vllm 0.26, for torch 2.11)']  # no "loaded ..." first
+    assert not (tmp_path / "run").exists()
