@@ -15,6 +15,8 @@ from qerl.debug import debug_requested
 from qerl.errors import report
 from qerl.run.outdir import check_writable, removed_if_empty_on_failure
 
+log = logging.getLogger(__name__)
+
 
 def _add_debug(p: argparse.ArgumentParser, default) -> None:
     # On the main parser and on each command (`qerl train ... --debug` is what people type); SUPPRESS keeps a
@@ -132,6 +134,8 @@ def _cmd_train(args) -> int:
                 logging.getLogger().setLevel(logging.WARNING)  # one rank reports progress
             with removed_if_empty_on_failure(out), Trainer(settings, out_dir=out, resume=args.resume,
                                                           overwrite=args.overwrite) as trainer:
+                if group.is_main:  # once the run has started: a refusal before it stays one line
+                    _say_what_train_leaves_to_the_flows(settings)
                 adapter = trainer.train(max_steps=args.max_steps)
     except DistributedError as exc:  # a rank died or timed out: say so in a line, never hang
         if debug_requested(args.debug):
@@ -144,6 +148,20 @@ def _cmd_train(args) -> int:
     if group.is_main:
         print(f"adapter: {adapter}")
     return 0
+
+
+def _say_what_train_leaves_to_the_flows(settings) -> None:
+    """One log line naming the params that `qerl train` does not act on, and what does: evaluations between steps and
+    MLflow tracking are the training flow's (qerl.flows.train's TaskPhases), since the core runs without Prefect or
+    MLflow. A setting that does nothing must say so, not be skipped without a word (params/tiny.yaml sets both)."""
+    ignored = [f"train.eval_every = {settings.train.eval_every} (evaluations between steps)"] \
+        if settings.train.eval_every else []
+    if settings.tracking.backend != "none":
+        ignored.append(f"tracking.backend = {settings.tracking.backend!r}")
+    if ignored:
+        log.warning("qerl train does not act on %s: it trains and writes the run folder only; python -m "
+                    "qerl.flows.train with the same --params and -S evaluates and tracks (qerl eval evaluates an "
+                    "adapter)", " nor ".join(ignored))
 
 
 def _cmd_export(args) -> int:
