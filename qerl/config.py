@@ -542,8 +542,10 @@ def _installed(module: str) -> bool:
 def load_settings(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Settings:
     """Read a params YAML (default: params/default.yaml), apply `section.key=value` overrides, validate."""
     path = Path(path) if path is not None else DEFAULT_PARAMS
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path}: params file not found")
+    if path.is_dir():
+        raise ConfigError(f"{path}: a folder, not a params file (e.g. params/default.yaml)")
     raw, lines = read_params_file(path)
     if raw is None:  # an empty file is a mistake (a truncated copy, the wrong path), not a wish for every default
         raise ConfigError(f"{path}: the params file is empty (no sections); start from params/default.yaml")

@@ -51,12 +51,12 @@ def shortened(value: Any, limit: int = 200) -> str:
 def read_params_file(path: Path) -> tuple[Any, dict[str, int]]:
     """The data of a params file and the 1-based line of each `section.key` in it. Every refusal is a ConfigError
     naming the file (and the line where there is one)."""
-    size = path.stat().st_size
+    size = path.stat().st_size  # 0 for a pipe (`--params <(...)`) or a device: their reads below are bounded
     if size > MAX_BYTES:  # by its size: a 100 MB file is neither read nor parsed
         raise ConfigError(f"{path}: {size:,} bytes, too large for a params file (at most {MAX_BYTES // 1024} KiB; "
                           "params/default.yaml is 2 KB): is it the right file?")
     with path.open("rb") as f:
-        data = f.read(MAX_BYTES + 1)  # a file that grew since stat is still read only up to the budget
+        data = f.read(MAX_BYTES + 1)  # a file that grew since stat, a pipe, /dev/zero: read only up to the budget
     if len(data) > MAX_BYTES:
         raise ConfigError(f"{path}: more than {MAX_BYTES // 1024} KiB, too large for a params file")
     try:

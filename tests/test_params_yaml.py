@@ -5,9 +5,11 @@ within seconds and before anything loads; a file too large for params is refused
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +147,28 @@ def test_a_100_mb_file_is_refused_by_its_size_unread(tmp_path, monkeypatch):
     assert time.perf_counter() - start < 1.0 and read == []
     assert str(info.value) == (f"{params}: 104,857,600 bytes, too large for a params file (at most 256 KiB; "
                                "params/default.yaml is 2 KB): is it the right file?")
+
+
+def test_a_folder_an_endless_device_and_a_pipe(tmp_path):
+    """`--params DIR` is one line; /dev/zero is refused at the budget, not read for ever; a pipe (a shell's
+    `--params <(...)`) is a params file like any other."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(tmp_path)
+    assert str(info.value) == f"{tmp_path}: a folder, not a params file (e.g. params/default.yaml)"
+    with deadline(DEADLINE_S), pytest.raises(ConfigError) as info:
+        load_settings("/dev/zero")
+    assert str(info.value) == "/dev/zero: more than 256 KiB, too large for a params file"
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_text, args=("lora:\n  rank: 4\n",))
+    writer.start()
+    try:
+        with deadline(DEADLINE_S):
+            assert load_settings(pipe).lora.rank == 4
+    finally:
+        if writer.is_alive():  # the loader never opened the pipe: open it here, so the writer's open returns
+            os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(DEADLINE_S)
 
 
 def test_a_utf8_bom_is_read_as_editors_write_it_and_lines_still_count(tmp_path):
