@@ -28,7 +28,9 @@ _Base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class ConfigError(ValueError):
-    """A bad parameter: the message is one line naming the source, key path and value."""
+    """A bad parameter: the message is one line naming the source, key path and value. Defined here, where the first
+    refusals are made, so that this module needs nothing of qerl; `qerl.config` raises it too and is where callers
+    import it from."""
 
 
 class _Loader(_Base):
