@@ -11,6 +11,8 @@ folders at the repository's top, installed as qerl.kernels, qerl.tasks, qerl.flo
     quant/       the 4-bit formats, the quantized linear layer, quantized checkpoints
     grading/     is an answer right: extraction, qerl's equality, math-verify in a worker
     data/        problems (generated, hub, local tables), prompts, rewards
+    params_yaml  the YAML of a params file or -S value, read within a size, depth and alias budget (imports nothing
+                 of qerl)
     config       the settings of params/*.yaml (it asks quant/ and data/ whether a scheme or reward exists)
     execution/   how the model runs: its execution plan (GEMM context, precision phases) and the blocks' kernels
     model/       the policy: the decoder, its families, LoRA, AQN noise, loading, export

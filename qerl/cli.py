@@ -10,10 +10,12 @@ import os
 import sys
 from pathlib import Path
 
-from qerl.config import load_settings
+from qerl.config import load_settings, require_extras
 from qerl.debug import debug_requested
 from qerl.errors import report
 from qerl.run.outdir import check_writable, removed_if_empty_on_failure
+
+log = logging.getLogger(__name__)
 
 
 def _add_debug(p: argparse.ArgumentParser, default) -> None:
@@ -83,6 +85,7 @@ def _cmd_eval(args) -> int:
     from qerl.run.folder import refuse_run_folder
 
     settings = load_settings(args.params, args.overrides)
+    require_extras(settings)
     named = "--out" if args.out else "eval.out_dir"
     out = check_writable(args.out or settings.eval.out_dir, named)
     refuse_run_folder(out, named)  # as `train` refuses a folder in use or holding a run
@@ -120,6 +123,7 @@ def _cmd_train(args) -> int:
     from qerl.rl.trainer import Trainer
 
     settings = load_settings(args.params, args.overrides)
+    require_extras(settings)  # a package the params need: the first thing to fix, before any path or weight
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps {args.max_steps}: must be >= 1")
     out = check_writable(args.out or settings.train.out_dir, "--out" if args.out else "train.out_dir")
@@ -130,6 +134,8 @@ def _cmd_train(args) -> int:
                 logging.getLogger().setLevel(logging.WARNING)  # one rank reports progress
             with removed_if_empty_on_failure(out), Trainer(settings, out_dir=out, resume=args.resume,
                                                           overwrite=args.overwrite) as trainer:
+                if group.is_main:  # once the run has started: a refusal before it stays one line
+                    _say_what_train_leaves_to_the_flows(settings)
                 adapter = trainer.train(max_steps=args.max_steps)
     except DistributedError as exc:  # a rank died or timed out: say so in a line, never hang
         if debug_requested(args.debug):
@@ -142,6 +148,20 @@ def _cmd_train(args) -> int:
     if group.is_main:
         print(f"adapter: {adapter}")
     return 0
+
+
+def _say_what_train_leaves_to_the_flows(settings) -> None:
+    """One log line naming the params that `qerl train` does not act on, and what does: evaluations between steps and
+    MLflow tracking are the training flow's (qerl.flows.train's TaskPhases), since the core runs without Prefect or
+    MLflow. A setting that does nothing must say so, not be skipped without a word (params/tiny.yaml sets both)."""
+    ignored = [f"train.eval_every = {settings.train.eval_every} (evaluations between steps)"] \
+        if settings.train.eval_every else []
+    if settings.tracking.backend != "none":
+        ignored.append(f"tracking.backend = {settings.tracking.backend!r}")
+    if ignored:
+        log.warning("qerl train does not act on %s: it trains and writes the run folder only; python -m "
+                    "qerl.flows.train with the same --params and -S evaluates and tracks (qerl eval evaluates an "
+                    "adapter)", " nor ".join(ignored))
 
 
 def _cmd_export(args) -> int:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,12 +22,10 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from qerl.params_yaml import ConfigError, read_params_file, read_value, shortened
+
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 DEFAULT_PARAMS = Path(__file__).resolve().parent.parent / "params" / "default.yaml"
-
-
-class ConfigError(ValueError):
-    """A bad parameter: the message is one line naming the source, key path and value."""
 
 
 class _RuleError(ConfigError):
@@ -498,6 +498,43 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Optional packages that a params value needs
+# ---------------------------------------------------------------------------------------------------------------
+
+VLLM_INSTALL = 'pip install "qerl[vllm]" (vllm 0.26, for torch 2.11)'
+
+
+def needed_extras(settings: Settings) -> list[tuple[str, Any, str, str]]:
+    """(key, value, module, install command) of each optional package (pyproject's extras) the settings' values
+    need for a run: the rollout backend, the QLoRA base. (MLflow's `tracking.backend` is the flows', which need the
+    pipeline extra whole; liger and humming kernels are choices that fall back with a warning.)"""
+    from qerl.quant import bnb
+
+    needs = [("rollout.backend", settings.rollout.backend, "vllm", "vllm", VLLM_INSTALL),
+             ("quant.scheme", settings.quant.scheme, bnb.SCHEME, "bitsandbytes", bnb.INSTALL_HINT)]
+    return [(key, value, module, install) for key, value, wanted, module, install in needs if value == wanted]
+
+
+def require_extras(settings: Settings) -> None:
+    """A `MissingExtra` (exit 2) naming the key and the install command when a package the settings need is not
+    installed. Called by the commands that run a model, before it loads (a missing vLLM was found after 9-25 s of
+    loading); not when settings load, since `qerl params`, the flows' planning and comparisons read params on
+    machines without these packages. Found without importing them (importing vLLM alone takes seconds); an install
+    that is present but broken still fails where the package is imported."""
+    from qerl.errors import MissingExtra
+
+    for key, value, module, install in needed_extras(settings):
+        if not _installed(module):
+            raise MissingExtra(f"{key} {value!r} needs {module}, which is not installed: {install}")
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:  # (None there: an import that failed, or a test's stand-in for "not installed")
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Loading and validation
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -505,26 +542,15 @@ class Settings:
 def load_settings(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Settings:
     """Read a params YAML (default: params/default.yaml), apply `section.key=value` overrides, validate."""
     path = Path(path) if path is not None else DEFAULT_PARAMS
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path}: params file not found")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8") \
-            from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if path.is_dir():
+        raise ConfigError(f"{path}: a folder, not a params file (e.g. params/default.yaml)")
+    raw, lines = read_params_file(path)
     if raw is None:  # an empty file is a mistake (a truncated copy, the wrong path), not a wish for every default
         raise ConfigError(f"{path}: the params file is empty (no sections); start from params/default.yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
-    lines = _key_lines(text, path)
     sources = {key: f"{path}:{line}" for key, line in lines.items()}
     for item in overrides:
         key, value = _parse_override(item)
@@ -542,11 +568,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip() or "." not in key:
         raise ConfigError(f"-S {item}: expected section.key=value (e.g. -S lora.rank=8)")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value  # an unparsable scalar is taken as the literal string
-    return key.strip(), parsed
+    return key.strip(), read_value(value, f"-S {item}") if value.strip() else ""
 
 
 def _set_path(raw: dict, key: str, value: Any, source: str) -> None:
@@ -558,34 +580,6 @@ def _set_path(raw: dict, key: str, value: Any, source: str) -> None:
             raise ConfigError(f"{source}: {part} is not a section")
         node = child
     node[leaf] = value
-
-
-def _key_lines(text: str, source: Path) -> dict[str, int]:
-    """Map 'section.key' to its 1-based line in the YAML text, for error messages. A section or key set twice in one
-    mapping is refused naming both lines: YAML loaders keep the last silently, so a run would use a value the reader
-    of the file may not have seen (`rank: 16` above, `rank: 4` further down)."""
-    lines: dict[str, int] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, value_node in node.value:
-                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                line = key_node.start_mark.line + 1
-                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge" \
-                        and key_node.value in seen:
-                    raise ConfigError(f"{source}:{line}: {path} is set twice (lines {seen[key_node.value]} and "
-                                      f"{line}); keep one")
-                if isinstance(key_node, yaml.ScalarNode):
-                    seen[key_node.value] = line
-                lines[path] = line
-                walk(value_node, path)
-
-    try:
-        walk(yaml.compose(text), "")
-    except yaml.YAMLError:
-        pass
-    return lines
 
 
 def _where(path: str, sources: dict[str, str], default: str) -> str:
@@ -611,7 +605,7 @@ def _build(cls: type, raw: Any, at: str, sources: dict[str, str], default: str) 
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
             # an unknown section set only by `-S section.key=v` is known to sources by its full key
             origin = next((src for k, src in sources.items() if k == path or k.startswith(path + ".")), None)
-            raise ConfigError(f"{origin or _where(path, sources, default)}: unknown key {path!r}{hint}")
+            raise ConfigError(f"{origin or _where(path, sources, default)}: unknown key {shortened(path)}{hint}")
     values = {}
     for name, f in fields.items():
         if name not in raw:
@@ -644,7 +638,7 @@ def _type_name(hint: Any) -> str:
 
 def _coerce(value: Any, hint: Any, path: str, where: str) -> Any:
     def fail(expected: str) -> typing.NoReturn:
-        raise ConfigError(f"{where}: {path} = {value!r}: expected {expected}")
+        raise ConfigError(f"{where}: {path} = {shortened(value)}: expected {expected}")
 
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):

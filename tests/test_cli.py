@@ -210,3 +210,50 @@ def test_a_damaged_parquet_file_is_one_line_without_the_datasets_librarys_own_li
     assert code == 2
     assert err.splitlines() == [f"qerl: error: {table}: Parquet magic bytes not found in footer. Either the "
                                         "file is corrupted or this is not a parquet file."]
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_backend_whose_package_is_missing_is_one_line_naming_key_and_install_before_anything_loads(
+        tmp_path, qerl_here, monkeypatch, command):
+    """rollout.backend: vllm without vLLM was found after the model had loaded (9-25 s), exit 1 "unexpected"."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where vLLM is not installed (whether or not it is here)
+    code, out, err = qerl_here(command, "--params", "params/tiny.yaml", "-S", "rollout.backend=vllm",
+                               "--out", tmp_path / "run")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == ["qerl: error: rollout.backend 'vllm' needs vllm, which is not installed: "
+                                'pip install "qerl[vllm]" (vllm 0.26, for torch 2.11)']  # no "loaded ..." first
+    assert not (tmp_path / "run").exists()
+
+
+class StartedRun:
+    """Stands in for `qerl.rl.trainer.Trainer` once it has started (the model loaded, the run folder claimed): what
+    `qerl train` says then depends on its settings alone, and a real start costs 10-30 s of loading and plotting."""
+
+    def __init__(self, settings, out_dir, **options):
+        self.out = out_dir
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def train(self, max_steps=None):
+        return self.out / "adapter"
+
+
+def test_train_names_in_one_line_the_params_it_leaves_to_the_flows(tmp_path, qerl_here, monkeypatch):
+    """params/tiny.yaml sets train.eval_every and tracking.backend: mlflow, which only the training flow acts on;
+    `qerl train` skipped both without a word. Said once the run has started (a refusal before stays one line)."""
+    import qerl.rl.trainer
+
+    monkeypatch.setattr(qerl.rl.trainer, "Trainer", StartedRun)
+    code, out, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", tmp_path / "run")
+    assert (code, out) == (0, f"adapter: {tmp_path / 'run' / 'adapter'}\n")
+    assert err.splitlines() == [
+        "WARNING qerl.cli: qerl train does not act on train.eval_every = 1 (evaluations between steps) nor "
+        "tracking.backend = 'mlflow': it trains and writes the run folder only; python -m qerl.flows.train with the "
+        "same --params and -S evaluates and tracks (qerl eval evaluates an adapter)"]
+    code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", tmp_path / "run",
+                             "-S", "train.eval_every=0", "-S", "tracking.backend=none")
+    assert (code, err) == (0, "")

@@ -1,4 +1,6 @@
 """The rollout seam: one backend samples for the trainer and for evaluation; the engine equals the reference."""
+import logging
+
 import pytest
 import torch
 
@@ -20,6 +22,16 @@ def test_make_backend_picks_by_kind_and_device():
     assert make_backend(model, None, "engine").engine is engine.engine  # one engine per model, shared
     with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; choose one of auto, engine, reference, vllm"):
         make_backend(model, None, "sglang")
+
+
+def test_an_fp8_kv_cache_the_cpu_cannot_run_is_said_in_the_log(tmp_path, caplog):
+    """rollout.kv_cache_dtype: fp8 runs the model's dtype where the engine's fused kernels cannot, "said in the log"
+    (qerl/config.py); on the CPU the trainer's sampler (auto: the reference) dropped the setting without a word."""
+    with caplog.at_level(logging.INFO, logger="qerl.rollout.engine"):
+        trainer = make_trainer(tiny_settings(tmp_path, rollout={"kv_cache_dtype": "fp8"}), tmp_path / "run")
+    assert isinstance(trainer.rollout_backend, ReferenceBackend) and not trainer.rollout_backend.engine.kv8
+    assert [r.getMessage() for r in caplog.records if r.name == "qerl.rollout.engine"] == [
+        "KV cache in the model's dtype, not FP8: the fused decode kernels do not run here"]
 
 
 def test_both_backends_sample_the_synced_noisy_policy_and_restore_it():

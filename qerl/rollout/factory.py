@@ -14,7 +14,9 @@ from qerl.rollout.backends import EngineBackend, ReferenceBackend, RolloutBacken
 __all__ = ["BACKENDS", "make_backend", "engine_options"]
 
 BACKENDS = ("auto", "engine", "reference", "vllm")
-SPECULATION = ("speculative", "speculative_rows", "max_draft")  # the engine settings the reference takes too
+# The engine settings the reference takes too: its speculation, and kv_cache_dtype, which the reference never runs in
+# FP8 (no fused kernels) but must hear of, so that the engine says so in the log as for any other engine that cannot.
+REFERENCE_OPTIONS = ("speculative", "speculative_rows", "max_draft", "kv_cache_dtype")
 
 
 def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine", "reference", "vllm"] = "auto",
@@ -35,8 +37,8 @@ def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine
         kind = "engine" if next(model.parameters()).device.type == "cuda" else "reference"
     if kind == "engine":
         return EngineBackend(model, tokenizer, **engine_kwargs)
-    speculation = {k: v for k, v in engine_kwargs.items() if k in SPECULATION}  # the reference's own shapes else
-    return ReferenceBackend(model, tokenizer, **speculation)
+    options = {k: v for k, v in engine_kwargs.items() if k in REFERENCE_OPTIONS}  # the reference's own shapes else
+    return ReferenceBackend(model, tokenizer, **options)
 
 
 def engine_options(rollout: Any) -> dict[str, Any]:
