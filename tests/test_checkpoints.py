@@ -124,6 +124,23 @@ INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of
     "rng of another generator": (lambda f: edit_state(f, lambda s: s["rng"].update(torch=torch.zeros(3))), STATE,
                                  "rng.torch"),
     "adapter rank changed in its config": (adapter_rank_changed, "adapter/adapter_config.json", "rank"),
+    # A step that is not its folder's: resumed, 99 trained nothing and exported step 4's adapter as the run's final
+    # one; 3 overwrote step-000004 with what was really step 5's state.
+    "step past its folder's": (lambda f: edit_state(f, lambda s: s.update(step=99)), STATE,
+                               "step = 99, but its folder is step-000004"),
+    "step behind its folder's": (lambda f: edit_state(f, lambda s: s.update(step=3)), STATE,
+                                 "step = 3, but its folder is step-000004"),
+    "step past its own run's steps": (lambda f: edit_state(f, lambda s: s["settings"]["train"].update(steps=3)),
+                                      STATE, "step = 4, past its run's train.steps = 3"),
+    # 0-dim tensors in place of the moments loaded without a word and failed at the first optimizer step
+    "optimizer moment a 0-dim tensor": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0].update(
+        exp_avg=torch.tensor(0.0))), STATE, "optimizer.state[0].exp_avg has shape (), its parameter (4, 32)"),
+    "optimizer step count not a scalar": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0].update(
+        step=torch.zeros(4, 32))), STATE, "optimizer.state[0].step has shape (4, 32), a scalar in AdamW"),
+    "optimizer moment missing": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0].pop("exp_avg_sq")),
+                                 STATE, "optimizer.state[0] lacks exp_avg_sq"),
+    "sampler position out of range": (lambda f: edit_state(f, lambda s: s["sampler"].update(position=10**30)),
+                                      STATE, f"sampler state position {10**30} out of range"),
 }
 
 
@@ -153,6 +170,21 @@ def test_when_every_checkpoint_is_inconsistent_resume_is_one_line_exit_2(run, he
     assert all(f"{run / 'checkpoints' / step / STATE}: optimizer = 42" in last
                for step in ("step-000004", "step-000002")), last
     assert steps(run) == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_past_a_lowered_train_steps_is_refused_in_one_line_and_kept(run, here):
+    """Resumed, it trained nothing and exported step 4's adapter as the final one of a 3-step run: the settings are
+    wrong, not the checkpoint, so nothing is set aside."""
+    before = adapter(run)
+    code, err = here(run, "--resume", "-S", "train.steps=3")
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"tiny-trainer: error: --resume: {run / 'checkpoints' / 'step-000004'} is at step 4, past train.steps = 3: "
+        "set train.steps to 4 or more to continue the run, or pass --overwrite to start over")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert steps(run) == [1, 2, 3, 4]
+    after = adapter(run)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_checkpoint_whose_manifest_was_deleted_is_damaged(run, caplog):

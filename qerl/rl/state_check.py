@@ -7,26 +7,38 @@ another shape loads without complaint and fails at the first optimizer step. `fi
 in a few words, and the trainer has the run folder set such a checkpoint aside as it does one with damaged bytes.
 
 What is checked is what `Trainer.apply_checkpoint` hands to PyTorch, numpy and Python, which check little: the
-optimizer against the live one's parameters, the scheduler, the data sampler, the RNG states, the AQN schedule,
-the speculative rollouts' draft history.
-Values stay the checkpoint's business (a learning rate, a position within range are checked by their owners).
+optimizer against the live one's parameters (every tensor's shape, 0-dim ones included, against what the live
+optimizer keeps per parameter), the scheduler, the data sampler, the RNG states, the AQN schedule, the speculative
+rollouts' draft history. Values are their owners' business, asked before anything is applied: the sampler and the
+draft history load the state into a throwaway copy (a position within range), a learning rate is the run's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from qerl.data.problems import PromptSampler
 
-def first_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+
+class Live(NamedTuple):
+    """The trainer's parts a state is applied to."""
+
+    optimizer: torch.optim.Optimizer
+    sampler: PromptSampler
+
+
+def first_problem(state: dict[str, Any], optimizer: torch.optim.Optimizer, sampler: PromptSampler) -> str | None:
     """What first keeps `state` (a trainer state, its `step` already checked) from being applied to a trainer with
-    `optimizer`, in a few words starting with the key (`optimizer.state[0].exp_avg has shape ...`); None if it
-    fits."""
+    `optimizer` and `sampler`, in a few words starting with the key (`optimizer.state[0].exp_avg has shape ...`);
+    None if it fits. Changes neither."""
+    live = Live(optimizer, sampler)
     for check in (_optimizer, _scheduler, _sampler, _rng, _aqn, _drafts):
-        problem = check(state, optimizer)
+        problem = check(state, live)
         if problem:
             return problem
     return None
@@ -45,52 +57,85 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+def _kept_per_parameter(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, bool]:
+    """What `optimizer`'s kind keeps per parameter under `group`'s settings: name -> whether it has the parameter's
+    shape (else it is a scalar: AdamW's exp_avg and exp_avg_sq have the shape, its step is a 0-dim count). Learnt
+    from one step of a twin on a throwaway parameter, so it is torch's answer for this optimizer and its options
+    (amsgrad adds max_exp_avg_sq), not a copy of it here."""
+    like = group["params"][0] if group["params"] else torch.zeros(())
+    probe = torch.zeros(2, 3, dtype=like.dtype, device=like.device, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    twin = type(optimizer)([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
+    twin.step()
+    return {name: isinstance(value, Tensor) and value.shape == probe.shape
+            for name, value in twin.state[probe].items()}
+
+
+def _optimizer(state: dict[str, Any], live: Live) -> str | None:
+    optimizer = live.optimizer
     saved = state["optimizer"]
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) \
             or not isinstance(saved.get("param_groups"), list):
         return f"optimizer = {_shown(saved)}: not an optimizer state (state and param_groups)"
-    live = optimizer.param_groups
-    if len(saved["param_groups"]) != len(live):
-        return f"optimizer has {len(saved['param_groups'])} parameter groups, this run {len(live)}"
+    groups = optimizer.param_groups
+    if len(saved["param_groups"]) != len(groups):
+        return f"optimizer has {len(saved['param_groups'])} parameter groups, this run {len(groups)}"
     shapes: dict[int, torch.Size] = {}
-    for i, (group, ours) in enumerate(zip(saved["param_groups"], live)):
+    kept: dict[int, dict[str, bool]] = {}  # parameter index -> what the live optimizer keeps for it
+    for i, (group, ours) in enumerate(zip(saved["param_groups"], groups)):
         params = group.get("params") if isinstance(group, dict) else None
         if not isinstance(params, list) or not all(map(_is_int, params)) or len(params) != len(ours["params"]):
             return (f"optimizer.param_groups[{i}] holds {len(params) if isinstance(params, list) else 'no'} "
                     f"parameters, this run {len(ours['params'])} (another adapter shape)")
         shapes.update({index: p.shape for index, p in zip(params, ours["params"])})
+        per_parameter = _kept_per_parameter(optimizer, ours)
+        kept.update(dict.fromkeys(params, per_parameter))
+    kind = type(optimizer).__name__
     for index, moments in saved["state"].items():
         if index not in shapes or not isinstance(moments, dict):
             return f"optimizer.state[{index!r}] = {_shown(moments)}: no parameter of this run"
-        for name, value in moments.items():
-            if isinstance(value, Tensor) and value.dim() and value.shape != shapes[index]:
-                return (f"optimizer.state[{index}].{name} has shape {tuple(value.shape)}, its parameter "
-                        f"{tuple(shapes[index])}")
+        if not moments:  # no step taken for it yet: the optimizer starts its state afresh
+            continue
+        missing = [name for name in kept[index] if name not in moments]
+        if missing:
+            return f"optimizer.state[{index}] lacks {', '.join(missing)}, which {kind} keeps per parameter"
+        for name, like_parameter in kept[index].items():
+            value = moments[name]
+            expected = shapes[index] if like_parameter else torch.Size()
+            if not isinstance(value, Tensor):
+                return f"optimizer.state[{index}].{name} = {_shown(value)}: not a tensor"
+            if value.shape != expected:
+                return (f"optimizer.state[{index}].{name} has shape {tuple(value.shape)}, "
+                        + (f"its parameter {tuple(expected)}" if like_parameter else f"a scalar in {kind}"))
     return None
 
 
-def _scheduler(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+def _scheduler(state: dict[str, Any], live: Live) -> str | None:
     saved = state["scheduler"]
     if not isinstance(saved, dict):
         return f"scheduler = {_shown(saved)}: not a learning-rate scheduler state"
     if not _is_int(saved.get("last_epoch")):
         return f"scheduler.last_epoch = {_shown(saved.get('last_epoch'))}: not a step count"
     base = saved.get("base_lrs")
-    if not isinstance(base, list) or len(base) != len(optimizer.param_groups) or not all(map(_is_number, base)):
+    if not isinstance(base, list) or len(base) != len(live.optimizer.param_groups) \
+            or not all(map(_is_number, base)):
         return f"scheduler.base_lrs = {_shown(base)}: not one learning rate per parameter group"
     return None
 
 
-def _sampler(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+def _sampler(state: dict[str, Any], live: Live) -> str | None:
     saved = state["sampler"]
     keys = ("seed", "epoch", "position", "num_examples")  # qerl.data.problems.PromptSampler.state_dict
     if not isinstance(saved, dict) or not all(_is_int(saved.get(k)) for k in keys):
         return f"sampler = {_shown(saved)}: not a data position ({', '.join(keys)}: integers)"
+    try:  # its own checks (the example count, a position within the epoch), on a copy: the live one is untouched
+        copy.copy(live.sampler).load_state_dict(saved)
+    except (ValueError, TypeError, KeyError) as e:
+        return f"sampler: {' '.join(str(e).split())[:120]}"
     return None
 
 
-def _rng(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+def _rng(state: dict[str, Any], live: Live) -> str | None:
     saved = state["rng"]
     if not isinstance(saved, dict):
         return f"rng = {_shown(saved)}: not the random generators' states"
@@ -115,14 +160,14 @@ def _is_byte_state(value: Any, like: Tensor | None = None) -> bool:
         and (like is None or value.shape == like.shape)
 
 
-def _aqn(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+def _aqn(state: dict[str, Any], live: Live) -> str | None:
     saved = state.get("aqn", {})  # older checkpoints: none (a geometric schedule, which keeps no state)
     if not isinstance(saved, dict) or not all(map(_is_number, saved.values())):
         return f"aqn = {_shown(saved)}: not an AQN schedule's state"
     return None
 
 
-def _drafts(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+def _drafts(state: dict[str, Any], live: Live) -> str | None:
     saved = state.get("drafts")  # older checkpoints: none (speculation then drafts from the step's own rows)
     if saved is None:
         return None

@@ -479,7 +479,7 @@ class Trainer:
     def check_checkpoint(self, checkpoint: Checkpoint) -> None:
         """`CheckpointCorrupt` naming the file if `apply_checkpoint` could not continue from `checkpoint` (its state
         does not fit this trainer: `qerl.rl.state_check`, or its adapter does not fit the model); changes nothing."""
-        problem = state_check.first_problem(checkpoint.state, self.optimizer)
+        problem = state_check.first_problem(checkpoint.state, self.optimizer, self.sampler)
         if problem:  # the state was read from the JSON file, or from an older qerl's pickle in its place
             file = STATE_FILE if (checkpoint.path / STATE_FILE).is_file() else PICKLED_STATE
             raise CheckpointCorrupt(f"{checkpoint.path / file}: {problem}")

@@ -41,6 +41,12 @@ def finished(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(PREFIX + "*") if p.is_dir()) if root.is_dir() else []
 
 
+def step_of(folder: Path) -> int | None:
+    """The step a finished checkpoint's folder is named by (`step-000004`: 4); None for a name that gives none."""
+    digits = folder.name[len(PREFIX):]
+    return int(digits) if folder.name.startswith(PREFIX) and digits.isascii() and digits.isdigit() else None
+
+
 def temp_folder(root: Path, step: int, pid: int) -> Path:
     return root / f"{TEMP_PREFIX}{step:06d}-{pid}"
 

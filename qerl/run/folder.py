@@ -105,6 +105,7 @@ class RunFolder:
         def read(path: Path) -> dict[str, Any]:
             state = read_checkpoint(path, required)
             check_resumed_settings(path, state.get("settings"), settings, name_changes=False)
+            check_steps_left(path, state["step"], settings)
             if check is not None:
                 check(Checkpoint(path, state))
             return state
@@ -181,6 +182,14 @@ def read_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
             raise checkpoints.CheckpointCorrupt(f"{file}: step = {step!r}: not a step number")
         if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
             raise checkpoints.CheckpointCorrupt(f"{file}: settings: not the run's settings (sections of keys)")
+        # Its step is what it resumes from and which folder the next save of that step replaces: one that is not
+        # its folder's, or past the steps of the run that wrote it, is no state qerl saved.
+        if step != checkpoints.step_of(path):
+            raise checkpoints.CheckpointCorrupt(f"{file}: step = {step}, but its folder is {path.name} (a "
+                                                "checkpoint is named by its step)")
+        own_steps = saved.get("train", {}).get("steps")
+        if isinstance(own_steps, int) and step > own_steps:
+            raise checkpoints.CheckpointCorrupt(f"{file}: step = {step}, past its run's train.steps = {own_steps}")
         for file in sorted(p for p in path.rglob("*.safetensors") if p != path / STATE_TENSORS):
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
@@ -290,6 +299,16 @@ def check_resumed_settings(checkpoint: Path, saved: dict[str, Any] | None, curre
     if name_changes:
         log.warning("--resume: settings changed since %s (%s): the run continues with the new values", checkpoint,
                     listed)
+
+
+def check_steps_left(checkpoint: Path, step: int, current: dict[str, Any]) -> None:
+    """A checkpoint past the run's `train.steps` (lowered since) is refused, never set aside: resumed, it would train
+    nothing and export its later adapter as the final one of a shorter run. The settings are wrong, not the
+    checkpoint."""
+    steps = current.get("train", {}).get("steps")
+    if isinstance(steps, int) and step > steps:
+        raise ValueError(f"--resume: {checkpoint} is at step {step}, past train.steps = {steps}: set train.steps to "
+                         f"{step} or more to continue the run, or pass --overwrite to start over")
 
 
 def _flat(settings: dict[str, Any]) -> dict[str, Any]:
