@@ -297,6 +297,46 @@ def test_a_model_folder_that_names_custom_code_is_refused_in_one_line_and_runs_n
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("file", CUSTOM_CODE)
+def test_qerl_quantize_of_a_folder_that_names_custom_code_is_refused_and_writes_nothing(tiny_llama_dir, tmp_path,
+                                                                                       qerl_here, file):
+    """It copied the code and the `auto_map` into an output that looked like a qerl quantization."""
+    folder = copy_folder(tiny_llama_dir, tmp_path / "model")
+    (folder / "evil.py").write_text(EVIL_MODULE.format(marker=str(tmp_path / "ran")))
+    (folder / file).write_text(json.dumps({**json.loads((folder / file).read_text()), **CUSTOM_CODE[file]}))
+    code, _, err = qerl_here("quantize", "--model", folder, "--out", tmp_path / "out")
+    assert code == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"qerl: error: {folder / file}: key 'auto_map' names custom code")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+BOM = b"\xef\xbb\xbf"
+UNREADABLE_JSON = {  # how the file is spoilt -> what the line says of it
+    "a byte-order mark": (lambda raw: BOM + raw, "starts with a UTF-8 byte-order mark, which transformers' JSON "
+                          "reader refuses: save it as UTF-8 without one"),
+    "trailing text": (lambda raw: raw + b"\n}\n", "invalid JSON (Extra data: "),
+}
+
+
+@pytest.mark.parametrize("how", UNREADABLE_JSON)
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "config.json"])
+@pytest.mark.parametrize("command", ["quantize", "train"])
+def test_a_model_folders_unreadable_json_is_one_line_naming_the_file(tiny_llama_dir, tmp_path, qerl_here, file, how,
+                                                                      command):
+    """transformers' own error (`Unexpected UTF-8 BOM`, `Extra data`) named no file; a quantization copied a
+    tokenizer_config.json no loader reads. A BOM is refused as transformers refuses it, so what qerl accepts loads
+    elsewhere too."""
+    folder = copy_folder(tiny_llama_dir, tmp_path / "model")
+    spoil, said = UNREADABLE_JSON[how]
+    (folder / file).write_bytes(spoil((folder / file).read_bytes()))
+    args = (["quantize", "--model", folder] if command == "quantize" else
+            ["train", "--params", "params/tiny.yaml", "-S", "tracking.backend=none", "-S", f"model.path={folder}"])
+    code, _, err = qerl_here(*args, "--out", tmp_path / "out")
+    assert code == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"qerl: error: {folder / file}: {said}"), err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_every_transformers_load_in_qerl_refuses_remote_code():
     """Beside the check above, each `from_pretrained` call of qerl's says trust_remote_code=False itself."""
     import re

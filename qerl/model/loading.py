@@ -5,6 +5,7 @@ weights once. Every malformed input is reported with the file and tensor at faul
 """
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -173,21 +174,33 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{folder}: no config.json (not a Hugging Face model folder)")
     refuse_custom_code(folder)
+    return read_json(file)
+
+
+def read_json(file: Path) -> Any:
+    """A model folder's JSON file, or `CheckpointError` naming it in one line (transformers' own errors name none:
+    "Extra data: line 13 column 1"). A UTF-8 byte-order mark is refused, not skipped: transformers' `json.load`
+    fails on one, so a folder qerl accepted (or quantized, copying the file) would not load elsewhere."""
+    raw = file.read_bytes()
+    if raw.startswith(codecs.BOM_UTF8):
+        raise CheckpointError(f"{file}: starts with a UTF-8 byte-order mark, which transformers' JSON reader "
+                              "refuses: save it as UTF-8 without one")
     try:
-        return json.loads(file.read_text())
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file}: invalid JSON ({e})") from None
 
 
 def refuse_custom_code(folder: Path) -> None:
     """`CustomCodeRefused` naming the file and key if the folder's config.json or tokenizer_config.json names Python
-    code of its own (`auto_map`). A file that is not JSON is left to its reader, which names it."""
+    code of its own (`auto_map`); `CheckpointError` naming the file if one is no readable JSON (`read_json`). Every
+    command that reads a model folder calls it first: train, eval, export through `read_config` and the tokenizer's
+    load, `qerl quantize` and the pipeline's quantize task before they copy anything."""
     for name in _CODE_FILES:
         file = folder / name
-        try:
-            content = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
-        except ValueError:  # JSON or UTF-8
-            continue
+        content = read_json(file) if file.is_file() else None
         code = content.get(_CODE_KEY) if isinstance(content, dict) else None
         if code:
             named = ", ".join(sorted(map(str, code))) if isinstance(code, dict) else repr(code)
