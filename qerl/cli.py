@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -173,7 +174,7 @@ def _cmd_export(args) -> int:
     check_writable(args.out)
     result = export_policy(args.adapter, args.out, merge=args.merge, model=args.model, scheme=args.scheme)
     print(f"wrote {result.out} ({'merged, ' if result.merged else ''}{result.scheme}); serve it with:")
-    print(result.vllm_command)
+    print(f"cd {shlex.quote(str(result.out))} && {result.vllm_command}")  # the export's own paths are relative
     return 0
 
 

@@ -4,9 +4,12 @@ tokens; the vLLM command names what was written; a mismatched adapter fails in o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,11 +59,13 @@ def qerl_greedy(model, tokenizer) -> list[int]:
 
 
 def snippet_model(out):
-    """Run the README's python snippet as a user would paste it; return its model and tokenizer."""
+    """Run the README's python snippet as a user would paste it, in the export's folder as it says; return its model
+    and tokenizer."""
     readme = (out / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     namespace: dict = {}
-    exec(compile(code, str(out / "README.md"), "exec"), namespace)  # noqa: S102 - our own generated snippet
+    with contextlib.chdir(out):
+        exec(compile(code, str(out / "README.md"), "exec"), namespace)  # noqa: S102 - our own generated snippet
     return namespace["model"], namespace["tokenizer"]
 
 
@@ -85,14 +90,14 @@ def test_unmerged_export_is_the_policy_in_transformers_and_peft(policy, tmp_path
     (killed / "export" / "base").mkdir(parents=True)
     (killed / "export" / "base" / "model.safetensors").write_bytes(b"\0" * 1000)
     assert main(["export", "--adapter", str(adapter), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == " ".join(vllm_command(out))
+    assert capsys.readouterr().out.splitlines()[-1] == f"cd {out} && " + " ".join(vllm_command(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # the killed one's remains and the lock are gone
 
     # vLLM: the base folder in compressed-tensors NVFP4, the adapter registered by name, rank within the limit.
     command = vllm_command(out)
-    assert command[:3] == ["vllm", "serve", str(out / "base")] and "--enable-lora" in command
+    assert command[:3] == ["vllm", "serve", "./base"] and "--enable-lora" in command  # run from the export's folder
     name, _, path = command[command.index("--lora-modules") + 1].partition("=")
-    assert name == "export" and path == str(out / "adapter")
+    assert name == "export" and path == "./adapter"
     assert int(command[command.index("--max-lora-rank") + 1]) >= 8
     config = json.loads((out / "base" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "nvfp4-pack-quantized"
@@ -113,7 +118,7 @@ def test_merged_export_loads_in_transformers_with_qerls_greedy_tokens(policy, tm
     _, _, adapter = policy
     out = tmp_path / "merged"
     assert main(["export", "--adapter", str(adapter), "--out", str(out), "--merge"]) == 0
-    assert vllm_command(out) == ["vllm", "serve", str(out)]
+    assert vllm_command(out) == ["vllm", "serve", ".", "--served-model-name", "merged"]
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["format"] == "nvfp4-pack-quantized" and not (out / "adapter_config.json").exists()
 
@@ -149,3 +154,32 @@ def test_mismatched_adapter_and_bad_destinations_fail_in_one_line(tiny_llama_dir
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("x")
     assert "--out" in error("--out", str(tmp_path / "taken"), "--model", str(tiny_llama_dir))
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["unmerged", "merged"])
+def test_an_export_moved_elsewhere_holds_no_path_of_the_machine_it_came_from(tiny_llama_dir, tmp_path, capsys, merge):
+    """Its README's commands and the adapter's base named absolute paths where it was written: copied to a server,
+    they named folders that are not there. Now they are relative to the export's folder, and run from it."""
+    from qerl.model.loading import load_model
+
+    made = tmp_path / "made-here"
+    model, _ = load_model(tiny_llama_dir)
+    settings = lora.LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    lora.apply_lora(model, settings)
+    adapter = lora.save_adapter(model, made / "adapter", str(tiny_llama_dir), settings)
+    assert main(["export", "--adapter", str(adapter), "--out", str(made / "export")] + ["--merge"] * merge) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"cd {made / 'export'} && " + " ".join(
+        vllm_command(made / "export"))
+    moved = tmp_path / "elsewhere" / "served"
+    moved.parent.mkdir()
+    shutil.move(made / "export", moved)
+    machine = [str(tmp_path), str(tiny_llama_dir), str(Path.cwd())]  # where it was made, its base, the shell's cwd
+    for file in moved.rglob("*"):
+        if file.suffix in (".md", ".json", ".jinja", ".txt"):
+            text = file.read_text()
+            assert not [m for m in machine if m in text], f"{file.relative_to(moved)} names a path of this machine"
+    command = vllm_command(moved)
+    folders = [command[2]] + ([] if merge else [command[command.index("--lora-modules") + 1].partition("=")[2]])
+    assert all((moved / f).is_dir() for f in folders), command
+    hf_model, _ = snippet_model(moved)  # run from the export's folder, as it says
+    assert type(hf_model).__name__ == ("LlamaForCausalLM" if merge else "PeftModelForCausalLM")

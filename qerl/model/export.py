@@ -6,7 +6,8 @@ Two forms:
 - merged (`--merge`): one model folder with the LoRA merged into the dequantized base and the result quantized again
   to the base's scheme. Simpler to serve, but the re-quantization rounds the merged weights to the 4-bit grid, which
   can undo part of a small LoRA update: it approximates the policy.
-Each export gets a README.md with the exact `vllm serve` command and a transformers loading snippet.
+Each export gets a README.md with the exact `vllm serve` command and a transformers loading snippet. Every path
+written into an export is relative to its folder (the commands run from there), so it can be moved or copied.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 # vLLM accepts these values of --max-lora-rank; the command names the smallest that holds the adapter's rank.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+BASE, ADAPTER = "base", "adapter"  # the unmerged export's two folders
 
 
 @dataclass
@@ -70,16 +72,18 @@ def export_policy(adapter: str | os.PathLike, out: str | os.PathLike, merge: boo
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             folder = work / "export"
+            # Every path written into the export is relative to its folder (its commands run from there), so it
+            # can be moved or copied to the machine that serves it: an absolute path named this machine's folders.
             if merge:
                 _write_merged(source, adapter, scheme, folder)
-                command = f"vllm serve {out.resolve()}"
+                command = f"vllm serve . --served-model-name {_served_name(out)}"
             else:
-                _write_unmerged(source, stored, adapter, scheme, folder, out.resolve())
+                _write_unmerged(source, stored, adapter, scheme, folder)
                 rank = int(config["r"])
                 max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
-                command = (f"vllm serve {out.resolve() / 'base'} --enable-lora --lora-modules "
-                           f"{_served_name(out)}={out.resolve() / 'adapter'} --max-lora-rank {max_rank}")
-            (folder / "README.md").write_text(_readme(out.resolve(), merge, scheme, command, config, _served_name(out)))
+                command = (f"vllm serve ./{BASE} --enable-lora --lora-modules {_served_name(out)}=./{ADAPTER} "
+                           f"--max-lora-rank {max_rank}")
+            (folder / "README.md").write_text(_readme(merge, scheme, command, config, _served_name(out)))
             os.replace(folder, out)  # an empty `out` is replaced; nothing half-written is ever visible there
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -155,16 +159,18 @@ def _dense_folder(source: Path, work: Path) -> Path:
     return source
 
 
-def _write_unmerged(source: Path, stored: str | None, adapter: Path, scheme: str, folder: Path, final: Path) -> None:
+def _write_unmerged(source: Path, stored: str | None, adapter: Path, scheme: str, folder: Path) -> None:
     folder.mkdir()
     if stored is not None:  # already the quantized base the adapter trained on: copy it as it is
-        shutil.copytree(source, folder / "base")
+        shutil.copytree(source, folder / BASE)
     else:  # the same codes `quantize_model` gives in memory at training time
-        quantize_checkpoint(_dense_folder(source, folder.parent), folder / "base", scheme, progress=False)
-    (folder / "adapter").mkdir()
-    shutil.copy2(adapter / lora.ADAPTER_WEIGHTS, folder / "adapter" / lora.ADAPTER_WEIGHTS)
+        quantize_checkpoint(_dense_folder(source, folder.parent), folder / BASE, scheme, progress=False)
+    (folder / ADAPTER).mkdir()
+    shutil.copy2(adapter / lora.ADAPTER_WEIGHTS, folder / ADAPTER / lora.ADAPTER_WEIGHTS)
     config = json.loads((adapter / lora.ADAPTER_CONFIG).read_text())
-    config["base_model_name_or_path"] = str(final / "base")  # AutoPeftModelForCausalLM finds the base from here
+    # AutoPeftModelForCausalLM finds the base from here, relative to where it runs: the export's folder, as the
+    # README's commands (an absolute path named this machine's folder)
+    config["base_model_name_or_path"] = f"./{BASE}"
     (folder / "adapter" / lora.ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -263,8 +269,8 @@ def _served_name(out: Path) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in out.resolve().name) or "qerl"
 
 
-def _readme(out: Path, merged: bool, scheme: str, command: str, config: dict, served_name: str) -> str:
-    model_dir = out if merged else out / "base"
+def _readme(merged: bool, scheme: str, command: str, config: dict, served_name: str) -> str:
+    model_dir = "." if merged else f"./{BASE}"
     ct_format = get_codec(scheme).compressed_tensors_format
     fmt = f"{scheme.upper()} (compressed-tensors `{ct_format}`)" if ct_format else scheme
     load = (f'AutoModelForCausalLM.from_pretrained(\n    "{model_dir}",\n'
@@ -275,7 +281,7 @@ def _readme(out: Path, merged: bool, scheme: str, command: str, config: dict, se
     lines = ["import torch"] + ([] if merged else ["from peft import PeftModel"]) + [imports]
     lines += ["", f'tokenizer = AutoTokenizer.from_pretrained("{model_dir}")', f"model = {load}"]
     if not merged:
-        lines.append(f'model = PeftModel.from_pretrained(model, "{out / "adapter"}")  # LoRA unmerged, as trained')
+        lines.append(f'model = PeftModel.from_pretrained(model, "./{ADAPTER}")  # LoRA unmerged, as trained')
     lines += [
         "model.eval()",
         "",
@@ -299,12 +305,15 @@ def _readme(out: Path, merged: bool, scheme: str, command: str, config: dict, se
         what = (f"The frozen base exactly as trained on, in {fmt}, and the LoRA adapter in PEFT format (rank "
                 f"{config.get('r')}, alpha {config.get('lora_alpha')}, on {targets}): together they are the trained "
                 "policy, bit for bit.")
-        layout = "- `base/`: the Hugging Face model folder of the base\n- `adapter/`: the PEFT LoRA adapter"
+        layout = f"- `{BASE}/`: the Hugging Face model folder of the base\n- `{ADAPTER}/`: the PEFT LoRA adapter"
         if config.get("modules_to_save"):
             layout += (f"\n\n**Note:** the adapter also trains {', '.join(config['modules_to_save'])} (PEFT "
                        "`modules_to_save`), which vLLM's LoRA support does not load: serve the `--merge` export with "
                        "vLLM. transformers + PEFT load this one as it is.")
     requests = ("" if merged else f'\n\nRequests name the adapter as the model (`"model": "{served_name}"`); the base '
                 "alone stays available under its path.")
-    return (f"# Exported by `qerl export`\n\n{what}\n\n{layout}\n\n## Serve with vLLM\n\n```bash\n{command}\n```"
+    where = ("Every path below is relative to this folder: run the commands from it (`cd` here first), wherever the "
+             "folder was moved or copied.")
+    return (f"# Exported by `qerl export`\n\n{what}\n\n{layout}\n\n{where}\n\n## Serve with vLLM\n\n"
+            f"```bash\n{command}\n```"
             f"{requests}\n\n## Load with transformers{'' if merged else ' + PEFT'}\n\n```python\n{snippet}\n```\n")
