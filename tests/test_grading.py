@@ -150,6 +150,8 @@ def test_a_hung_grader_is_a_counted_timeout_not_a_hang(hanging_worker) -> None:
 
 
 # Hostile for math-verify yet within qerl's size caps: sympy sums a million huge powers, term by term.
+# Slow under every size cap (sympy tries closed forms of k^k for minutes), so the CPU budget decides: the backstop for
+# what no cap foresaw. Its bound stays under the worker's cap on terms (MAX_TERMS), which decides longer ones at once.
 SLOW_SUM = "So the total is $\\boxed{\\sum_{k=1}^{%d} k^{k}}$."
 
 
@@ -158,11 +160,28 @@ def test_an_answer_over_its_cpu_budget_is_interrupted_and_the_worker_stays() -> 
     next answer at once (no restart: a restart is seconds of imports)."""
     worker = grading._mathverify.members[0]._active.proc.pid
     before = grading.stats()["timeouts"]
-    got = grade(SLOW_SUM % 10**6, "5", cpu_budget_s=0.2)
+    got = grade(SLOW_SUM % 900, "5", cpu_budget_s=0.2)
     assert got.timed_out and got.score == 0.0
     assert grading.stats()["timeouts"] == before + 1
     assert grade("$\\boxed{-x > -1}$", "x<1").score == 1.0
     assert grading._mathverify.members[0]._active.proc.pid == worker
+
+
+PRODUCT = "So the product is $\\boxed{\\prod_{k=1}^{%d} \\frac{k+1}{k}}$."
+
+
+def test_a_verdict_at_the_budgets_edge_is_the_same_under_any_budget_and_on_every_run() -> None:
+    """Issue #62: a correct product of ~44,000 terms cost about the 2 s budget and scored 1, 0, 1 on three runs. A
+    smaller budget stands for a slower or busier machine: the verdict on the product of 20,000 terms (0.3 s) must not
+    change with it, nor from one grading to the next, and a cheap product is still right."""
+    got = set()
+    for budget in (0.1, grading.CPU_BUDGET_S, 0.1, grading.CPU_BUDGET_S):
+        grading._mathverify.forget()  # grade again, not from the cache
+        graded = grade(PRODUCT % 20_000, "20001", cpu_budget_s=budget)
+        got.add((graded.score, graded.decided_by))
+    assert got == {(0.0, "math-verify")}  # over the worker's cap on terms, decided before any comparison
+    cheap = grade(PRODUCT % 10, "11")
+    assert (cheap.score, cheap.decided_by) == (1.0, "math-verify")
 
 
 def test_a_worker_stuck_in_one_c_call_is_killed_by_the_kernels_cpu_limit() -> None:
@@ -202,7 +221,7 @@ def test_timeouts_do_not_cascade_into_the_next_answers() -> None:
     0 while a killed worker's replacement loaded: six in a row on a loaded machine)."""
     before = grading.stats()["timeouts"]
     for i in range(3):  # new pairs each: asked, not answered from the cache
-        assert grade(SLOW_SUM % (10**6 + 10 + i), "5", cpu_budget_s=0.2).timed_out
+        assert grade(SLOW_SUM % (910 + i), "5", cpu_budget_s=0.2).timed_out
     assert grading.stats()["timeouts"] == before + 3
     for i in range(6):
         completion, gold, expected = MATH_VERIFY_PAIRS[i % len(MATH_VERIFY_PAIRS)]
@@ -215,7 +234,7 @@ def test_after_a_killed_worker_the_next_answers_wait_for_the_standby(monkeypatch
     it get their verdicts even while the standby is still loading, instead of timing out."""
     worker = grading._mathverify.members[0]._active.proc
     monkeypatch.setattr(mv, "WALL_BACKSTOP_S", 0.0)
-    assert grade(SLOW_SUM % 10**6, "5").timed_out
+    assert grade(SLOW_SUM % 900, "5").timed_out
     monkeypatch.undo()
     assert worker.wait(10) is not None  # killed
     got = [grade(c % 50, g % 50) for c, g, _ in MATH_VERIFY_PAIRS]
@@ -243,7 +262,7 @@ def cpu_hogs():
 def test_scores_do_not_depend_on_the_machines_load(cpu_hogs) -> None:
     """Issue #47: the same answers get the same scores idle and beside three CPU-hogging processes, the answers over
     budget included (a wall-clock deadline made both depend on load and on what was graded before)."""
-    pairs = [(SLOW_SUM % 10**7, "5")] + [(c % 60, g % 60) for c, g, _ in MATH_VERIFY_PAIRS]
+    pairs = [(SLOW_SUM % 990, "5")] + [(c % 60, g % 60) for c, g, _ in MATH_VERIFY_PAIRS]
 
     def scores() -> list[tuple[float, str]]:
         grading._mathverify.forget()  # grade again, not from the cache

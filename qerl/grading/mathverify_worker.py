@@ -1,8 +1,9 @@
 """The math-verify worker: a child process that answers "are these two answers equal?" with HuggingFace math-verify.
 
 Protocol (one JSON object per line): it first writes {"ready": VERSION} (or {"unavailable": REASON}), then for each
-request {"gold": ..., "pred": ..., "cpu_s": BUDGET} on stdin one reply on stdout: {"equal": bool}, or
-{"over_budget": true} when the comparison needed more than BUDGET seconds of this process's CPU time. It exits when
+request {"gold": ..., "pred": ..., "cpu_s": BUDGET} on stdin one reply on stdout: {"equal": bool} (with "too_large":
+true when an answer holds more than MAX_TERMS terms of iterated sums and products: refused by its size, before it is
+compared), or {"over_budget": true} when the comparison needed more than BUDGET seconds of this process's CPU time. It exits when
 stdin closes (its parent is gone).
 
 The budget is CPU time, not wall time, so that a verdict depends on the answer alone, not on how busy the machine is
@@ -28,6 +29,11 @@ WARM_UP = [
     ("$y = 2x + 1$", "$2x - y + 1 = 0$"), ("$2\\sqrt{3} \\pi^2 \\sin(x)$", "$\\text{E}$"), ("$10\\%$", "$1,000$"),
     ("$F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}$", "$-2 \\le x \\le 7$"), ("$x^2/4 + y^2/3 = 1$", "$x \\in [-2,7]$"),
 ]
+# Terms of the iterated sums and products with numeric bounds a comparison may hold (nested ones multiply, siblings
+# add): decided on math-verify's parse before it compares, so a verdict never hangs on the clock there. sympy expands
+# them one by one, in time that grows with the count without end (`\prod_{k=1}^{44000} \frac{k+1}{k}`, 5 characters
+# of bound, took about the whole 2 s budget and scored 1 or 0 from run to run); 1,000 simple terms take ~12 ms.
+MAX_TERMS = 1_000
 MEMORY_LIMIT_BYTES = 4 << 30  # address space: a runaway sympy expansion fails with MemoryError, not an OOM kill
 CPU_GRACE_S = 2  # CPU seconds past the budget after which the kernel kills a worker stuck in one C call
 RETRY_S = 0.05  # the CPU timer fires again this often until its exception gets through (a bare `except:` in sympy)
@@ -100,8 +106,11 @@ def _compare(parse, verify, gold: str, pred: str, budget_s: float) -> dict:
         _armed = _HAS_CPU_TIMER
         if _HAS_CPU_TIMER:
             signal.setitimer(signal.ITIMER_PROF, max(budget_s, 1e-6), RETRY_S)
-        equal = bool(verify(parse(gold, parsing_timeout=None), parse(pred, parsing_timeout=None),
-                            timeout_seconds=None))
+        gold_parsed, pred_parsed = parse(gold, parsing_timeout=None), parse(pred, parsing_timeout=None)
+        if max(iterated_terms(gold_parsed), iterated_terms(pred_parsed)) > MAX_TERMS:
+            _armed = False
+            return {"equal": False, "too_large": True}  # by its size, not its time: the same verdict on every run
+        equal = bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
         _armed = False  # before any call, so that the timer cannot raise past this point
         over = time.process_time() - start > budget_s  # finished after an interruption something swallowed
     except OverBudget:
@@ -113,6 +122,31 @@ def _compare(parse, verify, gold: str, pred: str, budget_s: float) -> dict:
             signal.setitimer(signal.ITIMER_PROF, 0)
         _limit_cpu(None)
     return {"over_budget": True} if over else {"equal": equal}
+
+
+def iterated_terms(parsed: list) -> int:
+    """The terms sympy would expand one by one in math-verify's `parse` result: for each iterated sum or product
+    whose bounds are numbers, their count, times its body's (nesting multiplies), added over siblings. Symbolic or
+    infinite bounds count 1 (sympy sums those in closed form or not at all)."""
+    sympy = sys.modules.get("sympy")  # math-verify's parse imported it; without it, nothing parsed is sympy's
+    if sympy is None:
+        return 0
+    Basic, Product, Sum = sympy.Basic, sympy.Product, sympy.Sum
+
+    def terms(expr) -> int:
+        if not isinstance(expr, Basic):
+            return 0
+        inner = sum(terms(arg) for arg in expr.args)
+        if not isinstance(expr, (Sum, Product)):
+            return inner
+        own = 1
+        for _, low, high in expr.limits:
+            span = high - low
+            if span.is_number and span.is_finite:
+                own *= int(abs(span)) + 1
+        return own * max(inner, 1)
+
+    return max((terms(expr) for expr in parsed), default=0)
 
 
 def main() -> None:
