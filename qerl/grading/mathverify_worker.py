@@ -3,8 +3,8 @@
 Protocol (one JSON object per line): it first writes {"ready": VERSION} (or {"unavailable": REASON}), then for each
 request {"gold": ..., "pred": ..., "cpu_s": BUDGET} on stdin one reply on stdout: {"equal": bool} (with "too_large":
 true when an answer holds more than MAX_TERMS terms of iterated sums and products: refused by its size, before it is
-compared), or {"over_budget": true} when the comparison needed more than BUDGET seconds of this process's CPU time. It exits when
-stdin closes (its parent is gone).
+compared), or {"over_budget": true} when the comparison needed more than BUDGET seconds of this process's CPU time.
+It exits when stdin closes (its parent is gone).
 
 The budget is CPU time, not wall time, so that a verdict depends on the answer alone, not on how busy the machine is
 or on what was graded before. A CPU timer (ITIMER_PROF) interrupts math-verify in Python, which keeps this process
