@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qerl.rl.grpo import (
+    at_or_above,
     LossConfig,
     entropy_from_logits,
     entropy_threshold,
@@ -520,3 +521,15 @@ def test_top_entropy_mask_keeps_the_batchs_top_quantile_whole_and_accumulated(qu
                                rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="entropy"):
         policy_loss(logp, old, adv, mask, cfg)
+
+
+def test_a_tie_at_the_entropy_cut_is_not_split_by_an_ulp():
+    """Rows of a group share their prompt: their first tokens' entropies are one value, computed in micro-batches of
+    other shapes an ulp apart. Whichever copy the cut lands on, the tie is kept whole (or dropped whole)."""
+    tie = torch.tensor(3.0466168)
+    nudged = torch.nextafter(tie, torch.tensor(math.inf))
+    entropies = torch.stack([torch.tensor(1.0), tie, nudged, torch.tensor(5.0)])
+    for cut in (float(tie), float(nudged)):
+        assert at_or_above(entropies, cut).tolist() == [False, True, True, True]
+    assert not at_or_above(entropies, math.inf).any()  # no loss tokens: none kept
+    assert at_or_above(entropies, 3.1).tolist() == [False, False, False, True]  # a real gap still cuts

@@ -263,17 +263,22 @@ def test_a_second_signal_stops_at_once_as_the_signal_would_have():
     KeyboardInterrupt; afterwards the handler is Python's again."""
     from qerl.rl.stopping import StopSignals
 
-    before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt), StopSignals() as signals:
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(100):  # Python runs the handler between bytecodes of the main thread
-            if signals.signum:
-                break
-            time.sleep(0.01)
-        assert signals.signum == signal.SIGINT
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)
-    assert signal.getsignal(signal.SIGINT) is before
+    # Python's handler, as at a terminal: pytest started in a shell's background job (a CI runner's, `cmd &`)
+    # inherits SIGINT ignored, and StopSignals rightly leaves an ignored signal ignored
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):  # Python runs the handler between bytecodes of the main thread
+                if signals.signum:
+                    break
+                time.sleep(0.01)
+            assert signals.signum == signal.SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_the_resume_command_keeps_the_overrides_and_what_is_left_of_max_steps():

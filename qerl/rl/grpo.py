@@ -420,6 +420,9 @@ def loss_mask(mask: Tensor, cfg: LossConfig, truncated: Tensor | None = None) ->
     return mask
 
 
+ENTROPY_TIE = 1e-5  # relative: far above float32's ulp-level batch-shape noise, far below real entropy gaps
+
+
 def entropy_threshold(entropies: Tensor, quantile: float) -> float:
     """The entropy at or above which a token is in the top ``quantile`` of ``entropies`` (the 1-D entropies of a
     whole batch's loss tokens): their ``1 - quantile`` quantile, linearly interpolated (TRL's
@@ -427,6 +430,16 @@ def entropy_threshold(entropies: Tensor, quantile: float) -> float:
     if not entropies.numel():
         return math.inf
     return torch.quantile(entropies.to(torch.promote_types(entropies.dtype, torch.float32)), 1 - quantile).item()
+
+
+def at_or_above(entropy: Tensor, cut: float) -> Tensor:
+    """The tokens whose entropy is at or above `cut` (an `entropy_threshold`), ties within ENTROPY_TIE of it counted
+    as at it: rows of a group share their prompt, so their first tokens' entropies are one value and the quantile
+    often lands on such a tie; the same value computed in micro-batches of other shapes differs by an ulp or two,
+    which must not split the tie (the kept tokens would depend on grpo.micro_batch_size)."""
+    if not math.isfinite(cut):
+        return torch.zeros_like(entropy, dtype=torch.bool)
+    return entropy >= cut - ENTROPY_TIE * abs(cut)
 
 
 def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
@@ -528,7 +541,7 @@ def policy_loss(
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
         cut = entropy_threshold(entropy[keep], cfg.top_entropy_quantile) if entropy_cut is None else entropy_cut
-        kept_by_entropy = entropy >= cut
+        kept_by_entropy = at_or_above(entropy, cut)
         per_token = per_token * kept_by_entropy
 
     per_token_kl = None
