@@ -9,7 +9,7 @@ the model's modules (their weights, norms, projection groups) and writes nothing
 * LoRA's B product is left to the kernel that reads a projection's output next (`DeferredLoRA`: RoPE + KV write,
   SiLU·up, add + RMSNorm), so it costs no launch of its own;
 * q/k/v and gate/up run as one GEMM each where the model fused them (`qerl.execution.fusion`: `GROUP_ATTR`);
-* attention is one split-KV kernel over the caller's caches (SDPA leaves most of the GPU idle at one query per row).
+* attention is `qerl.execution.attention.attend_cached`'s split-KV kernel over the caller's caches.
 Where a kernel's rounding is not the family's (Gemma's (1 + w) norms, GeGLU) the step runs those ops in plain
 PyTorch. Everything it launches depends only on shapes, so a CUDA graph of it replays correctly.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qerl.execution import attention
 from qerl.execution.low_rank import GROUP_ATTR, DeferredLoRA, deferred, finished, fused_forward, is_lora
 from qerl.quant.fp8 import frozen_linear
 
@@ -55,8 +56,7 @@ def decode_step(model: nn.Module, tokens: Tensor, positions: Tensor, slot: Tenso
     tables = decoder.rope_tables(positions)  # [N, 1, D] fp32
     inputs = {}
     for kind, allowed in decoder.step_masks(attend, slot).items():
-        # an additive mask, built once per step instead of once per layer
-        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        mask = attention.additive_mask(allowed, x.dtype)  # the kernel's, built once per step instead of per layer
         cos, sin = tables[kind]
         inputs[kind] = (cos[:, 0], sin[:, 0], mask)
     residual = None
@@ -173,9 +173,10 @@ def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tenso
         norms = (None, None)
     q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim, *norms,
                                    low_rank=low_rank, queries_per_row=queries_per_row)
-    out = fused_ops.decode_attention(q, k_cache, v_cache, mask, heads, kv_heads, dim, **attn.sdpa_scale,
-                                     queries_per_row=queries_per_row)
-    return _project_deferred(attn.o_proj, out)
+    cache_rows = rows // queries_per_row  # q and mask as views [cache rows, heads, Q, dim], [cache rows, 1, Q, window]
+    out = attention.attend_cached(q.view(cache_rows, queries_per_row, heads, dim).transpose(1, 2), k_cache, v_cache,
+                                  mask.view(cache_rows, 1, queries_per_row, -1), attn.scale, split_kv=True)
+    return _project_deferred(attn.o_proj, out.view(rows, heads * dim))
 
 
 def _mlp(mlp: nn.Module, h: Tensor, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:

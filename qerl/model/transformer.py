@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qerl import execution
-from qerl.execution import decode, fusion, training_ops
+from qerl.execution import attention, decode, fusion, training_ops
 from qerl.execution.low_rank import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
 from qerl.model.architecture import ModelConfig
 from qerl.model.masks import positions_and_mask, sliding_mask
@@ -98,7 +98,8 @@ class StepCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention through `F.scaled_dot_product_attention`."""
+    """Grouped-query attention: its projections, q/k norms and RoPE here, the attention itself in
+    `qerl.execution.attention` (the one place every path computes it)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -139,7 +140,8 @@ class Attention(nn.Module):
                 cache_position: Tensor | None = None) -> Tensor:
         """x [B, T, hidden] (normed), cos/sin [B, 1, T, head_dim], mask [B|1, 1, T, S] boolean (None: causal);
         `cache` (a `KVCache`, or any object with its `update`): k, v written at slots `cache_position` [T], and
-        attention over what `update` returns. The one attention of training, prefill and the plain decode step."""
+        attention over what `update` returns. The one attention module of training, prefill and the plain decode
+        step; the scores are `qerl.execution.attention`'s (so are the fused step's and the shared-prompt forward's)."""
         batch, seq, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
@@ -149,23 +151,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
-        groups = self.num_heads // self.num_kv_heads
         if cache is not None:
             k, v = cache.update(cache_position, k, v)
-            # Fold each kv head's query group into the query axis instead of copying the cache `groups` times.
-            q = q.reshape(batch, self.num_kv_heads, groups * seq, self.head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, groups, 1), **self.sdpa_scale)
-            out = out.reshape(batch, self.num_heads, seq, self.head_dim)  # GPU kernels return strided layouts
+            out = attention.attend_cached(q, k, v, mask, self.scale)
         else:
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **self.sdpa_scale)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-    @property
-    def sdpa_scale(self) -> dict[str, float]:
-        """SDPA's `scale` argument where the family sets one (Gemma's query_pre_attn_scalar)."""
-        return {} if self.scale is None else {"scale": self.scale}
+            out = attention.attend(q, k, v, mask, self.scale)
+        return self.o_proj(out)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
