@@ -59,31 +59,39 @@ def decode_step(model: nn.Module, tokens: Tensor, positions: Tensor, slot: Tenso
         mask = attention.additive_mask(allowed, x.dtype)  # the kernel's, built once per step instead of per layer
         cos, sin = tables[kind]
         inputs[kind] = (cos[:, 0], sin[:, 0], mask)
-    residual = None
+    stream = DeferredResidual(x)
     for layer, (k_cache, v_cache) in zip(decoder.layers, kv_caches):
         cos, sin, mask = inputs[layer.sliding]
-        x, residual = _block(layer, x, residual, cos, sin, mask, k_cache, v_cache, slot, queries_per_row)
-    return model.softcap(project(model.lm_head, add_norm(decoder.norm, x, residual)[1]))
+        _block(layer, stream, cos, sin, mask, k_cache, v_cache, slot, queries_per_row)
+    return model.softcap(project(model.lm_head, stream.normed(decoder.norm)[0]))
 
 
-def _block(layer: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None, cos: Tensor, sin: Tensor,
-           mask: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
-           queries_per_row: int = 1) -> tuple[Tensor, Tensor | DeferredLoRA]:
-    """A `DecoderLayer` for one token per query row (`queries_per_row` of them per cache row) with its residual add
-    deferred into the next norm: takes and returns (x, residual), the block's output being x + residual."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if layer.sandwich:
-        x, h, _ = add_norm(layer.input_layernorm, x, residual)
-        residual = layer.post_attention_layernorm(finished(_attention(attn, h, cos, sin, mask, k_cache, v_cache, slot,
-                                                                      queries_per_row=queries_per_row)))
-        x, h, _ = add_norm(layer.pre_feedforward_layernorm, x, residual)
-        return x, layer.post_feedforward_layernorm(finished(_mlp(mlp, h)))
-    # each norm's kernel also computes the next group's x·Aᵀ (LoRA's first product) where it is deferred
-    x, h, h_lora = add_norm(layer.input_layernorm, x, residual, _lora_a(attn, x.dtype))
-    residual = _attention(attn, h, cos, sin, mask, k_cache, v_cache, slot, h_lora, queries_per_row)
-    x, h, h_lora = add_norm(layer.post_attention_layernorm, x, residual,
-                            _lora_a(mlp, x.dtype) if mlp.act is F.silu else None)
-    return x, _mlp(mlp, h, h_lora)
+class DeferredResidual:
+    """The residual stream of the fused step (`qerl.model.transformer.Residual`'s protocol): x, and the last
+    sub-block's output not yet added to it (possibly a `DeferredLoRA`). The next norm's kernel adds it
+    (`add_norm`), and computes the next sub-block's LoRA x·Aᵀ where that block's group defers its update."""
+
+    def __init__(self, x: Tensor):
+        self.x, self.residual = x, None
+
+    def normed(self, norm: nn.Module, into: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        # only Llama's norms are the kernel's (Gemma's unit-offset norms would spend a GEMM on it: the group does)
+        shrink = _lora_a(into, self.x.dtype) if into is not None and not norm.unit_offset else None
+        self.x, h, h_lora = add_norm(norm, self.x, self.residual, shrink)
+        self.residual = None
+        return h, h_lora
+
+    def add(self, out: Tensor | DeferredLoRA, norm: nn.Module | None = None) -> None:
+        self.residual = out if norm is None else norm(finished(out))
+
+
+def _block(layer: nn.Module, stream: DeferredResidual, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor,
+           v_cache: Tensor, slot: Tensor, queries_per_row: int) -> None:
+    """The model's own block (`DecoderLayer.block`) for one token per query row (`queries_per_row` of them per
+    cache row), its attention and MLP as the kernels run them."""
+    layer.block(stream, lambda h, h_lora: _attention(layer.self_attn, h, cos, sin, mask, k_cache, v_cache, slot,
+                                                     h_lora, queries_per_row),
+                lambda h, h_lora: _mlp(layer.mlp, h, h_lora))
 
 
 def add_norm(norm: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None,
@@ -140,9 +148,12 @@ def gate_up(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _lora_a(block: nn.Module, dtype: torch.dtype) -> Tensor | None:
-    """The block's q/k/v or gate/up group's stacked LoRA A, where the step defers the group's update."""
+    """The block's q/k/v or gate/up group's stacked LoRA A, where the step defers the group's update (attention; the
+    MLP with SwiGLU, whose kernel adds it)."""
     group = block.__dict__.get(GROUP_ATTR)
-    return group.decode_lora_a(dtype) if group is not None else None
+    if group is None or getattr(block, "act", F.silu) is not F.silu:
+        return None
+    return group.decode_lora_a(dtype)
 
 
 def _deferred(block: nn.Module, x: Tensor, h_lora: Tensor | None, plain) -> tuple[list[Tensor], DeferredLoRA | None]:

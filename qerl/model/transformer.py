@@ -199,6 +199,23 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class Residual:
+    """The residual stream through the blocks as the forward runs it: `normed(norm, into)` is the stream through a
+    norm (the input of sub-block `into`, the attention or the MLP), `add(out, norm)` adds a sub-block's output,
+    normed first where the family norms outputs. The fused decode step runs the same blocks on a stream of its own
+    (`qerl.execution.decode.DeferredResidual`: each add deferred into the next norm's kernel, which also computes
+    the next sub-block's LoRA x·Aᵀ: the second value `normed` returns, None here)."""
+
+    def __init__(self, x: Tensor):
+        self.x = x
+
+    def normed(self, norm: nn.Module, into: nn.Module | None = None) -> tuple[Tensor, None]:
+        return norm(self.x), None
+
+    def add(self, out: Tensor, norm: nn.Module | None = None) -> None:
+        self.x = self.x + (out if norm is None else norm(out))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). With the family's sandwich norms (Gemma) the
     outputs are normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(.))); post_attention_layernorm is then
@@ -223,12 +240,20 @@ class DecoderLayer(nn.Module):
         return self.around(x, lambda h: self.self_attn(h, cos, sin, mask, cache, cache_position))
 
     def around(self, x: Tensor, attend) -> Tensor:
-        """The block around its attention, `attend(normed x)`: norms, residual adds and the MLP."""
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attend(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x through the block around its attention, `attend(normed x)` (the forward's, the shared-prompt
+        forward's), the MLP the module's own."""
+        stream = Residual(x)
+        self.block(stream, lambda h, _: attend(h), lambda h, _: self.mlp(h))
+        return stream.x
+
+    def block(self, stream, attend, feed_forward) -> None:
+        """The block, written once for every path, on `stream` (a `Residual`, or the fused decode step's):
+        `attend(h, h_lora)` and `feed_forward(h, h_lora)` run the attention and the MLP on the normed stream (h_lora:
+        the stream's x·Aᵀ for the sub-block's LoRA, or None)."""
+        out_norms = (self.post_attention_layernorm, self.post_feedforward_layernorm) if self.sandwich else (None, None)
+        stream.add(attend(*stream.normed(self.input_layernorm, self.self_attn)), out_norms[0])
+        mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+        stream.add(feed_forward(*stream.normed(mlp_norm, self.mlp)), out_norms[1])
 
 # ---------------------------------------------------------------------------------------------------- model
 
