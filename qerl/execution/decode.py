@@ -125,28 +125,6 @@ def _project_deferred(linear: nn.Module, x: Tensor) -> Tensor | DeferredLoRA:
     return project(linear, x) if left is None else left
 
 
-def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`Attention.project_qkv` in the fused step: each projection through `project`, a fused group as one GEMM."""
-    if (group := attn.__dict__.get(GROUP_ATTR)) is not None:
-        q, k, v = group(x, True)
-        return q, k, v
-    if hasattr(attn, "qkv_proj"):  # column slices of one output, as a fused group's
-        q, k, v = project(attn.qkv_proj, x).split(attn.qkv_sizes, dim=-1)
-        return q, k, v
-    return project(attn.q_proj, x), project(attn.k_proj, x), project(attn.v_proj, x)
-
-
-def gate_up(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
-    """`MLP.gate_up` in the fused step (as `project_qkv`)."""
-    if (group := mlp.__dict__.get(GROUP_ATTR)) is not None:
-        gate, up = group(x, True)
-        return gate, up
-    if hasattr(mlp, "gate_up_proj"):
-        gate, up = project(mlp.gate_up_proj, x).chunk(2, dim=-1)
-        return gate, up
-    return project(mlp.gate_proj, x), project(mlp.up_proj, x)
-
-
 def _lora_a(block: nn.Module, dtype: torch.dtype) -> Tensor | None:
     """The block's q/k/v or gate/up group's stacked LoRA A, where the step defers the group's update (attention; the
     MLP with SwiGLU, whose kernel adds it)."""
@@ -156,12 +134,14 @@ def _lora_a(block: nn.Module, dtype: torch.dtype) -> Tensor | None:
     return group.decode_lora_a(dtype)
 
 
-def _deferred(block: nn.Module, x: Tensor, h_lora: Tensor | None, plain) -> tuple[list[Tensor], DeferredLoRA | None]:
+def _deferred(block: nn.Module, x: Tensor, h_lora: Tensor | None,
+              projections) -> tuple[list[Tensor], DeferredLoRA | None]:
     """The block's group outputs with its LoRA update left to the next kernel (their base part), and that update;
-    `plain(block, x)` and None where there is no update to leave. h_lora: x·Aᵀ, if the norm's kernel computed it."""
+    `projections(x, fused=True)` (the block's own `project_qkv` or `gate_up`) and None where there is no update to
+    leave. h_lora: x·Aᵀ, if the norm's kernel computed it."""
     group = block.__dict__.get(GROUP_ATTR)
     parts = group.decode_deferred(x, h_lora) if group is not None else None
-    return parts if parts is not None else (list(plain(block, x)), None)
+    return parts if parts is not None else (list(projections(x, fused=True)), None)
 
 
 def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -173,7 +153,7 @@ def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tenso
     from qerl.execution import fused_ops
 
     rows, heads, kv_heads, dim = h.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
-    (q, k, v), low_rank = _deferred(attn, h, h_lora, project_qkv)
+    (q, k, v), low_rank = _deferred(attn, h, h_lora, attn.project_qkv)
     norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
     if attn.qk_norm and attn.q_norm.unit_offset:  # the kernel norms as Llama rounds: Gemma's q/k norm here
         if low_rank is not None:  # q, k, v are views of its output: finished in place
@@ -196,7 +176,7 @@ def _mlp(mlp: nn.Module, h: Tensor, h_lora: Tensor | None = None) -> Tensor | De
     if mlp.act is F.silu:
         from qerl.execution import fused_ops
 
-        (gate, up), low_rank = _deferred(mlp, h, h_lora, gate_up)
+        (gate, up), low_rank = _deferred(mlp, h, h_lora, mlp.gate_up)
         return _project_deferred(mlp.down_proj, fused_ops.fused_silu_mul(gate, up, low_rank))
-    gate, up = gate_up(mlp, h)
+    gate, up = mlp.gate_up(h, fused=True)
     return project(mlp.down_proj, mlp.act(gate) * up)

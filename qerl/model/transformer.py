@@ -126,15 +126,18 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.ops = training_ops.EAGER  # RoPE's; the model's execution plan sets its own (qerl.execution.attach)
 
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden]."""
+    def project_qkv(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden].
+        `fused` (the fused decode step, no grad): LoRA layers as one addmm into the base output
+        (`qerl.execution.decode.project`), a fused group through its decode path."""
         if (group := self.__dict__.get(GROUP_ATTR)) is not None:
-            q, k, v = group(x)
+            q, k, v = group(x, fused)
             return q, k, v
+        linear = decode.project if fused else frozen_linear
         if hasattr(self, "qkv_proj"):  # column slices of one output, as a fused group's
-            q, k, v = frozen_linear(self.qkv_proj, x).split(self.qkv_sizes, dim=-1)
+            q, k, v = linear(self.qkv_proj, x).split(self.qkv_sizes, dim=-1)
             return q, k, v
-        return frozen_linear(self.q_proj, x), frozen_linear(self.k_proj, x), frozen_linear(self.v_proj, x)
+        return linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None,
                 cache_position: Tensor | None = None) -> Tensor:
@@ -182,15 +185,17 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
         self.ops = training_ops.EAGER  # the model's execution plan sets its own (qerl.execution.attach)
 
-    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """gate and up projections [..., intermediate] of the normed input x [..., hidden]."""
+    def gate_up(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
+        """gate and up projections [..., intermediate] of the normed input x [..., hidden] (`fused` as
+        `Attention.project_qkv`)."""
         if (group := self.__dict__.get(GROUP_ATTR)) is not None:
-            gate, up = group(x)
+            gate, up = group(x, fused)
             return gate, up
+        linear = decode.project if fused else frozen_linear
         if hasattr(self, "gate_up_proj"):
-            gate, up = frozen_linear(self.gate_up_proj, x).chunk(2, dim=-1)
+            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)
             return gate, up
-        return frozen_linear(self.gate_proj, x), frozen_linear(self.up_proj, x)
+        return linear(self.gate_proj, x), linear(self.up_proj, x)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
