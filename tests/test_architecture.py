@@ -459,3 +459,15 @@ def test_the_attention_finder(tmp_path):
                     "def decode_attention(q):\n    return logits.softmax(-1)\n")
     assert attention_computed(path) == ["3: scaled_dot_product_attention", "4: scaled_dot_product_attention", "5: softmax of a product",
                                         "6: softmax of a product", "8: decode_attention"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tests/ mirrors the package tree for qerl/execution: tests/execution/test_<module>.py tests qerl/execution/<module>.py.
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_the_tests_of_execution_mirror_its_modules():
+    package = {p.stem for p in (ROOT / "qerl" / "execution").glob("*.py")} - {"__init__"}
+    tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / "execution").glob("test_*.py")}
+    assert not tests - package, f"tests/execution/ files named after no module of qerl/execution: {sorted(tests - package)}"
+    stray = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if p.stem.removeprefix("test_") in package)
+    assert not stray, f"tests of qerl/execution modules outside tests/execution/: {stray}"
