@@ -7,8 +7,11 @@ all compute the same numbers, which the policy-gradient ratio relies on. Each bl
 through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA)
 those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.execution.fusion`); Phi-3 stores them stacked.
 
-What makes it fast is applied to it from `qerl.execution`: the blocks' training ops (`ops`, set by the model's
-execution plan), the fused decode step (`decode_step(fused=True)`) and the shared-prompt forward of the update.
+The block is written once (`DecoderLayer.block`, over a residual stream) and attention itself is
+`qerl.execution.attention`'s, so what makes the model fast is applied to them rather than beside them: the blocks'
+training ops (`ops`, set by the model's execution plan), the fused decode step (`decode_step(fused=True)`: the same
+blocks on a stream that defers its adds into the norm kernels) and the shared-prompt forward of the update (the same
+blocks around its attention).
 """
 from __future__ import annotations
 
