@@ -425,6 +425,14 @@ def attention_computed(path: Path) -> list[str]:
     """Where the file computes attention scores: a call, reference or import of one of ATTENTION_CALLS
     (`f = F.scaled_dot_product_attention` too), or a softmax of a product (`softmax(q @ k.T)`,
     `torch.matmul(...).softmax(-1)`), as "line: what" in line order."""
+
+    def called(call: ast.Call) -> str | None:
+        return getattr(call.func, "attr", None) or getattr(call.func, "id", None)
+
+    def product(node: ast.AST) -> bool:
+        return (isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)
+                or isinstance(node, ast.Call) and called(node) in PRODUCTS)
+
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.ImportFrom):
@@ -432,11 +440,9 @@ def attention_computed(path: Path) -> list[str]:
         name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
         if name in ATTENTION_CALLS and isinstance(getattr(node, "ctx", None), ast.Load):
             found.append((node.lineno, f"{node.lineno}: {name}"))
-        if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in SOFTMAXES:
+        if isinstance(node, ast.Call) and called(node) in SOFTMAXES:
             inside = [*node.args, *([node.func.value] if isinstance(node.func, ast.Attribute) else [])]
-            if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)
-                   or isinstance(n, ast.Call) and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in PRODUCTS
-                   for arg in inside for n in ast.walk(arg)):
+            if any(product(n) for arg in inside for n in ast.walk(arg)):
                 found.append((node.lineno, f"{node.lineno}: softmax of a product"))
     return [what for _, what in sorted(found)]
 
@@ -453,12 +459,13 @@ def test_attention_is_computed_only_in_the_seam():
 
 def test_the_attention_finder(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("import torch\nimport torch.nn.functional as F\nfrom torch.nn.functional import scaled_dot_product_attention\n"
+    path.write_text("import torch\nimport torch.nn.functional as F\n"
+                    "from torch.nn.functional import scaled_dot_product_attention\n"
                     "a = F.scaled_dot_product_attention(q, k, v)\nb = torch.softmax(q @ k.mT, -1)\n"
-                    "c = torch.matmul(q, k).softmax(-1)\nd = F.log_softmax(logits, -1) @ w\ne = fused_ops.decode_attention\n"
-                    "def decode_attention(q):\n    return logits.softmax(-1)\n")
-    assert attention_computed(path) == ["3: scaled_dot_product_attention", "4: scaled_dot_product_attention", "5: softmax of a product",
-                                        "6: softmax of a product", "8: decode_attention"]
+                    "c = torch.matmul(q, k).softmax(-1)\nd = F.log_softmax(logits, -1) @ w\n"
+                    "e = fused_ops.decode_attention\ndef decode_attention(q):\n    return logits.softmax(-1)\n")
+    assert attention_computed(path) == ["3: scaled_dot_product_attention", "4: scaled_dot_product_attention",
+                                        "5: softmax of a product", "6: softmax of a product", "8: decode_attention"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -468,6 +475,6 @@ def test_the_attention_finder(tmp_path):
 def test_the_tests_of_execution_mirror_its_modules():
     package = {p.stem for p in (ROOT / "qerl" / "execution").glob("*.py")} - {"__init__"}
     tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / "execution").glob("test_*.py")}
-    assert not tests - package, f"tests/execution/ files named after no module of qerl/execution: {sorted(tests - package)}"
+    assert not tests - package, f"tests/execution/ files named after no module: {sorted(tests - package)}"
     stray = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if p.stem.removeprefix("test_") in package)
     assert not stray, f"tests of qerl/execution modules outside tests/execution/: {stray}"
