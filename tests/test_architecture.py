@@ -406,3 +406,75 @@ def test_the_environment_read_finder(tmp_path):
                     "a = os.environ.get('A', '0')\nb = os.environ[NAME]\nc = 'C' in os.environ\nd = os.getenv('D')\n"
                     "e = debug.variable('E')\nf = sorted(os.environ)\n")
     assert environment_reads(path) == ({"A", "B", "C", "D", "*"}, {"E"})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention is computed in one module: every path (training, prefill, shared prompts, both decode steps) calls it.
+# ---------------------------------------------------------------------------------------------------------------------
+
+ATTENTION_SEAM = "qerl.execution.attention"
+# What computes attention scores: SDPA, the split-KV decode kernel's launcher (defined in fused_ops, called only from
+# the seam), and any other fused attention a module might reach for.
+ATTENTION_CALLS = {"scaled_dot_product_attention", "decode_attention", "flash_attn_func", "flash_attn_with_kvcache",
+                   "flex_attention"}
+SOFTMAXES = {"softmax", "log_softmax", "_softmax"}
+PRODUCTS = {"matmul", "bmm", "baddbmm", "einsum"}
+
+
+def attention_computed(path: Path) -> list[str]:
+    """Where the file computes attention scores: a call, reference or import of one of ATTENTION_CALLS
+    (`f = F.scaled_dot_product_attention` too), or a softmax of a product (`softmax(q @ k.T)`,
+    `torch.matmul(...).softmax(-1)`), as "line: what" in line order."""
+
+    def called(call: ast.Call) -> str | None:
+        return getattr(call.func, "attr", None) or getattr(call.func, "id", None)
+
+    def product(node: ast.AST) -> bool:
+        return (isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)
+                or isinstance(node, ast.Call) and called(node) in PRODUCTS)
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, f"{node.lineno}: {a.name}") for a in node.names if a.name in ATTENTION_CALLS]
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in ATTENTION_CALLS and isinstance(getattr(node, "ctx", None), ast.Load):
+            found.append((node.lineno, f"{node.lineno}: {name}"))
+        if isinstance(node, ast.Call) and called(node) in SOFTMAXES:
+            inside = [*node.args, *([node.func.value] if isinstance(node.func, ast.Attribute) else [])]
+            if any(product(n) for arg in inside for n in ast.walk(arg)):
+                found.append((node.lineno, f"{node.lineno}: softmax of a product"))
+    return [what for _, what in sorted(found)]
+
+
+def test_attention_is_computed_only_in_the_seam():
+    """No module but qerl.execution.attention computes attention scores or calls SDPA: training, prefill, the
+    shared-prompt forward and both decode steps call it, so a change of kernel or a new caller (a multi-token verify
+    step) happens in one place."""
+    wrong = sorted(f"{name} line {where}" for name, path in modules().items() if name != ATTENTION_SEAM
+                   for where in attention_computed(path))
+    assert not wrong, f"attention computed outside {ATTENTION_SEAM} (call it instead): " + "; ".join(wrong)
+    assert attention_computed(modules()[ATTENTION_SEAM]), "the seam computes no attention: the finder is blind"
+
+
+def test_the_attention_finder(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import torch\nimport torch.nn.functional as F\n"
+                    "from torch.nn.functional import scaled_dot_product_attention\n"
+                    "a = F.scaled_dot_product_attention(q, k, v)\nb = torch.softmax(q @ k.mT, -1)\n"
+                    "c = torch.matmul(q, k).softmax(-1)\nd = F.log_softmax(logits, -1) @ w\n"
+                    "e = fused_ops.decode_attention\ndef decode_attention(q):\n    return logits.softmax(-1)\n")
+    assert attention_computed(path) == ["3: scaled_dot_product_attention", "4: scaled_dot_product_attention",
+                                        "5: softmax of a product", "6: softmax of a product", "8: decode_attention"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tests/ mirrors the package tree for qerl/execution: tests/execution/test_<module>.py tests qerl/execution/<module>.py.
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_the_tests_of_execution_mirror_its_modules():
+    package = {p.stem for p in (ROOT / "qerl" / "execution").glob("*.py")} - {"__init__"}
+    tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / "execution").glob("test_*.py")}
+    assert not tests - package, f"tests/execution/ files named after no module: {sorted(tests - package)}"
+    stray = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if p.stem.removeprefix("test_") in package)
+    assert not stray, f"tests of qerl/execution modules outside tests/execution/: {stray}"

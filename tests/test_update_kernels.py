@@ -12,7 +12,7 @@ from qerl.config import load_settings
 from qerl.execution import fusion, low_rank, training_ops
 from qerl.model import recompute
 from qerl.quant.linear import QuantLinear
-from tests.test_fusion import lora_model
+from tests.execution.test_fusion import lora_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -9,7 +9,7 @@ the model's modules (their weights, norms, projection groups) and writes nothing
 * LoRA's B product is left to the kernel that reads a projection's output next (`DeferredLoRA`: RoPE + KV write,
   SiLU·up, add + RMSNorm), so it costs no launch of its own;
 * q/k/v and gate/up run as one GEMM each where the model fused them (`qerl.execution.fusion`: `GROUP_ATTR`);
-* attention is one split-KV kernel over the caller's caches (SDPA leaves most of the GPU idle at one query per row).
+* attention is `qerl.execution.attention.attend_cached`'s split-KV kernel over the caller's caches.
 Where a kernel's rounding is not the family's (Gemma's (1 + w) norms, GeGLU) the step runs those ops in plain
 PyTorch. Everything it launches depends only on shapes, so a CUDA graph of it replays correctly.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qerl.execution import attention
 from qerl.execution.low_rank import GROUP_ATTR, DeferredLoRA, deferred, finished, fused_forward, is_lora
 from qerl.quant.fp8 import frozen_linear
 
@@ -55,35 +56,42 @@ def decode_step(model: nn.Module, tokens: Tensor, positions: Tensor, slot: Tenso
     tables = decoder.rope_tables(positions)  # [N, 1, D] fp32
     inputs = {}
     for kind, allowed in decoder.step_masks(attend, slot).items():
-        # an additive mask, built once per step instead of once per layer
-        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        mask = attention.additive_mask(allowed, x.dtype)  # the kernel's, built once per step instead of per layer
         cos, sin = tables[kind]
         inputs[kind] = (cos[:, 0], sin[:, 0], mask)
-    residual = None
+    stream = DeferredResidual(x)
     for layer, (k_cache, v_cache) in zip(decoder.layers, kv_caches):
         cos, sin, mask = inputs[layer.sliding]
-        x, residual = _block(layer, x, residual, cos, sin, mask, k_cache, v_cache, slot, queries_per_row)
-    return model.softcap(project(model.lm_head, add_norm(decoder.norm, x, residual)[1]))
+        _block(layer, stream, cos, sin, mask, k_cache, v_cache, slot, queries_per_row)
+    return model.softcap(project(model.lm_head, stream.normed(decoder.norm)[0]))
 
 
-def _block(layer: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None, cos: Tensor, sin: Tensor,
-           mask: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
-           queries_per_row: int = 1) -> tuple[Tensor, Tensor | DeferredLoRA]:
-    """A `DecoderLayer` for one token per query row (`queries_per_row` of them per cache row) with its residual add
-    deferred into the next norm: takes and returns (x, residual), the block's output being x + residual."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if layer.sandwich:
-        x, h, _ = add_norm(layer.input_layernorm, x, residual)
-        residual = layer.post_attention_layernorm(finished(_attention(attn, h, cos, sin, mask, k_cache, v_cache, slot,
-                                                                      queries_per_row=queries_per_row)))
-        x, h, _ = add_norm(layer.pre_feedforward_layernorm, x, residual)
-        return x, layer.post_feedforward_layernorm(finished(_mlp(mlp, h)))
-    # each norm's kernel also computes the next group's x·Aᵀ (LoRA's first product) where it is deferred
-    x, h, h_lora = add_norm(layer.input_layernorm, x, residual, _lora_a(attn, x.dtype))
-    residual = _attention(attn, h, cos, sin, mask, k_cache, v_cache, slot, h_lora, queries_per_row)
-    x, h, h_lora = add_norm(layer.post_attention_layernorm, x, residual,
-                            _lora_a(mlp, x.dtype) if mlp.act is F.silu else None)
-    return x, _mlp(mlp, h, h_lora)
+class DeferredResidual:
+    """The residual stream of the fused step (`qerl.model.transformer.Residual`'s protocol): x, and the last
+    sub-block's output not yet added to it (possibly a `DeferredLoRA`). The next norm's kernel adds it
+    (`add_norm`), and computes the next sub-block's LoRA x·Aᵀ where that block's group defers its update."""
+
+    def __init__(self, x: Tensor):
+        self.x, self.residual = x, None
+
+    def normed(self, norm: nn.Module, into: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        # only Llama's norms are the kernel's (Gemma's unit-offset norms would spend a GEMM on it: the group does)
+        shrink = _lora_a(into, self.x.dtype) if into is not None and not norm.unit_offset else None
+        self.x, h, h_lora = add_norm(norm, self.x, self.residual, shrink)
+        self.residual = None
+        return h, h_lora
+
+    def add(self, out: Tensor | DeferredLoRA, norm: nn.Module | None = None) -> None:
+        self.residual = out if norm is None else norm(finished(out))
+
+
+def _block(layer: nn.Module, stream: DeferredResidual, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor,
+           v_cache: Tensor, slot: Tensor, queries_per_row: int) -> None:
+    """The model's own block (`DecoderLayer.block`) for one token per query row (`queries_per_row` of them per
+    cache row), its attention and MLP as the kernels run them."""
+    layer.block(stream, lambda h, h_lora: _attention(layer.self_attn, h, cos, sin, mask, k_cache, v_cache, slot,
+                                                     h_lora, queries_per_row),
+                lambda h, h_lora: _mlp(layer.mlp, h, h_lora))
 
 
 def add_norm(norm: nn.Module, x: Tensor, residual: Tensor | DeferredLoRA | None,
@@ -117,40 +125,23 @@ def _project_deferred(linear: nn.Module, x: Tensor) -> Tensor | DeferredLoRA:
     return project(linear, x) if left is None else left
 
 
-def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`Attention.project_qkv` in the fused step: each projection through `project`, a fused group as one GEMM."""
-    if (group := attn.__dict__.get(GROUP_ATTR)) is not None:
-        q, k, v = group(x, True)
-        return q, k, v
-    if hasattr(attn, "qkv_proj"):  # column slices of one output, as a fused group's
-        q, k, v = project(attn.qkv_proj, x).split(attn.qkv_sizes, dim=-1)
-        return q, k, v
-    return project(attn.q_proj, x), project(attn.k_proj, x), project(attn.v_proj, x)
-
-
-def gate_up(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
-    """`MLP.gate_up` in the fused step (as `project_qkv`)."""
-    if (group := mlp.__dict__.get(GROUP_ATTR)) is not None:
-        gate, up = group(x, True)
-        return gate, up
-    if hasattr(mlp, "gate_up_proj"):
-        gate, up = project(mlp.gate_up_proj, x).chunk(2, dim=-1)
-        return gate, up
-    return project(mlp.gate_proj, x), project(mlp.up_proj, x)
-
-
 def _lora_a(block: nn.Module, dtype: torch.dtype) -> Tensor | None:
-    """The block's q/k/v or gate/up group's stacked LoRA A, where the step defers the group's update."""
+    """The block's q/k/v or gate/up group's stacked LoRA A, where the step defers the group's update (attention; the
+    MLP with SwiGLU, whose kernel adds it)."""
     group = block.__dict__.get(GROUP_ATTR)
-    return group.decode_lora_a(dtype) if group is not None else None
+    if group is None or getattr(block, "act", F.silu) is not F.silu:
+        return None
+    return group.decode_lora_a(dtype)
 
 
-def _deferred(block: nn.Module, x: Tensor, h_lora: Tensor | None, plain) -> tuple[list[Tensor], DeferredLoRA | None]:
+def _deferred(block: nn.Module, x: Tensor, h_lora: Tensor | None,
+              projections) -> tuple[list[Tensor], DeferredLoRA | None]:
     """The block's group outputs with its LoRA update left to the next kernel (their base part), and that update;
-    `plain(block, x)` and None where there is no update to leave. h_lora: x·Aᵀ, if the norm's kernel computed it."""
+    `projections(x, fused=True)` (the block's own `project_qkv` or `gate_up`) and None where there is no update to
+    leave. h_lora: x·Aᵀ, if the norm's kernel computed it."""
     group = block.__dict__.get(GROUP_ATTR)
     parts = group.decode_deferred(x, h_lora) if group is not None else None
-    return parts if parts is not None else (list(plain(block, x)), None)
+    return parts if parts is not None else (list(projections(x, fused=True)), None)
 
 
 def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -162,7 +153,7 @@ def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tenso
     from qerl.execution import fused_ops
 
     rows, heads, kv_heads, dim = h.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
-    (q, k, v), low_rank = _deferred(attn, h, h_lora, project_qkv)
+    (q, k, v), low_rank = _deferred(attn, h, h_lora, attn.project_qkv)
     norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
     if attn.qk_norm and attn.q_norm.unit_offset:  # the kernel norms as Llama rounds: Gemma's q/k norm here
         if low_rank is not None:  # q, k, v are views of its output: finished in place
@@ -173,9 +164,10 @@ def _attention(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Tenso
         norms = (None, None)
     q = fused_ops.fused_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache, heads, kv_heads, dim, *norms,
                                    low_rank=low_rank, queries_per_row=queries_per_row)
-    out = fused_ops.decode_attention(q, k_cache, v_cache, mask, heads, kv_heads, dim, **attn.sdpa_scale,
-                                     queries_per_row=queries_per_row)
-    return _project_deferred(attn.o_proj, out)
+    cache_rows = rows // queries_per_row  # q and mask as views [cache rows, heads, Q, dim], [cache rows, 1, Q, window]
+    out = attention.attend_cached(q.view(cache_rows, queries_per_row, heads, dim).transpose(1, 2), k_cache, v_cache,
+                                  mask.view(cache_rows, 1, queries_per_row, -1), attn.scale, split_kv=True)
+    return _project_deferred(attn.o_proj, out.view(rows, heads * dim))
 
 
 def _mlp(mlp: nn.Module, h: Tensor, h_lora: Tensor | None = None) -> Tensor | DeferredLoRA:
@@ -184,7 +176,7 @@ def _mlp(mlp: nn.Module, h: Tensor, h_lora: Tensor | None = None) -> Tensor | De
     if mlp.act is F.silu:
         from qerl.execution import fused_ops
 
-        (gate, up), low_rank = _deferred(mlp, h, h_lora, gate_up)
+        (gate, up), low_rank = _deferred(mlp, h, h_lora, mlp.gate_up)
         return _project_deferred(mlp.down_proj, fused_ops.fused_silu_mul(gate, up, low_rank))
-    gate, up = gate_up(mlp, h)
+    gate, up = mlp.gate_up(h, fused=True)
     return project(mlp.down_proj, mlp.act(gate) * up)

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from qerl.execution import attention
 
 
 @dataclass
@@ -114,10 +115,10 @@ def forward_shared_prompts(decoder: nn.Module, input_ids: Tensor, attention_mask
 def _block(layer: nn.Module, x: Tensor, shared: SharedPrompts) -> Tensor:
     """`DecoderLayer.forward` over a micro-batch packed by `SharedPrompts` (x [tokens, hidden]): every op but
     attention works token by token, so it runs on the packed tokens as they are."""
-    return layer.around(x, lambda h: attention(layer.self_attn, h, shared, layer.sliding))
+    return layer.around(x, lambda h: shared_attention(layer.self_attn, h, shared, layer.sliding))
 
 
-def attention(attn: nn.Module, x: Tensor, shared: SharedPrompts, sliding: bool = False) -> Tensor:
+def shared_attention(attn: nn.Module, x: Tensor, shared: SharedPrompts, sliding: bool = False) -> Tensor:
     """`Attention.forward` of `attn` over a micro-batch packed by `SharedPrompts`: x [tokens, hidden] holds each
     distinct prompt's tokens once, then every row's completion tokens (with `shared.index`, only the real ones). The
     prompts attend within themselves; each completion attends to its own prompt's keys and values (gathered per row) and
@@ -145,15 +146,8 @@ def attention(attn: nn.Module, x: Tensor, shared: SharedPrompts, sliding: bool =
     # Each row's keys and values: its prompt's, then its completion's.
     k_c = torch.cat([per_row(k_p, shared.owner), k_c], dim=2)
     v_c = torch.cat([per_row(v_p, shared.owner), v_c], dim=2)
-    groups, options = heads // kv_heads, dict(attn.sdpa_scale)
-    if groups > 1 and x.device.type == "cpu":
-        # SDPA's own GQA on the CPU: the same numbers as repeated keys and values (bitwise, torch 2.13), with a
-        # third of them saved for backward and half the time (SmolLM2: 9 query heads on 3 kv heads).
-        options["enable_gqa"] = True
-    elif groups > 1:
-        k_p, v_p = k_p.repeat_interleave(groups, dim=1), v_p.repeat_interleave(groups, dim=1)
-        k_c, v_c = k_c.repeat_interleave(groups, dim=1), v_c.repeat_interleave(groups, dim=1)
-    out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask_p, **options)
-    out_c = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask_c, **options)
-    out = torch.cat([out_p.transpose(1, 2).reshape(n, -1), out_c.transpose(1, 2).reshape(q.shape[0] - n, -1)])
+    # SDPA's own GQA on the CPU (`attention.attend`): a third of the tensors saved for backward, half the time.
+    out_p = attention.attend(q_p, k_p, v_p, mask_p, attn.scale, cpu_gqa=True)
+    out_c = attention.attend(q_c, k_c, v_c, mask_c, attn.scale, cpu_gqa=True)
+    out = torch.cat([out_p.reshape(n, -1), out_c.reshape(q.shape[0] - n, -1)])
     return attn.o_proj(shared.pack(out))

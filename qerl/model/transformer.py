@@ -7,8 +7,11 @@ all compute the same numbers, which the policy-gradient ratio relies on. Each bl
 through one method (`Attention.project_qkv`, `MLP.gate_up`): after `Transformer.fuse_projections()` (done on CUDA)
 those run q/k/v and gate/up as one GEMM each, LoRA included (`qerl.execution.fusion`); Phi-3 stores them stacked.
 
-What makes it fast is applied to it from `qerl.execution`: the blocks' training ops (`ops`, set by the model's
-execution plan), the fused decode step (`decode_step(fused=True)`) and the shared-prompt forward of the update.
+The block is written once (`DecoderLayer.block`, over a residual stream) and attention itself is
+`qerl.execution.attention`'s, so what makes the model fast is applied to them rather than beside them: the blocks'
+training ops (`ops`, set by the model's execution plan), the fused decode step (`decode_step(fused=True)`: the same
+blocks on a stream that defers its adds into the norm kernels) and the shared-prompt forward of the update (the same
+blocks around its attention).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qerl import execution
-from qerl.execution import decode, fusion, training_ops
+from qerl.execution import attention, decode, fusion, training_ops
 from qerl.execution.low_rank import GROUP_ATTR  # a block's fused q/k/v or gate/up (fusion.ProjectionGroup), when made
 from qerl.model.architecture import ModelConfig
 from qerl.model.masks import positions_and_mask, sliding_mask
@@ -98,7 +101,8 @@ class StepCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention through `F.scaled_dot_product_attention`."""
+    """Grouped-query attention: its projections, q/k norms and RoPE here, the attention itself in
+    `qerl.execution.attention` (the one place every path computes it)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -125,21 +129,25 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.ops = training_ops.EAGER  # RoPE's; the model's execution plan sets its own (qerl.execution.attach)
 
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden]."""
+    def project_qkv(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """q [..., heads * head_dim], k and v [..., kv_heads * head_dim] of the normed input x [..., hidden].
+        `fused` (the fused decode step, no grad): LoRA layers as one addmm into the base output
+        (`qerl.execution.decode.project`), a fused group through its decode path."""
         if (group := self.__dict__.get(GROUP_ATTR)) is not None:
-            q, k, v = group(x)
+            q, k, v = group(x, fused)
             return q, k, v
+        linear = decode.project if fused else frozen_linear
         if hasattr(self, "qkv_proj"):  # column slices of one output, as a fused group's
-            q, k, v = frozen_linear(self.qkv_proj, x).split(self.qkv_sizes, dim=-1)
+            q, k, v = linear(self.qkv_proj, x).split(self.qkv_sizes, dim=-1)
             return q, k, v
-        return frozen_linear(self.q_proj, x), frozen_linear(self.k_proj, x), frozen_linear(self.v_proj, x)
+        return linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None,
                 cache_position: Tensor | None = None) -> Tensor:
         """x [B, T, hidden] (normed), cos/sin [B, 1, T, head_dim], mask [B|1, 1, T, S] boolean (None: causal);
         `cache` (a `KVCache`, or any object with its `update`): k, v written at slots `cache_position` [T], and
-        attention over what `update` returns. The one attention of training, prefill and the plain decode step."""
+        attention over what `update` returns. The one attention module of training, prefill and the plain decode
+        step; the scores are `qerl.execution.attention`'s (so are the fused step's and the shared-prompt forward's)."""
         batch, seq, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
@@ -149,23 +157,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
-        groups = self.num_heads // self.num_kv_heads
         if cache is not None:
             k, v = cache.update(cache_position, k, v)
-            # Fold each kv head's query group into the query axis instead of copying the cache `groups` times.
-            q = q.reshape(batch, self.num_kv_heads, groups * seq, self.head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, groups, 1), **self.sdpa_scale)
-            out = out.reshape(batch, self.num_heads, seq, self.head_dim)  # GPU kernels return strided layouts
+            out = attention.attend_cached(q, k, v, mask, self.scale)
         else:
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **self.sdpa_scale)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-    @property
-    def sdpa_scale(self) -> dict[str, float]:
-        """SDPA's `scale` argument where the family sets one (Gemma's query_pre_attn_scalar)."""
-        return {} if self.scale is None else {"scale": self.scale}
+            out = attention.attend(q, k, v, mask, self.scale)
+        return self.o_proj(out)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -191,21 +188,40 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
         self.ops = training_ops.EAGER  # the model's execution plan sets its own (qerl.execution.attach)
 
-    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """gate and up projections [..., intermediate] of the normed input x [..., hidden]."""
+    def gate_up(self, x: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
+        """gate and up projections [..., intermediate] of the normed input x [..., hidden] (`fused` as
+        `Attention.project_qkv`)."""
         if (group := self.__dict__.get(GROUP_ATTR)) is not None:
-            gate, up = group(x)
+            gate, up = group(x, fused)
             return gate, up
+        linear = decode.project if fused else frozen_linear
         if hasattr(self, "gate_up_proj"):
-            gate, up = frozen_linear(self.gate_up_proj, x).chunk(2, dim=-1)
+            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)
             return gate, up
-        return frozen_linear(self.gate_proj, x), frozen_linear(self.up_proj, x)
+        return linear(self.gate_proj, x), linear(self.up_proj, x)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
         if self.act is F.silu:
             return self.down_proj(self.ops.silu_mul(gate, up))  # one kernel on CUDA (qerl.execution.training_ops)
         return self.down_proj(self.act(gate) * up)
+
+
+class Residual:
+    """The residual stream through the blocks as the forward runs it: `normed(norm, into)` is the stream through a
+    norm (the input of sub-block `into`, the attention or the MLP), `add(out, norm)` adds a sub-block's output,
+    normed first where the family norms outputs. The fused decode step runs the same blocks on a stream of its own
+    (`qerl.execution.decode.DeferredResidual`: each add deferred into the next norm's kernel, which also computes
+    the next sub-block's LoRA x·Aᵀ: the second value `normed` returns, None here)."""
+
+    def __init__(self, x: Tensor):
+        self.x = x
+
+    def normed(self, norm: nn.Module, into: nn.Module | None = None) -> tuple[Tensor, None]:
+        return norm(self.x), None
+
+    def add(self, out: Tensor, norm: nn.Module | None = None) -> None:
+        self.x = self.x + (out if norm is None else norm(out))
 
 
 class DecoderLayer(nn.Module):
@@ -232,12 +248,20 @@ class DecoderLayer(nn.Module):
         return self.around(x, lambda h: self.self_attn(h, cos, sin, mask, cache, cache_position))
 
     def around(self, x: Tensor, attend) -> Tensor:
-        """The block around its attention, `attend(normed x)`: norms, residual adds and the MLP."""
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attend(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x through the block around its attention, `attend(normed x)` (the forward's, the shared-prompt
+        forward's), the MLP the module's own."""
+        stream = Residual(x)
+        self.block(stream, lambda h, _: attend(h), lambda h, _: self.mlp(h))
+        return stream.x
+
+    def block(self, stream, attend, feed_forward) -> None:
+        """The block, written once for every path, on `stream` (a `Residual`, or the fused decode step's):
+        `attend(h, h_lora)` and `feed_forward(h, h_lora)` run the attention and the MLP on the normed stream (h_lora:
+        the stream's x·Aᵀ for the sub-block's LoRA, or None)."""
+        out_norms = (self.post_attention_layernorm, self.post_feedforward_layernorm) if self.sandwich else (None, None)
+        stream.add(attend(*stream.normed(self.input_layernorm, self.self_attn)), out_norms[0])
+        mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+        stream.add(feed_forward(*stream.normed(mlp_norm, self.mlp)), out_norms[1])
 
 # ---------------------------------------------------------------------------------------------------- model
 

@@ -2,7 +2,7 @@
 temperature 1 and with top-p), the log-probs the policy's, whatever the drafts; and the draws a row's own.
 
 CPU, the engine's plain path (the fused path's multi-token step is tested against one-token steps in
-tests/test_decode_multiquery.py). The drafts here are an oracle that is right or wrong on purpose, so both the accept
+tests/execution/test_decode.py). The drafts here are an oracle that is right or wrong on purpose, so both the accept
 and the reject branches of the rule run.
 """
 import json

@@ -4,7 +4,6 @@ read the same groups (test_engine's GPU tests run the fused model through `load_
 import pytest
 import torch
 
-from qerl.execution import decode
 from qerl.execution import fusion
 from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora, lora_layers, merged_state_dict
 from qerl.quant.linear import QuantLinear, quantize_model
@@ -108,9 +107,9 @@ def test_decode_path_follows_optimizer_steps_and_adapter_switches(scheme):
 
     def check():
         with torch.no_grad():
-            for got, want in zip(decode.project_qkv(attn_b, x), decode.project_qkv(attn_a, x)):
+            for got, want in zip(attn_b.project_qkv(x, fused=True), attn_a.project_qkv(x, fused=True)):
                 assert torch.allclose(got, want, atol=1e-4)
-            return decode.project_qkv(attn_b, x)[1]
+            return attn_b.project_qkv(x, fused=True)[1]
 
     before = check()
     ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(4))
