@@ -48,6 +48,12 @@ class GemmContext:
         self.precision: str | None = None  # inside `update_precision(p)`: p; None outside the update
         self._held: _Held | None = None
         self._scratch: dict[tuple, torch.Tensor] = {}
+        # Scratch buffers a larger one replaced, kept alive: a CUDA graph captured while one was current reads and
+        # writes it at its address on every replay. Freed, its memory went to other tensors (the update's, the
+        # optimizer's) and the next rollout's replays overwrote them and read garbage (suspected from the H200's
+        # non-finite logits on the second NVFP4 step of ragged runs; tests/test_engine.py checks it on CUDA).
+        # Growth is monotone, so the kept buffers total less than the current one.
+        self._replaced: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def update_precision(self, precision: str):
@@ -88,13 +94,17 @@ class GemmContext:
         key = (str(device), dtype)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel:
-            self._scratch.pop(key, None)
+            old = self._scratch.pop(key, None)
+            if old is not None and old.is_cuda:
+                self._replaced.append(old)
             buf = torch.empty(numel, dtype=dtype, device=device)
             self._scratch[key] = buf
         return buf[:numel]
 
     def release_scratch(self) -> None:
+        """Drop the scratch buffers: only when no captured graph that used them will be replayed again."""
         self._scratch.clear()
+        self._replaced.clear()
 
     def weight_copy(self, owner: object, key: tuple, numel: int, dtype: torch.dtype, device: torch.device,
                     write: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -721,6 +721,36 @@ def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme, fuse):
 
 
 @gpu
+def test_gpu_graphs_outlive_the_update_growing_the_gemm_scratch(monkeypatch):
+    """Decode graphs that dequantize into the model's shared GEMM scratch (dequant + cuBLAS) keep reading it at its
+    address. The update then dequantizes into it too and grows it; the buffer it replaced must not go to other
+    tensors (here: filled with NaN), or the next rollout's replays write over them and read garbage."""
+    from qerl.kernels import dispatch
+    from qerl.kernels.context import GemmContext
+
+    monkeypatch.setattr(dispatch.Dispatcher, "choose",  # every GEMM through the scratch, as measured picks may
+                        lambda self, kind, layout, n, k, m, candidates, timer=None:
+                        "dequant_cublas" if "dequant_cublas" in candidates else next(iter(candidates)))
+    model, _ = gpu_model("nvfp4", fuse=True)
+    ps = prompts(24, vocab=1024, seed=5, max_len=40)
+    engine = RolloutEngine(model, check_every=4)
+    ref = engine.generate(None, ps, 48, temperature=0, eos_token_ids=[])
+    eos = sorted({row[7] for row in ref.completion_ids[:6]})  # rows end early: smaller buckets' graphs too
+    first = engine.generate(None, ps, 48, temperature=0, eos_token_ids=eos)
+    contexts = {id(c): c for c in (getattr(m, "gemm_context", None) for m in model.modules())
+                if isinstance(c, GemmContext)}
+    grown = [c.scratch(buf.numel() * 4, buf.dtype, buf.device) for c in contexts.values()
+             for buf in list(c._scratch.values())]
+    assert grown, "no GEMM ran through the scratch: the test would check nothing"
+    junk = [torch.full((64 << 20,), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(8)]
+    again = engine.generate(None, ps, 48, temperature=0, eos_token_ids=eos)
+    del junk
+    assert engine.stats["captures"] >= 2
+    assert again.completion_ids == first.completion_ids
+    assert all(torch.isfinite(lp).all() for lp in again.logprobs)
+
+
+@gpu
 def test_gpu_releasable_buffer_hands_its_memory_back_and_returns_at_the_same_address():
     from qerl.rollout.releasable import ReleasableBuffer, mapped_bytes
 
