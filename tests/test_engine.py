@@ -673,11 +673,11 @@ def gpu_model(scheme: str, lora_rank=8, seed=0, fuse=False):
 def _replay_and_eager(engine, rows, window):
     """Logits of one decode step from the captured graph, then from an eager run on the same inputs."""
     assert (rows, window) in engine.graphs  # a replay of the graph captured before, not a fresh capture
-    engine._decode(rows, window)
+    engine.decode(rows, window)
     replayed = engine.logits_buf[:rows].clone()
     engine.use_graphs = False
     try:
-        engine._decode_eager(rows, window)  # rewrites the same KV slot with the same values
+        engine.decode_eager(rows, window)  # rewrites the same KV slot with the same values
     finally:
         engine.use_graphs = True
     return replayed, engine.logits_buf[:rows].clone()

@@ -117,12 +117,17 @@ def restrict(scaled: Tensor, top_p: float = 1.0, top_k: int = 0, fill: float = f
     return scaled
 
 
-def step_keys(row_seeds: Tensor, step: int) -> Tensor:
+def step_keys(row_seeds: Tensor, step: int | Tensor) -> Tensor:
     """The one-pass sampling kernel's key of each row at decode step `step` (int64 [B] in [0, 2^31)): a hash of the
     row's seed and the step (MMIX's LCG constants, int64 arithmetic wrapping), so a row's draws depend on nothing
-    else."""
-    increment = (step + 1) * 1442695040888963407 % 2**64
-    mixed = row_seeds * 6364136223846793005 + (increment - 2**64 if increment >= 2**63 else increment)
+    else. `step` may be a tensor of each row's own step (a row carried from an earlier call goes on from its
+    index): the same keys, its product wrapping in int64 as the int's is reduced mod 2^64."""
+    if isinstance(step, Tensor):
+        increment = (step + 1) * 1442695040888963407
+    else:
+        increment = (step + 1) * 1442695040888963407 % 2**64
+        increment = increment - 2**64 if increment >= 2**63 else increment
+    mixed = row_seeds * 6364136223846793005 + increment
     return (mixed >> 33) & 0x7FFFFFFF
 
 
