@@ -54,7 +54,7 @@ def jobs(settings: Settings, config, prompt_len: int, device: torch.device, work
     """One job per worker, alike but for its share. `config` is the base's `ModelConfig`, `prompt_len` the longest
     prompt in tokens. The buckets are the step's rows rounded up to a power of two, halved down to the smallest."""
     s = settings
-    from qerl.rollout.engine import CUDA_MIN_BUCKET, batch_buckets
+    from qerl.rollout.kv_cache import CUDA_MIN_BUCKET, batch_buckets
 
     buckets = batch_buckets(s.rollout.prompts_per_step * s.rollout.group_size, CUDA_MIN_BUCKET)
     job = {

@@ -1,7 +1,8 @@
 """Sampling completions from the policy: the rollout backends the trainer and the evaluation share.
 
 Owns `engine` (the one sampler: static KV cache, CUDA graphs per batch bucket, GPU sampling, compaction; and its
-reference configuration, a plain loop over the model's forward), `sampling` (what a call is made of: `Rollout`,
+reference configuration, a plain loop over the model's forward) with the parts of a call it runs (`kv_cache`,
+`rows`, `lockstep`, `speculation`, `rollout_call`, `call`), `sampling` (what a call is made of: `Rollout`,
 drawing tokens, the argument checks), `generate` (the reference as a function), `backends` (the seam: a backend's
 `sync` applies AQN noise and the current LoRA), `vllm_backend` (a colocated vLLM engine, optional) and `factory`
 (`make_backend` picks one by `rollout.backend`).

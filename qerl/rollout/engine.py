@@ -30,6 +30,13 @@ batch (up to the float rounding of the batch's shapes).
   address: optimizer steps and `NoiseInjector` are in place, so graphs stay valid across RL steps. If any
   parameter or buffer moved (e.g. `adapters_disabled` swaps `.data`, a reload), the graphs are recaptured.
 
+The engine owns the resources and the forwards (caches and static buffers, graphs, prefill, the decode and verify
+steps, compaction's gathers); a call's rows and their scheduling live beside it: `rows` (a row as an object, its
+state machine, the cache-row table), `lockstep` (the plain loop: every live row one token per graph replay, host
+checks every `check_every` steps), `speculation` (rows at their own slots: the speculative tail, rows resumed after
+a tool), `rollout_call` (one call: its phases, pause/resume, rows handed back, the result) and `call` (its settings,
+group cut and outputs). `open` gives the caller a call to drive between host checks; `generate` runs one to its end.
+
 `backends.EngineBackend` drives it for the trainer and evaluation (`generate_fast` keeps one per model). The KV cache
 stays allocated between calls (vLLM-style): call `free()` / `release_engine(model)` to hand its memory back.
 On CUDA the cache lives in one `releasable.ReleasableBuffer`: `sleep()` hands its physical memory to the driver
@@ -47,7 +54,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from qerl.execution import fusion
 from qerl.execution import kv8
@@ -55,6 +62,7 @@ from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
 from qerl.rollout import releasable
 from qerl.rollout.call import CallSettings, GroupCut, LogitsProcessor
+from qerl.rollout.kv_cache import CUDA_MIN_BUCKET, EngineCache, batch_buckets, bucket_of, round_up
 from qerl.rollout.drafts import DraftHistory, DraftSession
 from qerl.rollout.rollout_call import RolloutCall
 from qerl.rollout.rows import Row
@@ -67,64 +75,6 @@ log = logging.getLogger(__name__)
 __all__ = ["RolloutEngine", "generate_fast", "engine_for", "release_engine"]
 
 _ENGINE_ATTR = "_qerl_rollout_engine"
-
-# ---------------------------------------------------------------------------------------------------- cache
-
-
-class _EngineCache(nn.Module):
-    """One layer's engine-owned KV cache, duck-typed as `qerl.model.transformer.KVCache` for the model's own forward.
-
-    `window` caps the slots attention reads (the model takes the key length from `k_cache.shape[2]`); `row0`
-    offsets the rows a row-chunked prefill writes.
-    """
-
-    def __init__(self, k: Tensor, v: Tensor):
-        super().__init__()
-        self.register_buffer("k", k, persistent=False)
-        self.register_buffer("v", v, persistent=False)
-        self.window, self.row0 = k.shape[2], 0
-
-    @property
-    def k_cache(self) -> Tensor:
-        return self.k[self.row0:, :, :self.window]
-
-    @property
-    def v_cache(self) -> Tensor:
-        return self.v[self.row0:, :, :self.window]
-
-    def update(self, cache_position: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        rows = slice(self.row0, self.row0 + k.shape[0])
-        kc, vc = self.k[rows], self.v[rows]
-        if kv8.is_packed(kc):  # the FP8 layout: attention (a prefill) reads what decode steps will read
-            kc.index_copy_(2, cache_position, kv8.pack(k))
-            vc.index_copy_(2, cache_position, kv8.pack(v))
-            return kv8.unpack(kc[:, :, :self.window], k.dtype), kv8.unpack(vc[:, :, :self.window], v.dtype)
-        kc.index_copy_(2, cache_position, k.to(kc.dtype))
-        vc.index_copy_(2, cache_position, v.to(vc.dtype))
-        return kc[:, :, :self.window], vc[:, :, :self.window]
-
-
-CUDA_MIN_BUCKET = 8  # below 8 rows a decode step on a GPU costs the same
-
-
-def bucket_of(rows: int, min_bucket: int) -> int:
-    """The batch bucket of `rows`: the next power of two, at least `min_bucket`."""
-    return max(min_bucket, 1 << max(0, rows - 1).bit_length())
-
-
-def batch_buckets(rows: int, min_bucket: int) -> list[int]:
-    """The batch bucket of `rows`, then each smaller one down to `min_bucket`, largest first: every batch a rollout
-    of `rows` reaches as its rows finish and are compacted."""
-    out, b = [], bucket_of(rows, min_bucket)
-    while b >= min_bucket:
-        out.append(b)
-        b //= 2
-    return out
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
 
 # ---------------------------------------------------------------------------------------------------- engine
 
@@ -161,12 +111,8 @@ class RolloutEngine:
                  prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0,
                  kv_cache_dtype: str = "model", exact: bool = False, speculative: str = "off",
                  speculative_rows: int = 8, max_draft: int = 7):
-        if not isinstance(model, Transformer):
-            raise TypeError(f"RolloutEngine needs a qerl.model.transformer.Transformer, got {type(model).__name__}")
-        if check_every < 1 or window < 1:
-            raise ValueError("check_every and window must be >= 1")
-        if exact and use_graphs:
-            raise ValueError("exact shapes change from call to call: a CUDA graph cannot replay them (use_graphs)")
+        _check_options(model, check_every, window, exact, use_graphs, kv_cache_dtype, speculative, speculative_rows,
+                       max_draft)
         self.exact = exact
         self.model = model
         self.device = model.model.embed_tokens.weight.device
@@ -177,13 +123,11 @@ class RolloutEngine:
         # Triton kernels only where they can run: CUDA, or Triton's CPU interpreter (tests).
         self.kernels = self.fused and model.fused_decode_supported()
         self.check_every, self.window = check_every, window
-        if kv_cache_dtype not in ("model", "fp8"):
-            raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}: expected model or fp8")
         self.kv8 = kv_cache_dtype == "fp8" and self._kv8_runs()
         self.min_bucket = min_bucket or (CUDA_MIN_BUCKET if cuda else 1)
         self.prefill_tokens = prefill_tokens
         self.reserve = (max_batch_size, max_seq_len)
-        self.caches: list[_EngineCache] | None = None
+        self.caches: list[EngineCache] | None = None
         self._kv_memory: releasable.ReleasableBuffer | None = None  # the caches' memory where it can sleep
         self.kv: list[tuple[Tensor, Tensor]] | None = None
         self.cap_rows = self.cap_slots = 0
@@ -191,10 +135,6 @@ class RolloutEngine:
         self._pool = None
         self._stream = None
         self._signature_seen: tuple | None = None
-        if speculative not in ("off", "on", "auto"):
-            raise ValueError(f"unknown speculative {speculative!r}: expected off, on or auto")
-        if not 1 <= max_draft < MAX_QUERIES or speculative_rows < 1:
-            raise ValueError(f"max_draft must be in [1, {MAX_QUERIES - 1}] and speculative_rows >= 1")
         self.speculative = speculative == "on" or (speculative == "auto" and cuda)
         self.speculative_rows, self.max_draft = speculative_rows, max_draft
         # A verify step's cost per query token, as a share of a step's fixed cost (its weights): on an H200 at 7B
@@ -239,7 +179,7 @@ class RolloutEngine:
         dtype, dev = m.model.embed_tokens.weight.dtype, self.device
         shape = (rows, c.num_key_value_heads, slots, kv8.packed_dim(c.head_dim) if self.kv8 else c.head_dim)
         tensors = self._kv_tensors(shape, torch.uint8 if self.kv8 else dtype, 2 * len(m.model.layers))
-        self.caches = [_EngineCache(k, v) for k, v in zip(tensors[0::2], tensors[1::2])]
+        self.caches = [EngineCache(k, v) for k, v in zip(tensors[0::2], tensors[1::2])]
         self.kv = [(c.k, c.v) for c in self.caches]  # what `Transformer.decode_step` reads and writes
         self.cap_rows, self.cap_slots = rows, slots
         self.tok_in = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -316,7 +256,7 @@ class RolloutEngine:
                 self._allocate(rows, slots)
         else:
             need_rows = self.bucket(max(rows, self.reserve[0]))
-            need_slots = _round_up(max(slots, self.reserve[1]), self.window)
+            need_slots = round_up(max(slots, self.reserve[1]), self.window)
             if self.caches is None or need_rows > self.cap_rows or need_slots > self.cap_slots:
                 self._allocate(max(need_rows, self.cap_rows), max(need_slots, self.cap_slots))
         self._wake()
@@ -397,7 +337,7 @@ class RolloutEngine:
 
     def window_of(self, slots: int) -> int:
         """The KV window attention reads while `slots` can hold tokens (every slot of the call with `exact`)."""
-        return self.cap_slots if self.exact else min(self.cap_slots, _round_up(slots, self.window))
+        return self.cap_slots if self.exact else min(self.cap_slots, round_up(slots, self.window))
 
     # ------------------------------------------------------------------------------------------------ rollout
 
@@ -683,6 +623,23 @@ class RolloutEngine:
         for buf in (self.tok_in, self.pos_in, self.valid, self.done, self.row_map):
             buf[:new_rows] = buf.index_select(0, idx)
         self.stats["compactions"] += 1
+
+
+def _check_options(model: Any, check_every: int, window: int, exact: bool, use_graphs: bool | None,
+                   kv_cache_dtype: str, speculative: str, speculative_rows: int, max_draft: int) -> None:
+    """The engine's options, refused before anything is built."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"RolloutEngine needs a qerl.model.transformer.Transformer, got {type(model).__name__}")
+    if check_every < 1 or window < 1:
+        raise ValueError("check_every and window must be >= 1")
+    if exact and use_graphs:
+        raise ValueError("exact shapes change from call to call: a CUDA graph cannot replay them (use_graphs)")
+    if kv_cache_dtype not in ("model", "fp8"):
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}: expected model or fp8")
+    if speculative not in ("off", "on", "auto"):
+        raise ValueError(f"unknown speculative {speculative!r}: expected off, on or auto")
+    if not 1 <= max_draft < MAX_QUERIES or speculative_rows < 1:
+        raise ValueError(f"max_draft must be in [1, {MAX_QUERIES - 1}] and speculative_rows >= 1")
 
 
 class _Plan(NamedTuple):

@@ -114,6 +114,7 @@ class RolloutCall:
 
     def _stop(self) -> None:
         self.stopped = True
+        self.lockstep.bar.close()
         self.engine.record(0)
 
     def _leave_lockstep(self, live: list[Row]) -> None:
