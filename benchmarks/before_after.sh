@@ -31,7 +31,7 @@ for what in "$@"; do
   case "$what" in
     tests) PYTHONPATH=$here:$PYTHONPATH timeout -s INT -k 20 "${TESTS_S:-280}" python3 -m pytest -q -rfE \
              -p no:cacheprovider --durations=15 tests/test_gpu_cli.py tests/execution/test_plan.py tests/execution/test_fusion.py \
-             tests/test_engine.py tests/test_lora.py tests/test_update_kernels.py tests/test_gemm_backends.py \
+             tests/rollout/test_engine.py tests/test_lora.py tests/test_update_kernels.py tests/test_gemm_backends.py \
              tests/test_gluon_gemm.py tests/test_quant_formats.py tests/test_kernels.py 2>&1 | tee "$OUT/tests.log" ;;
     rollout) for scheme in nvfp4 bf16; do for tree in before after; do
                dir=$here; [ $tree = before ] && dir=$here/.before

@@ -14,7 +14,7 @@ from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora, lora_la
 from qerl.model.transformer import ModelConfig
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.generate import generate
-from tests.test_engine import prompts
+from tests.rollout.test_engine import prompts
 from tests.test_model import CASES, hf_model, left_pad, ours_from
 
 # One case per family, each with sliding windows shorter than the sequences below (Gemma: local and global layers).

@@ -18,7 +18,7 @@ import torch
 
 from qerl.rollout.engine import RolloutEngine
 from tests.patience import patience
-from tests.test_engine import prompts, tiny
+from tests.rollout.test_engine import prompts, tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

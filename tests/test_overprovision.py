@@ -2,7 +2,7 @@
 and returns those groups' rows exactly as an uncut call samples them; the trainer draws the extra prompts, trains on
 `prompts_per_step` groups, composes with dynamic sampling and resumes bit for bit.
 
-CPU: tiny models as tests/test_engine.py and tests/test_trainer.py build them.
+CPU: tiny models as tests/rollout/test_engine.py and tests/test_trainer.py build them.
 """
 import copy
 import json
@@ -15,7 +15,7 @@ from qerl.config import ConfigError, settings_from_dict
 from qerl.rl import distributed, grpo
 from qerl.rollout.backends import Sampling
 from qerl.rollout.engine import RolloutEngine
-from tests.test_engine import assert_same, prompts, tiny
+from tests.rollout.test_engine import assert_same, prompts, tiny
 from tests.test_trainer import adapter_tensors, make_trainer, tiny_settings
 
 G = 3  # rows per group in the engine tests

@@ -11,7 +11,7 @@ from torch import nn
 
 from qerl.config import ModelSettings, QuantSettings
 from qerl.quant import nf4
-from tests.test_engine import assert_same, prompts, tiny
+from tests.rollout.test_engine import assert_same, prompts, tiny
 
 INSTALL = 'pip install -e ".[qlora]"'
 
@@ -145,7 +145,7 @@ def test_gpu_bnb_kernels_graphs_and_engine(bnb):
     """On CUDA: bnb's 4-bit GEMM (bf16) against its dequantized weight, and the engine's CUDA graphs replaying it."""
     from qerl.quant.bnb import BnbLinear4bit
     from qerl.rollout.engine import RolloutEngine
-    from tests.test_engine import gpu_model
+    from tests.rollout.test_engine import gpu_model
 
     torch.manual_seed(0)
     layer = BnbLinear4bit.from_linear(nn.Linear(1024, 512, dtype=torch.bfloat16, device="cuda"))

@@ -207,7 +207,7 @@ def test_gpu_fused_elementwise_ops_match_eager(backend):
 
 @needs_cuda
 def test_gpu_recompute_plan_keeps_what_fits_and_recomputes_the_rest():
-    from tests.test_engine import gpu_model
+    from tests.rollout.test_engine import gpu_model
 
     model, _ = gpu_model("bf16")
     model.train()

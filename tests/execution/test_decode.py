@@ -6,8 +6,8 @@ launches it was (against the model's plain step).
 
 Without CUDA the kernels run in Triton's CPU interpreter in fp32 (its tl.dot on bf16 gives garbage there). Triton
 picks interpreter or compiler once, when it is first imported: this file imports the decode kernels at collection
-(compiled mode, as tests/test_engine.py does, so the rest of the suite keeps its plain CPU path), and reruns itself
-in a subprocess with TRITON_INTERPRET=1, where the kernel tests run in-process. With CUDA they run on the GPU.
+(compiled mode, as tests/rollout/test_engine.py does, so the rest of the suite keeps its plain CPU path), and reruns
+itself in a subprocess with TRITON_INTERPRET=1, where the kernel tests run in-process. With CUDA they run on the GPU.
 """
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_decode_attention_reads_each_query_rows_cache_row(queries, Hkv, G, windo
 
 
 def tiny_model(model_type: str, lora: bool, fuse: bool, vocab=97, hidden=32, heads=2, kv_heads=1) -> Transformer:
-    """A 2-layer random model in fp32 (as tests/test_engine.py builds them; head_dim 16, few heads: the
+    """A 2-layer random model in fp32 (as tests/rollout/test_engine.py builds them; head_dim 16, few heads: the
     interpreter's time goes by the programs), LoRA live where asked; `fuse`: q/k/v and gate/up as one GEMM each, so
     LoRA's update is left to the kernels (`DeferredLoRA`)."""
     cfg = ModelConfig.from_hf({"model_type": model_type, "hidden_size": hidden, "intermediate_size": 2 * hidden,
@@ -261,7 +261,7 @@ def test_one_token_step_at_one_slot_is_unchanged(monkeypatch):
 
 def test_per_row_kernels_pass_the_compiler_frontend_for_sm90():
     """The per-row-slot kernels through Triton's real AST -> TTIR lowering for an H100 (no GPU needed): typing
-    errors the interpreter lets through fail here (tests/test_engine.py lowers the one-slot kernels)."""
+    errors the interpreter lets through fail here (tests/rollout/test_engine.py lowers the one-slot kernels)."""
     try:
         from triton._C.libtriton import ir
         from triton.backends.compiler import GPUTarget

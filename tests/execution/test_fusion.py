@@ -8,7 +8,7 @@ from qerl.execution import fusion
 from qerl.model.lora import LoraSettings, adapters_disabled, apply_lora, lora_layers, merged_state_dict
 from qerl.quant.linear import QuantLinear, quantize_model
 from qerl.rollout.engine import RolloutEngine
-from tests.test_engine import prompts, tiny
+from tests.rollout.test_engine import prompts, tiny
 
 
 def lora_model(model_type="qwen2", scheme=None, dropout=0.0, seed=0):
@@ -165,7 +165,7 @@ def test_engine_tokens_unchanged_by_fusion():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
 def test_gpu_fused_training_step_matches_separate(scheme):
-    from tests.test_engine import gpu_model
+    from tests.rollout.test_engine import gpu_model
 
     (a, pa), (b, pb) = gpu_model(scheme), gpu_model(scheme, fuse=True)
     ids = torch.randint(0, 1024, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()

@@ -10,7 +10,7 @@ import torch
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.generate import generate
 from tests.rollout.test_speculation import ScriptedDrafts
-from tests.test_engine import assert_same, prompts, tiny
+from tests.rollout.test_engine import assert_same, prompts, tiny
 
 ENGINES = {"reference": lambda m: RolloutEngine.reference(m),
            "bucketed": lambda m: RolloutEngine(m, check_every=4, window=8)}
@@ -89,3 +89,15 @@ def test_a_row_handed_back_unfinished_is_continued_by_a_later_call(kind):
         then = later.result()
     assert_same(then.select(range(1, 1 + len(index))), whole.select(index))
     assert_same(then.select([0]), engine.generate(None, new_prompt, max_new, row_seeds=[77], **kw))
+
+
+def test_the_sampling_kernels_keys_take_each_rows_own_step():
+    """On CUDA a carried row draws the kernel keys of its own completion index (its earlier calls' tokens counted):
+    a tensor of steps gives each row the key the int step gives it, so a continued row reuses no key."""
+    from qerl.rollout.sampling import step_keys
+
+    seeds = torch.tensor([0, 5, 2**62 + 7, 123456789])
+    offsets = torch.tensor([0, 3, 17, 2**40])
+    for step in (0, 1, 9):
+        own = step_keys(seeds, offsets + step)
+        assert [int(k) for k in own] == [int(step_keys(seeds[i:i + 1], int(o) + step)) for i, o in enumerate(offsets)]

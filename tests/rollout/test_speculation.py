@@ -14,7 +14,7 @@ import torch
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.generate import generate
 from qerl.rollout.verify import uniforms, verify
-from tests.test_engine import assert_same, prompts, tiny
+from tests.rollout.test_engine import assert_same, prompts, tiny
 
 
 class ScriptedDrafts:
@@ -180,7 +180,7 @@ def test_gpu_speculation_with_graphs_and_fused_kernels_is_greedy_decoding(scheme
     """On CUDA the verify step is graph-captured and runs the fused kernels with several queries per row; greedy
     rows must be the plain engine's (up to a near-tie of split-K rounding on NVFP4), and the drafts must pay: fewer
     forwards than tokens."""
-    from tests.test_engine import gpu_model
+    from tests.rollout.test_engine import gpu_model
 
     model, _ = gpu_model(scheme, fuse=True)
     ps = prompts(12, vocab=1024, seed=5, max_len=40)
@@ -218,13 +218,13 @@ def test_gpu_speculation_with_graphs_and_fused_kernels_is_greedy_decoding(scheme
 def test_fused_speculation_in_the_interpreter_is_greedy_decoding():
     """The fused verify step (Triton kernels with several queries per row, in the CPU interpreter, fp32) inside the
     engine: greedy rows identical to plain decoding, log-probs within float rounding."""
-    from tests.test_engine import run_in_interpreter
+    from tests.rollout.test_engine import run_in_interpreter
 
     run_in_interpreter("""
 import torch
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.generate import generate
-from tests.test_engine import tiny, prompts
+from tests.rollout.test_engine import tiny, prompts
 from tests.rollout.test_speculation import ScriptedDrafts
 model, ps = tiny("qwen2"), prompts(4)
 ref = generate(model, None, ps, 16, temperature=0, eos_token_ids=[])

@@ -260,7 +260,7 @@ def test_triton_kernels_in_the_interpreter():
         from qerl.model.transformer import RMSNorm
         from qerl.rollout import engine as E
         from qerl.rollout.generate import generate
-        from tests.test_engine import tiny, prompts
+        from tests.rollout.test_engine import tiny, prompts
         torch.manual_seed(0)
         x, r = torch.randn(3, 48), torch.randn(3, 48)
         norm = RMSNorm(48, 1e-5)
@@ -417,7 +417,7 @@ def test_fp8_kv_kernels_in_the_interpreter():
                                                  attn_mask=mask[:, None, None, :]).reshape(rows, -1)
             assert (got - ref).abs().max() < 5e-3, (got - ref).abs().max()  # fp16 operands (q, probabilities)
         from qerl.rollout import engine as E
-        from tests.test_engine import prompts, tiny
+        from tests.rollout.test_engine import prompts, tiny
         model = tiny("qwen2", layers=2)
         for p in model.parameters():
             p.data.mul_(0.3)  # a smooth model: FP8's rounding moves no greedy token
@@ -539,7 +539,7 @@ def test_row_keyed_sampler_draws_each_row_alone_in_the_interpreter():
         sample_tokens(many[:2], t, generator=gens[:2])  # (without keys they draw: the check above can fail)
         assert not torch.equal(gens[0].get_state(), states[0])
         from qerl.rollout.engine import RolloutEngine
-        from tests.test_engine import tiny, prompts
+        from tests.rollout.test_engine import tiny, prompts
         model, ps = tiny(), prompts(3)  # 3 rows, bucket 4: slots keep their rows' keys through padding, compaction
         free = RolloutEngine(model, fused=False).generate(None, ps, 8, row_seeds=range(3), eos_token_ids=[])
         eos = sorted({row[2] for row in free.completion_ids[::2]})

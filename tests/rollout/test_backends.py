@@ -10,7 +10,7 @@ from qerl.model.lora import LoraSettings, apply_lora
 from qerl.rollout.backends import EngineBackend, ReferenceBackend, Sampling
 from qerl.rollout.factory import make_backend
 from qerl.rollout.generate import generate
-from tests.test_engine import assert_same, prompts, tiny
+from tests.rollout.test_engine import assert_same, prompts, tiny
 from tests.test_trainer import make_trainer, tiny_settings
 
 

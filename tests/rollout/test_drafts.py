@@ -16,7 +16,7 @@ import torch
 
 from qerl.rollout.drafts import DraftHistory, DraftSession
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 P, Q = [1, 2, 3], [90, 91, 92]
 
 
@@ -220,7 +220,7 @@ def test_a_smaller_cap_at_load_trims_the_restored_history():
 HASH_SEED_SCRIPT = textwrap.dedent("""
     import hashlib, json, sys
     import torch
-    from tests.test_drafts import drafts_of, filled_history
+    from tests.rollout.test_drafts import drafts_of, filled_history
     history = filled_history(5)
     digest = hashlib.sha256()
     for key, value in sorted(history.state_dict().items()):
