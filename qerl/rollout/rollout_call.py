@@ -67,7 +67,7 @@ class RolloutCall:
             return self._idle()
         if self._stops_early(live):
             return False
-        keep = sorted(live + self.waiting, key=lambda r: r.slot)
+        keep = live + self.waiting
         if engine.speculative and len(live) <= engine.speculative_rows:
             if engine.bucket(len(keep)) < self.table.width:  # (also in exact mode: the tail's rows only)
                 self.table.compact(keep)
@@ -145,6 +145,8 @@ class RolloutCall:
 
     def pause(self, index: int) -> None:
         """Row `index` (decoding, at a host check) waits for a tool: it is not advanced and keeps its cache row."""
+        if self.stopped or (self.outside is None and not self.lockstep.fed):
+            raise ValueError("a row pauses at a host check of a running call (after `advance`)")
         row = self.rows[index]
         row.pause()
         if self.outside is None:

@@ -10,6 +10,10 @@ and draft length (grown when all its drafts were accepted, shrunk to what was ac
 
 Each step syncs once (the accepted counts decide the next drafts); at a few rows that costs far less than the
 tokens it wins. Finished rows leave, and live rows move to a smaller bucket as in the plain loop.
+
+The same phase carries any row that cannot stay in lockstep (`qerl.rollout.lockstep`, one slot for every row): a row
+resumed after a tool call is longer than its neighbours by the tool's tokens. Without drafts a step is one query per
+row (the verify step with t = 1); a row waiting for a tool keeps its cache row and is not advanced.
 """
 from __future__ import annotations
 
