@@ -61,7 +61,7 @@ import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks')
 from bench_vllm import write_folder
 write_folder('7b', Path('/tmp/qerl-vllm-bench')); write_folder('32b', Path('/tmp/qerl-vllm-bench'), 'dummy')" 2>&1 | log
      step_arms 230 'engine:;top-p:rollout.top_p=0.95' ;;
-  3) need_vllm; tests 330 tests/rollout/test_gpu_vllm.py::test_our_export_served_by_vllm_computes_our_policy ;;
+  3) need_vllm; tests 330 tests/test_gpu_vllm.py::test_our_export_served_by_vllm_computes_our_policy ;;
   4) need_vllm; anchor 450 --rows 64,128,256 --long "" --arms vllm-bf16,vllm-nvfp4 ;;
   5) need_vllm; anchor 530 --model 32b --rows 1,8 --long "" --weights dummy --arms vllm-nvfp4,vllm-bf16 ;;
   6) need_vllm; step_arms 420 'vllm:rollout.backend=vllm;vllm-reload:rollout.backend=vllm,rollout.vllm_lora_update=reload' ;;

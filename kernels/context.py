@@ -51,7 +51,7 @@ class GemmContext:
         # Scratch buffers a larger one replaced, kept alive: a CUDA graph captured while one was current reads and
         # writes it at its address on every replay. Freed, its memory went to other tensors (the update's, the
         # optimizer's) and the next rollout's replays overwrote them and read garbage (suspected from the H200's
-        # non-finite logits on the second NVFP4 step of ragged runs; tests/test_engine.py checks it on CUDA).
+        # non-finite logits on the second NVFP4 step of ragged runs; tests/rollout/test_engine.py checks it on CUDA).
         # Growth is monotone, so the kept buffers total less than the current one.
         self._replaced: list[torch.Tensor] = []
 

@@ -469,12 +469,14 @@ def test_the_attention_finder(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# tests/ mirrors the package tree for qerl/execution: tests/execution/test_<module>.py tests qerl/execution/<module>.py.
+# tests/ mirrors the package tree for qerl/execution and qerl/rollout: tests/<package>/test_<module>.py tests
+# qerl/<package>/<module>.py.
 # ---------------------------------------------------------------------------------------------------------------------
 
-def test_the_tests_of_execution_mirror_its_modules():
-    package = {p.stem for p in (ROOT / "qerl" / "execution").glob("*.py")} - {"__init__"}
-    tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / "execution").glob("test_*.py")}
-    assert not tests - package, f"tests/execution/ files named after no module: {sorted(tests - package)}"
+@pytest.mark.parametrize("name", ["execution", "rollout"])
+def test_the_tests_of_a_package_mirror_its_modules(name):
+    package = {p.stem for p in (ROOT / "qerl" / name).glob("*.py")} - {"__init__"}
+    tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / name).glob("test_*.py")}
+    assert not tests - package, f"tests/{name}/ files named after no module: {sorted(tests - package)}"
     stray = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if p.stem.removeprefix("test_") in package)
-    assert not stray, f"tests of qerl/execution modules outside tests/execution/: {stray}"
+    assert not stray, f"tests of qerl/{name} modules outside tests/{name}/: {stray}"

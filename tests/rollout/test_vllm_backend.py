@@ -1,6 +1,6 @@
 """`rollout.backend: vllm` where vLLM is not installed (CI): the one-line error, and the base folder vLLM would load.
 
-The backend itself runs on a GPU with vLLM: tests/rollout/test_gpu_vllm.py.
+The backend itself runs on a GPU with vLLM: tests/test_gpu_vllm.py.
 """
 import importlib.util
 import json
