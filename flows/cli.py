@@ -1,8 +1,9 @@
 """The one command-line shape of `python -m qerl.flows.<name>`: each module declares its own arguments and what to run;
 this builds the parser (with --params and -S overrides), sets up logging and ends every error in one line.
 
-Exit codes are `qerl.errors`': 2 for bad input, 1 for anything else (an unreachable tracking or Prefect server
-included), 130 for Ctrl-C; QERL_DEBUG=1 shows the traceback.
+Exit codes are `qerl.errors`': 2 for what the user can fix (bad input; an unreachable tracking or Prefect server, whose
+line names the URL and the setting; a registry without the version asked for), 1 for anything else, 130 for Ctrl-C;
+QERL_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Callable
 from qerl.flows.prefect_api import PrefectUnavailable
 from qerl.flows.tracking import TrackingUnavailable
 from qerl.debug import debug_requested
-from qerl.errors import FAILURE_EXIT, report
+from qerl.errors import BAD_INPUT_EXIT, report
 
 DEFAULT_PARAMS = "params/default.yaml"
 
@@ -36,8 +37,9 @@ def main(argv: list[str] | None, *, module: str, doc: str | None,
     """Parse `argv`, call `run(args)` and print the line it returns; returns the exit code.
 
     `params`: the default of --params (None: the module adds its own, e.g. per subcommand). `expected`: failures
-    whose message is the whole story (no "unexpected" hint), reported in one line with exit 1 as an unreachable
-    tracking server is.
+    whose message is the whole story and says what the user can do (no "unexpected" hint, no type name), reported
+    in one line with exit 2, as an unreachable tracking or Prefect server is (the README's exit 2: what the user can
+    fix).
     """
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None, *, module: str, doc: str | None,
         summary = run(args)
     except (TrackingUnavailable, PrefectUnavailable, *expected) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return FAILURE_EXIT
+        return BAD_INPUT_EXIT
     except (Exception, KeyboardInterrupt) as exc:  # one line (exit 2 for bad input); QERL_DEBUG=1: the traceback
         return report(parser.prog, exc, debug_requested())
     print(summary)

@@ -41,7 +41,7 @@ def test_a_stopped_server_left_in_the_profile_is_one_line_naming_prefect_config_
     proc = subprocess.run([sys.executable, "-m", "qerl.flows.train", "--params", "params/tiny.yaml", "--out", str(out),
                            "-S", "tracking.backend=none"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=patience(120))
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # the user can fix it: the README's exit 2
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
         f"python -m qerl.flows.train: error: {stale(url, 'prefect config unset PREFECT_API_URL')}"]
@@ -61,7 +61,7 @@ def test_every_flow_command_checks_the_prefect_api_first(module, tmp_path, main_
     main = importlib.import_module(f"qerl.flows.{module}").main
     with temporary_settings(updates={PREFECT_API_URL: url}):  # Prefect read the environment when it was imported
         code, out, err = main_here(main, "--params", "params/tiny.yaml", "--out", tmp_path / "out")
-    assert (code, out) == (1, "")
+    assert (code, out) == (2, "")
     where = "unset PREFECT_API_URL in the environment"
     assert err.splitlines() == [f"python -m qerl.flows.{module}: error: {stale(url, where)}"]
 

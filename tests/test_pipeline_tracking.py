@@ -145,7 +145,8 @@ def test_unreachable_server_is_a_fast_one_line_error():
 
 
 def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path, main_here, monkeypatch):
-    """`python -m qerl.flows.train` (its main, here) with a dead tracking server: exit 1, one line on stderr, no run
+    """`python -m qerl.flows.train` (its main, here) with a dead tracking server: exit 2 (the README's code for what
+    the user can fix), one line on stderr, no run
     folder, no model."""
     from qerl.flows.train import main
 
@@ -154,7 +155,7 @@ def test_train_cli_stops_before_training_when_the_server_is_down(tmp_path, main_
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # never reached: the probe comes first
     code, stdout, err = main_here(main, "--params", "params/tiny.yaml", "--out", out,
                                   "-S", f"tracking.tracking_uri={uri}")
-    assert code == 1, err
+    assert code == 2, err
     assert stdout == ""
     lines = err.strip().splitlines()
     assert lines == [f"python -m qerl.flows.train: error: MLflow tracking server {uri} is unreachable "
@@ -304,7 +305,7 @@ def test_retrain_without_a_champion_is_one_line_before_prefect_starts(store, tmp
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     out = tmp_path / "run"
     code, stdout, err = main_here(main, "--params", "params/tiny.yaml", "--out", out)
-    assert (code, stdout) == (1, "")
+    assert (code, stdout) == (2, "")
     lines = [line for line in err.splitlines() if "INFO mlflow" not in line]  # a fresh store's set-up
     assert lines == [
         "python -m qerl.flows.retrain: error: registered model 'qerl-smoke' has no 'champion' version yet: run the train "
@@ -318,7 +319,7 @@ def test_evaluate_of_an_alias_that_is_not_there_is_one_line_before_prefect_start
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     code, stdout, err = main_here(main, "--params", "params/default.yaml", "--alias", "champion")
-    assert (code, stdout) == (1, "")
+    assert (code, stdout) == (2, "")
     assert [line for line in err.splitlines() if "INFO mlflow" not in line] == [
         "python -m qerl.flows.evaluate: error: registered model 'qerl-adapter' has no 'champion' version: train one first "
         "(python -m qerl.flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass --adapter DIR"]
