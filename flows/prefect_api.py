@@ -9,12 +9,17 @@
   server"; also reported: a migration's `NoSuchTableError: block`), and both commands failed. The start-ups are
   serialized by a lock in PREFECT_HOME, so the second server starts on a database that is set up (its migrations and
   its block registration are then no-ops). Prefect takes the server started here for the flow (one per process).
+  The server runs under `qerl.flows.orphan_guard`, so it ends with this process however this one ends: Prefect stops
+  it from an atexit hook, which a `kill -9` of the flow never ran, and the server (~230 MB, a port) stayed up.
 """
 
 from __future__ import annotations
 
 from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from qerl.debug import variable
@@ -76,6 +81,7 @@ def start_temporary_server(home: Path) -> None:
     server = SubprocessASGIServer()  # the instance Prefect's client takes when no API URL is set
     if server.running:
         return
+    guard_against_orphaning(server)
     log = get_logger()  # Prefect's, which says "Starting temporary server" (the root logger shows warnings only)
     lock = FolderLock(home / START_LOCK, what=f"Prefect home {home}",
                       on_wait=lambda holder: log.info("waiting for %s to start its temporary Prefect server on %s",
@@ -91,3 +97,31 @@ def start_temporary_server(home: Path) -> None:
                 f"Prefect's temporary server did not start within {limit} s (a busy machine?): set "
                 "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher, or start a server (prefect server start) and "
                 "prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api") from None
+
+
+def guard_against_orphaning(server) -> None:
+    """Make `server` (Prefect's SubprocessASGIServer, not yet started) run its uvicorn under
+    `qerl.flows.orphan_guard`, which stops it once this process is gone. Prefect builds the command in
+    `_run_uvicorn_command` (also when it retries on another port); this instance's method is wrapped so that the
+    Popen it calls, looked up in Prefect's server module, prefixes the guard: the command and its environment stay
+    Prefect's own, and no other module's `subprocess` is touched."""
+    import types
+
+    import prefect.server.api.server as prefect_server
+
+    build = server._run_uvicorn_command
+
+    def popen(args, **kwargs) -> subprocess.Popen:
+        if args[:3] != [sys.executable, "-m", "uvicorn"]:  # not the command this was written for: leave it be
+            return subprocess.Popen(args, **kwargs)
+        return subprocess.Popen([sys.executable, "-m", "qerl.flows.orphan_guard", str(os.getpid()), *args[1:]],
+                                **kwargs)
+
+    def guarded() -> subprocess.Popen:
+        prefect_server.subprocess = types.SimpleNamespace(Popen=popen)
+        try:
+            return build()
+        finally:
+            prefect_server.subprocess = subprocess
+
+    server._run_uvicorn_command = guarded

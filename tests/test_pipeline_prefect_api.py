@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,55 @@ def test_a_temporary_server_too_slow_to_start_is_one_line_saying_what_to_do(tmp_
     from qerl.flows.prefect_api import MIN_STARTUP_S
 
     assert MIN_STARTUP_S >= 120
+
+
+# A flow command's process as far as the temporary server: connected, then the flow waits to be killed.
+KILLED_FLOW = """
+import sys, time
+from pathlib import Path
+from prefect import flow
+from prefect.server.api.server import SubprocessASGIServer
+from qerl.flows import prefect_api
+
+@flow
+def wait_to_be_killed(ready: str):
+    Path(ready).write_text(str(SubprocessASGIServer().server_process.pid))
+    time.sleep(3600)
+
+prefect_api.connect()
+wait_to_be_killed(sys.argv[1])
+"""
+
+
+def test_a_flow_killed_with_sigkill_takes_its_temporary_server_with_it(tmp_path):
+    """Prefect stops its temporary server from an atexit hook, which `kill -9` never runs: the server (uvicorn,
+    ~230 MB, a loopback port) stayed up for good. It now runs under qerl.flows.orphan_guard and goes within a few
+    seconds of its parent. ~15 s: one server."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH=str(ROOT))
+    ready = tmp_path / "server-pid"
+    flow_proc = subprocess.Popen([sys.executable, "-c", KILLED_FLOW, str(ready)], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    server = None
+    try:
+        deadline = time.monotonic() + patience(60)
+        while not ready.is_file() or not ready.read_text():
+            assert flow_proc.poll() is None, flow_proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the flow never started"
+            time.sleep(0.1)
+        server = psutil.Process(int(ready.read_text()))
+        assert server.ppid() == flow_proc.pid and "uvicorn" in server.cmdline()
+        flow_proc.kill()  # SIGKILL: no atexit hook, no signal handler runs
+        flow_proc.wait()
+        # POLL_S 0.5 s, then uvicorn's stop on SIGTERM: a few seconds idle, more for a loaded machine
+        gone, alive = psutil.wait_procs([server], timeout=patience(4))
+        assert not alive, f"the temporary server {server.pid} outlived its killed flow: {server.cmdline()}"
+    finally:
+        if flow_proc.poll() is None:
+            os.killpg(flow_proc.pid, 9)
+            flow_proc.wait()
+        if server is not None and server.is_running():
+            server.kill()
+        flow_proc.stderr.close()
