@@ -9,6 +9,7 @@ from __future__ import annotations
 from qerl.flows import startup  # first of all: the process's settings, before Prefect, MLflow, torch
 
 import fcntl
+import json
 import logging
 import math
 import os
@@ -28,6 +29,9 @@ from qerl.rl.tracking import NullTracker
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# In a training flow's run folder: the MLflow run it logs to (and the store), written when the run opens, so that a
+# resumed flow (`--resume`, after a kill or a stop) continues that run instead of opening a second one.
+RUN_RECORD = "mlflow_run.json"
 CHAMPION = "champion"  # the registry alias the retrain flow continues from and promotes to
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter value
 _BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")  # MLflow rejects e.g. "@" in metric names ("pass@4")
@@ -261,12 +265,60 @@ class LocalOnly(NullTracker):
         pass
 
 
-def open_tracker(settings: Settings, run_name: str | None = None,
-                 tags: dict[str, str] | None = None) -> MlflowTracker | LocalOnly:
-    """The tracker `tracking.backend` names; an MLflow store is probed here, before anything heavy starts."""
-    if settings.tracking.backend == "mlflow":
-        return MlflowTracker.from_settings(settings, run_name, tags)
-    return LocalOnly()
+def open_tracker(settings: Settings, run_name: str | None = None, tags: dict[str, str] | None = None,
+                 folder: str | Path | None = None, resume: bool = False) -> MlflowTracker | LocalOnly:
+    """The tracker `tracking.backend` names; an MLflow store is probed here, before anything heavy starts.
+
+    `folder`: a training run's folder, where the MLflow run is recorded (RUN_RECORD); with `resume`, the run recorded
+    there is reopened, so the resumed steps' metrics land in the run that holds the first ones."""
+    if settings.tracking.backend != "mlflow":
+        return LocalOnly()
+    uri = resolve_tracking_uri(settings)
+    earlier = recorded_run(Path(folder), uri) if folder is not None and resume else None
+    tracker = MlflowTracker.from_settings(settings, run_name, tags, run_id=earlier)
+    if folder is not None:
+        record_run(Path(folder), tracker)
+    if earlier:
+        log.info("resuming MLflow run %s (recorded in %s)", earlier, Path(folder) / RUN_RECORD)
+    return tracker
+
+
+def recorded_run(folder: Path, uri: str) -> str | None:
+    """The id of the MLflow run `folder` records for the store `uri`, if that run is still there; else None, said in
+    a warning where a record was found (a resumed run then opens a new MLflow run, as before)."""
+    path = folder / RUN_RECORD
+    try:
+        record = json.loads(path.read_text())
+        run_id, recorded_uri = record["run_id"], record["tracking_uri"]
+    except FileNotFoundError:
+        log.warning("no MLflow run recorded in %s (a run folder from before %s was kept): a new MLflow run", folder,
+                    RUN_RECORD)
+        return None
+    except (ValueError, KeyError, TypeError):
+        log.warning("%s is not a record of an MLflow run: a new MLflow run", path)
+        return None
+    if recorded_uri != uri:
+        log.warning("%s records MLflow run %s in %s, not in %s: a new MLflow run", path, run_id, recorded_uri, uri)
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = mlflow_client(uri).get_run(run_id)
+    except MlflowException:
+        run = None
+    if run is None or run.info.lifecycle_stage != "active":
+        log.warning("MLflow run %s recorded in %s is gone from %s: a new MLflow run", run_id, path, uri)
+        return None
+    return run_id
+
+
+def record_run(folder: Path, tracker: MlflowTracker) -> None:
+    """Write RUN_RECORD (small: written whole, replaced atomically, so a kill leaves the old record or the new)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    temp = folder / f".{RUN_RECORD}.tmp"
+    temp.write_text(json.dumps({"run_id": tracker.run_id, "tracking_uri": tracker.tracking_uri,
+                                "experiment_id": tracker.experiment_id}) + "\n")
+    os.replace(temp, folder / RUN_RECORD)
 
 
 class Registry:

@@ -240,7 +240,8 @@ def train(params: str = "params/default.yaml", overrides: list[str] | None = Non
     with claim_run_folder(out_dir, nproc), \
             open_tracker(settings, run_name=run_name(settings, params, overrides or []),
                          tags=run_tags(settings, params, overrides or [],
-                                       **{"qerl.flow": "train", "out_dir": out_dir})) as tracker:
+                                       **{"qerl.flow": "train", "out_dir": out_dir}),
+                         folder=out_dir, resume=resume) as tracker:  # resumed: the same MLflow run
         if nproc == 1:
             outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
                                          max_steps=max_steps, resume=resume, overwrite=overwrite)

@@ -95,6 +95,32 @@ def test_the_flow_writes_what_the_command_line_writes_resampling_rounds_as_tasks
     assert result["steps"] == 3 and Path(result["adapter"]) == tmp_path / "flow" / "adapter"
 
 
+def test_a_resumed_flow_continues_its_mlflow_run(tmp_path, params_file, prefect_home):
+    """`python -m qerl.flows.train --resume` used to open a second MLflow run, so a killed or stopped run's curves
+    were split over two runs. The run folder records its MLflow run (flows/tracking.py RUN_RECORD) and the resumed
+    flow reopens it: one run, every step's metrics, FINISHED again."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from qerl.flows.tracking import RUN_RECORD
+    from qerl.flows.train import train
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    out = tmp_path / "run"
+    overrides = ["grpo.dynamic_sampling=false", "train.eval_every=0", "tracking.backend=mlflow",
+                 f"tracking.tracking_uri={uri}"]
+    first = train(params=str(params_file), overrides=overrides, out_dir=str(out), max_steps=1)
+    assert first["steps"] == 1 and (out / RUN_RECORD).is_file()
+    resumed = train(params=str(params_file), overrides=overrides, out_dir=str(out), resume=True)
+    assert resumed["steps"] == 3 and resumed["run_id"] == first["run_id"]
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("qerl").experiment_id])
+    assert [r.info.run_id for r in runs] == [first["run_id"]] and runs[0].info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(first["run_id"], "reward_mean")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(first["run_id"], "eval/accuracy")] == [1, 3]
+
+
 @pytest.fixture
 def child_imports_this_checkout(monkeypatch):
     """torchrun's ranks import qerl and the test's reward from this checkout, wherever pytest was started."""
