@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.states import Failed
 
 from qerl.flows import cli, prefect_api
 from qerl.flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
@@ -54,12 +55,19 @@ def champion_overrides(recorded: dict[str, str], settings: Settings, version: st
     return [f"{k}={v}" for k, v in recorded.items() if k.startswith(ADAPTER_KEYS) and v != flat.get(k)]
 
 
-def require_champion(registry: Registry):
-    """The champion's ModelVersion, or NoChampion saying how to make one."""
+def require_champion(registry: Registry, params: str):
+    """The champion's ModelVersion, or NoChampion saying how to make one. A user who had just run the README's smoke
+    run (params/tiny.yaml) met "run the train flow first": the smoke run registers as `qerl-smoke`, which the
+    nightly's params never continue; the line names the command for these params and the store's other models."""
     champion = registry.champion()
     if champion is None:
-        raise NoChampion(f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow "
-                         "first (its first registered adapter becomes the champion)")
+        others = registry.other_models()
+        raise NoChampion(
+            f"registered model {registry.name!r} has no {CHAMPION!r} version yet: run the train flow on these params "
+            f"first (python -m qerl.flows.train --params {params} -S tracking.backend=mlflow, or the train-embedded "
+            "deployment); its first registered adapter becomes the champion"
+            + (f". Not {', '.join(map(repr, others))}: each params file registers under its own "
+               "tracking.registered_model, and smoke runs (params/tiny.yaml) register as 'qerl-smoke'" if others else ""))
     return champion
 
 
@@ -96,7 +104,12 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
     out_dir = out_dir or default_out_dir(settings)
     with claim_run_folder(out_dir):  # before the registry and MLflow: a folder in use fails here, in a line
         registry = Registry.from_settings(settings)
-        champion = require_champion(registry)
+        try:
+            champion = require_champion(registry, params)
+        except NoChampion as refusal:
+            # An expected refusal, not a crash: a Failed state with the line as its message. Raised, it put two
+            # Prefect tracebacks in the worker's log (the engine's "Encountered exception", then the process's).
+            return Failed(message=str(refusal))
         champion_version = str(champion.version)
         adopted = champion_overrides(registry.recorded_settings(champion), settings, champion_version)
         if adopted:
@@ -152,7 +165,7 @@ def _run(args: argparse.Namespace) -> str:
     with claim_run_folder(out_dir):  # first: a folder in use fails before MLflow and Prefect start
         probe(resolve_tracking_uri(settings))
         prefect_api.check()
-        require_champion(Registry.from_settings(settings))  # in a line, not after Prefect's traceback of the flow run
+        require_champion(Registry.from_settings(settings), args.params)  # in a line, before Prefect starts
         prefect_api.connect()
         return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir)["verdict"]
 

@@ -333,6 +333,10 @@ class Registry:
     def from_settings(cls, settings: Settings) -> "Registry":
         return cls(resolve_tracking_uri(settings), settings.tracking.registered_model)
 
+    def other_models(self) -> list[str]:
+        """The names of the store's other registered models (e.g. the smoke runs' `qerl-smoke`)."""
+        return sorted(m.name for m in self.client.search_registered_models() if m.name != self.name)
+
     def champion(self):
         """The ModelVersion behind the `champion` alias, or None (no model or no alias yet)."""
         return self.version(CHAMPION)

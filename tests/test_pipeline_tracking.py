@@ -307,10 +307,39 @@ def test_retrain_without_a_champion_is_one_line_before_prefect_starts(store, tmp
     code, stdout, err = main_here(main, "--params", "params/tiny.yaml", "--out", out)
     assert (code, stdout) == (2, "")
     lines = [line for line in err.splitlines() if "INFO mlflow" not in line]  # a fresh store's set-up
-    assert lines == [
-        "python -m qerl.flows.retrain: error: registered model 'qerl-smoke' has no 'champion' version yet: run the train "
-        "flow first (its first registered adapter becomes the champion)"]
+    assert lines == [f"python -m qerl.flows.retrain: error: {no_champion('qerl-smoke', 'params/tiny.yaml')}"]
     assert not out.exists()
+
+
+def no_champion(model: str, params: str, others: str = "") -> str:
+    return (f"registered model {model!r} has no 'champion' version yet: run the train flow on these params first "
+            f"(python -m qerl.flows.train --params {params} -S tracking.backend=mlflow, or the train-embedded "
+            "deployment); its first registered adapter becomes the champion"
+            + (f". Not {others}: each params file registers under its own tracking.registered_model, and smoke runs "
+               "(params/tiny.yaml) register as 'qerl-smoke'" if others else ""))
+
+
+def test_the_retrain_flow_after_only_a_smoke_run_fails_cleanly_naming_the_smoke_registry(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """The README's smoke run registers as qerl-smoke; the nightly (default.yaml: qerl-adapter) then found no
+    champion, and the flow raised: two Prefect tracebacks in the worker's log for an expected refusal, and a line
+    that told a user who had just trained to train first. Now the flow ends Failed with the line as its message
+    (no traceback), naming the command and the smoke registry. ~20 s: Prefect's temporary server."""
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from qerl.flows.retrain import retrain
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(store).create_registered_model("qerl-smoke")  # what the smoke run leaves (its versions aside)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "prefect-home"), PREFECT_API_URL: None}):
+        state = retrain(params=str(ROOT / "params/default.yaml"), data_dir=str(tmp_path / "incoming"),
+                        out_dir=str(tmp_path / "run"), return_state=True)
+    assert state.is_failed()
+    assert state.message == no_champion("qerl-adapter", str(ROOT / "params/default.yaml"), "'qerl-smoke'")
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_evaluate_of_an_alias_that_is_not_there_is_one_line_before_prefect_starts(store, main_here, monkeypatch):
