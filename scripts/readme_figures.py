@@ -2,10 +2,13 @@
 the held-out accuracy, the reward per step, entropy and answer length, the step and job times, and what the numbers
 depend on (README "Determinism"). Reads only files: nothing is trained or loaded.
 
-    python scripts/readme_figures.py [--root .]
+    python scripts/readme_figures.py [--root .] [--plots docs]
 
 Reads runs/dvc/train/metrics.jsonl and params.yaml, runs/dvc/eval/metrics.json, dvc.lock and data/fingerprint.json
-(the job's first output: its time stamp starts the wall-time estimate, metrics.json's ends it).
+(the job's first output: its time stamp starts the wall-time estimate, metrics.json's ends it). `--plots DIR` also
+draws the README's two pictures there (embedded_default_reward_curve.png, embedded_default_training_curves.png):
+the trainer's curves with the held-out accuracy on them, which the trainer cannot draw (it is measured after the
+training, by the evaluate stage). Seconds on the CPU.
 """
 
 from __future__ import annotations
@@ -69,13 +72,38 @@ def figures(root: Path) -> str:
     return "\n".join(lines)
 
 
+README_PICTURES = {"reward_curve.png": "embedded_default_reward_curve.png",
+                   "training_curves.png": "embedded_default_training_curves.png"}
+
+
+def pictures(root: Path, out: Path) -> list[Path]:
+    """The README's pictures of the job in `root`, written to `out`: its per-step curves, the held-out accuracy at
+    the last step."""
+    import tempfile
+
+    from qerl.rl.plots import plot_training_curves
+
+    steps = read_json_lines(root / TRAIN / "metrics.jsonl")
+    accuracy = json.loads((root / EVAL / "metrics.json").read_text())["accuracy"]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with tempfile.TemporaryDirectory() as drawn:
+        for path in plot_training_curves(steps, drawn, held_out={steps[-1]["step"]: accuracy}):
+            written.append(out / README_PICTURES[path.name])
+            path.replace(written[-1])
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="readme_figures", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=Path("."), help="the repository the job ran in")
+    parser.add_argument("--plots", type=Path, default=None, help="also draw the README's pictures in this folder")
     args = parser.parse_args(argv)
     try:
         print(figures(args.root))
+        for path in pictures(args.root, args.plots) if args.plots else []:
+            print(f"picture: {path}")
     except (OSError, ValueError, KeyError) as e:  # one line naming what is missing or damaged
         what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else e
         if isinstance(e, KeyError):

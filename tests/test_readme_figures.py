@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 from scripts.readme_figures import main
 
@@ -47,3 +48,26 @@ def test_a_missing_output_is_one_line_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == [f"readme_figures: error: {tmp_path / 'runs/dvc/eval/metrics.json'}: No such file or directory "
                    "(run bash scripts/run.sh first)"]
+
+
+def test_the_readmes_pictures_carry_the_held_out_accuracy(tmp_path, capsys, monkeypatch):
+    """The README's pictures were the trainer's PNGs, drawn before the evaluation: the held-out accuracy, the job's
+    headline, was in neither. `--plots` draws them from the job's files with it."""
+    from matplotlib.figure import Figure
+
+    legends = {}
+    real_savefig = Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        legends[Path(path).name] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        return real_savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    job(tmp_path)
+    assert main(["--root", str(tmp_path), "--plots", str(tmp_path / "docs")]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("picture: ")]
+    assert printed == [f"picture: {tmp_path / 'docs' / name}" for name in
+                       ("embedded_default_reward_curve.png", "embedded_default_training_curves.png")]
+    assert all((tmp_path / "docs" / name).stat().st_size > 10_000 for name in
+               ("embedded_default_reward_curve.png", "embedded_default_training_curves.png"))
+    assert all("held-out accuracy (27.8% at step 3)" in legend for legend in legends.values()), legends

@@ -35,9 +35,52 @@ def _draw(ax, xs: list, ys: list, window: int, color: str, name: str) -> None:
     ax.plot(xs, _smooth(ys, window), color=color, label=f"{name}, moving mean of {window}")
 
 
-def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | None = None) -> list[Path]:
+def _steps_axis(ax) -> None:
+    """Whole steps only: matplotlib's default ticks of a 15-step run were 2.5, 5.0, 7.5, ..."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _from_zero(ax, values: Sequence[float]) -> None:
+    """A share (reward, accuracy) read against 0: an axis starting at 0.03 made a 0.03 -> 0.25 wobble look like a
+    climb from nothing to the top. Negative rewards keep their own bottom."""
+    if min(values, default=0.0) >= 0:
+        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)  # headroom for the legend above the curves
+
+
+def _held_out(ax, held_out: dict[int, float]) -> None:
+    """The held-out accuracy (greedy, on the evaluation set) at the steps it was measured: the job's headline, on
+    the reward's axis (both are shares of right answers; the reward on the training prompts, sampled)."""
+    steps = sorted(held_out)
+    ax.plot(steps, [held_out[s] for s in steps], color="tab:red", marker="D", markersize=7, linestyle="--",
+            label=f"held-out accuracy ({100 * held_out[steps[-1]]:.1f}% at step {steps[-1]})")
+
+
+def _grid(plt, n: int):
+    """`n` panels in rows of three (four: two by two), the last row's panels widened to fill it: no empty cells
+    (a 3-column grid of four panels left two)."""
+    import math
+
+    cols = 2 if n == 4 else min(n, 3)
+    rows = (n + cols - 1) // cols
+    last = n - cols * (rows - 1)
+    width = math.lcm(cols, last)  # the grid's columns: each full-row panel spans width // cols, a last-row one more
+    fig = plt.figure(figsize=(12, 3.2 * rows), dpi=100)
+    spec = fig.add_gridspec(rows, width)
+    axes = []
+    for i in range(n):
+        row, col = divmod(i, cols)
+        span = width // (last if row == rows - 1 else cols)
+        axes.append(fig.add_subplot(spec[row, col * span:(col + 1) * span]))
+    return fig, axes
+
+
+def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | None = None,
+                         held_out: dict[int, float] | None = None) -> list[Path]:
     """Writes `training_curves.png` (a grid of the main metrics) and `reward_curve.png`; returns the paths (none
-    when no step has a reward: every step was skipped)."""
+    when no step has a reward: every step was skipped). `held_out`: the held-out accuracy by step, where known
+    (it is measured after the trainer draws its curves: scripts/readme_figures.py draws them again with it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,8 +94,13 @@ def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | 
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    _draw(ax, *_series(records, "reward_mean"), window, "tab:blue", "mean reward")
-    ax.set(xlabel="step", ylabel="mean reward", title=title or "reward")
+    xs, ys = _series(records, "reward_mean")
+    _draw(ax, xs, ys, window, "tab:blue", "mean reward")
+    if held_out:
+        _held_out(ax, held_out)
+    ax.set(xlabel="step", ylabel="mean reward" + (" / accuracy" if held_out else ""), title=title or "reward")
+    _from_zero(ax, ys)
+    _steps_axis(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -61,10 +109,8 @@ def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | 
     plt.close(fig)
 
     present = [(k, label) for k, label in CURVES if any(k in r for r in records)]
-    cols = 3
-    rows = (len(present) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.2 * rows), dpi=100, squeeze=False)
-    for ax, (key, label) in zip(axes.flat, present):
+    fig, axes = _grid(plt, len(present))
+    for ax, (key, label) in zip(axes, present):
         xs, ys = _series(records, key)
         if key == "sigma":  # a step schedule: smoothing would blur the stage boundaries
             ax.step(xs, ys, where="post", color="tab:blue", label="σ of the step's rollouts")
@@ -74,13 +120,15 @@ def plot_training_curves(records: list[dict], out_dir: str | Path, title: str | 
                 _draw(ax, *_series(records, "accuracy"), window, "tab:orange", "accuracy")
             elif any("accuracy" in r for r in records):
                 label = "reward (= accuracy)"
+            if held_out:
+                _held_out(ax, held_out)
+            _from_zero(ax, ys)
         else:
             _draw(ax, xs, ys, window, "tab:blue", label.split(" (")[0])
         ax.set(title=label, xlabel="step")
+        _steps_axis(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small")
-    for ax in list(axes.flat)[len(present):]:
-        ax.axis("off")
     fig.tight_layout()
     paths.append(out_dir / TRAINING_CURVES)
     fig.savefig(paths[-1])
