@@ -109,6 +109,18 @@ def experiments(repro):
             for name, change in (("short-eval", "eval.max_new_tokens=8"), ("high-lr", "optim.lr=1e-3"))}
 
 
+def test_the_readmes_way_back_to_the_baseline_leaves_git_status_clean(repro, experiments):
+    """`dvc exp run` leaves the workspace as its experiment left it: DVC had rewritten params/default.yaml (the
+    -S value in, comments and nulls out), and the next quick start trained the last experiment's settings. The
+    README's line after its experiments brings the committed params, lock and metrics back. ~10 s."""
+    repo, _ = repro
+    assert run(repo, "git", "status", "--porcelain", "--untracked-files=no").stdout.strip()  # the last experiment's
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if "# back to the baseline" in line)
+    run(repo, "bash", "-c", line.split("#", 1)[0])
+    assert run(repo, "git", "status", "--porcelain", "--untracked-files=no").stdout == ""
+    assert (repo / "params/default.yaml").read_bytes() == (ROOT / "params/tiny.yaml").read_bytes()
+
+
 def test_exp_run_with_one_parameter_reruns_only_what_depends_on_it(repro, experiments):
     repo, _ = repro
     proc = experiments["short-eval"]
