@@ -111,7 +111,7 @@ def experiments(repro):
 
 def test_the_readmes_way_back_to_the_baseline_leaves_git_status_clean(repro, experiments):
     """`dvc exp run` leaves the workspace as its experiment left it: DVC had rewritten params/default.yaml (the
-    -S value in, comments and nulls out), and the next quick start trained the last experiment's settings. The
+    -S value in, nulls and quotes out), and the next quick start trained the last experiment's settings. The
     README's line after its experiments brings the committed params, lock and metrics back. ~10 s."""
     repo, _ = repro
     assert run(repo, "git", "status", "--porcelain", "--untracked-files=no").stdout.strip()  # the last experiment's
