@@ -20,6 +20,7 @@ from qerl.flows import startup  # noqa: F401 (first of all: the process's settin
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 from qerl.debug import variable
@@ -104,11 +105,12 @@ def guard_against_orphaning(server) -> None:
     `qerl.flows.orphan_guard`, which stops it once this process is gone. Prefect builds the command in
     `_run_uvicorn_command` (also when it retries on another port); this instance's method is wrapped so that the
     Popen it calls, looked up in Prefect's server module, prefixes the guard: the command and its environment stay
-    Prefect's own, and no other module's `subprocess` is touched."""
-    import types
-
+    Prefect's own, and no other module's `subprocess` is touched. Once per server (a second connect() after a failed
+    start finds it wrapped)."""
     import prefect.server.api.server as prefect_server
 
+    if getattr(server, "_qerl_orphan_guard", False):
+        return
     build = server._run_uvicorn_command
 
     def popen(args, **kwargs) -> subprocess.Popen:
@@ -125,3 +127,4 @@ def guard_against_orphaning(server) -> None:
             prefect_server.subprocess = subprocess
 
     server._run_uvicorn_command = guarded
+    server._qerl_orphan_guard = True

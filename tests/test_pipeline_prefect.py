@@ -225,3 +225,24 @@ def test_the_nightly_retrain_continues_a_smoke_champion_of_another_adapter_shape
     mlrun = MlflowClient(stack.tracking_uri).get_run(result["run_id"])
     assert mlrun.data.params["lora.rank"] == "8" and mlrun.data.params["lora.alpha"] == "16.0"
     assert mlrun.info.run_name.startswith("retrain-nvfp4-aqn default train.steps=1 ")
+
+
+def test_the_nightly_without_a_champion_fails_in_one_line_and_no_traceback(stack, deployed_run):
+    """The README's order (smoke run, then the retrain deployment) met "run the train flow first" inside two Prefect
+    tracebacks in the worker's log, for an expected refusal. The flow run now ends Failed with the line as its
+    message. A registry nobody trained, so that the other tests' champions do not matter. ~30 s: one flow process."""
+    run, _, log = deployed_run
+    assert run.returncode == 0, "needs the worker the deployment run started"
+    before = log.read_text()
+    refused = prefect(stack, "deployment", "run", "qerl-retrain/retrain-nightly",
+                      "--param", f"out_dir={stack.tmp / 'runs' / 'no-champion'}",
+                      "--param", 'overrides=["tracking.registered_model=never-trained"]',
+                      "--watch", "--watch-timeout", "600", timeout=patience(700))
+    assert refused.returncode != 0, refused.stdout
+    assert "registered model 'never-trained' has no 'champion' version yet" in refused.stdout + refused.stderr
+    deadline = time.monotonic() + patience(30)  # the worker writes the run's end after the CLI saw it
+    while "has no 'champion' version yet" not in log.read_text()[len(before):] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    worker = log.read_text()[len(before):]
+    assert "has no 'champion' version yet" in worker, worker[-3000:]
+    assert "Traceback" not in worker, worker[-6000:]
