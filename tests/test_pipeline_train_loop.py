@@ -95,6 +95,7 @@ def test_the_flow_writes_what_the_command_line_writes_resampling_rounds_as_tasks
     assert result["steps"] == 3 and Path(result["adapter"]) == tmp_path / "flow" / "adapter"
 
 
+@pytest.mark.slow  # two training flows, each with its evaluation and registration: ~60 s on 2 busy cores
 def test_a_resumed_flow_continues_its_mlflow_run(tmp_path, params_file, prefect_home):
     """`python -m qerl.flows.train --resume` used to open a second MLflow run, so a killed or stopped run's curves
     were split over two runs. The run folder records its MLflow run (flows/tracking.py RUN_RECORD) and the resumed
