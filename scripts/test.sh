@@ -17,8 +17,11 @@ export TMPDIR="$scratch"
 workers="${QERL_TEST_WORKERS:-2}"
 xdist=()
 [ "$workers" = "0" ] || xdist=(-n "$workers" --dist loadfile)
+# The 30 slowest tests are listed before the result line on every run, so that any CI log says where the time went
+# (a 34-minute run on a busy machine left no way to tell the suite's own cost from the machine's load). A
+# --durations of the caller's comes later and wins.
 set +e
-python -m pytest "${xdist[@]}" "$@"
+python -m pytest "${xdist[@]}" --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi  # exit 5: nothing collected, not a failure
