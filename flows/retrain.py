@@ -88,7 +88,8 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
     """Fine-tune the champion on the newest `*.jsonl` in `data_dir` (else the params' data), then promote or keep.
 
     Both adapters are scored in this run on the current evaluation set, so the comparison is like for like.
-    Returns {"promoted": bool, "champion_version", "candidate_version", "candidate": metric, "champion": metric, ...}.
+    Returns {"promoted": bool, "champion_version", "candidate_version", "candidate": metric, "champion": metric, ...};
+    without a champion, a Failed state whose message says what to run (called directly, the flow raises FailedRun).
     """
     logger = get_run_logger()
     overrides = list(overrides or [])
