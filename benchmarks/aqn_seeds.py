@@ -118,15 +118,10 @@ def run_seconds(out: Path) -> list[float]:
     return [r["seconds"] for p in out.glob(f"*/*/seed-*/{DONE}") if (r := read_json(p)) and "seconds" in r]
 
 
-def lean_phases():
-    """Trainer phases without the final adapter export and plots (the evaluation runs on the in-process model)."""
-    from qerl.rl.phases import Phases
-
-    class Lean(Phases):
-        def export(self, trainer):
-            return trainer.out
-
-    return Lean()
+def without_export(trainer):
+    """`trainer` with no final adapter export and plots (the evaluation runs on the in-process model)."""
+    trainer.export = lambda: trainer.out
+    return trainer
 
 
 def run_job(job: Job, entropy_prompts: int) -> dict:
@@ -146,7 +141,7 @@ def run_job(job: Job, entropy_prompts: int) -> dict:
             measured = trainer.measure_entropy(eval_examples(settings, limit=entropy_prompts))
         return {**info, "scheme": job.arm, **measured, "seconds": time.time() - start}
     with Trainer(settings, out_dir=job.folder, resume=True, progress=False) as trainer:
-        trainer.train(phases=lean_phases())
+        without_export(trainer).train()
         trained = time.time()
         result = run_eval(settings, out_dir=job.folder / "eval", model=trainer.model, tokenizer=trainer.tokenizer,
                           progress=False)

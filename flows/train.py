@@ -11,6 +11,7 @@ from qerl.flows import startup  # noqa: F401 (first of all: the process's settin
 import argparse
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -18,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 
 from qerl.flows import cli, prefect_api
 from qerl.flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.config import ConfigError, Settings, load_settings
 from qerl.evaluation.evaluate import eval_examples
-from qerl.rl.phases import Phases
 from qerl.rl.plots import REWARD_CURVE, TRAINING_CURVES
 from qerl.rl.stopping import TrainingStopped
 from qerl.rl.tracking import log_step
@@ -32,8 +31,7 @@ from qerl.run.lock import FolderLock, run_folder_lock
 from qerl.run.metrics import MetricsLog
 from qerl.tasks.evaluation import evaluate
 from qerl.tasks.quantize import is_complete, quantize_checkpoint
-from qerl.tasks.training import (build_trainer, export_adapter, generate_rollouts, grpo_update, score_rewards,
-                                 torchrun_train)
+from qerl.tasks.training import build_trainer, run_phases_as_tasks, torchrun_train
 
 QUANTIZED_ROOT = "runs/quantized"  # quantized bases, one folder per (source, scheme, codec version), shared by runs
 EVAL_METRIC = "accuracy"  # what "better" means when the retrain flow compares adapters (higher is better)
@@ -128,41 +126,27 @@ def train_and_evaluate(settings: Settings, out_dir: str, tracker, *, quantized_r
         trainer.close()  # the run folder's lock: held through the final evaluation, which writes into the folder
 
 
-class TaskPhases(Phases):
-    """The trainer's phases as Prefect tasks; its periodic evaluations run the `evaluate` task on the in-process
-    model and log to the run's tracker. Batches go in `quote`d: Prefect need not walk their tensors."""
-
-    def __init__(self, settings: Settings, out: Path, tracker):
-        self.settings, self.out, self.tracker = settings, out, tracker
-        self.plots: list[Path] = []  # the training-curve PNGs, once `export` ran
-
-    def rollout(self, trainer, round_: int):
-        return generate_rollouts(trainer, round_)
-
-    def score(self, trainer, batch):
-        return score_rewards(trainer, quote(batch))
-
-    def finish_step(self, trainer, batch) -> dict[str, float]:
-        return grpo_update(trainer, quote(batch))
-
-    def evaluate(self, trainer) -> None:
-        result = evaluate(self.settings, out_dir=str(self.out / "eval" / f"step-{trainer.step:06d}"),
-                          model=trainer.model, tokenizer=trainer.tokenizer)
-        log_eval(self.tracker, result.metrics, trainer.step)
-
-    def export(self, trainer) -> Path:
-        adapter, self.plots = export_adapter(trainer)
-        return adapter
-
-
 def _train_and_evaluate(trainer, settings: Settings, out_dir: str, tracker, max_steps: int | None,
                         before_training) -> TrainOutcome:
     if before_training is not None:
         before_training(trainer)
-    phases = TaskPhases(settings, Path(out_dir), tracker)
-    adapter = trainer.train(max_steps, phases)
-    return evaluate_and_log(settings, Path(out_dir), tracker, adapter, phases.plots, trainer.step,
+    run_phases_as_tasks(trainer)
+    trainer.evaluate = functools.partial(evaluate_between_steps, trainer, settings, Path(out_dir), tracker)
+    adapter = trainer.train(max_steps)
+    return evaluate_and_log(settings, Path(out_dir), tracker, adapter, plots(Path(out_dir)), trainer.step,
                             policy=dict(model=trainer.model, tokenizer=trainer.tokenizer))
+
+
+def evaluate_between_steps(trainer, settings: Settings, out: Path, tracker) -> None:
+    """`Trainer.evaluate` in the flow: the `evaluate` task on the in-process model, logged to the run's tracker."""
+    result = evaluate(settings, out_dir=str(out / "eval" / f"step-{trainer.step:06d}"), model=trainer.model,
+                      tokenizer=trainer.tokenizer)
+    log_eval(tracker, result.metrics, trainer.step)
+
+
+def plots(out: Path) -> list[Path]:
+    """The training-curve PNGs the run wrote into its folder."""
+    return [path for path in (out / REWARD_CURVE, out / TRAINING_CURVES) if path.is_file()]
 
 
 def train_over_processes(settings: Settings, params: str, overrides: list[str], out_dir: str, tracker, nproc: int, *,
@@ -183,9 +167,8 @@ def train_over_processes(settings: Settings, params: str, overrides: list[str], 
     tracker.log_params(settings.to_flat_dict())
     for record in records:
         log_step(tracker, record)
-    plots = [path for path in (out / REWARD_CURVE, out / TRAINING_CURVES) if path.is_file()]
     adapter = out / "adapter"
-    return evaluate_and_log(settings, out, tracker, adapter, plots, records[-1]["step"] if records else 0,
+    return evaluate_and_log(settings, out, tracker, adapter, plots(out), records[-1]["step"] if records else 0,
                             policy=dict(adapter=str(adapter)))
 
 

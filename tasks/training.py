@@ -1,6 +1,6 @@
-"""The RL step as Prefect tasks over one in-process `Trainer`: rollout -> score -> GRPO update (AQN inside). The
-training flow hands them to `Trainer.train` as its phases, so the loop (DAPO resampling rounds included) is the
-trainer's own.
+"""The RL step as Prefect tasks over one in-process `Trainer`: `run_phases_as_tasks` makes its rollout, score, update
+and export methods task runs (AQN inside the rollout), so the step (`Trainer.train_step`) and the loop (DAPO
+resampling rounds included) stay the trainer's own.
 
 The Trainer, its model and the rollout batches stay in this process: none of these tasks caches or persists its result
 (gigabytes of weights and tensors do not belong in Prefect's result store, and they are not reusable across runs).
@@ -9,10 +9,13 @@ State that must survive a crash is the trainer's own checkpoint in the run folde
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
+from collections.abc import Callable
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
 
 from qerl.config import Settings
 from qerl.rl.tracking import Tracker
@@ -39,31 +42,40 @@ def build_trainer(settings: Settings, out_dir: str, tracker: Tracker | None = No
     return trainer
 
 
-@task(name="generate-rollouts", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
-def generate_rollouts(trainer, round_: int = 0):
-    """`group_size` completions per prompt from the policy, AQN noise in the norm weights (σ of this step); `round_`
-    > 0 is a DAPO resampling round of the same step."""
-    return trainer.rollout(round_=round_)
+# The trainer's phases (its methods, called by `Trainer.train_step` and `Trainer.train`) and the task each runs as.
+# Retries only for faults of I/O: a phase that failed on a bug fails the same way again.
+PHASE_TASKS = {
+    # `group_size` completions per prompt from the policy, AQN noise in the norm weights (σ of this step); a DAPO
+    # resampling round (round_ > 0) is a task of its own.
+    "rollout": dict(name="generate-rollouts", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient),
+    # Rewards (the `train.rewards` mix) and accuracy of every completion.
+    "score": dict(name="score-rewards", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient),
+    # The policy-gradient update of the LoRA weights. No retries: a failure after the optimizer step would apply it
+    # twice. Resume from the last checkpoint instead.
+    "update": dict(name="grpo-update"),
+    # The final adapter (PEFT format) and the training-curve PNGs, in the run folder.
+    "export": dict(name="export-adapter", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient),
+}
 
 
-@task(name="score-rewards", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
-def score_rewards(trainer, batch):
-    """Rewards (the `train.rewards` mix) and accuracy of every completion."""
-    return trainer.score(batch)
+def run_phases_as_tasks(trainer) -> None:
+    """From now on `trainer` runs each phase of `PHASE_TASKS` as a Prefect task: the method is replaced, on this one
+    instance, by a task around the original bound method. The step and the loop (DAPO rounds, checkpoints,
+    evaluation points) stay the trainer's, which knows nothing of Prefect."""
+    for name, options in PHASE_TASKS.items():
+        setattr(trainer, name, as_task(getattr(trainer, name), **options, **_IN_PROCESS))
 
 
-# No retries: a failure after the optimizer step would apply it twice. Resume from the last checkpoint instead.
-@task(name="grpo-update", **_IN_PROCESS)
-def grpo_update(trainer, batch) -> dict[str, float]:
-    """The policy-gradient update of the LoRA weights; logs the step's metrics and checkpoints when due."""
-    return trainer.finish_step(batch)
+def as_task(method: Callable[..., Any], **options) -> Callable[..., Any]:
+    """`method` called as a Prefect task run (`options`: the task's). Its arguments go in `quote`d: Prefect need not
+    walk a batch's tensors, and it unwraps them before the call."""
+    run = task(**options)(method)
 
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return run(*map(quote, args), **{k: quote(v) for k, v in kwargs.items()})
 
-@task(name="export-adapter", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient, **_IN_PROCESS)
-def export_adapter(trainer) -> tuple[Path, list[Path]]:
-    """The final adapter (PEFT format) and the training-curve PNGs, in the run folder."""
-    adapter = trainer.export_adapter(trainer.out / "adapter")
-    return adapter, trainer.write_plots()
+    return call
 
 
 # No retries: a failed multi-process run continues from its checkpoint (resume), not from step 0.

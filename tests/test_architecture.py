@@ -199,6 +199,15 @@ def test_qerl_lists_every_part_once():
     assert sorted(layers()) == sorted(parts)
 
 
+def test_the_architecture_page_lists_the_parts_in_the_order_the_code_keeps():
+    """docs/architecture.md names the order its rules enforce: the same as qerl/__init__.py's, which the imports
+    follow (test below)."""
+    page = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    found = re.search(r"bottom up in `qerl/__init__.py`'s docstring \(([^)]*)\)", page)
+    assert found, "docs/architecture.md no longer lists the parts bottom up"
+    assert ["qerl." + name.strip() for name in found.group(1).split(",")] == layers()
+
+
 def test_every_part_imports_only_parts_listed_before_it():
     order = {part: i for i, part in enumerate(layers())}
     wrong = sorted(f"{m} -> {t}" for m, targets in graph().items() if unit(m) in order

@@ -362,7 +362,7 @@ def test_trainer_counts_grader_timeouts_in_the_step(hanging_worker) -> None:
 
     from qerl.data.problems import Example
     from qerl.data.rewards import combined_reward
-    from qerl.rl.phases import RolloutBatch
+    from qerl.rl.batch import RolloutBatch
     from qerl.rl.scoring import Scorer
 
     hanging_worker.start()

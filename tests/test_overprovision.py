@@ -144,7 +144,7 @@ def test_the_trainer_trains_on_the_groups_that_finished_first(tmp_path):
         sampler = copy.deepcopy(trainer.sampler)
         drawn = sampler.next_batch()
         assert len(drawn) == 4 and trainer.sampler.position == 0
-        batch = trainer.collect()
+        batch = trainer.score(trainer.rollout())
         assert trainer.sampler.state_dict() == sampler.state_dict()  # the 4 drawn prompts, kept or not, consumed
         uncut = trainer.rollout(drawn)  # the same prompts at the same step: the same row seeds, no cut
         assert "cut" not in uncut.samples.stop_reasons
@@ -156,7 +156,7 @@ def test_the_trainer_trains_on_the_groups_that_finished_first(tmp_path):
         dropped = [i for i in range(16) if i not in rows]
         assert batch.extra["rollout/groups_dropped"] == 2
         assert 0 < batch.extra["rollout/tokens_dropped"] < sum(len(uncut.samples.completion_ids[i]) for i in dropped)
-        metrics = trainer.finish_step(batch)
+        metrics = trainer.update(batch)
         assert metrics["rollout/groups_dropped"] == 2
 
 
@@ -176,7 +176,7 @@ def test_overprovision_zero_changes_nothing(tmp_path, monkeypatch):
         generate = trainer.rollout_backend.generate
         monkeypatch.setattr(trainer.rollout_backend, "generate",
                             lambda prompts, sampling, **kw: seen.append(sampling) or generate(prompts, sampling, **kw))
-        batch = trainer.collect()
+        batch = trainer.score(trainer.rollout())
         assert len(batch.examples) == 2 and trainer.sampler.position == 2
         assert seen[0].groups_needed is None and "groups" not in seen[0].kwargs(len(batch))
         assert not any(k.startswith("rollout/") for k in batch.extra)
@@ -186,7 +186,7 @@ def test_overprovision_with_dynamic_sampling_keeps_informative_finished_groups(t
     settings = tiny_settings(None, rollout=OVER, grpo={"dynamic_sampling": True, "max_resample_rounds": 2},
                              train={"rewards": {"tests.test_trainer:odd_gold_ones_reward": 1.0}})
     with make_trainer(settings, tmp_path / "run") as trainer:
-        batch = trainer.collect()
+        batch = trainer.keep_informative(trainer.score(trainer.rollout()))
         rounds = batch.extra["dynamic_sampling/rounds"]
         assert batch.extra["rollout/groups_dropped"] == 2 * rounds  # each round drew 4 prompts and kept 2
         assert trainer.sampler.position == 4 * rounds

@@ -286,7 +286,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     settings = tiny_settings(tmp_path, grpo={"dynamic_sampling": True, "max_resample_rounds": 2},
                              train={"steps": 1, "rewards": {"tests.test_trainer:even_gold_reward": 1.0}})
     trainer = make_trainer(settings, tmp_path / "run")
-    batch = trainer.collect()
+    batch = trainer.keep_informative(trainer.score(trainer.rollout()))
     # every group's rewards are equal (they depend on the question only): nothing is kept after 3 rounds
     assert batch.extra["dynamic_sampling/rounds"] == 3
     assert len(batch.examples) == 0

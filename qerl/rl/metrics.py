@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from qerl.rl.distributed import Group
-from qerl.rl.phases import RolloutBatch
+from qerl.rl.batch import RolloutBatch
 
 
 @dataclass

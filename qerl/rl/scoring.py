@@ -8,7 +8,7 @@ import torch
 
 from qerl import grading
 from qerl.data.rewards import RewardFn
-from qerl.rl.phases import RolloutBatch
+from qerl.rl.batch import RolloutBatch
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """The RL loop: rollout (with AQN) -> score -> GRPO/DAPO update of LoRA on the frozen quantized base.
 
-Each phase is a plain method over plain data (`RolloutBatch`), so the Prefect tasks in `tasks/` can wrap them one by one.
+`Trainer.train_step` is the step, its phases called in order in that one method. Each phase is a plain method over
+plain data (`RolloutBatch`): the Prefect flow runs them as tasks by wrapping them from outside (`qerl.tasks.training`),
+so nothing here knows about Prefect.
 Checkpoints hold everything a resumed run needs to continue bit for bit on the CPU: adapter, optimizer, scheduler,
 RNG states, step and data position.
 """
@@ -33,7 +35,7 @@ from qerl.rl.logprobs import PolicyLogProbs
 from qerl.rl.memory import StepPeaks, return_large_frees_to_the_os
 from qerl.rl.metrics import speculation_metrics, step_metrics
 from qerl.rl.optim import build_optimizer
-from qerl.rl.phases import Phases, RolloutBatch
+from qerl.rl.batch import RolloutBatch
 from qerl.rl.rng import restore_rng, rng_state
 from qerl.rl.scoring import Scorer
 from qerl.rl.tracking import NullTracker, Tracker, log_step
@@ -55,10 +57,11 @@ class Trainer:
     Set-up (`_start`, in the order a failure is cheapest to report): the training prompts (`data.PromptSampler`),
     the model and its LoRA parameters, the optimizer and its schedule (`optim`), the scorer (`scoring.Scorer`), the
     AQN schedule, the sampler (`rollout.backends`), the step's memory peaks (`memory.StepPeaks`), the loss and the
-    update (`update.PolicyUpdate`), then the state of a run to resume. A step: `rollout()` -> `score()` ->
-    `finish_step()` (`update()`: the policy update, the schedule's step, the metrics reduced over the ranks,
-    `metrics.step_metrics`; then the metrics logged and a checkpoint when due). `train()` runs the steps; a `Phases`
-    passed to it decides how each phase is called (the Prefect flow runs each as a task).
+    update (`update.PolicyUpdate`), then the state of a run to resume. A step is `train_step()`: `rollout()` ->
+    `score()` (DAPO: `keep_informative()`, more rounds of both) -> `update()`, then the metrics logged and a
+    checkpoint when due. `train()` runs the steps, `evaluate()` between them where due and `export()` at the end.
+    An orchestrator changes how a phase runs by wrapping the method on its trainer (the Prefect flow runs each as a
+    task: `qerl.tasks.training.run_phases_as_tasks`); the step itself stays here.
     Its run folder (`qerl.run.folder.RunFolder`, opened on `out_dir`) keeps the state: the trainer asks it for the
     checkpoint to resume and hands it the states to save. The folder is locked from construction until `close()`
     (or the end of a `with` block, or the process): a second trainer on the same folder fails at once.
@@ -231,6 +234,21 @@ class Trainer:
                      "over 0.03 nats/token; set grpo.correction to choose)", cap, " and ".join(paths))
         return "tis" if paths else "none"
 
+    # ------------------------------------------------------------------------------------------------ the step
+
+    def train_step(self) -> dict[str, float]:
+        """One training step, its phases in order; returns the step's metrics. A new phase (e.g. a pass of the
+        reference's log-probs) is one more line here, a method over the `RolloutBatch`."""
+        batch = self.score(self.rollout())
+        if self.settings.grpo.dynamic_sampling:  # DAPO: more rounds, until enough groups carry a learning signal
+            batch = self.keep_informative(batch)
+        metrics = self.update(batch)
+        self.log_metrics(metrics)
+        if self.dist.is_main and (self.step % self.settings.train.save_every == 0
+                                  or self.step == self.settings.train.steps):
+            self.save_checkpoint()
+        return metrics
+
     # ------------------------------------------------------------------------------------------------ phases
 
     def sigma(self, step: int | None = None) -> float:
@@ -298,16 +316,14 @@ class Trainer:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
         return self.scorer(batch)
 
-    def collect(self, phases: Phases | None = None) -> RolloutBatch:
-        """Rollout + score; with dynamic sampling, keep only groups whose rewards differ, drawing more prompts."""
-        phases = phases or Phases()
+    def keep_informative(self, batch: RolloutBatch) -> RolloutBatch:
+        """DAPO's dynamic sampling on the step's scored first round `batch`: only the groups whose rewards differ,
+        with more rounds (each a `rollout` of new prompts and its `score`) until `prompts_per_step` such groups are
+        found or `grpo.max_resample_rounds` ran out; none found leaves a batch without groups (a skipped update)."""
         g = self.settings.grpo
-        batch = phases.score(self, phases.rollout(self, 0))
-        if not g.dynamic_sampling:
-            return batch
         want, kept, drawn, found = self.settings.rollout.prompts_per_step, [], [], 0
         for round_ in range(g.max_resample_rounds + 1):
-            b = batch if round_ == 0 else phases.score(self, phases.rollout(self, round_))
+            b = batch if round_ == 0 else self.score(self.rollout(round_=round_))
             drawn.append(b)
             informative = grpo.informative_groups(b.rewards, b.group_size).tolist()
             kept.append(b.select_groups([i for i, ok in enumerate(informative) if ok]))
@@ -363,47 +379,33 @@ class Trainer:
         return {"entropy": total / max(count, 1.0), "completions": len(batch), "tokens": int(count)}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """The policy update on this batch (`PolicyUpdate`), the schedule's step, and the step's metrics."""
+        """The policy update on this scored batch (`PolicyUpdate`), the schedules' steps, and the step's metrics.
+        A batch without groups (dynamic sampling kept none) ends the step without an update."""
+        if not batch.examples:
+            # The learning-rate schedule counts updates (as transformers' Trainer steps its scheduler only after an
+            # optimizer step that ran): stepping it here, with no optimizer step before, shifted the schedule and
+            # had torch warn "lr_scheduler.step() before optimizer.step()" when it was the run's first step.
+            self.step += 1
+            return {"step": self.step, "skipped": 1.0, "sigma": batch.sigma}
         start = time.perf_counter()
         sigma_train = self.sigma() if self.settings.aqn.in_training_forward else 0.0
         totals, step_rewards, truncated = self.policy_update(batch, sigma_train)
         self.scheduler.step()
         self.step += 1
         # Its rollouts' peaks, then scoring's and the update's.
-        return step_metrics(self.dist, self.step, batch, step_rewards, truncated, totals,
-                            lr=self.scheduler.get_last_lr()[0], seconds_update=time.perf_counter() - start,
-                            peak_memory=self.peaks.step_peak())
+        metrics = step_metrics(self.dist, self.step, batch, step_rewards, truncated, totals,
+                               lr=self.scheduler.get_last_lr()[0], seconds_update=time.perf_counter() - start,
+                               peak_memory=self.peaks.step_peak())
+        if self.aqn is not None:  # the entropy-targeted schedule picks the next step's sigma from this one's
+            self.aqn.observe(metrics["entropy"])
+        return metrics
 
     # ------------------------------------------------------------------------------------------------ loop
 
-    def train_step(self, phases: Phases | None = None) -> dict[str, float]:
-        """One full step: collect (rollout + score), then `finish_step`."""
-        phases = phases or Phases()
-        return phases.finish_step(self, self.collect(phases))
-
-    def finish_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """Update on a scored batch, log the step's metrics, checkpoint when due; returns the metrics."""
-        if not batch.examples:  # dynamic sampling found no informative group: skip the update, not the step
-            # The learning-rate schedule counts updates (as transformers' Trainer steps its scheduler only after an
-            # optimizer step that ran): stepping it here, with no optimizer step before, shifted the schedule and
-            # had torch warn "lr_scheduler.step() before optimizer.step()" when it was the run's first step.
-            self.step += 1
-            metrics = {"step": self.step, "skipped": 1.0, "sigma": batch.sigma}
-        else:
-            metrics = self.update(batch)
-            if self.aqn is not None:  # the entropy-targeted schedule picks the next step's sigma from this one's
-                self.aqn.observe(metrics["entropy"])
-        self.log_metrics(metrics)
-        if (self.step % self.settings.train.save_every == 0 or self.step == self.settings.train.steps) \
-                and self.dist.is_main:
-            self.save_checkpoint()
-        return metrics
-
-    def train(self, max_steps: int | None = None, phases: Phases | None = None) -> Path:
-        """Run until `train.steps` (or `max_steps` more steps); export and return the final adapter folder.
-        `phases` decides how each phase is called (default: directly). SIGTERM or SIGINT meanwhile: the step in
-        progress finishes, a checkpoint is written and `qerl.rl.stopping.TrainingStopped` raised."""
-        phases = phases or Phases()
+    def train(self, max_steps: int | None = None) -> Path:
+        """Run `train_step` until `train.steps` (or `max_steps` more steps), `evaluate` every `train.eval_every`;
+        `export` and return the final adapter folder. SIGTERM or SIGINT meanwhile: the step in progress finishes, a
+        checkpoint is written and `qerl.rl.stopping.TrainingStopped` raised."""
         total, eval_every = self.settings.train.steps, self.settings.train.eval_every
         stop = total if max_steps is None else min(total, self.step + max_steps)
         log.info("training %s -> step %d of %d in %s", self.settings.model.path, stop, total, self.out)
@@ -416,11 +418,11 @@ class Trainer:
                 return stopped_by > 0
 
             while self.step < stop:
-                self.train_step(phases)
+                self.train_step()
                 if stop_requested():
                     break
                 if eval_every and self.step % eval_every == 0 and self.step < stop:
-                    phases.evaluate(self)
+                    self.evaluate()
                     if stop_requested():
                         break
             if self.step < total and self.step % self.settings.train.save_every and self.dist.is_main:
@@ -430,8 +432,19 @@ class Trainer:
                                            steps_left=stop - self.step)
         adapter = self.out / "adapter"
         if self.dist.is_main:
-            adapter = phases.export(self)
+            adapter = self.export()
         self.dist.barrier()  # every rank returns once the run's outputs exist
+        return adapter
+
+    def evaluate(self) -> None:
+        """An evaluation due after this step (every `train.eval_every` steps, the run's last step excepted: what
+        follows training evaluates that one). None here: `qerl train` trains only; the training flow replaces this
+        method on its trainer with its `evaluate` task (qerl.flows.train)."""
+
+    def export(self) -> Path:
+        """The run's outputs once the loop is done (rank 0 only): the final adapter folder and the plots."""
+        adapter = self.export_adapter(self.out / "adapter")
+        self.write_plots()
         return adapter
 
     def log_metrics(self, metrics: dict[str, float]) -> None:

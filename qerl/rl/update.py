@@ -17,7 +17,7 @@ from qerl.rl.distributed import Group
 from qerl.rl.logprobs import PolicyLogProbs
 from qerl.rl.memory import held_weights_budget
 from qerl.rl.metrics import StepTotals
-from qerl.rl.phases import RolloutBatch
+from qerl.rl.batch import RolloutBatch
 
 
 @dataclass

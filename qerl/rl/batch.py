@@ -1,14 +1,9 @@
-"""How `Trainer.train` runs the phases of its loop: `Phases` calls each one directly (the `qerl train` command line);
-an orchestrator subclasses it to wrap each phase (the Prefect training flow runs each as a task) while the loop itself,
-its DAPO resampling rounds, its checkpoints and its evaluation points, stays the trainer's. What passes between the
-phases is a `RolloutBatch`; what they call is a `Loop` (the trainer is one), so this module needs nothing of it.
-"""
+"""What passes between the phases of a training step (`qerl.rl.trainer.Trainer.train_step`): a `RolloutBatch`, the
+step's samples as the rollout returns them, filled in by the scorer and read by the update."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -75,43 +70,3 @@ class RolloutBatch:
             accuracy=torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
             score_seconds=sum(b.score_seconds for b in batches),
             grader_timeouts=sum(b.grader_timeouts for b in batches))
-
-
-class Loop(Protocol):
-    """What the phases call: the trainer's phase methods and its run folder."""
-
-    out: Path
-
-    def rollout(self, examples: list[Example] | None = None, round_: int = 0) -> RolloutBatch: ...
-
-    def score(self, batch: RolloutBatch) -> RolloutBatch: ...
-
-    def finish_step(self, batch: RolloutBatch) -> dict[str, float]: ...
-
-    def export_adapter(self, out_dir: str | Path) -> Path: ...
-
-    def write_plots(self) -> list[Path]: ...
-
-
-
-class Phases:
-    def rollout(self, trainer: Loop, round_: int) -> RolloutBatch:
-        """Sample the step's completions (`round_` > 0: a DAPO resampling round of the same step)."""
-        return trainer.rollout(round_=round_)
-
-    def score(self, trainer: Loop, batch: RolloutBatch) -> RolloutBatch:
-        return trainer.score(batch)
-
-    def finish_step(self, trainer: Loop, batch: RolloutBatch) -> dict[str, float]:
-        """The update, the step's metrics and its checkpoint when due."""
-        return trainer.finish_step(batch)
-
-    def evaluate(self, trainer: Loop) -> None:
-        """An evaluation due after this step (every `train.eval_every` steps, the run's last step excepted: what
-        follows training evaluates that one). None here: the command line trains only; the flows evaluate."""
-
-    def export(self, trainer: Loop) -> Path:
-        """The run's outputs once the loop is done (rank 0 only): the final adapter folder and the plots."""
-        adapter = trainer.export_adapter(trainer.out / "adapter")
-        trainer.write_plots()
-        return adapter
