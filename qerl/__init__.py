@@ -30,10 +30,32 @@ __version__ = "0.1.0"
 
 # kernels/, tasks/ and flows/ sit at the top of the repository but are qerl's: pip installs them as qerl/kernels,
 # qerl/tasks, qerl/flows (pyproject.toml's package-dir). A source checkout run without installing (PYTHONPATH=$PWD, as
-# the GPU machines run the tree) finds them under the same names: there qerl's subpackages are also looked for at the
-# checkout's root, after qerl/ itself. Only qerl's own module search path changes, nothing process-wide. The three
-# folders have no __init__.py (namespace portions): with the checkout's root on sys.path, a bare `import kernels` then
-# finds an installed `kernels` (Hugging Face's) rather than ours, which a regular package would have shadowed.
+# the GPU machines run the tree) finds them under the same names: a finder answers for exactly those three (no other
+# folder of the checkout: qerl.tests or qerl.benchmarks must not resolve), with a namespace package on the folder.
+# It answers for no other name, so nothing else an import finds changes. The three have no __init__.py (namespace
+# portions): with the checkout's root on sys.path, a bare `import kernels` still finds an installed `kernels`
+# (Hugging Face's) rather than ours, which a regular package would have shadowed.
+TOP_LEVEL = ("kernels", "tasks", "flows")
+
+
+class _CheckoutFolders:
+    """The import system's finder (sys.meta_path) of qerl.kernels, qerl.tasks and qerl.flows in a source checkout."""
+
+    def __init__(self, root: _Path):
+        self.folders = {f"{__name__}.{name}": str(root / name) for name in TOP_LEVEL}
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.folders:
+            return None
+        spec = _machinery.ModuleSpec(name, None, is_package=True)  # no loader: a namespace package
+        spec.submodule_search_locations = [self.folders[name]]
+        return spec
+
+
 _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "pyproject.toml").is_file():
-    __path__.append(str(_checkout))
+    import importlib.machinery as _machinery
+    import sys as _sys
+
+    if not any(isinstance(f, _CheckoutFolders) for f in _sys.meta_path):  # (a reload of qerl adds none)
+        _sys.meta_path.append(_CheckoutFolders(_checkout))

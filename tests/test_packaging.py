@@ -118,6 +118,8 @@ def test_a_source_checkout_finds_the_top_level_folders_as_qerl_packages(tmp_path
             spec = importlib.util.find_spec(name)  # a package says where it is by its search path, a module by its file
             where = [Path(p) for p in spec.submodule_search_locations or [Path(spec.origin).parent]]
             assert where == [Path({str(ROOT)!r}) / folder], (name, where)
+        for other in ("tests", "benchmarks", "scripts", "runs", "docs"):  # folders of the checkout, not of qerl
+            assert importlib.util.find_spec(f"qerl.{{other}}") is None, other
         print("from the checkout")
     """
     proc = child(code, [ROOT], cwd=tmp_path)
