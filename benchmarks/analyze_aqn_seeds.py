@@ -2,7 +2,7 @@
 reward threshold, the share of seeds that learn, step-0 entropy per base format, and tests of the paper's two
 claims, with effect sizes and 95% intervals. CPU only (numpy + matplotlib); reads only the results folder.
 
-    python benchmarks/analyze_aqn_seeds.py --results benchmarks/results/aqn-seeds --report docs/aqn_seeds
+    python benchmarks/analyze_aqn_seeds.py --results docs/results/aqn-seeds --report docs/aqn_seeds
 
 Statistics (every interval is a seeded percentile bootstrap over seeds, `--bootstrap` resamples):
 - **AUC** = a run's mean per-step training reward over all its steps: how fast the reward grows and how high it ends,

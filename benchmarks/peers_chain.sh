@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 49's GPU run, its second part, as it ran on 2026-11-28 (seventh session; rows in
-# benchmarks/results/2026-11-28-peers2/, the first part's chain is this file at f2f77c7): the cells the first part
+# docs/results/2026-11-28-peers2/, the first part's chain is this file at f2f77c7): the cells the first part
 # left, on one H200, as device calls back to back that stage vLLM and the peers on the way (a machine keeps /tmp only
 # 30 s after a call: nothing to read between the calls but whether the last cell fitted):
 #

@@ -489,3 +489,20 @@ def test_the_tests_of_a_package_mirror_its_modules(name):
     assert not tests - package, f"tests/{name}/ files named after no module: {sorted(tests - package)}"
     stray = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if p.stem.removeprefix("test_") in package)
     assert not stray, f"tests of qerl/{name} modules outside tests/{name}/: {stray}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measured results (run logs, JSONL rows, tables) live in docs/results/, outside the code tree.
+# ---------------------------------------------------------------------------------------------------------------------
+
+CODE_FOLDERS = ("qerl", "kernels", "tasks", "flows", "benchmarks", "scripts")
+RESULT_SUFFIXES = {".jsonl", ".log", ".csv", ".gz"}
+
+
+def test_measured_results_live_outside_the_code_tree():
+    found = sorted(str(p.relative_to(ROOT)) for folder in CODE_FOLDERS for p in (ROOT / folder).rglob("*")
+                   if p.suffix in RESULT_SUFFIXES and p.is_file())
+    assert not found, f"measured results inside the code tree (move them under docs/results/): {found}"
+    named = {m for doc in ("BENCHMARKS.md", "README.md") for m in
+             re.findall(r"docs/results/[\w.-]+", (ROOT / doc).read_text(encoding="utf-8"))}
+    assert named and all((ROOT / m).exists() for m in named), sorted(m for m in named if not (ROOT / m).exists())
