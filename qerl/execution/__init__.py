@@ -1,7 +1,8 @@
 """How the model runs: one explicit plan per model, built from the params and applied to it, never a module global.
 
-Owns `plan` (`ExecutionPlan`: the training kernels, the GEMM dispatch, LoRA in the GEMM epilogue, autotuning, PDL,
-from the `model` and `execution` settings; `attach` makes it live on a model: the GEMM context its frozen layers
+Owns `plan` (`ExecutionPlan`, the home of the speed switches: the training kernels, the GEMM dispatch, LoRA in the
+GEMM epilogue, autotuning, PDL, projection fusion, the base's GPU layout and FP8 copies, the update's precision,
+recompute, held weights, shared prompts, packing and idle rows, from the `model`, `quant` and `execution` settings; `attach` makes it live on a model: the GEMM context its frozen layers
 share (precision phase, held weights, scratch: `qerl.kernels.context`) and the ops its blocks call; the update's
 `update_precision` and `held_weights` on that model alone), `training_ops` (the blocks' RMSNorm / RoPE / SiLU·up
 and the LM head's kernel in training and prefill), `attention` (attention itself: the one place scores are

@@ -1,7 +1,16 @@
 """A model's execution plan: what the params say about how it runs, made live on that model alone.
 
-`ExecutionPlan.from_settings` reads `model.training_kernels`, the `execution:` section and the debugging switches
-of `qerl.debug`; `attach(model, plan)` hands the model's frozen layers one `qerl.kernels.context.GemmContext` (their
+The one home of every speed switch: what changes how fast (or in how much memory) the model runs, not what it
+computes beyond kernels' rounding. `ExecutionPlan.from_settings` reads them from the params (`model:` and `quant:`
+keys, the `execution:` section) and the debugging switches of `qerl.debug`; whoever runs the model (the base's
+preparation, the update, its log-probs) reads them from the plan attached to it (`execution_of(model).plan`), not from
+the settings. Three homes are left to fold in (issue 61), each behind a file another change owns: the rollout
+engine's switches (rollout.kv_cache_dtype, and use_graphs / fused for tests and benchmarks) still arrive as
+`RolloutEngine` keyword arguments (qerl.rollout.factory.engine_options), where the engine should read this plan;
+`fused_ops._pdl` still reads `qerl.debug.pdl()` at each launch, where the callers (qerl.execution.decode,
+qerl.rollout.sampling) should pass this plan's `pdl`; and the projection groups of `qerl.execution.fusion` live in
+the blocks' `__dict__`s (read by qerl.model.transformer), on CUDA only, where they should be submodules or a table of
+this plan. `attach(model, plan)` hands the model's frozen layers one `qerl.kernels.context.GemmContext` (their
 GEMM settings, the update's precision, held weights, scratch) and its blocks one `TrainingOps`. Two models in one
 process each have their own: nothing here is a module global. `update_precision(model, p)` and
 `held_weights(model, budget)` open the update's phases on one model's context.
@@ -17,7 +26,7 @@ import torch
 from torch import nn
 
 from qerl import debug
-from qerl.config import ExecutionSettings, ModelSettings
+from qerl.config import ExecutionSettings, ModelSettings, QuantSettings
 from qerl.execution.low_rank import GROUP_ATTR
 from qerl.execution.training_ops import TrainingOps
 from qerl.quant.linear import QuantLinear, fp8_available
@@ -27,23 +36,43 @@ ATTRIBUTE = "execution"  # where a model keeps its live plan
 
 @dataclass(frozen=True)
 class ExecutionPlan:
-    """How one model runs (qerl/config.py documents each params key; the last three are `qerl.debug`'s)."""
+    """How one model runs (qerl/config.py documents each params key; the defaults are the params' defaults)."""
 
+    # The blocks' kernels and the GEMMs of the frozen base
     training_kernels: str = "eager"  # model.training_kernels, "eager" off CUDA
     lora_epilogue: bool = False  # execution.lora_epilogue
     gemm_tuning: str = "measure"  # execution.gemm_tuning; "compile": qerl.rl.precompile's workers
     nvfp4_autotune: bool = False  # execution.nvfp4_autotune
+    # The frozen base as it is prepared (qerl.model.runtime.prepare_base)
+    fuse_projections: bool = False  # q/k/v and gate/up as one GEMM each (qerl.execution.fusion): on CUDA
+    gpu_layout: str = "auto"  # quant.gpu_layout: which NVFP4 decode GEMM holds each weight on a CUDA GPU
+    fp8_weights: bool | str = "auto"  # quant.fp8_weights: resident FP8 copies of the NVFP4 weights on the GPU
+    # The update (qerl.rl.update, qerl.rl.logprobs)
+    base_gemm: str = "bf16"  # model.base_gemm: the frozen base's GEMMs in the update, bf16 or fp8
+    gradient_checkpointing: bool | str = "auto"  # model.gradient_checkpointing: blocks recomputed in backward
+    keep_dequantized: bool | str = "auto"  # model.keep_dequantized: dequantized base weights held through it
+    share_prompts: bool = True  # model.share_prompts: a micro-batch's distinct prompts through the blocks once
+    pack_completions: bool = False  # model.pack_completions: only the real tokens through the GEMMs and the head
+    skip_idle_rows: bool = True  # model.skip_idle_rows: rows without a gradient run without autograd
+    # qerl.debug's switches (A/B measurements) and the GEMM dispatch's cache
     gemm_cache: str | None = None  # the dispatch's cache file (None: ~/.cache/qerl/gemm_dispatch.json)
     pdl: bool = True  # programmatic dependent launch of the GPU kernels that take it
     vocab_kernel: bool = True  # the update's LM head in kernels/vocab_softmax.py where the fused kernels run
 
     @classmethod
     def from_settings(cls, model: ModelSettings, execution: ExecutionSettings, device: torch.device,
-                      **overrides) -> "ExecutionPlan":
-        """The plan of a run's settings on `device` (the CPU always runs the eager ops); `overrides` set fields."""
-        plan = cls(training_kernels=model.training_kernels if device.type == "cuda" else "eager",
+                      quant: QuantSettings | None = None, **overrides) -> "ExecutionPlan":
+        """The plan of a run's settings on `device` (the CPU always runs the eager ops and keeps its projections
+        apart: its numbers stay the measured ones); `quant` None: its defaults; `overrides` set fields."""
+        quant = quant or QuantSettings()
+        cuda = device.type == "cuda"
+        plan = cls(training_kernels=model.training_kernels if cuda else "eager",
                    lora_epilogue=execution.lora_epilogue, gemm_tuning=execution.gemm_tuning,
-                   nvfp4_autotune=execution.nvfp4_autotune, gemm_cache=debug.gemm_cache(), pdl=debug.pdl(),
+                   nvfp4_autotune=execution.nvfp4_autotune, fuse_projections=cuda, gpu_layout=quant.gpu_layout,
+                   fp8_weights=quant.fp8_weights, base_gemm=model.base_gemm,
+                   gradient_checkpointing=model.gradient_checkpointing, keep_dequantized=model.keep_dequantized,
+                   share_prompts=model.share_prompts, pack_completions=model.pack_completions,
+                   skip_idle_rows=model.skip_idle_rows, gemm_cache=debug.gemm_cache(), pdl=debug.pdl(),
                    vocab_kernel=debug.vocab_kernel())
         return dataclasses.replace(plan, **overrides)
 

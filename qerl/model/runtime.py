@@ -58,19 +58,21 @@ def load_base_model(model: ModelSettings, quant: QuantSettings, execution: Execu
     source = resolve_model(quant.quantized_path or model.path)
     start = time.perf_counter()
     net, tokenizer = load_model(source, dtype=dtype, device=device)
-    prepare_base(net, model, quant, device, ExecutionPlan.from_settings(model, execution, device))
+    prepare_base(net, model, quant, device, ExecutionPlan.from_settings(model, execution, device, quant))
     log.info("loaded %s (%s, %s, %s) in %.1fs", source, quant.scheme, dtype, device, time.perf_counter() - start)
     return net, tokenizer
 
 
 def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.device,
                  plan: ExecutionPlan | None = None) -> None:
-    """A loaded network made the run's frozen base, in place: quantized as `quant` says (unless it already is), its
-    projections fused on CUDA, its execution `plan` attached (None: the plan of `model` with the default `execution`
-    settings; `qerl.execution`). Also what `qerl.rl.precompile` does to its one-layer stand-in, so the stand-in
-    launches the kernels the real base will."""
+    """A loaded network made the run's frozen base, in place: quantized as `quant` says (unless it already is), laid
+    out and fused as its execution `plan` says (None: the plan of `model` and `quant` with the default `execution`
+    settings; `qerl.execution`), then that plan attached. Also what `qerl.rl.precompile` does to its one-layer
+    stand-in, so the stand-in launches the kernels the real base will."""
     from qerl.quant import bnb
     from qerl.quant.linear import QuantLinear, plan_fp8_weights, quantize_model
+
+    plan = plan or ExecutionPlan.from_settings(model, ExecutionSettings(), device, quant)
 
     already_quantized = any(isinstance(m, QuantLinear) for m in net.modules())
     if quant.scheme == bnb.SCHEME:  # QLoRA's base: bitsandbytes' own NF4 storage and kernels, quantized at load
@@ -80,14 +82,15 @@ def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.
     net.requires_grad_(False)
     for m in net.modules():
         if isinstance(m, QuantLinear):
-            m.gpu_layout = quant.gpu_layout  # fused projections (next) inherit it
+            m.gpu_layout = plan.gpu_layout  # fused projections (next) inherit it
     if device.type == "cuda":
-        plan_fp8_weights(net, quant.fp8_weights, device)  # before fusing: fused projections inherit the mark
-        net.fuse_projections()  # q/k/v and gate/up as one GEMM each (CPU runs keep their exact, measured numbers)
+        plan_fp8_weights(net, plan.fp8_weights, device)  # before fusing: fused projections inherit the mark
+    if plan.fuse_projections:  # on CUDA (CPU runs keep their exact, measured numbers)
+        net.fuse_projections()  # q/k/v and gate/up as one GEMM each
     # auto is planned per update by the trainer (qerl.model.recompute); until then nothing recomputes.
-    net.gradient_checkpointing = model.gradient_checkpointing if isinstance(model.gradient_checkpointing, bool) \
+    net.gradient_checkpointing = plan.gradient_checkpointing if isinstance(plan.gradient_checkpointing, bool) \
         else False
-    attach(net, plan or ExecutionPlan.from_settings(model, ExecutionSettings(), device))
+    attach(net, plan)
 
 
 def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):

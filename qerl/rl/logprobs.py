@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from qerl.config import Settings
+from qerl.execution import execution_of
 from qerl.rl import grpo
 
 
@@ -19,7 +19,8 @@ class PolicyLogProbs:
     (`model.share_prompts`, `qerl.execution.shared_prompts`): the embedded default's update ~2x fewer tokens
     (BENCHMARKS.md "Beside TRL on the CPU"). pack: only the real tokens through the GEMMs and the head
     (`model.pack_completions`). skip_idle_rows: rows whose loss has no gradient run their forward without autograd
-    (`model.skip_idle_rows`, see `of_micro_batch`).
+    (`model.skip_idle_rows`, see `of_micro_batch`). The three are speed switches: `from_plan` reads them from the
+    model's execution plan.
     """
 
     model: nn.Module
@@ -29,11 +30,13 @@ class PolicyLogProbs:
     skip_idle_rows: bool = False
 
     @classmethod
-    def from_settings(cls, model: nn.Module, s: Settings) -> "PolicyLogProbs":
-        # Not with LoRA dropout, whose masks shared prompts would share; idle rows only without the KL term
-        # (beta = 0), which gives every row a gradient.
-        return cls(model, s.rollout.temperature, share_prompts=s.model.share_prompts and not s.lora.dropout,
-                   pack=s.model.pack_completions, skip_idle_rows=s.model.skip_idle_rows and s.grpo.beta == 0)
+    def from_plan(cls, model: nn.Module, temperature: float, lora_dropout: bool, beta: float) -> "PolicyLogProbs":
+        """At the sampling `temperature`, with the switches of `model`'s execution plan where they apply: shared
+        prompts not with LoRA dropout (whose masks the rows would share), idle rows only without the KL term
+        (`beta` = 0, which gives every row a gradient)."""
+        plan = execution_of(model).plan
+        return cls(model, temperature, share_prompts=plan.share_prompts and not lora_dropout,
+                   pack=plan.pack_completions, skip_idle_rows=plan.skip_idle_rows and beta == 0)
 
     def __call__(self, ids: Tensor, attn: Tensor, P: int, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Log-probs [B, C] (and entropies, or None) of the completion tokens ids[:, P:]."""

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from qerl.config import ModelSettings
+from qerl.execution import ExecutionPlan
 from qerl.model import recompute
 from qerl.rollout import releasable
 
@@ -55,13 +55,13 @@ class StepPeaks:
         return peak
 
 
-def held_weights_budget(model: ModelSettings, memory: recompute.MemoryPlan) -> int:
-    """Bytes of dequantized base weights the update may keep (model.keep_dequantized). auto spends the plan's spare
-    memory on speed, except where the run asked for memory first (every block recomputed): there it holds nothing,
-    so that run's peak stays the lowest qerl has."""
-    if model.keep_dequantized is True:
+def held_weights_budget(plan: ExecutionPlan, memory: recompute.MemoryPlan) -> int:
+    """Bytes of dequantized base weights the update may keep (the execution plan's keep_dequantized, from
+    model.keep_dequantized). auto spends the memory plan's spare memory on speed, except where the run asked for
+    memory first (every block recomputed): there it holds nothing, so that run's peak stays the lowest qerl has."""
+    if plan.keep_dequantized is True:
         return 2**62
-    if model.keep_dequantized is False or model.gradient_checkpointing is True:
+    if plan.keep_dequantized is False or plan.gradient_checkpointing is True:
         return 0
     return memory.spare_bytes
 

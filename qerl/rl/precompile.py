@@ -259,8 +259,9 @@ def stand_in(job: dict[str, Any]):
     m = ModelSettings(**job["model"])
     # The GEMM dispatch runs every candidate once and measures nothing: each one's kernels get compiled for the
     # trainer, which measures them (kernels/dispatch.py)
-    plan = ExecutionPlan.from_settings(m, ExecutionSettings(**job["execution"]), device, gemm_tuning="compile")
-    prepare_base(model, m, QuantSettings(**job["quant"]), device, plan)
+    quant = QuantSettings(**job["quant"])
+    plan = ExecutionPlan.from_settings(m, ExecutionSettings(**job["execution"]), device, quant, gemm_tuning="compile")
+    prepare_base(model, m, quant, device, plan)
     lora.apply_lora(model, LoraSettings(**job["lora"]), dtype=dtype)
     return model
 

@@ -123,7 +123,8 @@ class Trainer:
             model, tokenizer = load_base_model(s.model, s.quant, s.execution)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        attach(model, ExecutionPlan.from_settings(s.model, s.execution, self.device))  # also a model passed in
+        # How the model runs, every speed switch of the params (also a model passed in): the update reads it there
+        self.plan = attach(model, ExecutionPlan.from_settings(s.model, s.execution, self.device, s.quant)).plan
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
 
@@ -145,8 +146,10 @@ class Trainer:
         self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
                                                       max_completion_length=s.rollout.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.policy_update = PolicyUpdate(model, self.params, self.optimizer, PolicyLogProbs.from_settings(model, s),
-                                          self.loss_cfg, s, self.dist, self.noise, self.pad_id)
+        logprobs = PolicyLogProbs.from_plan(model, s.rollout.temperature, lora_dropout=s.lora.dropout > 0,
+                                            beta=s.grpo.beta)
+        self.policy_update = PolicyUpdate(model, self.params, self.optimizer, logprobs, self.loss_cfg, s.grpo,
+                                          s.optim.max_grad_norm, self.dist, self.noise, self.pad_id)
 
         self.step = 0
         self._resume()
@@ -226,7 +229,7 @@ class Trainer:
         paths = self.rollout_backend.reduced_precision()
         # The update in FP8 (where FP8 tensor cores are; elsewhere update_precision runs it bf16), the rollouts not:
         # 0.035 nats/token (BENCHMARKS.md, 2026-11-27)
-        if self.settings.model.base_gemm == "fp8" and fp8_available(self.device):
+        if self.plan.base_gemm == "fp8" and fp8_available(self.device):
             paths.append("bf16 GEMMs beside the FP8 update (model.base_gemm)")
         if paths and g.tis_cap is None:
             cap = g.correction_cap or grpo.DEFAULT_CORRECTION_CAP

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from qerl.config import Settings
-from qerl.execution import held_weights, update_precision
+from qerl.config import GRPOSettings
+from qerl.execution import execution_of, held_weights, update_precision
 from qerl.model import lora, recompute
 from qerl.model.aqn import NoiseInjector
 from qerl.rl import grpo
@@ -24,9 +24,11 @@ from qerl.rl.batch import RolloutBatch
 class PolicyUpdate:
     """Steps `optimizer` (over `params`, the LoRA factors of `model`) on the policy loss of a scored batch.
 
-    logprobs: the update's forward; loss_cfg: the loss (`grpo.policy_loss`); dist: the ranks whose step this is a
-    share of; noise: AQN's injector, for noise in the training forward (aqn.in_training_forward); pad_id: the
-    padding token of the batch's layout. The learning-rate schedule is the caller's (it counts updates).
+    logprobs: the update's forward; loss_cfg: the loss (`grpo.policy_loss`); grpo: the `grpo:` section (micro-batch,
+    μ iterations, the KL term, reward scaling); max_grad_norm: the clip of each optimizer step; dist: the ranks whose
+    step this is a share of; noise: AQN's injector, for noise in the training forward (aqn.in_training_forward);
+    pad_id: the padding token of the batch's layout. How fast it runs (precision, recompute, held weights) is the
+    model's execution plan's. The learning-rate schedule is the caller's (it counts updates).
     """
 
     model: nn.Module
@@ -34,7 +36,8 @@ class PolicyUpdate:
     optimizer: torch.optim.Optimizer
     logprobs: PolicyLogProbs
     loss_cfg: grpo.LossConfig
-    settings: Settings
+    grpo: GRPOSettings
+    max_grad_norm: float
     dist: Group
     noise: NoiseInjector
     pad_id: int
@@ -52,15 +55,15 @@ class PolicyUpdate:
         mask = grpo.loss_mask(padded["mask"], self.loss_cfg, truncated)
         on_device = {k: v.to(self.device) for k, v in padded.items() if isinstance(v, Tensor)}
         micro = self._micro_batches(len(batch))
-        s = self.settings.model
-        with update_precision(self.model, s.base_gemm):  # every forward of the update: the same GEMMs
+        plan = execution_of(self.model).plan
+        with update_precision(self.model, plan.base_gemm):  # every forward of the update: the same GEMMs
             # Recompute only the blocks the free memory cannot keep (measured on this step's micro-batch shape);
             # what is left after them holds dequantized base weights through the update.
             first = micro[0]
             memory = recompute.plan(self.model.model, on_device["ids"][first], on_device["attn"][first],
-                                    s.gradient_checkpointing)
+                                    plan.gradient_checkpointing)
             self.model.gradient_checkpointing = memory.recomputed_blocks
-            with held_weights(self.model, held_weights_budget(s, memory)) as held_bytes:
+            with held_weights(self.model, held_weights_budget(plan, memory)) as held_bytes:
                 old_logp, ref_logp, entropy = self._frozen_logps(on_device, padded["P"], micro)
                 totals = self._optimize(batch, on_device, padded["P"], micro, advantages, mask, truncated, old_logp,
                                         ref_logp, entropy, sigma_train)
@@ -71,12 +74,12 @@ class PolicyUpdate:
         """(the whole step's rewards, this rank's advantages). Advantages are taken over all the step's groups
         (scale_rewards=batch needs them all); this rank's rows are a slice."""
         step_rewards = torch.tensor(self.dist.gather(batch.rewards.tolist()), dtype=torch.float32)
-        advantages = grpo.group_advantages(step_rewards, batch.group_size, scale=self.settings.grpo.scale_rewards)
+        advantages = grpo.group_advantages(step_rewards, batch.group_size, scale=self.grpo.scale_rewards)
         rows = len(batch)
         return step_rewards, advantages[self.dist.rank * rows:][:rows]
 
     def _micro_batches(self, rows: int) -> list[slice]:
-        size = self.settings.grpo.micro_batch_size
+        size = self.grpo.micro_batch_size
         return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
 
     @torch.no_grad()
@@ -90,7 +93,7 @@ class PolicyUpdate:
             parts = [self.logprobs(t["ids"][m], t["attn"][m], P, want_entropy) for m in micro]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if want_entropy else None
 
-        g = self.settings.grpo
+        g = self.grpo
         old_logp = entropy = ref_logp = None
         want_entropy = self.loss_cfg.top_entropy_quantile < 1
         if g.num_iterations > 1 or want_entropy:
@@ -106,7 +109,6 @@ class PolicyUpdate:
                   frozen_entropy: Tensor | None, sigma_train: float) -> StepTotals:
         """The μ optimizer steps, each accumulating the gradients of every micro-batch; returns the step's sums.
         `frozen_entropy`: the sampling policy's, for the top-entropy mask (None without one)."""
-        s = self.settings
         dev = self.device
         totals = StepTotals()
         self.model.train()
@@ -121,8 +123,8 @@ class PolicyUpdate:
             entropies = frozen_entropy[mask.to(dev).bool()]
             if self.dist.active:  # every rank's
                 entropies = torch.tensor(self.dist.gather(entropies.tolist()))
-            entropy_cut = grpo.entropy_threshold(entropies, s.grpo.top_entropy_quantile)
-        for iteration in range(s.grpo.num_iterations):
+            entropy_cut = grpo.entropy_threshold(entropies, self.grpo.top_entropy_quantile)
+        for iteration in range(self.grpo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             totals.loss = 0.0
             for m in micro:
@@ -140,12 +142,12 @@ class PolicyUpdate:
                     if loss.requires_grad:  # not when every row of the micro-batch is idle
                         loss.backward()
                 # The loss metrics: token means over the step, averaged over its μ iterations.
-                totals.add(loss.item(), metrics, weight=float(mask[m].sum()) / s.grpo.num_iterations,
+                totals.add(loss.item(), metrics, weight=float(mask[m].sum()) / self.grpo.num_iterations,
                            entropy=entropy, mask=t["mask"][m])
             for p in self.params:  # idle rows only: a zero gradient, as their backward would have left (AdamW
                 if p.grad is None:  # still steps on its moments)
                     p.grad = torch.zeros_like(p)
             self.dist.sum_gradients(self.params)
-            totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, s.optim.max_grad_norm))
+            totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
             self.optimizer.step()
         return totals

@@ -66,6 +66,51 @@ def test_the_plan_is_the_params_and_the_debug_switches(monkeypatch):
         load_settings(overrides=["execution.gemm_tuning=sometimes"])
 
 
+SPEED_SWITCHES = {  # params key -> the plan's field and the value the override gives it
+    "model.base_gemm=fp8": ("base_gemm", "fp8"),
+    "model.gradient_checkpointing=true": ("gradient_checkpointing", True),
+    "model.keep_dequantized=false": ("keep_dequantized", False),
+    "model.share_prompts=false": ("share_prompts", False),
+    "model.pack_completions=true": ("pack_completions", True),
+    "model.skip_idle_rows=false": ("skip_idle_rows", False),
+    "quant.gpu_layout=qerl": ("gpu_layout", "qerl"),
+    "quant.fp8_weights=false": ("fp8_weights", False),
+}
+
+
+def test_every_speed_switch_of_the_params_is_in_the_plan():
+    """The `model:` and `quant:` keys that change how fast the model runs reach the plan, where the base's
+    preparation and the update read them; on CUDA the plan fuses the projections, on the CPU it does not."""
+    s = load_settings(overrides=list(SPEED_SWITCHES))
+    plan = ExecutionPlan.from_settings(s.model, s.execution, torch.device("cpu"), s.quant)
+    assert {field: getattr(plan, field) for field, _ in SPEED_SWITCHES.values()} == dict(SPEED_SWITCHES.values())
+    defaults = ExecutionPlan.from_settings(*(lambda d: (d.model, d.execution))(load_settings(overrides=[])),
+                                           torch.device("cpu"))
+    assert all(getattr(defaults, field) != value for field, value in SPEED_SWITCHES.values())
+    assert not plan.fuse_projections
+    assert ExecutionPlan.from_settings(s.model, s.execution, torch.device("cuda"), s.quant).fuse_projections
+
+
+def test_the_update_reads_its_switches_from_the_models_plan(tmp_path):
+    """A trainer's update takes shared prompts, idle rows and the held-weights budget from the plan it attached to
+    the model, which the params made."""
+    from qerl.rl.logprobs import PolicyLogProbs
+    from qerl.rl.memory import held_weights_budget
+    from qerl.model import recompute
+
+    model = tiny()
+    s = load_settings(overrides=["model.share_prompts=false", "model.skip_idle_rows=false",
+                                 "model.keep_dequantized=true"])
+    attach(model, ExecutionPlan.from_settings(s.model, s.execution, torch.device("cpu")))
+    logprobs = PolicyLogProbs.from_plan(model, 1.0, lora_dropout=False, beta=0.0)
+    assert not logprobs.share_prompts and not logprobs.skip_idle_rows
+    assert held_weights_budget(execution_of(model).plan, recompute.MemoryPlan(0, 5)) == 2**62
+    attach(model, ExecutionPlan())  # the params' defaults
+    logprobs = PolicyLogProbs.from_plan(model, 1.0, lora_dropout=False, beta=0.0)
+    assert logprobs.share_prompts and logprobs.skip_idle_rows
+    assert held_weights_budget(execution_of(model).plan, recompute.MemoryPlan(0, 5)) == 5
+
+
 def test_a_plan_attached_after_fusing_reaches_the_fused_projections():
     """`prepare_base` fuses q/k/v and gate/up before it attaches the run's plan: the fused layers (not submodules)
     must read the new plan's GEMM context too, or the FP8 update would miss them."""
