@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from qerl.config import ExecutionSettings, ModelSettings, QuantSettings, Settings
+from qerl.config import ExecutionSettings, ModelSettings, QuantSettings, RolloutSettings, Settings
 from qerl.execution import ExecutionPlan, attach
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_base_model(model: ModelSettings, quant: QuantSettings, execution: ExecutionSettings = ExecutionSettings()):
+def load_base_model(model: ModelSettings, quant: QuantSettings, execution: ExecutionSettings = ExecutionSettings(),
+                    rollout: RolloutSettings | None = None):
     """The frozen base: a pre-quantized folder if given, else the source checkpoint quantized in memory, running as
-    the settings' execution plan says."""
+    the settings' execution plan says (`qerl.execution.ExecutionPlan.from_settings`)."""
     from qerl.model.loading import load_model, resolve_model
     from qerl.quant import bnb
 
@@ -58,7 +59,7 @@ def load_base_model(model: ModelSettings, quant: QuantSettings, execution: Execu
     source = resolve_model(quant.quantized_path or model.path)
     start = time.perf_counter()
     net, tokenizer = load_model(source, dtype=dtype, device=device)
-    prepare_base(net, model, quant, device, ExecutionPlan.from_settings(model, execution, device, quant))
+    prepare_base(net, model, quant, device, ExecutionPlan.from_settings(model, execution, device, quant, rollout))
     log.info("loaded %s (%s, %s, %s) in %.1fs", source, quant.scheme, dtype, device, time.perf_counter() - start)
     return net, tokenizer
 
@@ -124,7 +125,7 @@ def load_policy(settings: Settings, adapter: str | None = None):
 
     if adapter:
         lora.read_adapter_config(adapter)  # a wrong adapter fails now, not after the model load
-    net, tokenizer = load_base_model(settings.model, settings.quant, settings.execution)
+    net, tokenizer = load_base_model(settings.model, settings.quant, settings.execution, settings.rollout)
     if adapter:
         lora.load_adapter(net, adapter)
     return net, tokenizer

@@ -120,11 +120,12 @@ class Trainer:
         # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
         if model is None:
-            model, tokenizer = load_base_model(s.model, s.quant, s.execution)
+            model, tokenizer = load_base_model(s.model, s.quant, s.execution, s.rollout)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         # How the model runs, every speed switch of the params (also a model passed in): the update reads it there
-        self.plan = attach(model, ExecutionPlan.from_settings(s.model, s.execution, self.device, s.quant)).plan
+        self.plan = attach(model, ExecutionPlan.from_settings(s.model, s.execution, self.device, s.quant,
+                                                              s.rollout)).plan
         if self.device.type == "cpu":  # the training step's activations live in host memory
             return_large_frees_to_the_os()
 

@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from qerl.execution import fusion
+from qerl.execution import execution_of, fusion
 from qerl.execution import kv8
 from qerl.model.lora import LoraLinear
 from qerl.model.transformer import Transformer
@@ -95,7 +95,7 @@ class RolloutEngine:
             re-capture when later calls are larger).
         kv_cache_dtype: "model" (the model's dtype) or "fp8" (E4M3 with a scale per vector, qerl.execution.kv8: 0.56x
             the bytes attention reads; where the fused kernels run on a GPU with FP8 conversions, sm_89+, else the
-            model's dtype, said once in the log).
+            model's dtype, said once in the log); None: the model's execution plan's (rollout.kv_cache_dtype).
         exact: each call's own shapes: exactly its rows and slots (no buckets, windows or prefill chunks; attention
             reads every slot of the call), every row kept to the call's end (no compaction), the cache sized for
             the call. The numbers of a plain loop over `Transformer.forward`, whatever came before; no graphs.
@@ -109,7 +109,7 @@ class RolloutEngine:
     def __init__(self, model: Transformer, *, use_graphs: bool | None = None, fused: bool | None = None,
                  check_every: int = 16, window: int = 256, min_bucket: int | None = None,
                  prefill_tokens: int = 16384, max_batch_size: int = 0, max_seq_len: int = 0,
-                 kv_cache_dtype: str = "model", exact: bool = False, speculative: str = "off",
+                 kv_cache_dtype: str | None = None, exact: bool = False, speculative: str = "off",
                  speculative_rows: int = 8, max_draft: int = 7):
         _check_options(model, check_every, window, exact, use_graphs, kv_cache_dtype, speculative, speculative_rows,
                        max_draft)
@@ -123,6 +123,7 @@ class RolloutEngine:
         # Triton kernels only where they can run: CUDA, or Triton's CPU interpreter (tests).
         self.kernels = self.fused and model.fused_decode_supported()
         self.check_every, self.window = check_every, window
+        kv_cache_dtype = kv_cache_dtype or execution_of(model).plan.kv_cache_dtype  # None: rollout.kv_cache_dtype's
         self.kv8 = kv_cache_dtype == "fp8" and self._kv8_runs()
         self.min_bucket = min_bucket or (CUDA_MIN_BUCKET if cuda else 1)
         self.prefill_tokens = prefill_tokens
@@ -626,7 +627,7 @@ class RolloutEngine:
 
 
 def _check_options(model: Any, check_every: int, window: int, exact: bool, use_graphs: bool | None,
-                   kv_cache_dtype: str, speculative: str, speculative_rows: int, max_draft: int) -> None:
+                   kv_cache_dtype: str | None, speculative: str, speculative_rows: int, max_draft: int) -> None:
     """The engine's options, refused before anything is built."""
     if not isinstance(model, Transformer):
         raise TypeError(f"RolloutEngine needs a qerl.model.transformer.Transformer, got {type(model).__name__}")
@@ -634,7 +635,7 @@ def _check_options(model: Any, check_every: int, window: int, exact: bool, use_g
         raise ValueError("check_every and window must be >= 1")
     if exact and use_graphs:
         raise ValueError("exact shapes change from call to call: a CUDA graph cannot replay them (use_graphs)")
-    if kv_cache_dtype not in ("model", "fp8"):
+    if kv_cache_dtype not in (None, "model", "fp8"):  # None: the model's execution plan's
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}: expected model or fp8")
     if speculative not in ("off", "on", "auto"):
         raise ValueError(f"unknown speculative {speculative!r}: expected off, on or auto")

@@ -43,6 +43,7 @@ def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine
 
 def engine_options(rollout: Any) -> dict[str, Any]:
     """The engine keyword arguments of a params file's `rollout:` section (a `qerl.config.RolloutSettings`), for
-    `make_backend`: the one place training and evaluation read them from."""
-    return dict(kv_cache_dtype=rollout.kv_cache_dtype, speculative=rollout.speculative,
+    `make_backend`: the one place training and evaluation read them from. Its speed switch (kv_cache_dtype) is not
+    one: the engine reads it from the model's execution plan."""
+    return dict(speculative=rollout.speculative,
                 speculative_rows=rollout.speculative_rows, max_draft=rollout.speculative_draft)

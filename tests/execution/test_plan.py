@@ -75,14 +75,16 @@ SPEED_SWITCHES = {  # params key -> the plan's field and the value the override 
     "model.skip_idle_rows=false": ("skip_idle_rows", False),
     "quant.gpu_layout=qerl": ("gpu_layout", "qerl"),
     "quant.fp8_weights=false": ("fp8_weights", False),
+    "rollout.kv_cache_dtype=fp8": ("kv_cache_dtype", "fp8"),
 }
 
 
 def test_every_speed_switch_of_the_params_is_in_the_plan():
-    """The `model:` and `quant:` keys that change how fast the model runs reach the plan, where the base's
-    preparation and the update read them; on CUDA the plan fuses the projections, on the CPU it does not."""
+    """The `model:`, `quant:` and `rollout:` keys that change how fast the model runs reach the plan, where the
+    base's preparation, the engine and the update read them; on CUDA the plan fuses the projections, on the CPU it
+    does not."""
     s = load_settings(overrides=list(SPEED_SWITCHES))
-    plan = ExecutionPlan.from_settings(s.model, s.execution, torch.device("cpu"), s.quant)
+    plan = ExecutionPlan.from_settings(s.model, s.execution, torch.device("cpu"), s.quant, s.rollout)
     assert {field: getattr(plan, field) for field, _ in SPEED_SWITCHES.values()} == dict(SPEED_SWITCHES.values())
     defaults = ExecutionPlan.from_settings(*(lambda d: (d.model, d.execution))(load_settings(overrides=[])),
                                            torch.device("cpu"))
@@ -109,6 +111,17 @@ def test_the_update_reads_its_switches_from_the_models_plan(tmp_path):
     logprobs = PolicyLogProbs.from_plan(model, 1.0, lora_dropout=False, beta=0.0)
     assert logprobs.share_prompts and logprobs.skip_idle_rows
     assert held_weights_budget(execution_of(model).plan, recompute.MemoryPlan(0, 5)) == 5
+
+
+def test_the_engine_takes_its_kv_cache_from_the_models_plan(monkeypatch):
+    """rollout.kv_cache_dtype reaches the engine through the model's plan; an engine's own argument still wins."""
+    from qerl.rollout.engine import RolloutEngine
+
+    monkeypatch.setattr(RolloutEngine, "_kv8_runs", lambda self: True)  # the FP8 layout's kernels, as on a GPU
+    model = tiny()
+    assert not RolloutEngine(model).kv8  # the default plan: the model's dtype
+    attach(model, ExecutionPlan(kv_cache_dtype="fp8"))
+    assert RolloutEngine(model).kv8 and not RolloutEngine(model, kv_cache_dtype="model").kv8
 
 
 def test_a_plan_attached_after_fusing_reaches_the_fused_projections():
