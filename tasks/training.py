@@ -43,18 +43,19 @@ def build_trainer(settings: Settings, out_dir: str, tracker: Tracker | None = No
 
 
 # The trainer's phases (its methods, called by `Trainer.train_step` and `Trainer.train`) and the task each runs as.
-# Retries only for faults of I/O: a phase that failed on a bug fails the same way again.
+# Retries only for faults of I/O (`retry_transient`): a phase that failed on a bug fails the same way again.
+_TRANSIENT = dict(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient)
 PHASE_TASKS = {
     # `group_size` completions per prompt from the policy, AQN noise in the norm weights (σ of this step); a DAPO
     # resampling round (round_ > 0) is a task of its own.
-    "rollout": dict(name="generate-rollouts", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient),
+    "rollout": dict(name="generate-rollouts", **_TRANSIENT),
     # Rewards (the `train.rewards` mix) and accuracy of every completion.
-    "score": dict(name="score-rewards", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient),
+    "score": dict(name="score-rewards", **_TRANSIENT),
     # The policy-gradient update of the LoRA weights. No retries: a failure after the optimizer step would apply it
     # twice. Resume from the last checkpoint instead.
     "update": dict(name="grpo-update"),
     # The final adapter (PEFT format) and the training-curve PNGs, in the run folder.
-    "export": dict(name="export-adapter", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient),
+    "export": dict(name="export-adapter", **_TRANSIENT),
 }
 
 

@@ -506,3 +506,16 @@ def test_measured_results_live_outside_the_code_tree():
     named = {m for doc in ("BENCHMARKS.md", "README.md") for m in
              re.findall(r"docs/results/[\w.-]+", (ROOT / doc).read_text(encoding="utf-8"))}
     assert named and all((ROOT / m).exists() for m in named), sorted(m for m in named if not (ROOT / m).exists())
+
+
+def test_the_core_imports_no_pipeline_package():
+    """qerl/ runs on a bare GPU machine: Prefect, MLflow and DVC are the pipeline's (tasks/, flows/), which wraps the
+    trainer's methods from outside (qerl.tasks.training.run_phases_as_tasks); the core never calls back into them."""
+    pipeline = ("prefect", "mlflow", "dvc")
+    found = []
+    for path in sorted((ROOT / "qerl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in pipeline]
+    assert not found, found
