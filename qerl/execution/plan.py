@@ -3,16 +3,18 @@
 The one home of every speed switch: what changes how fast (or in how much memory) the model runs, not what it
 computes beyond kernels' rounding. `ExecutionPlan.from_settings` reads them from the params (`model:`, `quant:` and
 `rollout:` keys, the `execution:` section) and the debugging switches of `qerl.debug`; whoever runs the model (the
-base's preparation, the rollout engine, the update, its log-probs) reads them from the plan attached to it
-(`execution_of(model).plan`), not from the settings (an engine's keyword argument, for tests and measurements, still
-wins: its use_graphs and fused are no params keys at all). Two homes are left to fold in (issue 61), each behind
-files another change owns: `fused_ops._pdl` still reads `qerl.debug.pdl()` at each launch, where the callers (qerl.execution.decode,
-qerl.rollout.sampling) should pass this plan's `pdl`; and the projection groups of `qerl.execution.fusion` live in
-the blocks' `__dict__`s (read by qerl.model.transformer), on CUDA only, where they should be submodules or a table of
-this plan. `attach(model, plan)` hands the model's frozen layers one `qerl.kernels.context.GemmContext` (their
-GEMM settings, the update's precision, held weights, scratch) and its blocks one `TrainingOps`. Two models in one
-process each have their own: nothing here is a module global. `update_precision(model, p)` and
-`held_weights(model, budget)` open the update's phases on one model's context.
+base's preparation, the rollout engine and its KV cache, the update, its log-probs) reads them from the plan
+attached to it (`execution_of(model).plan`), not from the settings (an engine's keyword argument, for tests and
+measurements, still wins: its use_graphs and fused are no params keys at all). Two homes are left to fold in (issue
+61), each behind files another change owns: `fused_ops._pdl` still reads `qerl.debug.pdl()` at each launch, where
+the callers (qerl.execution.decode, qerl.rollout.sampling) should pass this plan's `pdl`; and the projection groups
+of `qerl.execution.fusion` live in the blocks' `__dict__`s (read by qerl.model.transformer), on CUDA only, where
+they should be submodules or a table of this plan. Speculative decoding (rollout.speculative*) stays the
+sampler's option (`qerl.rollout.factory.engine_options`): a sampling method with state of its own (the draft
+history checkpoints keep), which the reference sampler takes too. `attach(model, plan)` hands the model's frozen layers one
+`qerl.kernels.context.GemmContext` (their GEMM settings, the update's precision, held weights, scratch) and its
+blocks one `TrainingOps`. Two models in one process each have their own: nothing here is a module global.
+`update_precision(model, p)` and `held_weights(model, budget)` open the update's phases on one model's context.
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ class ExecutionPlan:
     fuse_projections: bool = False  # q/k/v and gate/up as one GEMM each (qerl.execution.fusion): on CUDA
     gpu_layout: str = "auto"  # quant.gpu_layout: which NVFP4 decode GEMM holds each weight on a CUDA GPU
     fp8_weights: bool | str = "auto"  # quant.fp8_weights: resident FP8 copies of the NVFP4 weights on the GPU
-    # The rollout engine's KV cache (qerl.rollout.engine)
+    # The rollout engine's KV cache (qerl.rollout.engine, and the trainer's rollout)
     kv_cache_dtype: str = "model"  # rollout.kv_cache_dtype: the model's dtype, or fp8 (qerl.execution.kv8)
+    release_kv_cache: bool = True  # rollout.release_kv_cache: its GPU memory handed to the update between rollouts
     # The update (qerl.rl.update, qerl.rl.logprobs)
     base_gemm: str = "bf16"  # model.base_gemm: the frozen base's GEMMs in the update, bf16 or fp8
     gradient_checkpointing: bool | str = "auto"  # model.gradient_checkpointing: blocks recomputed in backward
@@ -72,7 +75,8 @@ class ExecutionPlan:
         plan = cls(training_kernels=model.training_kernels if cuda else "eager",
                    lora_epilogue=execution.lora_epilogue, gemm_tuning=execution.gemm_tuning,
                    nvfp4_autotune=execution.nvfp4_autotune, fuse_projections=cuda, gpu_layout=quant.gpu_layout,
-                   fp8_weights=quant.fp8_weights, kv_cache_dtype=rollout.kv_cache_dtype, base_gemm=model.base_gemm,
+                   fp8_weights=quant.fp8_weights, kv_cache_dtype=rollout.kv_cache_dtype,
+                   release_kv_cache=rollout.release_kv_cache, base_gemm=model.base_gemm,
                    gradient_checkpointing=model.gradient_checkpointing, keep_dequantized=model.keep_dequantized,
                    share_prompts=model.share_prompts, pack_completions=model.pack_completions,
                    skip_idle_rows=model.skip_idle_rows, gemm_cache=debug.gemm_cache(), pdl=debug.pdl(),

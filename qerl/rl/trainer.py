@@ -289,7 +289,7 @@ class Trainer:
         # The rollout's peak with its KV cache mapped; then the update gets that memory (graphs kept) and its own
         # peak is measured from here.
         self.peaks.rollout_done()
-        if r.release_kv_cache:
+        if self.plan.release_kv_cache:
             self.rollout_backend.sleep()
         self.peaks.start_phase()
         seconds = time.perf_counter() - start

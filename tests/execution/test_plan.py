@@ -76,6 +76,7 @@ SPEED_SWITCHES = {  # params key -> the plan's field and the value the override 
     "quant.gpu_layout=qerl": ("gpu_layout", "qerl"),
     "quant.fp8_weights=false": ("fp8_weights", False),
     "rollout.kv_cache_dtype=fp8": ("kv_cache_dtype", "fp8"),
+    "rollout.release_kv_cache=false": ("release_kv_cache", False),
 }
 
 
