@@ -18,7 +18,7 @@ folders at the repository's top, installed as qerl.kernels, qerl.tasks, qerl.flo
     model/       the policy: the decoder, its families, LoRA, AQN noise, loading, export
     rollout/     sampling completions: the engine and the reference sampler behind one seam
     evaluation/  accuracy of a policy, comparisons of runs
-    rl/          the RL loop: GRPO/DAPO, the trainer and its phases, data parallelism
+    rl/          the RL loop: GRPO/DAPO, the trainer and its step, data parallelism
     cli          the `qerl` command
     tasks/       the pipeline's Prefect tasks over the core
     flows/       the pipeline: Prefect flows, MLflow tracking, DVC stage helpers (`python -m qerl.flows.<name>`)

@@ -14,8 +14,9 @@ from qerl.rollout.backends import EngineBackend, ReferenceBackend, RolloutBacken
 __all__ = ["BACKENDS", "make_backend", "engine_options"]
 
 BACKENDS = ("auto", "engine", "reference", "vllm")
-# The engine settings the reference takes too: its speculation, and kv_cache_dtype, which the reference never runs in
-# FP8 (no fused kernels) but must hear of, so that the engine says so in the log as for any other engine that cannot.
+# The engine settings the reference takes too: its speculation, and an explicit kv_cache_dtype (a run's comes from the
+# model's execution plan), which the reference never runs in FP8 (no fused kernels) but must hear of, so that the
+# engine says so in the log as for any other engine that cannot.
 REFERENCE_OPTIONS = ("speculative", "speculative_rows", "max_draft", "kv_cache_dtype")
 
 
@@ -45,5 +46,5 @@ def engine_options(rollout: Any) -> dict[str, Any]:
     """The engine keyword arguments of a params file's `rollout:` section (a `qerl.config.RolloutSettings`), for
     `make_backend`: the one place training and evaluation read them from. Its speed switch (kv_cache_dtype) is not
     one: the engine reads it from the model's execution plan."""
-    return dict(speculative=rollout.speculative,
-                speculative_rows=rollout.speculative_rows, max_draft=rollout.speculative_draft)
+    return dict(speculative=rollout.speculative, speculative_rows=rollout.speculative_rows,
+                max_draft=rollout.speculative_draft)
