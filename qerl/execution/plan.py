@@ -7,14 +7,15 @@ base's preparation, the rollout engine and its KV cache, the update, its log-pro
 attached to it (`execution_of(model).plan`), not from the settings (an engine's keyword argument, for tests and
 measurements, still wins: its use_graphs and fused are no params keys at all). Two homes are left to fold in (issue
 61), each behind files another change owns: `fused_ops._pdl` still reads `qerl.debug.pdl()` at each launch, where
-the callers (qerl.execution.decode, qerl.rollout.sampling) should pass this plan's `pdl`; and the projection groups
-of `qerl.execution.fusion` live in the blocks' `__dict__`s (read by qerl.model.transformer), on CUDA only, where
-they should be submodules or a table of this plan. Speculative decoding (rollout.speculative*) stays the
-sampler's option (`qerl.rollout.factory.engine_options`): a sampling method with state of its own (the draft
-history checkpoints keep), which the reference sampler takes too. `attach(model, plan)` hands the model's frozen layers one
-`qerl.kernels.context.GemmContext` (their GEMM settings, the update's precision, held weights, scratch) and its
-blocks one `TrainingOps`. Two models in one process each have their own: nothing here is a module global.
-`update_precision(model, p)` and `held_weights(model, budget)` open the update's phases on one model's context.
+the callers (qerl.execution.decode, attention, fusion, low_rank and qerl.rollout.sampling) should pass this plan's
+`pdl`; and the projection groups of `qerl.execution.fusion` live in the blocks' `__dict__`s (read by
+qerl.model.transformer), on CUDA only, where they should be submodules or a table of this plan. Speculative decoding
+(rollout.speculative*) stays the sampler's option (`qerl.rollout.factory.engine_options`): a sampling method with
+state of its own (the draft history checkpoints keep), which the reference sampler takes too. `attach(model, plan)`
+hands the model's frozen layers one `qerl.kernels.context.GemmContext` (their GEMM settings, the update's precision,
+held weights, scratch) and its blocks one `TrainingOps`. Two models in one process each have their own: nothing here
+is a module global. `update_precision(model, p)` and `held_weights(model, budget)` open the update's phases on one
+model's context.
 """
 from __future__ import annotations
 
