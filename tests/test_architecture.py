@@ -491,7 +491,6 @@ def test_the_tests_of_a_package_mirror_its_modules(name):
     assert not stray, f"tests of qerl/{name} modules outside tests/{name}/: {stray}"
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Measured results (run logs, JSONL rows, tables) live in docs/results/, outside the code tree.
 # ---------------------------------------------------------------------------------------------------------------------
