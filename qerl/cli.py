@@ -156,8 +156,9 @@ def _cmd_train(args) -> int:
 
 def _say_what_train_leaves_to_the_flows(settings) -> None:
     """One log line naming the params that `qerl train` does not act on, and what does: evaluations between steps and
-    MLflow tracking are the training flow's (qerl.flows.train wraps Trainer.evaluate), since the core runs without Prefect or
-    MLflow. A setting that does nothing must say so, not be skipped without a word (params/tiny.yaml sets both)."""
+    MLflow tracking are the training flow's (qerl.flows.train wraps Trainer.evaluate), since the core runs without
+    Prefect or MLflow. A setting that does nothing must say so, not be skipped without a word (params/tiny.yaml sets
+    both)."""
     ignored = [f"train.eval_every = {settings.train.eval_every} (evaluations between steps)"] \
         if settings.train.eval_every else []
     if settings.tracking.backend != "none":
