@@ -239,6 +239,30 @@ class Swapped:
             self.linears[n].weight.data = w
 
 
+def own_samples(model, tokenizer, linears, formats, prompts, examples, pad, args, log) -> dict:
+    """The seed study's measurement: each format's entropy along its *own* sampled completions (T = 1, the same seed
+    for every format), with KL(dense || format) along them, their length and reward; and its greedy accuracy."""
+    from qerl.data.rewards import score
+    from qerl.rollout.generate import generate
+
+    out = {}
+    dense_weights = {n: m.weight.data for n, m in linears.items()}
+    for f in ["dense"] + [f for f in formats if f != "bf16-rounded"]:
+        with Swapped(linears, formats.get(f, dense_weights)):
+            sampled = generate(model, tokenizer, prompts, args.max_new_tokens, temperature=1.0, seed=args.seed)
+            greedy = generate(model, tokenizer, prompts, args.max_new_tokens, temperature=0.0)
+            batch = Completions(sampled.prompt_ids, sampled.completion_ids, pad)
+            own = log_probs(model, batch)
+        row = compare(log_probs(model, batch), own, batch)  # the dense model along the format's own paths
+        row.update(completion_tokens=batch.tokens / len(prompts),
+                   sampled_reward=sum(score(t, e.gold) for t, e in zip(sampled.texts, examples)) / len(prompts),
+                   greedy_accuracy=sum(score(t, e.gold) for t, e in zip(greedy.texts, examples)) / len(prompts),
+                   greedy_texts=greedy.texts[:3], sampled_texts=sampled.texts[:3])
+        out[f] = row
+        log(f"own samples {f}: entropy {row['entropy']:.3f}, KL {row['kl']:.4f}, greedy acc {row['greedy_accuracy']:.3f}")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ 4. codec
 
 
@@ -293,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24, help="as params/compare.yaml's rollouts")
     parser.add_argument("--seed", type=int, default=0, help="the sampled completions' seed")
     parser.add_argument("--sensitivity-prompts", type=int, default=32, help="of the sampled completions")
+    parser.add_argument("--own-samples-only", action="store_true",
+                        help="only part 2b (each format's own completions), merged into an existing results.json")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads: on a shared 2-core box one thread ran a forward 3x faster than two")
     args = parser.parse_args(argv)
@@ -310,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"formats: {', '.join(formats)} over {len(linears)} linears")
     probe_weights = probes(dense, formats, args.seed)
     results: dict = {"formats": list(formats), "probes": list(probe_weights), "linears": len(linears)}
+    if args.own_samples_only:  # e.g. after a run made before part 2b existed: the rest is unchanged by it
+        results = json.loads((args.out / "results.json").read_text())
+        prompts, examples = held_out_prompts(tokenizer, args.prompts)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        results["own_samples"] = own_samples(model, tokenizer, linears, formats, prompts, examples, pad, args, log)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        return 0
 
     # 1. weights
     results["weights"] = {f: {n: weight_stats(dense[n], wq[n]) for n in dense}
@@ -362,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             sensitivity["layer"][str(layer)] = compare(reference, cached.log_probs_from(layer), batch)
     log("sensitivity by layer done")
     results["sensitivity_nvfp4"] = sensitivity
+    results["own_samples"] = own_samples(model, tokenizer, linears, formats, prompts, examples, pad, args, log)
     results["setup"] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                         "sensitivity_prompts": len(rows),
                         "threads": args.threads, "task": "params/compare.yaml (2-digit addition, test split)",

@@ -57,6 +57,17 @@ def policy_tables(r: dict) -> str:
     return "\n".join(out)
 
 
+def own_samples_table(r: dict) -> str:
+    rows = r.get("own_samples", {})
+    n = r["setup"]["prompts"]
+    return "\n".join(["", f"### Each format along its own sampled completions (T = 1, seed {r['setup']['seed']}, {n} prompts: "
+                           "the seed study's step-0 measurement)", "",
+                      table(["format", "entropy (nats/token)", "KL(dense‖format) per token", "tokens per completion",
+                             "sampled reward", "greedy accuracy"],
+                            [[f, v["entropy"], v["kl"], v["completion_tokens"], v["sampled_reward"], v["greedy_accuracy"]]
+                             for f, v in rows.items()])])
+
+
 def sensitivity_tables(r: dict) -> str:
     s = r["sensitivity_nvfp4"]
     base = r["policy"]["sampled"]["dense"]["entropy"]  # over all prompts; the sensitivity uses the first ones
@@ -122,7 +133,7 @@ def plot(r: dict, path: Path) -> None:
 def main(folder: str) -> int:
     out = Path(folder)
     r = json.loads((out / "results.json").read_text())
-    (out / "tables.md").write_text("\n\n".join([weights_tables(r), policy_tables(r), sensitivity_tables(r),
+    (out / "tables.md").write_text("\n\n".join([weights_tables(r), policy_tables(r), own_samples_table(r), sensitivity_tables(r),
                                                 codec_table(r)]) + "\n")
     plot(r, out / "per_layer.png")
     print(f"wrote {out / 'tables.md'}, {out / 'per_layer.png'}")
