@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from qerl.flows import cli, prefect_api
 from qerl.flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.flows.train import EVAL_METRIC, QUANTIZED_ROOT, log_eval, run_tags, with_quantized_base
-from qerl.config import load_settings
+from qerl.config import load_settings, require_extras
 from qerl.tasks.evaluation import evaluate as evaluate_task
 
 
@@ -72,6 +72,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> str:
     settings = load_settings(args.params, args.overrides)
+    require_extras(settings)  # a package the params need (vLLM, bitsandbytes): before any server or model starts
     if settings.tracking.backend == "mlflow" or args.alias:
         probe(resolve_tracking_uri(settings))
     prefect_api.check()

@@ -22,7 +22,7 @@ from prefect import flow, get_run_logger
 
 from qerl.flows import cli, prefect_api
 from qerl.flows.tracking import MlflowTracker, Registry, open_tracker, probe, resolve_tracking_uri
-from qerl.config import ConfigError, Settings, load_settings
+from qerl.config import ConfigError, Settings, load_settings, require_extras
 from qerl.evaluation.evaluate import eval_examples
 from qerl.rl.plots import REWARD_CURVE, TRAINING_CURVES
 from qerl.rl.stopping import TrainingStopped
@@ -267,6 +267,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> str:
     settings = load_settings(args.params, args.overrides)
+    require_extras(settings)  # a package the params need (vLLM, bitsandbytes): before any server or model starts
     if args.resume and args.out is None:
         raise ConfigError("--resume needs --out: the run folder whose checkpoints to continue from")
     out_dir = args.out or default_out_dir(settings)

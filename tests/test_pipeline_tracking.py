@@ -354,3 +354,21 @@ def test_evaluate_of_an_alias_that_is_not_there_is_one_line_before_prefect_start
     assert [line for line in err.splitlines() if "INFO mlflow" not in line] == [
         "python -m qerl.flows.evaluate: error: registered model 'qerl-adapter' has no 'champion' version: train one first "
         "(python -m qerl.flows.train ... -S tracking.backend=mlflow; its first becomes the champion), or pass --adapter DIR"]
+
+
+@pytest.mark.parametrize("module", ["qerl.flows.train", "qerl.flows.evaluate"])
+def test_a_flow_whose_backend_package_is_missing_is_one_line_before_any_server_starts(main_here, monkeypatch, tmp_path,
+                                                                                       module):
+    """As `qerl train` / `qerl eval`: rollout.backend: vllm without vLLM is a missing extra, known from the params."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where vLLM is not installed (whether or not it is here)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9")  # nothing listens: a server probe would fail first
+    main = importlib.import_module(module).main
+    code, stdout, err = main_here(main, "--params", "params/tiny.yaml", "-S", "rollout.backend=vllm",
+                                  "--out", str(tmp_path / "run"))
+    assert (code, stdout) == (2, "")
+    assert err.splitlines() == [f"python -m {module}: error: rollout.backend 'vllm' needs vllm, which is not "
+                                'installed: pip install "qerl[vllm]" (vllm 0.26, for torch 2.11)']
+    assert not (tmp_path / "run").exists()
