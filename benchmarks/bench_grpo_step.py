@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -142,8 +141,8 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
     trace = None
     # rollout.overprovision=x draws ceil(prompts * (1 + x)) prompts (RolloutSettings.prompts_drawn): the trace covers
     # every drawn row; its first prompts * group rows are the other arms' trace (lengths.draw is per group)
-    extra = [float(o.split("=", 1)[1]) for o in overrides if o.startswith("rollout.overprovision=")]
-    drawn = max(prompts, math.ceil(prompts * (1 + extra[-1]) - 1e-9)) if extra else prompts
+    extra = [o for o in overrides if o.startswith("rollout.overprovision=")]
+    drawn = load_settings(overrides=[f"rollout.prompts_per_step={prompts}", *extra]).rollout.prompts_drawn
     if lengths:
         trace = traces.trace(lengths, drawn * group, group, trace_seed)
         trace = trace.scaled(new) if new else trace
