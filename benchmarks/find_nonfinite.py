@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import os
 import subprocess
 import sys
@@ -75,12 +76,25 @@ def one(spec: str, args) -> dict:
     import bench_grpo_step as bench
     from qerl.rl.trainer import Trainer
 
-    scheme, _, trace = spec.partition(":")
+    scheme, _, rest = spec.partition(":")
+    trace, _, sets = rest.partition(":")
     found: list = []
     real_update = Trainer.update
     state: dict = {}
 
     def update(self, batch):
+        padded = batch.padded(0)
+        mask = padded["mask"].bool()
+        for key in ("rollout_logp",):
+            t = padded.get(key)
+            if isinstance(t, torch.Tensor):
+                bad = ~torch.isfinite(t)
+                print(f"batch {key}: {tuple(t.shape)} nonfinite {int(bad.sum())}, at loss tokens {int((bad & mask).sum())}"
+                      f" (nan {int((torch.isnan(t) & mask).sum())}), loss tokens {int(mask.sum())}", flush=True)
+                found.append({"where": f"batch.{key}", "nonfinite": int(bad.sum()),
+                              "at_loss_tokens": int((bad & mask).sum()), "nan_at_loss_tokens":
+                              int((torch.isnan(t) & mask).sum())})
+        print("correction:", self.settings.grpo.correction, getattr(self, "correction", None), flush=True)
         if "on" not in state:
             state["on"], _ = install(self.model, found)
         state["on"][0] = True
@@ -94,7 +108,7 @@ def one(spec: str, args) -> dict:
     Trainer.update = update
     r = bench.grpo_step(args.model, scheme, prompts=args.prompts, new=args.new if not trace else None,
                         steps=1, lengths=trace, acceptance=0.7 if trace else None, device=args.device,
-                        micro=args.micro)
+                        micro=args.micro, overrides=tuple(filter(None, sets.split(","))))
     keep = ("scheme", "trace", "rows", "update_tokens", "loss_by_step", "grad_norm_by_step", "trainable_finite",
             "step_s")
     return {"arm": spec, **{k: r.get(k) for k in keep}, "found": found}
@@ -102,7 +116,7 @@ def one(spec: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arm", action="append", default=[], help="SCHEME:TRACE ('' trace: fixed lengths)")
+    ap.add_argument("--arm", action="append", default=[], help="SCHEME:TRACE[:KEY=VALUE,...] ('' trace: fixed lengths)")
     ap.add_argument("--model", default="7b")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new", type=int, default=256)
@@ -121,7 +135,7 @@ def main() -> None:
                str(args.prompts), "--new", str(args.new), "--micro", str(args.micro), "--device", args.device]
         p = subprocess.run(cmd, capture_output=True, text=True)
         log = p.stdout + p.stderr
-        with open(os.path.join(args.out, f"nonfinite-{spec.replace(':', '_') or 'x'}.log"), "w") as f:
+        with open(os.path.join(args.out, f"nonfinite-{re.sub(r'[^A-Za-z0-9.-]+', '_', spec)}.log"), "w") as f:
             f.write(log)
         result = [line[7:] for line in log.splitlines() if line.startswith("RESULT ")]
         print(result[0] if result else f"{spec}: exit {p.returncode}\n" + log[-3000:], flush=True)

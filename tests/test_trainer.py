@@ -412,3 +412,35 @@ def test_correction_auto_turns_tis_on_only_where_rollouts_compute_in_less_precis
         "(quant.fp8_weights) (log-prob gap to the update over 0.03 nats/token; set grpo.correction to choose)"]
     with trainer("chosen", True, grpo={"correction": "none"}) as t:
         assert t.loss_cfg.correction == "none"
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_leaves_the_adapters_finite(tmp_path, caplog):
+    """A NaN in the sampler's log-probs of a loss token (on 2026-12-02: the GPU sampling kernel's, at forced EOS)
+    under the rollout correction made the loss and the gradient NaN, and one AdamW step then made every LoRA weight
+    NaN for good. The step is skipped instead, said in the log and in update/nonfinite_skipped; the next step whose
+    gradient is finite trains as usual."""
+    settings = tiny_settings(tmp_path, grpo={"correction": "tis"}, train={"steps": 2, "save_every": 2})
+    with make_trainer(settings, tmp_path / "run") as trainer:
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        rollout = trainer.rollout
+
+        def poisoned(*args, **kwargs):
+            batch = rollout(*args, **kwargs)
+            if trainer.step == 1:
+                batch.samples.logprobs[0][0] = float("nan")  # one loss token's sampler log-prob
+            return batch
+
+        trainer.rollout = poisoned
+        caplog.set_level(logging.WARNING, logger="qerl.rl.update")
+        trainer.step = 1
+        first = trainer.train_step()
+        after = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert first["update/nonfinite_skipped"] == 1 and first["grad_norm"] != first["grad_norm"]  # NaN
+        assert trainer.scheduler.last_epoch == 0  # the learning-rate schedule counts the updates that ran
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert any("optimizer step skipped" in r.getMessage() for r in caplog.records)
+        trainer.step = 2
+        second = trainer.train_step()
+        assert second["update/nonfinite_skipped"] == 0
+        assert all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.requires_grad)
+        assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad)

@@ -347,7 +347,10 @@ if triton is not None:
             valid = offs < end
             x = tl.load(base + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
             m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.where(valid, tl.exp(x - m_new), 0.0), axis=0)
+            # Blocks of -inf (a logits processor's mask) before any finite entry: shift by 0, not by -inf, so that
+            # exp(-inf - -inf) = NaN never enters the sum (it made the drawn token's log-prob NaN)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.sum(tl.where(valid, tl.exp(x - shift), 0.0), axis=0)
             m = m_new
             u = tl.rand(seed, row * V * (1 - PER_ROW) + offs)
             score = tl.where(valid, x - tl.log(-tl.log(u)), float("-inf"))

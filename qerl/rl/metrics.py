@@ -24,6 +24,7 @@ class StepTotals:
     peaks: dict[str, float] = field(default_factory=dict)  # "/max" metrics: a max over micro-batches, not a mean
     recomputed_blocks: int = 0  # blocks that recomputed their forward in backward (model.gradient_checkpointing)
     held_gib: float = 0.0  # dequantized base weights kept through the update (model.keep_dequantized)
+    nonfinite_skipped: int = 0  # optimizer steps skipped: their gradient held a NaN or an inf
 
     def add(self, loss: float, metrics: dict[str, float], weight: float, entropy: Tensor | None, mask: Tensor) -> None:
         self.loss += loss
@@ -72,6 +73,7 @@ def step_metrics(dist: Group, step: int, batch: RolloutBatch, step_rewards: Tens
         "peak_memory_gb": peak_memory,
         "recomputed_blocks": totals.recomputed_blocks,
         "held_weights_gib": totals.held_gib,
+        "update/nonfinite_skipped": totals.nonfinite_skipped,
     }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
     metrics.update({k: v / totals.token_count for k, v in zip(keys, sums)})
     metrics.update(peaks)

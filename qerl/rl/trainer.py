@@ -394,7 +394,8 @@ class Trainer:
         start = time.perf_counter()
         sigma_train = self.sigma() if self.settings.aqn.in_training_forward else 0.0
         totals, step_rewards, truncated = self.policy_update(batch, sigma_train)
-        self.scheduler.step()
+        if totals.nonfinite_skipped < self.settings.grpo.num_iterations:  # the schedule counts updates that ran
+            self.scheduler.step()
         self.step += 1
         # Its rollouts' peaks, then scoring's and the update's.
         metrics = step_metrics(self.dist, self.step, batch, step_rewards, truncated, totals,

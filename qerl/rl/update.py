@@ -3,6 +3,8 @@ gradients accumulated (and summed over data-parallel ranks), under the step's me
 memory cannot keep recompute their forward in backward, and what is left holds dequantized base weights."""
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,8 @@ from qerl.rl.distributed import Group
 from qerl.rl.logprobs import PolicyLogProbs
 from qerl.rl.memory import held_weights_budget
 from qerl.rl.metrics import StepTotals
+
+log = logging.getLogger(__name__)
 from qerl.rl.batch import RolloutBatch
 
 
@@ -149,5 +153,15 @@ class PolicyUpdate:
                     p.grad = torch.zeros_like(p)
             self.dist.sum_gradients(self.params)
             totals.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            if not math.isfinite(totals.grad_norm):
+                # One NaN or inf in the gradient makes every LoRA weight and AdamW moment NaN for good (and every
+                # later rollout garbage): skip the optimizer step, as AMP's GradScaler does, and say so. The ranks
+                # summed their gradients first, so all of them skip together.
+                totals.nonfinite_skipped += 1
+                log.warning("the update's gradient is not finite (grad_norm %s; loss %s): optimizer step skipped, "
+                            "the adapters are unchanged (metric update/nonfinite_skipped)", totals.grad_norm,
+                            totals.loss)
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
             self.optimizer.step()
         return totals

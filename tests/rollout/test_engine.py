@@ -436,6 +436,35 @@ def test_fp8_kv_kernels_in_the_interpreter():
 
 
 @interpreter_only
+def test_fused_sampler_log_probs_stay_finite_where_whole_blocks_are_minus_inf_in_the_interpreter():
+    """Logits masked to -inf over whole blocks (a logits processor forcing EOS, a banned-token list): the drawn
+    token's log-prob is log_softmax's, not NaN. A block of -inf before any finite entry of its program's chunk made
+    the online log-sum-exp 0 * exp(-inf - -inf) = NaN; on 2026-12-02 every traced EOS of the ragged benchmarks got a
+    NaN log-prob on the GPU, and the rollout correction (grpo.correction: tis, on NVFP4 by default) turned the
+    first update's loss and the LoRA weights NaN."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from qerl.execution import fused_ops as K
+        logits = torch.full((5, 70), float("-inf"))
+        logits[0, 69] = 0.0  # the only finite entry in the last block: forced EOS
+        logits[1, 20] = 1.0; logits[1, 50] = 2.0  # finite entries after -inf blocks, in different splits
+        logits[2, 0] = 0.5; logits[2, 68] = 0.5  # finite at both ends, -inf blocks between
+        logits[3] = torch.randn(70)  # nothing masked
+        logits[4, 33] = -3.0
+        for programs in (1, 528):  # one program per row, and chunks split across programs
+            tok, logp = K.fused_sample(logits, 1.0, torch.Generator().manual_seed(3), block=16,
+                                       target_programs=programs)
+            want = torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
+            assert torch.isfinite(logp).all(), (programs, logp)
+            assert (logp - want).abs().max() < 1e-5, (programs, logp, want)
+            assert tok[0] == 69 and tok[4] == 33 and tok[1] in (20, 50) and tok[2] in (0, 68)
+        print("ok")
+    """)
+    run_in_interpreter(code)
+
+
+@interpreter_only
 def test_fused_sampler_draws_the_tempered_distribution_in_the_interpreter():
     """The one-pass sampling kernel: log-probs are log_softmax(logits / T) of the drawn token, the draws follow that
     distribution (frequencies over many rows), a seeded generator repeats them, and every token can come out."""
