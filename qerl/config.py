@@ -389,7 +389,7 @@ class TrainSettings:
         try:
             reward_terms(self.rewards, self.reward_forms)
         except ValueError as e:
-            if "reward_forms" in str(e):
+            if str(e).startswith("reward_forms"):  # a declared form, not a function
                 raise _RuleError("reward_forms", f"reward_forms = {self.reward_forms}: {e}") from None
             raise _RuleError("rewards", f"rewards = {self.rewards}: {e}") from None
 

@@ -269,7 +269,8 @@ def _checked(term: RewardTerm, out: Any, step: int, inputs: RewardInputs) -> lis
         raise RewardFailed(f"reward {term.spec!r} returned {type(out).__name__} at step {step}: expected a list of "
                            f"{len(inputs)} numbers, one per completion (None where it does not apply)")
     if len(out) != len(inputs):
-        raise RewardFailed(f"reward {term.spec!r} returned {len(out)} values at step {step} for the step's "
+        raise RewardFailed(f"reward {term.spec!r} returned {len(out)} value{'' if len(out) == 1 else 's'} at step "
+                           f"{step} for the step's "
                            f"{len(inputs)} completions: expected one per completion (None where it does not apply)")
     return [_number(term, v, i, step, inputs) for i, v in enumerate(out)]
 
@@ -295,6 +296,11 @@ def _number(term: RewardTerm, value: Any, i: int, step: int, inputs: RewardInput
 def _raised(term: RewardTerm, e: BaseException, step: int, inputs: RewardInputs, row: int | None) -> RewardFailed:
     """The one line for a reward function's exception: where in the user's code, and on which row if known."""
     frames = traceback.extract_tb(e.__traceback__)
+    try:  # the deepest line in the function's own file, else the deepest of all (a library's)
+        own = inspect.getsourcefile(term.fn)
+    except TypeError:
+        own = None
+    frames = [f for f in frames if f.filename == own] or frames
     where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     on = inputs.row(row) if row is not None else f"its batch of {len(inputs)} completions"
     text = " ".join(str(e).split())
