@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qerl.config import settings_from_dict
+from qerl.data.problems import SYSTEM_PROMPT, build_prompt
 from qerl.data.rewards import reward_form, reward_terms
 from qerl.params_yaml import ConfigError
 from qerl.rl.reward_calls import RewardCalls, RewardFailed, RewardInputs, TrainerState
@@ -113,6 +114,11 @@ def uses_a_signal_alarm(completions, **kwargs):  # as math-verify's parse and ve
     return [1.0] * len(completions)
 
 
+def captures(prompts, completions, **kwargs):
+    SEEN.update(prompts=prompts, completions=completions)
+    return [0.0] * len(completions)
+
+
 MET: dict = {}
 
 
@@ -131,6 +137,15 @@ async def waits_for_the_other(completions, **kwargs):
 
 async def sleeps_long(completions, **kwargs):
     await asyncio.sleep(30)
+    return [0.0] * len(completions)
+
+
+async def notes_its_cancel(completions, **kwargs):
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        MET["cancelled"] = True
+        raise
     return [0.0] * len(completions)
 
 
@@ -274,6 +289,17 @@ def test_an_async_function_over_its_budget_is_cancelled_and_one_blocking_its_loo
     mix.close()
 
 
+def test_a_step_a_sync_reward_failed_cancels_its_async_ones():
+    mix = calls({f"{HERE}:notes_its_cancel": 1.0, f"{HERE}:raises": 1.0})
+    with pytest.raises(RewardFailed, match="ZeroDivisionError"):
+        mix(rows(4))
+    deadline = time.monotonic() + 5
+    while "cancelled" not in MET and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert MET.get("cancelled")
+    mix.close()
+
+
 def test_signal_timeouts_need_the_trainers_thread_which_a_null_budget_gives():
     with pytest.raises(RewardFailed, match=r"ValueError: signal only works in main thread .* set "
                                            r"train.reward_timeout_s: null"):
@@ -296,7 +322,7 @@ def test_trls_documented_examples_train_unchanged(tmp_path):
 
     data = {"name": str(write_rows(tmp_path / "rows.jsonl")), "n": 8}
     standard = {"tests.trl_doc_rewards:reward_len": 1.0, "tests.trl_doc_rewards:reward_func": 1.0,
-                "tests.trl_doc_token_rewards:reward_func": 0.1}
+                "tests.trl_doc_token_rewards:reward_func": 0.1, f"{HERE}:captures": 0.0}
     with make_trainer(tiny_settings(tmp_path, data=data, train={"steps": 1, "rewards": standard,
                                                                 "reward_format": "standard"}),
                       tmp_path / "standard") as trainer:
@@ -306,6 +332,10 @@ def test_trls_documented_examples_train_unchanged(tmp_path):
         expected = [a + b + 0.1 * c for a, b, c in zip(trl.reward_len(texts), trl.reward_func(texts, golds), by_length)]
         assert batch.rewards.tolist() == pytest.approx(expected)
         assert batch.reward_terms["reward_len"].tolist() == trl.reward_len(texts)
+        # standard: the prompt text the policy continued, the completion's text
+        question = batch.examples[0].question
+        assert SEEN["prompts"][0] == build_prompt(trainer.tokenizer, question, SYSTEM_PROMPT)
+        assert SEEN["completions"] == texts
         metrics = trainer.train_step()
     assert set(metrics) >= {"rewards/reward_len/mean", "rewards/reward_len/std",
                             "rewards/tests.trl_doc_rewards.reward_func/mean",  # two functions of one name
@@ -315,8 +345,12 @@ def test_trls_documented_examples_train_unchanged(tmp_path):
 
     # The tests' tokenizer has a chat template: TRL's conversational format, where completions are messages
     with make_trainer(tiny_settings(tmp_path, data=data, train={
-            "steps": 1, "rewards": {"tests.trl_doc_rewards:format_reward_func": 1.0, "format": 1.0}}),
-            tmp_path / "chat") as trainer:
+            "steps": 1, "rewards": {"tests.trl_doc_rewards:format_reward_func": 1.0, "format": 1.0,
+                                    f"{HERE}:captures": 0.0}}), tmp_path / "chat") as trainer:
+        batch = trainer.score(trainer.rollout())
+        assert SEEN["prompts"][0] == [{"role": "system", "content": SYSTEM_PROMPT},
+                                      {"role": "user", "content": batch.examples[0].question}]
+        assert SEEN["completions"][0] == [{"role": "assistant", "content": batch.samples.texts[0]}]
         metrics = trainer.train_step()
     assert metrics["rewards/format_reward_func/mean"] == 0.0 and metrics["rewards/format/mean"] == 0.0
 

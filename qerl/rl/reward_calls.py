@@ -122,9 +122,14 @@ class RewardCalls:
         step = inputs.trainer_state.global_step + 1
         pending = self._start_async([t for t in self.terms if t.is_async], inputs, step)
         values: dict[str, list[float | None]] = {}
-        for term in self.terms:
-            if not term.is_async:
-                values[term.label] = self._call_sync(term, inputs, step)
+        try:
+            for term in self.terms:
+                if not term.is_async:
+                    values[term.label] = self._call_sync(term, inputs, step)
+        except BaseException:
+            if pending is not None:  # the step failed: its async rewards are cancelled, not left running
+                pending[0].cancel()
+            raise
         if pending is not None:
             values.update(self._wait_async(pending, inputs, step))
         by_label = {t.label: values[t.label] for t in self.terms}  # the mix's order
@@ -218,6 +223,7 @@ class RewardCalls:
         try:
             results = future.result(timeout=wait)
         except FutureTimeout:  # the loop itself did not answer: a coroutine blocks it (a sync call inside)
+            future.cancel()
             self._loop.stuck = True
             blocking = [t.spec for t in terms if states[t.label] == "running"] or [t.spec for t in terms]
             raise RewardFailed(f"reward {blocking[0]!r} did not return within train.reward_timeout_s = "
