@@ -119,6 +119,12 @@ def captures(prompts, completions, **kwargs):
     return [0.0] * len(completions)
 
 
+def math_verify_accuracy(completions, gold, **kwargs):  # as open-r1 wrote it: math-verify's default timeouts
+    from math_verify import parse, verify
+
+    return [float(verify(parse(f"${g}$"), parse(c))) for c, g in zip(completions, gold)]
+
+
 MET: dict = {}
 
 
@@ -300,11 +306,33 @@ def test_a_step_a_sync_reward_failed_cancels_its_async_ones():
     mix.close()
 
 
-def test_signal_timeouts_need_the_trainers_thread_which_a_null_budget_gives():
-    with pytest.raises(RewardFailed, match=r"ValueError: signal only works in main thread .* set "
-                                           r"train.reward_timeout_s: null"):
-        calls({f"{HERE}:uses_a_signal_alarm": 1.0})(rows(2))
+def test_math_verify_with_its_signal_timeouts_works_as_a_reward(caplog):
+    pytest.importorskip("math_verify")
+    inputs = rows(2)
+    inputs.completions = ["The answer is $\\frac{1}{2}$", "It is $3$"]
+    inputs.golds = ["0.5", "4"]
+    with caplog.at_level(logging.WARNING):
+        assert calls({f"{HERE}:math_verify_accuracy": 1.0})(inputs).total == [1.0, 0.0]
+    assert "math_verify_accuracy' needs the main thread" in caplog.text  # it refused the worker thread
+
+
+def test_a_function_that_needs_the_main_thread_is_called_there_from_then_on(caplog):
+    """Signal-based timeouts (math-verify's defaults) refuse a worker thread: such a function is called again in the
+    trainer's thread, as TRL calls it, with a warning once; outside the main thread that cannot help: one line."""
+    mix = calls({f"{HERE}:uses_a_signal_alarm": 1.0})
+    with caplog.at_level(logging.WARNING):
+        assert mix(rows(2)).total == [1.0, 1.0] and mix(rows(2)).total == [1.0, 1.0]
+    assert caplog.text.count("needs the main thread (a signal-based timeout inside it): it is called in the trainer's "
+                             "thread from now on, without train.reward_timeout_s") == 1
     assert calls({f"{HERE}:uses_a_signal_alarm": 1.0}, timeout_s=None)(rows(2)).total == [1.0, 1.0]
+    failed = []
+    worker = threading.Thread(target=lambda: failed.append(pytest.raises(RewardFailed, calls(
+        {f"{HERE}:uses_a_signal_alarm": 1.0}), rows(2))))
+    worker.start()
+    worker.join()
+    assert "ValueError: signal only works in main thread" in str(failed[0].value)
+    assert "(it needs the main thread, as signal-based timeouts do; the trainer runs in another thread here)" in str(
+        failed[0].value)
 
 
 # -- in training --------------------------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ Python start-up with the user's imports, and forking the trainer once CUDA and i
 a thread cannot be killed. A function over its budget fails the step (the command then exits, which a daemon thread
 does not hold up); in a process that lives on (a notebook, the in-process flow) it keeps running until it returns.
 Code that must be cut off (running a model's program) belongs in a sandboxed process of its own, which the function
-calls. Functions whose own timeouts use signals (math-verify's `parse`/`verify` defaults: "signal only works in main
-thread") need the calling thread: with `reward_timeout_s: null` sync functions run there, with no budget.
+calls. A function whose own timeout uses signals (math-verify's `parse`/`verify` defaults: "signal only works in main
+thread") needs the main thread: one that raises so is called again in the trainer's thread, and from then on there,
+without a budget (a warning says so; one that swallows the error cannot be told). `reward_timeout_s: null` calls
+every sync function there.
 
 Whatever fails (raises, over its budget, a wrong length or type, NaN) is a `RewardFailed` naming the function, the
 step and the row where one is known: one line from the command, exit 2, the run folder's checkpoints intact.
@@ -97,6 +99,7 @@ class RewardCalls:
     def __init__(self, terms: list[RewardTerm], timeout_s: float | None):
         self.terms, self.timeout_s = list(terms), timeout_s
         self._loop: _EventLoop | None = None  # started by the first async function's call, kept across steps
+        self._in_callers_thread: set[str] = set()  # sync functions found to need the main thread (signals)
 
     @property
     def needs_trl_inputs(self) -> bool:
@@ -164,8 +167,9 @@ class RewardCalls:
 
             def call():
                 return term.fn(**kwargs)
+        here = self.timeout_s is None or term.label in self._in_callers_thread
         try:
-            out = call() if self.timeout_s is None else _in_thread(call, self.timeout_s, f"reward {term.label}")
+            out = call() if here else _in_thread(call, self.timeout_s, f"reward {term.label}")
         except _OverBudget:
             where = f" on {inputs.row(progress['row'])}" if progress["row"] is not None else \
                 f" on its batch of {len(inputs)} completions"
@@ -173,6 +177,12 @@ class RewardCalls:
                                f"{self.timeout_s:g} s at step {step}{where} (its thread cannot be stopped; "
                                "raise the budget, or give it a timeout of its own)") from None
         except Exception as e:  # noqa: BLE001 - the user's code: any error fails the step, naming it
+            if not here and _needs_main_thread(e) and threading.current_thread() is threading.main_thread():
+                # Its own timeout uses signals (math-verify's defaults): called again here, as TRL would, for good
+                log.warning("reward %r needs the main thread (a signal-based timeout inside it): it is called in "
+                            "the trainer's thread from now on, without train.reward_timeout_s", term.spec)
+                self._in_callers_thread.add(term.label)
+                return self._call_sync(term, inputs, step)
             row = progress["row"] if term.form == "qerl" else None
             raise _raised(term, e, step, inputs, row) from e
         if inspect.isawaitable(out):
@@ -311,11 +321,21 @@ def _raised(term: RewardTerm, e: BaseException, step: int, inputs: RewardInputs,
     on = inputs.row(row) if row is not None else f"its batch of {len(inputs)} completions"
     text = " ".join(str(e).split())
     hint = ""
-    if "main thread" in text:
-        hint = (" (it needs the main thread, as signal-based timeouts do: set train.reward_timeout_s: null to call "
-                "sync rewards in the trainer's thread, without a budget)")
+    if _needs_main_thread(e):  # and the trainer runs outside it (e.g. a task runner's thread)
+        hint = " (it needs the main thread, as signal-based timeouts do; the trainer runs in another thread here)"
     return RewardFailed(f"reward {term.spec!r} raised on {on} at step {step}: {type(e).__name__}"
                         f"{': ' + text if text else ''}{where}{hint}")
+
+
+def _needs_main_thread(e: BaseException | None) -> bool:
+    """Python's refusal of `signal.signal` outside the main thread, however wrapped (math-verify re-raises it as
+    a ValueError of its own, from the original)."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, ValueError) and "signal only works in main thread" in str(e):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _short(value: Any) -> str:
