@@ -258,8 +258,12 @@ class RewardCalls:
 
 
 def _wanted(fn: Callable) -> dict[str, bool] | None:
-    """{parameter: required} of a function without **kwargs (None: it takes every keyword)."""
-    params = inspect.signature(fn).parameters.values()
+    """{parameter: required} of a function without **kwargs (None: it takes every keyword, or its signature cannot be
+    read: it gets them all, as TRL would pass them)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return {p.name: p.default is p.empty for p in params if p.kind not in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY)}

@@ -86,11 +86,12 @@ class Scorer:
                               columns={}, trainer_state=state, questions=[ex.question for ex in rows])
         if not calls.needs_trl_inputs:  # qerl's form reads texts and golds only
             return inputs
-        view = self.view or PromptView(None, None, conversational=False)
-        prompt_of = {}  # one rendering per prompt, repeated over its group (as TRL repeats the row's prompt)
-        inputs.prompts = [prompt_of.setdefault(id(ex), view.prompt(ex.question) if view.tokenizer is not None
-                                               or view.conversational else ex.question) for ex in rows]
-        inputs.completions = [view.completion(t) for t in batch.samples.texts]
+        if self.view is None:  # no tokenizer to render with: the questions, and the completions' text
+            inputs.prompts, inputs.completions = list(inputs.questions), list(batch.samples.texts)
+        else:
+            rendered = [self.view.prompt(ex.question) for ex in batch.examples]  # once per prompt, as TRL repeats it
+            inputs.prompts = [p for p in rendered for _ in range(batch.group_size)]
+            inputs.completions = [self.view.completion(t) for t in batch.samples.texts]
         inputs.completion_ids = [list(ids) for ids in batch.samples.completion_ids]
         names = list(dict.fromkeys(k for ex in batch.examples for k in ex.columns))
         inputs.columns = {k: [ex.columns.get(k) for ex in rows] for k in names}
