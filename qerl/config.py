@@ -369,19 +369,29 @@ class TrainSettings:
     eval_every: int = field(default=0, metadata=_check(ge=0))  # 0 = only at the end (flows)
     out_dir: str = "runs/default"
     rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})  # name or module:function -> weight
+    # Each function's form where its signature does not say (qerl.data.rewards.reward_form): trl (TRL's batch call,
+    # `(prompts, completions, completion_ids, **columns) -> list[float | None]`) or qerl (`(completion, gold)`)
+    reward_forms: dict[str, Literal["qerl", "trl"]] = field(default_factory=dict)
+    # What TRL-form functions get as prompts and completions, in TRL's dataset formats: conversational (chat
+    # messages), standard (text), auto (conversational where prompts go through the tokenizer's chat template)
+    reward_format: Literal["auto", "standard", "conversational"] = "auto"
+    # Seconds each reward function has per step's batch before the step fails naming it; null: no budget, sync
+    # functions then run in the trainer's own thread, as TRL calls them (signal-based timeouts inside them work)
+    reward_timeout_s: Optional[float] = field(default=60.0, metadata=_check(gt=0))
     # torchrun runs: how long a collective waits for a rank before the job fails (a dead rank must not hang the rest)
     collective_timeout_s: int = field(default=600, metadata=_check(gt=0))
 
     def validate(self) -> None:
         if not self.rewards:
             raise _RuleError("rewards", "rewards = {}: name at least one reward function (e.g. accuracy: 1.0)")
-        from qerl.data.rewards import get_reward_fn  # here: a misspelt name fails now, not after the model has loaded
+        from qerl.data.rewards import reward_terms  # here: a misspelt name fails now, not after the model has loaded
 
-        for name in self.rewards:
-            try:
-                get_reward_fn(name)
-            except ValueError as e:
-                raise _RuleError("rewards", f"rewards = {self.rewards}: {e}") from None
+        try:
+            reward_terms(self.rewards, self.reward_forms)
+        except ValueError as e:
+            if str(e).startswith("reward_forms"):  # a declared form, not a function
+                raise _RuleError("reward_forms", f"reward_forms = {self.reward_forms}: {e}") from None
+            raise _RuleError("rewards", f"rewards = {self.rewards}: {e}") from None
 
 
 @dataclass

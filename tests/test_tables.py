@@ -50,6 +50,20 @@ def test_parquet_csv_and_jsonl_with_their_own_column_names(tmp_path):
         load_dataset(str(parquet), n=2, seed=1, question_field="Aufgabe Text", answer_field="Lösung")
 
 
+def test_every_column_of_a_row_goes_with_its_example(tmp_path):
+    """What TRL-form rewards get as keyword arguments: the row's columns as the file holds them, beside the example's
+    parsed gold; the generated arithmetic task's row is its question and answer."""
+    jsonl = tmp_path / "tasks.jsonl"
+    jsonl.write_text("".join(json.dumps({"question": q, "answer": f"#### {g}", "topic": t, "level": i}) + "\n"
+                             for i, (q, g, t) in enumerate(zip(QUESTIONS, GOLDS, ["add", "sub", "mul"]))))
+    examples = load_dataset(str(jsonl))
+    assert [e.columns for e in examples] == [{"question": q, "answer": f"#### {g}", "topic": t, "level": i}
+                                             for i, (q, g, t) in enumerate(zip(QUESTIONS, GOLDS, ["add", "sub", "mul"]))]
+    assert examples[0].gold == "5" and "columns" not in repr(examples[0])
+    ex = load_dataset("arithmetic", split="train", n=1)[0]
+    assert ex.columns == {"question": ex.question, "answer": ex.gold}
+
+
 def test_folder_of_split_files_and_unknown_split(tmp_path):
     for split, rows in (("train", zip(QUESTIONS[:2], GOLDS[:2])), ("test", [(QUESTIONS[2], GOLDS[2])])):
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"question": q, "answer": f"#### {g}"}) + "\n"

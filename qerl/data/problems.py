@@ -124,7 +124,8 @@ def arithmetic_task(
         question = f"What is {expression}?"
         digest = hashlib.sha256(question.encode()).digest()
         if _split_of(digest) == split:
-            examples.append(Example(f"arithmetic-{digest.hex()[:12]}", question, str(value), "arithmetic"))
+            examples.append(Example(f"arithmetic-{digest.hex()[:12]}", question, str(value), "arithmetic",
+                                    columns={"question": question, "answer": str(value)}))
     if len(examples) < n and strict:
         raise ValueError(
             f"arithmetic {split} split has only {len(examples)} distinct questions with digits={digits}, "
@@ -179,7 +180,7 @@ def _example_from_row(row: dict[str, Any], kind: Literal["gsm8k", "math"], examp
         gold = (extract_answer(answer) or "").strip()  # the parser that reads the policy's answers: both agree
     if not gold:
         raise ValueError(f"no gold answer: the {'#### line' if kind == 'gsm8k' else 'boxed answer'} is missing or empty")
-    return Example(example_id, question.strip(), gold, kind)
+    return Example(example_id, question.strip(), gold, kind, columns=dict(row))
 
 
 def load_jsonl(path: str | Path, kind: Literal["gsm8k", "math"] | None = None) -> list[Example]:
@@ -332,14 +333,26 @@ def fingerprint(source: Any, knobs: Any = None) -> dict[str, Any]:
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
+def uses_chat_template(tokenizer: Any) -> bool:
+    """Whether prompts go through the tokenizer's chat template (`prompt_messages`): TRL's "conversational" data."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_messages(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """The chat messages a prompt is rendered from where the tokenizer has a chat template: the system prompt (unless
+    None), then the question as the user's turn."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    return messages
+
+
 def build_prompt(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> str:
     """The text the policy continues: the tokenizer's chat template with a generation prompt, or, for tokenizers
     without one (base models), "Question: ...\\nAnswer:" preceded by the system prompt. `system_prompt=None` omits it.
     """
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": question})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if uses_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(prompt_messages(question, system_prompt), tokenize=False,
+                                             add_generation_prompt=True)
     prompt = f"Question: {question}\nAnswer:"
     return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
 

@@ -2,14 +2,20 @@
 
 Grading itself lives in qerl.grading (extraction, qerl's own bounded equality, math-verify in a worker process);
 `score` is its reward face: 1.0 or 0.0, never raises, returns within about a second on any input.
+
+A reward function takes one of two forms (`reward_form`): qerl's, `(completion, gold) -> float`, called row by row,
+or TRL's, `(prompts, completions, completion_ids, **columns) -> list[float | None]`, called once per step's batch,
+sync or `async def`. `reward_terms` resolves `train.rewards` into both; qerl.rl.reward_calls calls them.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 from qerl import grading
 from qerl.grading.equality import answers_equal
@@ -17,7 +23,7 @@ from qerl.grading.extract import matching_brace, extract_answer
 from qerl.grading.normalize import normalize_answer
 
 __all__ = ["RewardFn", "REWARDS", "score", "format_reward", "get_reward_fn", "combined_reward", "extract_answer",
-           "normalize_answer", "answers_equal"]
+           "normalize_answer", "answers_equal", "RewardForm", "RewardTerm", "reward_form", "reward_terms"]
 
 RewardFn = Callable[[str, str], float]
 
@@ -95,3 +101,86 @@ def combined_reward(specs: dict[str, float]) -> RewardFn:
 
     reward.__doc__ = f"Weighted reward {dict(specs)}."
     return reward
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two forms: qerl's (one row) and TRL's (one batch)
+# ---------------------------------------------------------------------------------------------------------------
+
+RewardForm = Literal["qerl", "trl"]
+FORMS: tuple[RewardForm, ...] = ("qerl", "trl")
+
+
+def is_async(fn: Callable) -> bool:
+    """An `async def` function (or a callable object whose `__call__` is one, or a partial of either)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def reward_form(fn: Callable, name: str) -> RewardForm:
+    """The form `fn`'s signature says: TRL's where a parameter is named `completions` or it takes `**kwargs` (every
+    TRL reward does one or the other: TRL passes everything by keyword); qerl's where it can be called with two
+    positional arguments `(completion, gold)`. Anything else is a ValueError asking for `train.reward_forms`."""
+    declare = f"declare its form in train.reward_forms ({name}: trl or qerl)"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none
+        raise ValueError(f"reward {name!r}: its signature cannot be read; {declare}") from None
+    params = signature.parameters.values()
+    if "completions" in signature.parameters or any(p.kind is p.VAR_KEYWORD for p in params):
+        return "trl"
+    try:
+        signature.bind(None, None)
+        return "qerl"
+    except TypeError:
+        raise ValueError(f"reward {name!r}: its signature {signature} is neither TRL's (a `completions` parameter "
+                         f"or **kwargs) nor qerl's (completion, gold); {declare}") from None
+
+
+@dataclass(frozen=True)
+class RewardTerm:
+    """One function of the run's reward mix: `spec` as `train.rewards` names it, its weight and form, and `label`,
+    its name in the metrics (`rewards/<label>/mean`): the function's own name, as TRL logs it."""
+
+    spec: str
+    fn: Callable[..., Any]
+    weight: float
+    form: RewardForm
+    label: str
+
+    @property
+    def is_async(self) -> bool:
+        return is_async(self.fn)
+
+
+def reward_terms(specs: dict[str, float], forms: dict[str, str] | None = None) -> list[RewardTerm]:
+    """The reward mix `specs` (name or module:function -> weight), each function's form declared in `forms` or read
+    from its signature (`reward_form`). ValueError for an unknown name, a form that cannot be told, an `async def` in
+    qerl's form, or a declared form for a function the mix does not hold."""
+    forms = dict(forms or {})
+    if not specs:
+        raise ValueError("the reward mix needs at least one reward function (e.g. accuracy: 1.0)")
+    unknown = sorted(set(forms) - set(specs))
+    if unknown:
+        raise ValueError(f"reward_forms names {', '.join(map(repr, unknown))}, which rewards does not hold")
+    terms = []
+    for spec, weight in specs.items():
+        if not math.isfinite(float(weight)):
+            raise ValueError(f"reward {spec!r}: weight {weight!r} is not a finite number")
+        fn = get_reward_fn(spec)
+        form = forms.get(spec) or reward_form(fn, spec)
+        if form not in FORMS:
+            raise ValueError(f"reward_forms.{spec} = {form!r}: use trl or qerl")
+        if form == "qerl" and is_async(fn):
+            raise ValueError(f"reward {spec!r}: an async def reward takes TRL's form "
+                             "(prompts, completions, completion_ids, **kwargs) -> list[float | None]")
+        terms.append(RewardTerm(spec, fn, float(weight), form, _label(spec)))
+    labels = [t.label for t in terms]
+    # Two functions of one name (from two modules): the full spec, as a metric name can write it
+    return [t if labels.count(t.label) == 1 else RewardTerm(t.spec, t.fn, t.weight, t.form, t.spec.replace(":", "."))
+            for t in terms]
+
+
+def _label(spec: str) -> str:
+    """A built-in's name, or the function's name of "package.module:function" (`rewards/<label>/mean`; MLflow's
+    metric names take no colon)."""
+    return spec.rpartition(":")[2].rpartition(".")[2] if ":" in spec else spec

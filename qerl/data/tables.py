@@ -232,7 +232,9 @@ def table_examples(table: Any, label: str, question_field: str | None = None, an
     answer_col = _column(table, label, answer_field, "answer_field", ANSWER_COLUMNS)
     if len(table) == 0:
         raise ValueError(f"{label}: no rows")
-    questions, answers = table[question_col], table[answer_col]  # two column reads, not one dict per row
+    questions, answers = table[question_col], table[answer_col]  # column reads, not one dict per row
+    # Every column, for the reward functions that read one (TRL's form gets them as keyword arguments)
+    columns = {name: list(table[name]) for name in table.column_names}
     if answer_format == "auto":  # decided by the first row, then enforced on all
         answer_format = _detect_format(str(answers[0]))
     examples = []
@@ -241,7 +243,8 @@ def table_examples(table: Any, label: str, question_field: str | None = None, an
             if not isinstance(question, str) or not question.strip():
                 raise ValueError(f"column {question_col!r} holds {question!r}, expected non-empty text")
             gold = _gold(answer, answer_format, answer_col)
-            examples.append(Example(f"{id_prefix or label}:{row}", question.strip(), gold, answer_format))
+            examples.append(Example(f"{id_prefix or label}:{row}", question.strip(), gold, answer_format,
+                                    columns={name: values[row - 1] for name, values in columns.items()}))
         except ValueError as e:
             # a JSON-lines file's row is its line: name it as file:line, as every other qerl error does
             where = f"{label}:{row}" if str(label).endswith(".jsonl") else f"{label} row {row}"

@@ -24,6 +24,8 @@ class RolloutBatch:
     noise_seed: int
     seconds: float
     rewards: Tensor | None = None
+    # each reward function's values by its metric label (`rewards/<label>/mean`), NaN where it returned None
+    reward_terms: dict[str, Tensor] = field(default_factory=dict)
     accuracy: Tensor | None = None
     score_seconds: float = 0.0
     grader_timeouts: int = 0  # completions scored 0: math-verify went over its CPU budget (qerl.grading)
@@ -38,6 +40,7 @@ class RolloutBatch:
         return replace(
             self, examples=[self.examples[i] for i in keep], samples=self.samples.select(rows),
             rewards=None if self.rewards is None else self.rewards[rows],
+            reward_terms={label: values[rows] for label, values in self.reward_terms.items()},
             accuracy=None if self.accuracy is None else self.accuracy[rows], extra=dict(self.extra))
 
     def padded(self, pad_id: int) -> dict[str, Tensor | int]:
@@ -67,6 +70,7 @@ class RolloutBatch:
             samples=Rollout.concat([b.samples for b in batches]), sigma=first.sigma, noise_seed=first.noise_seed,
             seconds=sum(b.seconds for b in batches),
             rewards=torch.cat([b.rewards for b in batches]) if first.rewards is not None else None,
+            reward_terms={label: torch.cat([b.reward_terms[label] for b in batches]) for label in first.reward_terms},
             accuracy=torch.cat([b.accuracy for b in batches]) if first.accuracy is not None else None,
             score_seconds=sum(b.score_seconds for b in batches),
             grader_timeouts=sum(b.grader_timeouts for b in batches))

@@ -75,10 +75,24 @@ def step_metrics(dist: Group, step: int, batch: RolloutBatch, step_rewards: Tens
         "held_weights_gib": totals.held_gib,
         "update/nonfinite_skipped": totals.nonfinite_skipped,
     }  # "kl" joins from the loss metrics when grpo.beta > 0 (as TRL: no reference forward otherwise)
+    metrics.update(reward_term_metrics(dist, batch))
     metrics.update({k: v / totals.token_count for k, v in zip(keys, sums)})
     metrics.update(peaks)
     metrics.update(batch.extra)
     return metrics
+
+
+def reward_term_metrics(dist: Group, batch: RolloutBatch) -> dict[str, float]:
+    """Each reward function's mean and standard deviation over the step's completions that it scored (its None rows
+    left out), as TRL logs them: `rewards/<name>/mean`, `rewards/<name>/std`; none for a function that scored no row."""
+    out = {}
+    for label, values in batch.reward_terms.items():
+        scored = torch.tensor(dist.gather(values.tolist()), dtype=torch.float64)
+        scored = scored[~scored.isnan()]
+        if len(scored):
+            out[f"rewards/{label}/mean"] = float(scored.mean())
+            out[f"rewards/{label}/std"] = float(scored.std()) if len(scored) > 1 else 0.0
+    return out
 
 
 def speculation_metrics(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:

@@ -37,7 +37,8 @@ from qerl.rl.metrics import speculation_metrics, step_metrics
 from qerl.rl.optim import build_optimizer
 from qerl.rl.batch import RolloutBatch
 from qerl.rl.rng import restore_rng, rng_state
-from qerl.rl.scoring import Scorer
+from qerl.rl.reward_calls import RewardCalls, RewardFailed, TrainerState
+from qerl.rl.scoring import PromptView, Scorer
 from qerl.rl.tracking import NullTracker, Tracker, log_step
 from qerl.rl.update import PolicyUpdate
 from qerl.rollout.backends import RolloutBackend, Sampling
@@ -55,8 +56,8 @@ class Trainer:
     """GRPO/DAPO with LoRA on a quantized base and adaptive quantization noise: a recipe wiring components.
 
     Set-up (`_start`, in the order a failure is cheapest to report): the training prompts (`data.PromptSampler`),
-    the model and its LoRA parameters, the optimizer and its schedule (`optim`), the scorer (`scoring.Scorer`), the
-    AQN schedule, the sampler (`rollout.backends`), the step's memory peaks (`memory.StepPeaks`), the loss and the
+    the scorer (`scoring.Scorer`: the reward mix, checked against the data), the model and its LoRA parameters, the
+    optimizer and its schedule (`optim`), the AQN schedule, the sampler (`rollout.backends`), the step's memory peaks (`memory.StepPeaks`), the loss and the
     update (`update.PolicyUpdate`), then the state of a run to resume. A step is `train_step()`: `rollout()` ->
     `score()` (DAPO: `keep_informative()`, more rounds of both) -> `update()`, then the metrics logged and a
     checkpoint when due. `train()` runs the steps, `evaluate()` between them where due and `export()` at the end.
@@ -85,6 +86,9 @@ class Trainer:
         kernels, self._kernels = self._kernels, None
         if kernels is not None:
             kernels.stop()
+        scorer = getattr(self, "scorer", None)
+        if scorer is not None:  # its async rewards' event loop
+            scorer.close()
         self.run.close()
 
     def __enter__(self) -> "Trainer":
@@ -117,6 +121,7 @@ class Trainer:
         # A rollout draws rollout.prompts_drawn prompts (prompts_per_step, more with rollout.overprovision: the extra
         # ones are consumed with the rest, kept or not, so the data order is the sampler's, checkpointed as before)
         self.sampler = data.PromptSampler(examples, batch_size=s.rollout.prompts_drawn, seed=s.train.seed)
+        self.scorer = self._scorer(examples, tokenizer)  # a reward asking for a column the data lacks fails here
         # With model.precompile_kernels the GPU kernels compile in worker processes while the weights load
         self._kernels = self._precompile(s, model, tokenizer) if self.dist.world_size == 1 else None
         if model is None:
@@ -133,7 +138,6 @@ class Trainer:
         self.params = lora.apply_lora(model, s.lora, dtype=next(model.parameters()).dtype)
         self.dist.broadcast(self.params)
         self.optimizer, self.scheduler = build_optimizer(self.params, s.optim, s.train.steps)
-        self.scorer = Scorer(rewards.combined_reward(dict(s.train.rewards)))
         self.aqn = build_schedule(s.aqn, s.train.steps)  # None when AQN is off: sigma() is then 0
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(
@@ -153,6 +157,7 @@ class Trainer:
                                           s.optim.max_grad_norm, self.dist, self.noise, self.pad_id)
 
         self.step = 0
+        self.last_checkpoint: Path | None = None  # named when a reward fails a step: where --resume continues
         self._resume()
         if self._kernels is not None:
             self._kernels.wait()
@@ -185,6 +190,14 @@ class Trainer:
         if model is None:
             check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
         return tokenizer, examples
+
+    def _scorer(self, examples: list[data.Example], tokenizer) -> Scorer:
+        """The reward mix of `train.rewards` (qerl.rl.reward_calls), checked against the data's columns before the
+        weights load: a TRL-form function asking for a column the data lacks fails now, not at step 1."""
+        t = self.settings.train
+        calls = RewardCalls(rewards.reward_terms(dict(t.rewards), dict(t.reward_forms)), t.reward_timeout_s)
+        calls.check_arguments(list(examples[0].columns) if examples else [])
+        return Scorer(calls, PromptView.for_format(t.reward_format, tokenizer, self.system_prompt))
 
     def _resume(self) -> None:
         """Continue from the run folder's newest intact checkpoint, if it has one (`--resume`). Rank 0 resolves
@@ -317,8 +330,15 @@ class Trainer:
         return [examples[g] for g in kept], out.select(rows), dropped
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
-        """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion."""
-        return self.scorer(batch)
+        """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion. A reward
+        function that fails (`RewardFailed`) fails the step before its update: the run folder keeps its last
+        checkpoint, which the message names for --resume."""
+        try:
+            return self.scorer(batch, TrainerState(global_step=self.step, max_steps=self.settings.train.steps))
+        except RewardFailed as e:
+            where = (f"fix it and continue from {self.last_checkpoint.name} with --resume"
+                     if self.last_checkpoint is not None else "no checkpoint yet: fix it and start the run again")
+            raise RewardFailed(f"{e}; {where}") from e.__cause__
 
     def keep_informative(self, batch: RolloutBatch) -> RolloutBatch:
         """DAPO's dynamic sampling on the step's scored first round `batch`: only the groups whose rewards differ,
@@ -492,7 +512,9 @@ class Trainer:
         }
         if len(self.draft_history):  # speculation's history; none without it (the checkpoint as before)
             state["drafts"] = self.draft_history.state_dict()
-        return self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"), keep=keep)
+        self.last_checkpoint = self.run.save_checkpoint(state, lambda folder: self.export_adapter(folder / "adapter"),
+                                                        keep=keep)
+        return self.last_checkpoint
 
     def check_checkpoint(self, checkpoint: Checkpoint) -> None:
         """`CheckpointCorrupt` naming the file if `apply_checkpoint` could not continue from `checkpoint` (its state
@@ -520,3 +542,4 @@ class Trainer:
         if "drafts" in state:  # older checkpoints hold none: speculation drafts from this step's rows then
             self.draft_history.load_state_dict(state["drafts"])
         self.step = checkpoint.step
+        self.last_checkpoint = checkpoint.path
