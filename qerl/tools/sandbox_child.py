@@ -292,7 +292,8 @@ def _install_guard(work, read_paths, no_ctypes):
             if not isinstance(path, (str, bytes)) or path in ("/dev/null",):
                 return
             path = real(os.fsdecode(path))
-            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) \
+                or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
             if not under(path, (work,) if writes else (work,) + read_paths):
                 raise PermissionError(f"sandbox: no access to {path}")
         elif event == "socket.__new__" and args[1] != _socket.AF_UNIX:
