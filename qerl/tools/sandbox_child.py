@@ -77,17 +77,18 @@ def enter_namespaces(root):
 
 # --- the program's own confinement -------------------------------------------------------------------------------
 
-def drop_root(uid):
-    """Run as real uid `uid` (RLIMIT_NPROC then counts this call's processes alone) with effective uid 0 kept only so
-    the Python installation stays readable where it lives in root's home; every capability goes, for good (bounding
-    set emptied, securebits locked so no exec of a set-uid-root file or of anything as uid 0 gives them back)."""
+def drop_root(uid, keep_euid):
+    """Run as real uid `uid` (RLIMIT_NPROC then counts this call's processes alone) without any capability, for good
+    (bounding set emptied, securebits locked so no exec of a set-uid-root file or of anything as uid 0 gives them
+    back). `keep_euid`: effective uid 0 stays, so the Python installation remains readable where it lives in root's
+    home (as on pyenv machines); only where Landlock confines the file system, as uid 0 owns most files."""
     os.setgroups([])
     os.setresgid(uid, uid, uid)
-    os.setresuid(uid, 0, 0)
-    _check(libc.prctl(PR_SET_SECUREBITS, SECURE_BITS, 0, 0, 0), "prctl(PR_SET_SECUREBITS)")
-    for cap in range(64):
+    _check(libc.prctl(PR_SET_SECUREBITS, SECURE_BITS, 0, 0, 0), "prctl(PR_SET_SECUREBITS)")  # needs CAP_SETPCAP:
+    for cap in range(64):                                                                   # first, as these
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break  # past the last capability this kernel knows
+    os.setresuid(uid, 0, 0) if keep_euid else os.setresuid(uid, uid, uid)
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
@@ -96,6 +97,53 @@ def drop_root(uid):
         _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
     _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()), "capset")
+
+
+# seccomp: syscalls a sandboxed program never needs and that reach past the other layers. socket() above all:
+# Landlock does not cover connect() to a unix socket by path, and socketpair() (a separate syscall) stays for
+# multiprocessing. x86_64 and aarch64 numbers; elsewhere no filter (and the layer is reported missing).
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+DENIED_SYSCALLS = {  # arch: (AUDIT_ARCH, {name: number})
+    "x86_64": (0xC000003E, {"socket": 41, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+                            "io_uring_setup": 425, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+                            "keyctl": 250, "add_key": 248, "request_key": 249}),
+    "aarch64": (0xC00000B7, {"socket": 198, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
+                             "io_uring_setup": 425, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
+                             "keyctl": 219, "add_key": 217, "request_key": 218}),
+}
+
+
+def seccomp():
+    """Deny DENIED_SYSCALLS with EACCES (and any syscall of a foreign ABI, e.g. 32-bit entry points, kills)."""
+    machine = os.uname().machine
+    if machine not in DENIED_SYSCALLS:
+        return f"no seccomp filter for {machine}"
+    audit_arch, numbers = DENIED_SYSCALLS[machine]
+
+    def op(code, k, jt=0, jf=0):
+        return struct.pack("<HBBI", code, jt, jf, k)
+
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    deny = SECCOMP_RET_ERRNO | 13
+    nrs = sorted(numbers.values())
+    prog = [op(ld, 4), op(jeq, audit_arch, 1, 0), op(ret, SECCOMP_RET_KILL_PROCESS), op(ld, 0)]
+    if machine == "x86_64":  # the x32 ABI: the same syscalls with bit 30 set
+        prog.append(op(jge, 0x40000000, len(nrs) + 1, 0))
+    for i, nr in enumerate(nrs):
+        prog.append(op(jeq, nr, len(nrs) - i, 0))
+    prog += [op(ret, SECCOMP_RET_ALLOW), op(ret, deny)]
+    code = b"".join(prog)
+    buf = ctypes.create_string_buffer(code, len(code))
+    fprog = struct.pack("<HxxxxxxQ", len(prog), ctypes.addressof(buf))
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0), "prctl(PR_SET_SECCOMP)")
+    return True
+
+
+def landlock_abi():
+    abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                       ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return abi if abi >= 1 else None
 
 
 def set_limits(cfg):
@@ -122,9 +170,8 @@ def elf_interpreter(path):
 
 def landlock(cfg):
     """Confine this process and everything it starts; returns the ABI in force, or why none is."""
-    abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
-                       ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
-    if abi < 1:
+    abi = landlock_abi()
+    if abi is None:
         return None, f"Landlock unavailable ({os.strerror(ctypes.get_errno())})"
     fs = FS_ALL_V1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) \
         | (FS_IOCTL_DEV if abi >= 5 else 0)
@@ -166,13 +213,15 @@ def confine_and_exec(cfg, code, layers, status_fd, root):
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     set_limits(cfg)
     if root:
-        drop_root(cfg["uid"])
+        drop_root(cfg["uid"], keep_euid=bool(cfg["landlock"] and landlock_abi()))
+        layers["uid"] = cfg["uid"]
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     if cfg["landlock"]:
         abi, why = landlock(cfg)
         layers["landlock"] = abi or why
+        layers["seccomp"] = seccomp()
     else:
-        layers["landlock"] = "off (asked)"
+        layers["landlock"] = layers["seccomp"] = "off (asked)"
     status(status_fd, layers=layers)
     # ctypes only goes around the audit hook; forbid it only where the hook is the last barrier (sympy needs it)
     cfg["guard"]["no_ctypes"] = not (layers["net_namespace"] and isinstance(layers["landlock"], int))
@@ -183,7 +232,13 @@ def confine_and_exec(cfg, code, layers, status_fd, root):
     os.set_inheritable(fd, True)
     argv = [cfg["python"], "-I", "-X", "utf8"] + ([] if cfg["site_packages"] else ["-S"]) \
         + ["-c", RUNNER, cfg["marker"], str(fd), json.dumps(cfg["guard"])]
-    os.execve(cfg["python"], argv, cfg["env"])
+    try:
+        os.execve(cfg["python"], argv, cfg["env"])
+    except PermissionError as e:
+        if root and layers.get("landlock") is not True and not isinstance(layers.get("landlock"), int):
+            raise PermissionError(f"{e} (without Landlock the program runs as uid {cfg['uid']}, which cannot read "
+                                  "this Python installation: install Python where every user can read it)") from None
+        raise
 
 
 # --- init ----------------------------------------------------------------------------------------------------------
@@ -223,7 +278,7 @@ def init(cfg, code, layers, status_fd, root):
         try:
             confine_and_exec(cfg, code, layers, status_fd, root)
         except BaseException as e:  # noqa: BLE001 - whatever stops the confinement, the code must not run
-            status(status_fd, error=f"sandbox set-up failed: {e}")
+            status(status_fd, layers=layers, error=f"sandbox set-up failed: {e}")
         os._exit(125)
     while True:
         try:
