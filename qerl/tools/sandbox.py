@@ -199,8 +199,10 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, site_packa
             except ValueError:
                 pass
         layers = events.get("layers", {})
-        if not layers.get("pid_namespace"):
-            _kill_marked(marker)  # what left the group (setsid) without a namespace to take it down
+        if killed or not layers.get("pid_namespace"):
+            # Killed by the host: the namespace's init died with the group, but its teardown can lag the launcher's
+            # reaping by moments. No namespace: what left the group (setsid) has nothing to take it down.
+            _kill_marked(marker)
         exit_code, sig = events.get("exit"), events.get("signal")
         elapsed = time.monotonic() - start
         # SIGXCPU is the soft CPU limit; SIGKILL after more than the CPU seconds is its hard limit (SIGXCPU ignored)
@@ -261,17 +263,24 @@ def _kill_group(proc) -> None:
         pass
 
 
-def _kill_marked(marker: str) -> None:
-    """Kill every process whose command line holds this call's marker (forks of the program keep it)."""
-    needle = marker.encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if needle in f.read():
-                        os.kill(int(entry), signal.SIGKILL)
-            except OSError:
-                pass
+def _kill_marked(marker: str, patience_s: float = 2.0) -> None:
+    """Kill every process whose command line holds this call's marker (forks of the program keep it) until none is
+    left, or `patience_s` has passed (a process in the kernel's hands for long)."""
+    needle, give_up = marker.encode(), time.monotonic() + patience_s
+    while True:
+        found = False
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if needle in f.read():
+                            found = True
+                            os.kill(int(entry), signal.SIGKILL)
+                except OSError:
+                    pass
+        if not found or time.monotonic() > give_up:
+            return
+        time.sleep(0.01)
 
 
 def _remove(folder: str) -> None:
