@@ -119,6 +119,16 @@ CASES = {
 }
 
 
+# The path a non-root host takes (its own user namespace, its uid kept), exercised from root: the cases that stay
+# harmless there (as uid 0 inside, RLIMIT_NPROC does not bind, so no fork bomb).
+UNPRIVILEGED_CASES = ["read a file planted outside its folder", "the host's secret in os.environ",
+                      "the host's /proc/PID/environ", "TCP to a port the test listens on",
+                      "UDP to a port the test listens on", "a unix socket the test listens on",
+                      "a daemonized double-fork child", "write outside its folder", "sleep past the wall time"]
+VARIANTS = {"all": {}, "kernel": {"_python_guard": False}, "unprivileged": {"_unprivileged": True}}
+JOBS = [(v, n) for v in ("all", "kernel") for n in CASES] + [("unprivileged", n) for n in UNPRIVILEGED_CASES]
+
+
 class Listeners:
     """TCP, UDP and unix-socket listeners on this host, recording whatever reaches them."""
 
@@ -201,13 +211,11 @@ def world(tmp_path_factory):
     fill = {"secret_path": str(secret_path), "outside": str(outside), "host_pid": os.getpid(),
             "host_pgid": os.getpgid(0), "tcp_port": listeners.tcp.getsockname()[1],
             "udp_port": listeners.udp.getsockname()[1], "unix_path": listeners.unix_path, "escape_tmp": escape_tmp}
-    variants = {"all": {}}
-    if kernel_layers_hold():
-        variants["kernel"] = {"_python_guard": False}
-    jobs = [(v, name) for v in variants for name in CASES]
+    runs = {"all"} | ({"kernel"} if kernel_layers_hold() else set()) | ({"unprivileged"} if os.geteuid() == 0 else set())
+    jobs = [job for job in JOBS if job[0] in runs]
     try:
         with ThreadPoolExecutor(max_workers=12) as pool:
-            futures = {job: pool.submit(run_python, CASES[job[1]][0].format(**fill), LIMITS, **variants[job[0]])
+            futures = {job: pool.submit(run_python, CASES[job[1]][0].format(**fill), LIMITS, **VARIANTS[job[0]])
                        for job in jobs}
             results = {job: f.result() for job, f in futures.items()}
     finally:
@@ -224,12 +232,14 @@ def world(tmp_path_factory):
            "folders_before": folders_before, "escape_tmp": escape_tmp}
 
 
-@pytest.mark.parametrize("variant", ["all", "kernel"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("variant,name", JOBS, ids=[f"{v}: {n}" for v, n in JOBS])
 def test_hostile_program(world, name, variant):
     if (variant, name) not in world["results"]:
-        pytest.skip(f"the kernel layers do not all hold here: {isolation_layers()}")
+        pytest.skip("the kernel layers do not all hold here" if variant == "kernel" else "the host is not root, so "
+                    "the 'all' variant is this path already")
     r = world["results"][(variant, name)]
+    if variant == "unprivileged":
+        assert r.layers["root"] is False and r.layers["pid_namespace"] and r.layers["net_namespace"], r.layers
     assert r.elapsed_s < LIMITS.wall_s + MARGIN_S, f"{name}: took {r.elapsed_s:.1f} s"
     assert "sandbox set-up failed" not in r.stderr, r.stderr
     assert SECRET not in r.text(), f"{name}: the secret leaked: {r.text()[:300]}"

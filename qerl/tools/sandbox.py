@@ -147,11 +147,12 @@ def _rlimits(limits: SandboxLimits) -> dict:
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, site_packages: bool = True,
-               _kernel_layers: bool = True, _python_guard: bool = True) -> SandboxResult:
+               _kernel_layers: bool = True, _python_guard: bool = True, _unprivileged: bool = False) -> SandboxResult:
     """Run `code` as a Python program in a sandbox (see the module's docstring) and return how it went; never
     raises for anything the code does. Thread-safe: each call is its own processes, folder and uid.
     `site_packages`: whether the installed packages (numpy, sympy, ...) can be imported, or the standard library
-    alone. The underscored switches exist for tests that check one layer without the others."""
+    alone. The underscored switches exist for tests: one layer without the others, and (as root) the path a
+    non-root host takes (a user namespace of its own, the host's uid kept)."""
     if not isinstance(code, str):
         raise TypeError(f"run_python: code must be a str, got {type(code).__name__}")
     start = time.monotonic()
@@ -159,7 +160,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, site_packa
     data = code.encode("utf-8", "replace")
     if len(data) > limits.code_bytes:
         return SandboxResult("", "", None, None, f"code over {limits.code_bytes} bytes", 0.0, {}, marker)
-    root = os.geteuid() == 0
+    root = os.geteuid() == 0 and not _unprivileged
     uid = _UIDS.take() if root else os.getuid()
     folder = tempfile.mkdtemp(prefix="qerl-sandbox-")
     status_r = status_w = None
@@ -174,7 +175,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, site_packa
         cfg = {
             "status_fd": status_w, "code_path": code_path, "workdir": work, "python": sys.executable,
             "uid": uid, "rlimits": _rlimits(limits), "read_paths": read_paths, "site_packages": site_packages,
-            "namespaces": _kernel_layers, "landlock": _kernel_layers,
+            "namespaces": _kernel_layers, "landlock": _kernel_layers, "as_unprivileged": _unprivileged,
             "guard": {"on": _python_guard, "read_paths": read_paths},
             # numeric libraries start one thread per core unless told: each counts against the process limit
             "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work,

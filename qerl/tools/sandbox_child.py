@@ -146,8 +146,28 @@ def landlock_abi():
     return abi if abi >= 1 else None
 
 
-def set_limits(cfg):
+def tasks_of(uid):
+    """Processes and threads whose real uid is `uid`: what RLIMIT_NPROC counts against."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    count += int(fields["Threads"])
+            except (OSError, KeyError, ValueError):
+                continue
+    return count
+
+
+def set_limits(cfg, root):
     for name, value in cfg["rlimits"].items():
+        if name == "RLIMIT_NPROC" and not root:
+            # not root: the uid is the host's, with its other processes (in a user namespace too: the count is
+            # charged up to the namespace's owner), so the limit is on top of what it runs already
+            running = tasks_of(os.getuid())
+            value = [v + running for v in value]
         resource.setrlimit(getattr(resource, name), tuple(value))
 
 
@@ -211,7 +231,7 @@ def landlock(cfg):
 
 def confine_and_exec(cfg, code, layers, status_fd, root):
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    set_limits(cfg)
+    set_limits(cfg, root)
     if root:
         drop_root(cfg["uid"], keep_euid=bool(cfg["landlock"] and landlock_abi()))
         layers["uid"] = cfg["uid"]
@@ -303,7 +323,7 @@ def main():
     os.set_inheritable(status_fd, False)  # the exec'd program never holds it
     with open(cfg["code_path"], "rb") as f:
         code = f.read()
-    root = os.geteuid() == 0
+    root = os.geteuid() == 0 and not cfg["as_unprivileged"]  # the switch: tests of the unprivileged path, as root
     layers = {"root": root}
     why = enter_namespaces(root) if cfg["namespaces"] else "off (asked)"
     layers["pid_namespace"] = layers["net_namespace"] = why is None
