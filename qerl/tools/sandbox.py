@@ -126,9 +126,11 @@ _UIDS = _UidSlots()
 
 
 def _read_paths(site_packages: bool) -> list[str]:
-    """What the program may read: the interpreter's installation (its venv's too) and the system libraries."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix} if site_packages else \
-        {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"], sys.prefix}
+    """What the program may read: the Python installation, a venv's pyvenv.cfg (and its site-packages, if asked
+    for: not the rest of the venv, nor what an editable install's .pth adds), and the system libraries."""
+    paths = {sys.base_prefix, sys.base_exec_prefix, os.path.join(sys.prefix, "pyvenv.cfg")}
+    if site_packages:
+        paths |= {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     paths |= {"/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache",
               "/dev/urandom", "/dev/zero"}
     return sorted(os.path.realpath(p) for p in paths if os.path.exists(p))
@@ -193,6 +195,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, site_packa
         finally:
             _kill_group(proc)  # before reaping: the group's id cannot have been reused while its leader is unreaped
             proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
         events = {}
         for line in status_lines:
             try:
