@@ -25,7 +25,7 @@ import pytest
 
 from qerl.tools.sandbox import MARKER, SandboxLimits, isolation_layers, run_python
 
-LIMITS = SandboxLimits(wall_s=2, cpu_s=1, memory_mib=256, output_bytes=4096, processes=8, file_mib=1)
+LIMITS = SandboxLimits(wall_s=2, cpu_s=1, memory_mib=256, output_bytes=4096, processes=8, file_mib=1, disk_mib=8)
 MARGIN_S = 3.0  # the host's kill, reaping and clean-up, on two busy cores
 SECRET = f"qerl-secret-{uuid.uuid4().hex}"
 
@@ -104,6 +104,9 @@ CASES = {
                        lambda r, w: killed(r).startswith("output") and len(r.stderr) <= LIMITS.output_bytes),
     "a 1 GB file": ("with open('big', 'wb') as f:\n    for _ in range(1024):\n        f.write(b'x' * (1 << 20))",
                     lambda r, w: "File too large" in r.stderr or r.signal == signal.SIGXFSZ),
+    "fill the disk with many files": ("for i in range(1000):\n    with open(f'f{{i}}', 'wb') as f:\n"
+                                      "        f.write(b'x' * (1 << 20))",
+                                      lambda r, w: "No space left on device" in r.stderr),
     "close stdout and stderr, then hang": ("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)",
                                            lambda r, w: killed(r).startswith("wall")),
     "write outside its folder":

@@ -11,7 +11,8 @@ The layers, each applied where this machine allows it (`SandboxResult.layers` sa
   never does for uid 0) and no capabilities, ever.
 - namespaces (root, or unprivileged where user namespaces are allowed): no network at all (a new network namespace
   has only a downed loopback), its own PIDs (the host's processes cannot be named, let alone signalled; whatever
-  the program leaves running, daemons included, dies with the namespace's init), its own IPC.
+  the program leaves running, daemons included, dies with the namespace's init), its own IPC, its own mounts (its
+  folder a tmpfs of `disk_mib`).
 - Landlock (Linux >= 5.13, unprivileged): reads only the Python installation and the system libraries, writes only
   its working folder, executes only the interpreter; ABI >= 4 no TCP; ABI >= 6 no signals or abstract sockets to
   processes outside the sandbox.
@@ -59,6 +60,7 @@ class SandboxLimits:
     output_bytes: int = 16 * 1024  # bytes read from stdout, and from stderr; one more ends the call
     processes: int = 16         # processes and threads at once (RLIMIT_NPROC; binding where the uid is its own)
     file_mib: int = 16          # largest file it may write (RLIMIT_FSIZE)
+    disk_mib: int = 64          # all its folder may hold (a tmpfs of that size, where it has a mount namespace)
     open_files: int = 64        # file descriptors (RLIMIT_NOFILE)
     code_bytes: int = 1 * _MiB  # longest program accepted
 
@@ -176,7 +178,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, site_packa
         read_paths = _read_paths(site_packages)
         cfg = {
             "status_fd": status_w, "code_path": code_path, "workdir": work, "python": sys.executable,
-            "uid": uid, "rlimits": _rlimits(limits), "read_paths": read_paths, "site_packages": site_packages,
+            "uid": uid, "rlimits": _rlimits(limits), "disk_bytes": limits.disk_mib * _MiB, "read_paths": read_paths,
+            "site_packages": site_packages,
             "namespaces": _kernel_layers, "landlock": _kernel_layers, "as_unprivileged": _unprivileged,
             "guard": {"on": _python_guard, "read_paths": read_paths},
             # numeric libraries start one thread per core unless told: each counts against the process limit

@@ -26,7 +26,9 @@ import signal
 import struct
 import sys
 
-CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = \
+    0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 36, 38
 # SECBIT_NOROOT(+_LOCKED), SECBIT_NO_SETUID_FIXUP(+_LOCKED), SECBIT_KEEP_CAPS_LOCKED, SECBIT_NO_CAP_AMBIENT_RAISE(+_L.)
 SECURE_BITS = 0b11101111
@@ -57,7 +59,7 @@ def status(fd, **fields):
 
 def enter_namespaces(root):
     """New network (only a downed loopback), PID and IPC namespaces; the reason they are absent otherwise."""
-    flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC
+    flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS
     uid, gid = os.geteuid(), os.getegid()
     try:
         if root:
@@ -73,6 +75,16 @@ def enter_namespaces(root):
         return None
     except OSError as e:
         return str(e)
+
+
+def size_the_folder(cfg):
+    """Make the working folder a tmpfs of `disk_bytes` in our own mount namespace: RLIMIT_FSIZE bounds each file,
+    this bounds them all. Mounts stay private to the namespace (nothing propagates to the host's)."""
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(/, MS_PRIVATE)")
+    options = f"size={cfg['disk_bytes']},mode=0700".encode()
+    _check(libc.mount(b"tmpfs", cfg["workdir"].encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), "mount(tmpfs)")
+    os.chdir(cfg["workdir"])  # the mount covers the folder: our working directory was the folder beneath it
 
 
 # --- the program's own confinement -------------------------------------------------------------------------------
@@ -329,6 +341,12 @@ def main():
     layers["pid_namespace"] = layers["net_namespace"] = why is None
     if why:
         layers["namespaces_missing"] = why
+    else:
+        try:
+            size_the_folder(cfg)
+            layers["folder_size"] = cfg["disk_bytes"]
+        except OSError as e:
+            layers["folder_size"] = str(e)
     child = os.fork()
     if child == 0:
         init(cfg, code, layers, status_fd, root)
