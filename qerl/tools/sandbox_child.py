@@ -256,7 +256,8 @@ def confine_and_exec(cfg, code, layers, status_fd, root):
         layers["landlock"] = layers["seccomp"] = "off (asked)"
     status(status_fd, layers=layers)
     # ctypes only goes around the audit hook; forbid it only where the hook is the last barrier (sympy needs it)
-    cfg["guard"]["no_ctypes"] = not (layers["net_namespace"] and isinstance(layers["landlock"], int))
+    cfg["guard"]["no_ctypes"] = not (layers["net_namespace"] and isinstance(layers["landlock"], int)
+                                     and layers["seccomp"] is True)
     # The code goes to the fresh interpreter through an anonymous file, so it needs no path it could read.
     fd = os.memfd_create("code", 0)
     os.write(fd, code)
@@ -267,7 +268,7 @@ def confine_and_exec(cfg, code, layers, status_fd, root):
     try:
         os.execve(cfg["python"], argv, cfg["env"])
     except PermissionError as e:
-        if root and layers.get("landlock") is not True and not isinstance(layers.get("landlock"), int):
+        if root and not isinstance(layers.get("landlock"), int):  # the program is wholly its own uid
             raise PermissionError(f"{e} (without Landlock the program runs as uid {cfg['uid']}, which cannot read "
                                   "this Python installation: install Python where every user can read it)") from None
         raise
