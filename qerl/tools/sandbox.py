@@ -16,6 +16,8 @@ The layers, each applied where this machine allows it (`SandboxResult.layers` sa
 - Landlock (Linux >= 5.13, unprivileged): reads only the Python installation and the system libraries, writes only
   its working folder, executes only the interpreter; ABI >= 4 no TCP; ABI >= 6 no signals or abstract sockets to
   processes outside the sandbox.
+- seccomp (with Landlock): no socket() at all (Landlock leaves connect() to a unix socket by path open), ptrace,
+  process_vm_*, io_uring, bpf, perf_event_open, userfaultfd or keyrings.
 - a Python audit hook: the same rules at the Python level. PEP 578 hooks are no security boundary (native code and
   interpreter internals go around them); it is the last layer where the kernel ones are missing.
 
