@@ -10,6 +10,8 @@ folders at the repository's top, installed as qerl.kernels, qerl.tasks, qerl.flo
     run/         the run on disk: the run folder (lock, start/resume rules, checkpoints, metrics), atomic writes
     quant/       the 4-bit formats, the quantized linear layer, quantized checkpoints
     grading/     is an answer right: extraction, qerl's equality, math-verify in a worker
+    tools/       what a model calls in multi-turn rollouts: tools' schemas and calls, the sandboxed Python
+                 interpreter, environments (imports nothing of qerl)
     data/        problems (generated, hub, local tables), prompts, rewards
     params_yaml  the YAML of a params file or -S value, read within a size, depth and alias budget (imports nothing
                  of qerl)
