@@ -25,7 +25,7 @@ import torch
 from . import fp8_rows as fp8_kernels
 from .context import GemmContext
 
-__all__ = ["FP8Gemm", "FP8_MAX", "fp8_rows", "fp8_supported"]
+__all__ = ["FP8Gemm", "FP8_MAX", "fp8_rows", "fp8_rows_reference", "fp8_supported"]
 
 FP8_MAX = 448.0
 
@@ -35,7 +35,7 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: (x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448."""
     s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
     return (x.float() / s).to(torch.float8_e4m3fn), s
@@ -47,7 +47,7 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     one; the padded rows' outputs are sliced off). On CUDA one Triton kernel (kernels/fp8_rows.py)."""
     if x.is_cuda:
         return fp8_kernels.fp8_rows(x)
-    q, s = _fp8_rows(x)
+    q, s = fp8_rows_reference(x)
     pad = -q.shape[0] % 16
     if pad:
         q = torch.cat([q, q.new_zeros(pad, q.shape[1])])

@@ -3,7 +3,7 @@
 q = x / s in E4M3 with s = max|row| / 448 (fp32), rows padded with zeros (scale 1) to a multiple of 16, which
 `_scaled_mm` requires. One program per row: a first pass finds the row's max, a second (from L2: a row of the
 7B's widest input, 18,944 bf16 values, is 37 KB) scales and writes it. torch.compile's version of the same
-expression (`gemm._fp8_rows`) ran at ~35-40% of the memory bandwidth (48 µs for [5120, 3584], 187 µs for
+expression (`gemm.fp8_rows_reference`) ran at ~35-40% of the memory bandwidth (48 µs for [5120, 3584], 187 µs for
 [5120, 18944] on an H100, 0.39 s of a 7B update's 6.2 s of kernels) and paid Dynamo's guards on every call.
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ from . import gluon_nvfp4, humming_nvfp4
 from .context import GemmContext
 from . import fp8_rows as fp8_kernels
 from . import nvfp4 as triton_nvfp4
-from .fp8_gemm import FP8Gemm, _fp8_rows, fp8_rows, fp8_supported  # noqa: F401 (qerl.kernels.gemm's names)
+from .fp8_gemm import FP8Gemm, fp8_rows, fp8_rows_reference, fp8_supported  # noqa: F401 (also gemm's names)
 
 log = logging.getLogger(__name__)
 

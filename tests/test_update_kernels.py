@@ -339,13 +339,13 @@ def test_gpu_fp8_quantize_kernels_equal_their_references(m, k):
     """The FP8 update's Triton kernels (rows of activations; W and Wᵀ of a bf16 weight) write exactly what the
     PyTorch expressions they replace write, padding rows to 16 for `_scaled_mm`."""
     from qerl.kernels import fp8_rows as kern
-    from qerl.kernels.gemm import _fp8_rows
+    from qerl.kernels.gemm import fp8_rows_reference
     from qerl.quant import fp8
 
     g = torch.Generator("cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) * 3
     q, s = kern.fp8_rows(x)
-    rq, rs = _fp8_rows(x)
+    rq, rs = fp8_rows_reference(x)
     assert q.shape[0] % 16 == 0 and q.shape[0] - m < 16
     assert torch.equal(s[:m], rs) and torch.equal(q[:m].view(torch.uint8), rq.view(torch.uint8))
     assert not q[m:].float().any() and (s[m:] == 1).all()
