@@ -102,8 +102,11 @@ class FP8Gemm:
 
     def _transposed_fp8(self) -> torch.Tensor:
         """The E4M3 codes as Wᵀ [K, N], contiguous: dx's operand (module docstring)."""
-        return self.context.weight_copy(self, ("fp8", True), self.n * self.k, torch.float8_e4m3fn, self.device,
-                                        lambda flat: flat.view(self.k, self.n).copy_(self.w8.t()))
+        def write(flat: torch.Tensor) -> torch.Tensor:  # bytes moved as uint8: a strided copy every build has
+            flat.view(torch.uint8).view(self.k, self.n).copy_(self.w8.view(torch.uint8).t())
+            return flat.view(self.k, self.n)
+
+        return self.context.weight_copy(self, ("fp8", True), self.n * self.k, torch.float8_e4m3fn, self.device, write)
 
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
         if backend == "fp8_weight":
@@ -131,7 +134,10 @@ class FP8Gemm:
 
     def backend_for(self, kind: str, x2: torch.Tensor) -> str:
         run = self._forward if kind == "fwd" else self._grad_input
-        cands = {b: (lambda b=b: run(b, x2)) for b in self._backends(kind)}
+        backends = self._backends(kind)
+        if x2.dtype != torch.bfloat16 and x2.is_cuda:  # rowwise-scaled _scaled_mm writes bf16 only
+            backends = tuple(b for b in backends if b != "fp8_weight") or ("dequant_cublas",)
+        cands = {b: (lambda b=b: run(b, x2)) for b in backends}
         layout = self.layout + ("-" + self.context.precision if self.context.precision else "")
         return self.context.dispatcher.choose(kind, layout, self.n, self.k, x2.shape[0], cands)
 

@@ -137,6 +137,7 @@ def test_quant_linear_on_the_cpu_is_the_dequantized_linear_and_round_trips_its_s
     again = QuantLinear(64, 48, True, "fp8", dtype=torch.float32)
     again.load_state_dict(layer.state_dict())
     assert torch.equal(again(x), y)
+    assert not layer.fp8_activations()  # on the CPU: the dequantized weight, bf16/fp32 activations
 
 
 def test_fused_fp8_projections_keep_each_members_rows_and_scales() -> None:
@@ -232,6 +233,7 @@ def test_gpu_fp8_layer_forward_matches_its_dequantized_weight(m: int) -> None:
     ref = x.float() @ w.t() + layer.bias.float()
     y = layer(x)
     assert layer._gemm is not None and layer._gemm.layout == "fp8" and layer.weight is not None  # one copy: ours
+    assert layer.fp8_activations() == fp8_supported(x.device)  # named to grpo.correction: auto (reduced_precision)
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < (0.04 if fp8_supported(x.device) else 0.01)  # per-token E4M3 activations where FP8 runs
     for backend in layer._gemm._backends("fwd"):

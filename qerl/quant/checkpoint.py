@@ -8,8 +8,8 @@ in-memory base. The "bf16" scheme alone writes everything in bf16 (that is what 
 bfloat16, the dtype vLLM and transformers run a 16-bit-activation format in. The output keeps the
 source's shard layout. NVFP4, MXFP4 and FP8 folders carry the ``quantization_config`` llm-compressor writes
 (compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` / ``float-quantized`` as FP8_DYNAMIC), so
-vLLM, transformers and compressed-tensors load them; NF4 gets a qerl config. Peak memory is about one output shard plus one
-tensor, so a 32B model quantizes on a 24 GiB machine.
+vLLM, transformers and compressed-tensors load them; NF4 gets a qerl config. Peak memory is about one output shard
+plus one tensor, so a 32B model quantizes on a 24 GiB machine.
 """
 
 from __future__ import annotations

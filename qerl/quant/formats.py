@@ -34,7 +34,7 @@ class Codec(Protocol):
     # Fused projections (q/k/v, gate/up) share one per-tensor global scale, so vLLM can fuse them. A codec that
     # says so also has tensor_amax(w), global_scale_for(amax) and quantize(w, global_scale).
     shares_global_scale: bool
-    gpu_kernel: bool  # QuantLinear computes it with our CUDA GEMMs (kernels/gemm.py: weight_gemm) instead of dequantizing
+    gpu_kernel: bool  # QuantLinear computes it with our CUDA GEMMs (kernels/gemm.py weight_gemm), not by dequantizing
     fp8_copy: bool  # quant.fp8_weights applies: a resident FP8 copy beside the stored codes (NVFP4)
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -385,6 +385,12 @@ class QuantLinear(nn.Module):
         return self.use_kernel and x.is_cuda and self.codec.gpu_kernel \
             and x.dtype in (torch.bfloat16, torch.float16) and _gpu_gemm() is not None
 
+    def fp8_activations(self) -> bool:
+        """Whether this layer's forwards outside the update may round their activations to E4M3 (an FP8 base on a
+        GPU with FP8 tensor cores: qerl.kernels.fp8_gemm), which the bf16 update does not."""
+        return self.scheme == "fp8" and self.use_kernel and _gpu_gemm() is not None \
+            and fp8_available(self.weight_device())
+
     def plus_low_rank(self, x: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """self(x) + scale * h @ b^T for 2-D x (inference: LoRA's update, h = x A^T, b = B): on the GPU kernel's
         path through qerl.kernels.gemm.NVFP4Gemm.forward_low_rank (into the GEMM's epilogue where enabled), else one
