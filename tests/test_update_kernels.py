@@ -261,10 +261,10 @@ def smooth_model(scheme: str = "nvfp4"):
 
 
 @needs_gluon
-@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-qerl-layout", "bf16"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-qerl-layout", "bf16", "fp8"])
 def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
     """model.base_gemm = fp8: the update's forward and dx GEMMs of the frozen base (NVFP4 in the Gluon layout or in
-    another, e.g. a shape Gluon cannot hold; or bf16) in FP8. The evidence a user needs: per-token log-probs close
+    another, e.g. a shape Gluon cannot hold; bf16; or an FP8 base: quant.scheme fp8) in FP8. The evidence a user needs: per-token log-probs close
     to the bf16 update's, LoRA gradients pointing the same way, and the FP8 GEMMs really ran (forward and backward
     of every layer)."""
     from qerl.kernels import gemm
@@ -281,6 +281,12 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
                             lambda s, x: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(s, x))
         monkeypatch.setattr(gemm.NVFP4Gemm, "_grad_input_fp8",
                             lambda s, d: calls.__setitem__("bwd", calls["bwd"] + 1) or bwd(s, d))
+    elif scheme == "fp8":  # the FP8 base's _scaled_mm products (kernels/fp8_gemm.py)
+        fwd, bwd = gemm.FP8Gemm._forward, gemm.FP8Gemm._grad_input
+        monkeypatch.setattr(gemm.FP8Gemm, "_forward", lambda s, b, x: (
+            b == "fp8_weight" and calls.__setitem__("fwd", calls["fwd"] + 1)) or fwd(s, b, x))
+        monkeypatch.setattr(gemm.FP8Gemm, "_grad_input", lambda s, b, d: (
+            b == "fp8_weight" and calls.__setitem__("bwd", calls["bwd"] + 1)) or bwd(s, b, d))
     else:  # count the frozen bf16 linears' FP8 autograd calls
         forward, backward = fp8._FP8Linear.forward, fp8._FP8Linear.backward
         monkeypatch.setattr(fp8._FP8Linear, "forward", staticmethod(
