@@ -1,8 +1,8 @@
 """Which NVFP4 GEMM backend runs each (kind, layer shape, M bucket): measured on the GPU it runs on, cached on disk.
 
-Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM),
-"gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our one-pass dequantize into a reused
-scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same into FP8, then `_scaled_mm`) and,
+Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel; for an FP8 base kernels/fp8_w8a16.py),
+"humming" (humming-kernels' GEMM), "gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our
+one-pass dequantize into a reused scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same into FP8, then `_scaled_mm`) and,
 outside the update for a layer with a resident FP8 copy of its weight, "fp8_weight" (`_scaled_mm` on that copy;
 for an FP8 base, kernels/fp8_gemm.py, on its stored weight).
 Which of them a layer can use depends on the layout its one weight copy is in.

@@ -3,9 +3,10 @@
 The weight is already what FP8 tensor cores read, so the forward is `torch._scaled_mm` on it as stored, with the
 activations scaled per row (per token) and rounded to E4M3 on the fly (kernels/fp8_rows.py, rows padded to a multiple
 of 16 as `_scaled_mm` needs): W8A8 with per-token dynamic activations, the GEMM vLLM runs the same checkpoint with.
-It streams 1 byte per weight (half bf16's) at decode and runs at FP8's tensor-core rate at prefill. The alternative the
-dispatch measures beside it ("dequant_cublas": W dequantized to bf16 into the context's scratch, then cuBLAS) keeps
-the activations in 16 bits.
+It streams 1 byte per weight (half bf16's) at decode and runs at FP8's tensor-core rate at prefill. The alternatives
+the dispatch measures beside it keep the activations in 16 bits: at decode sizes "triton" (kernels/fp8_w8a16.py: the
+codes widened in registers, no activation rounding, no padded rows), and "dequant_cublas" (W dequantized to bf16
+into the context's scratch, then cuBLAS).
 
 dx = dy W contracts over the rows n, along which `_scaled_mm` cannot scale its weight operand (its scales run only along
 the dimensions it does not contract). Rather than quantize Wᵀ a second time per column (qerl/quant/fp8.py's way for
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_rows as fp8_kernels
+from . import fp8_w8a16
 from .context import GemmContext
 
 __all__ = ["FP8Gemm", "FP8_MAX", "fp8_rows", "fp8_rows_reference", "fp8_supported"]
@@ -109,6 +111,8 @@ class FP8Gemm:
         return self.context.weight_copy(self, ("fp8", True), self.n * self.k, torch.float8_e4m3fn, self.device, write)
 
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
+        if backend == "triton":
+            return fp8_w8a16.linear_forward(x2, self.w8, self.scale)
         if backend == "fp8_weight":
             aq, s_a = fp8_rows(x2)
             return torch._scaled_mm(aq, self.w8.t(), scale_a=s_a, scale_b=self.scale[None, :],
@@ -128,15 +132,19 @@ class FP8Gemm:
         """FP8 inside the FP8 update, bf16 inside the bf16 one; outside the update a forward may be either (the
         dispatch measures) and a backward is bf16's."""
         precision = self.context.precision
+        decode = ("triton",) if precision is None and kind == "fwd" and self.device.type == "cuda" else ()
         if not self.scaled_mm or precision == "bf16" or (precision is None and kind == "bwd"):
-            return ("dequant_cublas",)
-        return ("fp8_weight",) if precision == "fp8" else ("fp8_weight", "dequant_cublas")
+            return decode + ("dequant_cublas",)
+        return ("fp8_weight",) if precision == "fp8" else decode + ("fp8_weight", "dequant_cublas")
 
     def backend_for(self, kind: str, x2: torch.Tensor) -> str:
         run = self._forward if kind == "fwd" else self._grad_input
         backends = self._backends(kind)
         if x2.dtype != torch.bfloat16 and x2.is_cuda:  # rowwise-scaled _scaled_mm writes bf16 only
-            backends = tuple(b for b in backends if b != "fp8_weight") or ("dequant_cublas",)
+            backends = tuple(b for b in backends if b != "fp8_weight")
+        if x2.shape[0] > fp8_w8a16.MAX_M or x2.dtype not in (torch.bfloat16, torch.float16):
+            backends = tuple(b for b in backends if b != "triton")
+        backends = backends or ("dequant_cublas",)
         cands = {b: (lambda b=b: run(b, x2)) for b in backends}
         layout = self.layout + ("-" + self.context.precision if self.context.precision else "")
         return self.context.dispatcher.choose(kind, layout, self.n, self.k, x2.shape[0], cands)
