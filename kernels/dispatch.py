@@ -2,9 +2,9 @@
 
 Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel; for an FP8 base kernels/fp8_w8a16.py),
 "humming" (humming-kernels' GEMM), "gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our
-one-pass dequantize into a reused scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same into FP8, then `_scaled_mm`) and,
-outside the update for a layer with a resident FP8 copy of its weight, "fp8_weight" (`_scaled_mm` on that copy;
-for an FP8 base, kernels/fp8_gemm.py, on its stored weight).
+one-pass dequantize into a reused scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same into
+FP8, then `_scaled_mm`) and, outside the update for a layer with a resident FP8 copy of its weight, "fp8_weight"
+(`_scaled_mm` on that copy; for an FP8 base, kernels/fp8_gemm.py, on its stored weight).
 Which of them a layer can use depends on the layout its one weight copy is in.
 Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
 CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in a cache file,
