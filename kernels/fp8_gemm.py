@@ -75,6 +75,7 @@ class FP8Gemm:
         self.scale = weight_scale.reshape(self.n).float().contiguous()  # [N] fp32
         # _scaled_mm's rowwise kernels need both weight dimensions multiples of 16 (a 135M's 576 and 1536 are)
         self.scaled_mm = fp8_supported(self.device) and self.n % 16 == 0 and self.k % 16 == 0
+        self.w8a16 = fp8_supported(self.device)  # kernels/fp8_w8a16.py: Triton converts E4M3 on sm_89+ only
         self._ones_k: torch.Tensor | None = None  # scale_b of dx's product: Wᵀ's columns are unscaled
 
     @classmethod
@@ -132,7 +133,7 @@ class FP8Gemm:
         """FP8 inside the FP8 update, bf16 inside the bf16 one; outside the update a forward may be either (the
         dispatch measures) and a backward is bf16's."""
         precision = self.context.precision
-        decode = ("triton",) if precision is None and kind == "fwd" and self.device.type == "cuda" else ()
+        decode = ("triton",) if precision is None and kind == "fwd" and self.w8a16 else ()
         if not self.scaled_mm or precision == "bf16" or (precision is None and kind == "bwd"):
             return decode + ("dequant_cublas",)
         return ("fp8_weight",) if precision == "fp8" else decode + ("fp8_weight", "dequant_cublas")
