@@ -37,19 +37,22 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: (x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448."""
-    s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
-    return (x.float() / s).to(torch.float8_e4m3fn), s
+def fp8_rows_reference(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: (x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448; x · diag(column_scale) in x's place
+    if given (fp32 [K])."""
+    x = x.float() if column_scale is None else x.float() * column_scale.float()[None, :]
+    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
+    return (x / s).to(torch.float8_e4m3fn), s
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / s in E4M3, s [M', 1] fp32) with s = max|row| / 448 (each row's largest value lands on E4M3's largest),
     rows padded with zeros to M' = a multiple of 16, which `_scaled_mm` takes (a micro-batch's token count rarely is
-    one; the padded rows' outputs are sliced off). On CUDA one Triton kernel (kernels/fp8_rows.py)."""
+    one; the padded rows' outputs are sliced off). `column_scale` (fp32 [K]): x · diag(column_scale) quantized
+    instead, without a copy of it. On CUDA one Triton kernel (kernels/fp8_rows.py)."""
     if x.is_cuda:
-        return fp8_kernels.fp8_rows(x)
-    q, s = fp8_rows_reference(x)
+        return fp8_kernels.fp8_rows(x, column_scale)
+    q, s = fp8_rows_reference(x, column_scale)
     pad = -q.shape[0] % 16
     if pad:
         q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
@@ -124,7 +127,7 @@ class FP8Gemm:
         if backend == "fp8_weight":
             if self._ones_k is None:
                 self._ones_k = torch.ones(1, self.k, dtype=torch.float32, device=self.device)
-            gq, s_g = fp8_rows(dy2 * self.scale[None, :])  # fp32: the fold is exact before the rounding
+            gq, s_g = fp8_rows(dy2, column_scale=self.scale)  # the fold in fp32, inside the rows' kernel
             return torch._scaled_mm(gq, self._transposed_fp8().t(), scale_a=s_g, scale_b=self._ones_k,
                                     out_dtype=dy2.dtype)[:dy2.shape[0]]
         return dy2 @ self.dequantize(dy2.dtype)

@@ -355,6 +355,10 @@ def test_gpu_fp8_quantize_kernels_equal_their_references(m, k):
     assert q.shape[0] % 16 == 0 and q.shape[0] - m < 16
     assert torch.equal(s[:m], rs) and torch.equal(q[:m].view(torch.uint8), rq.view(torch.uint8))
     assert not q[m:].float().any() and (s[m:] == 1).all()
+    column = torch.rand(k, device="cuda", generator=g) + 0.01  # the FP8 base's dx: its row scales folded into dy
+    q, s = kern.fp8_rows(x, column)
+    rq, rs = fp8_rows_reference(x, column)
+    assert torch.equal(s[:m], rs) and torch.equal(q[:m].view(torch.uint8), rq.view(torch.uint8))
     w = torch.randn(k // 2 + 16, k, device="cuda", dtype=torch.bfloat16, generator=g)
     linear = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
     linear.weight.copy_(w)
