@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=5120)
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | M = {args.m}")
-    compiled_rows = torch.compile(gemm._fp8_rows, dynamic=True)  # what fp8_rows was before its Triton kernel
+    compiled_rows = torch.compile(gemm.fp8_rows_reference, dynamic=True)  # what fp8_rows was before its Triton kernel
     print("| layer | N x K | bf16 path µs | fp8 path µs | dequant bf16 | dequant fp8 | x to fp8 (torch.compile) | mm bf16 | "
           "_scaled_mm | TFLOP/s bf16 / fp8 mm |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -3,7 +3,7 @@ Qwen2.5 shapes (and one row per other family: mistral-7b, phi4-14b, gemma3-4b, g
 `generate` (bf16, eager) as the outside anchor.
 
     PYTHONPATH=. python3 benchmarks/bench_rollout.py --models 7b,32b --batches 8,32,64,128 --new 256,1024 \
-        [--schemes bf16,nvfp4,nf4-bnb] [--long-batches 64] [--hf] [--plain] --out DIR [--budget SECONDS]
+        [--schemes bf16,nvfp4,nf4-bnb,fp8] [--long-batches 64] [--hf] [--plain] --out DIR [--budget SECONDS]
 
 The nf4-bnb arm (quant.scheme nf4-bnb: bitsandbytes' Linear4bit storage and `matmul_4bit`, as TRL and Unsloth run
 QLoRA) needs bitsandbytes (`pip install -e ".[qlora]"`); without it that arm is skipped and named at the end.
@@ -102,10 +102,12 @@ SHAPES = {
 
 DEVICE = "cuda"
 # nvfp4 is the product's default (quant.fp8_weights: auto, a resident FP8 copy where it fits); nvfp4-4bit the same
-# base with quant.fp8_weights: false (the 4-bit weights alone, as before #45).
-SCHEMES = ("bf16", "nvfp4", "nvfp4-4bit", "nf4-bnb")
+# base with quant.fp8_weights: false (the 4-bit weights alone, as before #45); fp8 the FP8 base (quant.scheme: fp8,
+# E4M3 with per-channel scales, on FP8 tensor cores: kernels/fp8_gemm.py).
+SCHEMES = ("bf16", "nvfp4", "nvfp4-4bit", "nf4-bnb", "fp8")
+DEFAULT_SCHEMES = SCHEMES[:4]  # --schemes' default: the arms the chains of earlier sessions ran (fp8 on request)
 LABELS = {"bf16": "qerl bf16+LoRA", "nvfp4": "qerl NVFP4+LoRA", "nvfp4-4bit": "qerl NVFP4+LoRA, 4-bit only",
-          "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)"}
+          "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)", "fp8": "qerl FP8+LoRA"}
 
 
 KV_LABELS = {"model": "", "fp8": ", FP8 KV"}
@@ -144,8 +146,8 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
             model.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family.unit_offset_norms)
             for i in range(cfg.num_hidden_layers):
                 layer = DecoderLayer(cfg, i)  # nn.Linear's default (kaiming-uniform) init; i: local or global
-                if scheme == "nvfp4":
-                    quantize_model(layer, "nvfp4", pattern=r".")  # q/k/v and gate/up share global scales
+                if scheme in ("nvfp4", "fp8"):
+                    quantize_model(layer, scheme, pattern=r".")  # NVFP4: q/k/v and gate/up share global scales
                 elif scheme == "nf4-bnb":
                     quantize_model_bnb(layer, pattern=r".")  # bitsandbytes' quantize_4bit, on the GPU
                 model.model.layers[i] = layer
@@ -461,7 +463,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="7b,32b")
-    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help=f"of {', '.join(SCHEMES)}")
     ap.add_argument("--batches", default="8,32,64,128")
     ap.add_argument("--new", default=None, help="new tokens per row (default 256,1024); with --lengths: the trace "
                     "scaled to this cap (default: the trace's own cap)")

@@ -11,7 +11,8 @@ from qerl.config import ConfigError
 
 # The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's
 # base format through qerl's own NF4 codec (quant.scheme: nf4); `qlora-bnb` is QLoRA itself (bitsandbytes' NF4
-# storage and kernels: pip install -e ".[qlora]"), not in the default set since it needs that extra.
+# storage and kernels: pip install -e ".[qlora]"), not in the default set since it needs that extra. `fp8` is the FP8
+# base (quant.scheme: fp8, E4M3 with per-channel scales: bf16-like learning at half bf16's bytes, issue #63).
 ARMS: dict[str, list[str]] = {
     "bf16-lora": ["quant.scheme=bf16", "aqn.enabled=false"],
     "nf4-lora": ["quant.scheme=nf4", "aqn.enabled=false"],
@@ -19,6 +20,7 @@ ARMS: dict[str, list[str]] = {
     "nvfp4-aqn": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=geometric"],
     "nvfp4-aqn-entropy": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=entropy"],
     "qlora-bnb": ["quant.scheme=nf4-bnb", "aqn.enabled=false"],
+    "fp8": ["quant.scheme=fp8", "aqn.enabled=false"],
 }
 DEFAULT_ARMS = ["bf16-lora", "nf4-lora", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
 

@@ -1,8 +1,8 @@
 """How one model's frozen GEMMs run: its settings and the phase its trainer is in, in one object the model owns.
 
 A `GemmContext` is made from a model's execution plan (`qerl.execution`) and handed to each of its frozen layers:
-the NVFP4 GEMMs (kernels/gemm.py) and the FP8 update of bf16 linears (`qerl.quant.fp8`) read it on every call, so
-two models in one process never share a mode. It holds
+the NVFP4 GEMMs (kernels/gemm.py), the FP8 base's (kernels/fp8_gemm.py) and the FP8 update of bf16 linears
+(`qerl.quant.fp8`) read it on every call, so two models in one process never share a mode. It holds
 * the settings: LoRA's update in the Gluon GEMM's epilogue (`lora_epilogue`), how the dispatch picks backends
   (`dispatcher`: measured, defaults only, or compile-only), our Triton GEMM's config autotuning (`autotune`),
   programmatic dependent launch (`pdl`);

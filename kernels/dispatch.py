@@ -1,9 +1,10 @@
 """Which NVFP4 GEMM backend runs each (kind, layer shape, M bucket): measured on the GPU it runs on, cached on disk.
 
-Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel), "humming" (humming-kernels' GEMM),
-"gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our one-pass dequantize into a reused
-scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same into FP8, then `_scaled_mm`) and,
-outside the update for a layer with a resident FP8 copy of its weight, "fp8_weight" (`_scaled_mm` on that copy).
+Backends (kernels/gemm.py runs them): "triton" (our fused-dequant kernel; for an FP8 base kernels/fp8_w8a16.py),
+"humming" (humming-kernels' GEMM), "gluon" (our warp-specialized decode GEMM, M <= 64), "dequant_cublas" (our
+one-pass dequantize into a reused scratch buffer, then cuBLAS), in the FP8 update only "dequant_fp8" (the same into
+FP8, then `_scaled_mm`) and, outside the update for a layer with a resident FP8 copy of its weight, "fp8_weight"
+(`_scaled_mm` on that copy; for an FP8 base, kernels/fp8_gemm.py, on its stored weight).
 Which of them a layer can use depends on the layout its one weight copy is in.
 Before any measurement a shape-generic default picks one (`default_backend`); the first time a key is seen outside
 CUDA-graph capture, every candidate is timed by graph replay and the winner is kept in memory and in a cache file,
@@ -43,6 +44,8 @@ def m_bucket(m: int) -> int:
 def default_backend(kind: str, layout: str, m: int) -> str:
     """The pick before any measurement, from the measured shape of the trade-off (BENCHMARKS.md): small M is
     weight-bandwidth-bound (a 4-bit kernel wins), large M is tensor-core-bound (cuBLAS on bf16 wins)."""
+    if layout.startswith("fp8"):  # an FP8 base (kernels/fp8_gemm.py): its codes are what FP8 tensor cores read
+        return "fp8_weight"
     if layout.endswith("-fp8"):  # the FP8 update (qerl.kernels.gemm.update_precision)
         return "gluon" if kind == "fwd" and m <= 64 else "dequant_fp8"
     if layout.endswith("+fp8w"):  # a resident FP8 copy: it streams 1 byte per weight at FP8's tensor-core rate

@@ -3,7 +3,7 @@
 q = x / s in E4M3 with s = max|row| / 448 (fp32), rows padded with zeros (scale 1) to a multiple of 16, which
 `_scaled_mm` requires. One program per row: a first pass finds the row's max, a second (from L2: a row of the
 7B's widest input, 18,944 bf16 values, is 37 KB) scales and writes it. torch.compile's version of the same
-expression (`gemm._fp8_rows`) ran at ~35-40% of the memory bandwidth (48 µs for [5120, 3584], 187 µs for
+expression (`gemm.fp8_rows_reference`) ran at ~35-40% of the memory bandwidth (48 µs for [5120, 3584], 187 µs for
 [5120, 18944] on an H100, 0.39 s of a 7B update's 6.2 s of kernels) and paid Dynamo's guards on every call.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr):
+def _rows_kernel(x_ptr, c_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr,
+                 COLUMN_SCALE: tl.constexpr):
     row = tl.program_id(0)  # rows M.. are the padding: zeros with scale 1 (no separate fill kernels)
     real = row < M
     k_in = tl.where(real, K, 0)  # how much of the row to read: nothing of a padding row
@@ -26,18 +27,23 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr, FP8_L
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_row + k0 + offs, mask=k0 + offs < k_in, other=0.0).to(tl.float32)
+        if COLUMN_SCALE:
+            v = v * tl.load(c_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
         peak = tl.maximum(peak, tl.abs(v))
     s = tl.where(real, tl.maximum(tl.max(peak, axis=0), 1e-30) / FP8_LIMIT, 1.0)
     tl.store(s_ptr + row, s)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         v = tl.load(x_row + k0 + offs, mask=k0 + offs < k_in, other=0.0).to(tl.float32)
+        if COLUMN_SCALE:
+            v = v * tl.load(c_ptr + k0 + offs, mask=mask, other=0.0)
         tl.store(q_row + k0 + offs, tl.math.div_rn(v, s).to(q_ptr.dtype.element_ty), mask=mask)  # x / s as torch
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [M', K] E4M3, s [M', 1] fp32) for x [M, K] (unit stride along K), M' = M rounded up to 16: x's rows
-    divided by their scale, then zero rows with scale 1."""
+    divided by their scale, then zero rows with scale 1. With `column_scale` (fp32 [K]), x · diag(column_scale) in
+    its place, multiplied in fp32 as it is read (the FP8 base's dx: kernels/fp8_gemm.py), with no copy of it."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -46,8 +52,9 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         block = min(4096, triton.next_power_of_2(k))
-        _rows_kernel[(rows,)](x, q, s, m, k, x.stride(0), BLOCK=block, FP8_LIMIT=FP8_MAX,
-                              num_warps=8 if block >= 2048 else 4)
+        c = x if column_scale is None else column_scale.float().contiguous()  # unread without COLUMN_SCALE
+        _rows_kernel[(rows,)](x, c, q, s, m, k, x.stride(0), BLOCK=block, FP8_LIMIT=FP8_MAX,
+                              COLUMN_SCALE=column_scale is not None, num_warps=8 if block >= 2048 else 4)
     return q, s
 
 

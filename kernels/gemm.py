@@ -32,35 +32,11 @@ from . import gluon_nvfp4, humming_nvfp4
 from .context import GemmContext
 from . import fp8_rows as fp8_kernels
 from . import nvfp4 as triton_nvfp4
+from .fp8_gemm import FP8Gemm, fp8_rows, fp8_rows_reference, fp8_supported  # noqa: F401 (also gemm's names)
 
 log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
-
-
-def fp8_supported(device: torch.device) -> bool:
-    """FP8 tensor cores (`torch._scaled_mm`): a CUDA GPU of compute capability 8.9 (Ada) or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: (x / s in E4M3, s [M, 1] fp32) with s = max|row| / 448."""
-    s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
-    return (x.float() / s).to(torch.float8_e4m3fn), s
-
-
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / s in E4M3, s [M', 1] fp32) with s = max|row| / 448 (each row's largest value lands on E4M3's largest),
-    rows padded with zeros to M' = a multiple of 16, which `_scaled_mm` takes (a micro-batch's token count rarely is
-    one; the padded rows' outputs are sliced off). On CUDA one Triton kernel (kernels/fp8_rows.py)."""
-    if x.is_cuda:
-        return fp8_kernels.fp8_rows(x)
-    q, s = _fp8_rows(x)
-    pad = -q.shape[0] % 16
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
-        s = torch.cat([s, s.new_ones(pad, 1)])
-    return q, s
 
 
 _warned: set[str] = set()
@@ -143,9 +119,22 @@ class NVFP4Gemm:
             return False
         return True
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16,
+                     layout: str | None = None, fp8_weights: bool = False,
+                     context: GemmContext | None = None) -> "NVFP4Gemm":
+        """From a layer's compressed-tensors tensors (weight_packed, weight_scale, weight_global_scale)."""
+        return cls(tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"], dtype=dtype,
+                   layout=layout, fp8_weights=fp8_weights, context=context)
+
     @property
     def layout(self) -> str:
         return "humming" if self.humming is not None else "gluon" if self.gluon is not None else "qerl"
+
+    @property
+    def repacked(self) -> bool:
+        """Whether the weight is held in another layout than the tensors given (then the only copy is this one)."""
+        return self.layout != "qerl"
 
     @property
     def nbytes(self) -> int:
@@ -325,5 +314,17 @@ class _NVFP4GemmFunction(torch.autograd.Function):
         return dx, None, db
 
 
-def linear(x: torch.Tensor, gemm: NVFP4Gemm, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, gemm: "NVFP4Gemm | FP8Gemm", bias: torch.Tensor | None = None) -> torch.Tensor:
     return _NVFP4GemmFunction.apply(x, gemm, bias)
+
+
+# The GPU GEMM of each stored format that has one (a codec's gpu_kernel), by its scheme name.
+WEIGHT_GEMMS = {"nvfp4": NVFP4Gemm, "fp8": FP8Gemm}
+
+
+def weight_gemm(scheme: str, tensors: dict[str, torch.Tensor], **options) -> "NVFP4Gemm | FP8Gemm":
+    """The GPU GEMM holding one frozen layer's weight stored as `scheme` (its codec tensors by name); `options`:
+    dtype, layout, fp8_weights, context (those that do not apply to the format are ignored)."""
+    if scheme not in WEIGHT_GEMMS:
+        raise ValueError(f"no GPU GEMM for scheme {scheme!r}: expected one of {', '.join(WEIGHT_GEMMS)}")
+    return WEIGHT_GEMMS[scheme].from_tensors(tensors, **options)

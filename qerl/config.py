@@ -110,8 +110,10 @@ def quant_schemes() -> tuple[str, ...]:
 @dataclass
 class QuantSettings:
     # Format of the frozen base weights. nf4-bnb: QLoRA as its users run it, bitsandbytes' NF4 storage and kernels
-    # (quantized at load; needs the `qlora` extra); nf4: qerl's own NF4 layout, through our dequantize path.
-    # One of quant_schemes(): the codecs of qerl.quant.formats, plus nf4-bnb.
+    # (quantized at load; needs the `qlora` extra); nf4: qerl's own NF4 layout, through our dequantize path; fp8: E4M3
+    # weights with one FP32 scale per output channel (compressed-tensors FP8_DYNAMIC), on FP8 tensor cores on CUDA
+    # (kernels/fp8_gemm.py; its update in FP8 with model.base_gemm: fp8). One of quant_schemes(): the codecs of
+    # qerl.quant.formats, plus nf4-bnb.
     scheme: str = "nvfp4"
     quantized_path: Optional[str] = None  # a folder written by `qerl quantize`; None = quantize in memory at load
     # The layout of the NVFP4 base on a CUDA GPU, i.e. which decode GEMM runs: auto (gluon on Hopper, else

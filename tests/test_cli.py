@@ -257,3 +257,19 @@ def test_train_names_in_one_line_the_params_it_leaves_to_the_flows(tmp_path, qer
     code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "--out", tmp_path / "run",
                              "-S", "train.eval_every=0", "-S", "tracking.backend=none")
     assert (code, err) == (0, "")
+
+
+def test_quantize_fp8_then_eval_the_folder(tiny_llama_dir, tmp_path, qerl_here):
+    """`qerl quantize --scheme fp8` writes compressed-tensors FP8_DYNAMIC; `qerl eval` runs the folder's fp8 base."""
+    out = tmp_path / "tiny-fp8"
+    code, _, err = qerl_here("quantize", "--model", tiny_llama_dir, "--out", out, "--scheme", "fp8")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump({
+        "model": {"path": str(tiny_llama_dir)}, "quant": {"scheme": "fp8", "quantized_path": str(out)},
+        "eval": {"n": 2, "max_new_tokens": 3, "batch_size": 2, "out_dir": str(tmp_path / "eval")},
+    }))
+    code, _, err = qerl_here("eval", "--params", params)
+    assert code == 0, err
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["num_examples"] == 2

@@ -60,7 +60,7 @@ def test_unset_keys_take_defaults():
         ("bogus.key=1", "-S bogus.key=1: unknown key 'bogus'"),
         ("aqn.schedule=cosine", "-S aqn.schedule=cosine: aqn.schedule = 'cosine': expected one of 'geometric', 'entropy'"),
         ("quant.scheme=nvfp5", "-S quant.scheme=nvfp5: quant.scheme = 'nvfp5': expected one of 'nvfp4', 'mxfp4', "
-                               "'nf4', 'bf16', 'nf4-bnb' (did you mean 'nvfp4'?)"),
+                               "'nf4', 'fp8', 'bf16', 'nf4-bnb' (did you mean 'nvfp4'?)"),
         ("quant.gpu_layout=glon", "-S quant.gpu_layout=glon: quant.gpu_layout = 'glon': expected one of 'auto', "
                                   "'humming', 'qerl', 'gluon' (did you mean 'gluon'?)"),
         ("aqn.sigma_rate=1", "-S aqn.sigma_rate=1: aqn.sigma_rate = 1.0: must be > 1"),

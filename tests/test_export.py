@@ -183,3 +183,42 @@ def test_an_export_moved_elsewhere_holds_no_path_of_the_machine_it_came_from(tin
     assert all((moved / f).is_dir() for f in folders), command
     hf_model, _ = snippet_model(moved)  # run from the export's folder, as it says
     assert type(hf_model).__name__ == ("LlamaForCausalLM" if merge else "PeftModelForCausalLM")
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["unmerged", "merged"])
+def test_an_fp8_policy_exports_its_base_as_compressed_tensors_fp8(tiny_llama_dir, tmp_path, capsys, merge):
+    """quant.scheme fp8: the unmerged base holds the codes the run quantized in memory; the merged one is the
+    dequantized base plus the LoRA update, rounded to FP8 again. Both read back in qerl and in transformers."""
+    from qerl.model.loading import load_model
+    from qerl.quant.linear import QuantLinear, quantize_model
+
+    model, _ = load_model(tiny_llama_dir)
+    quantize_model(model, "fp8")
+    settings = lora.LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    torch.manual_seed(0)
+    lora.apply_lora(model, settings)
+    with torch.no_grad():
+        for layer in lora.lora_layers(model).values():
+            layer.lora_B.copy_(0.05 * torch.randn(layer.lora_B.shape))
+    adapter = lora.save_adapter(model, tmp_path / "adapter", str(tiny_llama_dir), settings)
+    out = tmp_path / "export"
+    assert main(["export", "--adapter", str(adapter), "--out", str(out), "--scheme", "fp8"] + ["--merge"] * merge) == 0
+    capsys.readouterr()
+    base = out if merge else out / "base"
+    config = json.loads((base / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "float-quantized"
+    exported, _ = load_model(base, dtype=torch.float32)
+    q_proj = exported.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(q_proj, QuantLinear) and q_proj.scheme == "fp8"
+    trained = lora.lora_layers(model)["model.layers.0.self_attn.q_proj"]
+    base_w = trained.base.dequantized_weight(torch.float32)
+    if merge:  # base + scaling * B A, re-quantized: within FP8's rounding of the merged weight
+        merged = base_w + trained.scaling * trained.lora_B.detach() @ trained.lora_A.detach()
+        got = q_proj.dequantized_weight(torch.float32)
+        assert ((got - merged).norm() / merged.norm()).item() < 0.035
+        assert not torch.allclose(got, base_w, atol=1e-3)  # the update is in it
+    else:  # the very codes trained on
+        for name, tensor in trained.base.quantized_tensors().items():
+            assert torch.equal(q_proj.quantized_tensors()[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    hf_model, _ = snippet_model(out)  # transformers + compressed-tensors read it, as the README says
+    assert type(hf_model).__name__ == ("LlamaForCausalLM" if merge else "PeftModelForCausalLM")

@@ -348,13 +348,13 @@ def gpu_family_model(family: str, scheme: str, seed: int = 0, device: str = "cud
 
 
 def frozen_with_live_lora(model, scheme: str):
-    """`model` frozen, its decoder linears in NVFP4 for "nvfp4", LoRA r = 8 with non-zero factors (a live update in
-    every projection), and its projections fused, as `load_base_model` + the trainer leave it on CUDA."""
+    """`model` frozen, its decoder linears in NVFP4 for "nvfp4" (FP8 for "fp8"), LoRA r = 8 with non-zero factors (a
+    live update in every projection), and its projections fused, as `load_base_model` + the trainer leave it on CUDA."""
     from qerl.quant.linear import quantize_model
 
     model.requires_grad_(False)
-    if scheme == "nvfp4":
-        quantize_model(model, "nvfp4")
+    if scheme in ("nvfp4", "fp8"):
+        quantize_model(model, scheme)
     with torch.no_grad():
         for p in apply_lora(model, LoraSettings(rank=8, alpha=16), dtype=torch.bfloat16):
             p.normal_(0, 0.02)

@@ -83,8 +83,9 @@ def token_log_probs(model, prompt: list[int], tokens: list[int]) -> tuple[torch.
     return chosen, logp.max(-1).values - chosen
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
-def test_our_export_served_by_vllm_computes_our_policy(tmp_path, model_dir, vllm_env, merge):
+def test_our_export_served_by_vllm_computes_our_policy(tmp_path, model_dir, vllm_env, merge, scheme):
     """vLLM's log-probs of its greedy tokens against the exact function of the export (fp32), beside our own bf16
     forward's. Not greedy agreement: on this random model 23% of positions have their top two tokens within 0.1 nats
     and a bf16 forward errs by up to 0.05-0.07, so two engines' greedy paths part within 32 tokens in most prompts
@@ -97,18 +98,18 @@ def test_our_export_served_by_vllm_computes_our_policy(tmp_path, model_dir, vllm
     from qerl.rollout.backends import Sampling
     from qerl.rollout.factory import make_backend
 
-    quantize_checkpoint(model_dir, tmp_path / "nvfp4", "nvfp4", progress=False)
-    s = load_settings(overrides=[f"model.path={tmp_path / 'nvfp4'}", "model.device=cuda", "quant.scheme=nvfp4",
+    quantize_checkpoint(model_dir, tmp_path / scheme, scheme, progress=False)
+    s = load_settings(overrides=[f"model.path={tmp_path / scheme}", "model.device=cuda", f"quant.scheme={scheme}",
                                  "lora.rank=16", "lora.alpha=32"])
     model, tokenizer = load_base_model(s.model, s.quant)
     torch.manual_seed(0)
     for p in lora.apply_lora(model, s.lora, dtype=torch.bfloat16):
         if p.dim() == 2 and p.shape[1] == s.lora.rank:
             p.data.normal_(0, 0.02)  # lora_B: a policy that differs from its base
-    lora.save_adapter(model, tmp_path / "adapter", str(tmp_path / "nvfp4"), s.lora)
+    lora.save_adapter(model, tmp_path / "adapter", str(tmp_path / scheme), s.lora)
     export = export_policy(tmp_path / "adapter", tmp_path / "export", merge=merge)
     if merge:  # the merged export is its own (re-quantized) model: ours is that folder, loaded by qerl
-        s = load_settings(overrides=[f"model.path={export.out}", "model.device=cuda", "quant.scheme=nvfp4"])
+        s = load_settings(overrides=[f"model.path={export.out}", "model.device=cuda", f"quant.scheme={scheme}"])
         model, tokenizer = load_base_model(s.model, s.quant)
     prompts = [tokenizer.encode(f"<|user|>What is {a} + {b}?<|end|><|assistant|>") for a, b in
                [(3, 4), (12, 30), (7, 7), (25, 61), (90, 9), (40, 2)]]
@@ -118,7 +119,7 @@ def test_our_export_served_by_vllm_computes_our_policy(tmp_path, model_dir, vllm
     theirs, their_logp = served(folder, prompts, adapter, tmp_path / "served.json", vllm_env)
     # The exact function of what was served: the same folder (and adapter) in fp32, on the CPU
     exact_s = load_settings(overrides=[f"model.path={folder}", "model.device=cpu", "model.dtype=float32",
-                                       "quant.scheme=nvfp4"])
+                                       f"quant.scheme={scheme}"])
     exact, _ = load_base_model(exact_s.model, exact_s.quant)
     if adapter is not None:
         lora.load_adapter(exact, adapter, dtype=torch.float32)

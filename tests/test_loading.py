@@ -103,7 +103,7 @@ def test_unsupported_quantization_config_is_an_error(tiny_llama_dir, tmp_path):
         load_model(folder)
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4", "fp8"])
 def test_quantized_folder_loads_through_quant_linears(tiny_llama_dir, tmp_path, scheme):
     """A folder written by qerl's quantizer loads into QuantLinears computing what in-memory quantization does."""
     from qerl.quant.checkpoint import quantize_checkpoint

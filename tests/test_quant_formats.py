@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl.quant import mxfp4, nf4, nvfp4
+from qerl.quant import fp8_channel, mxfp4, nf4, nvfp4
 from qerl.quant.formats import SCHEMES, SERVABLE_SCHEMES, Codec, get_codec, scheme_for_compressed_tensors
 
 
@@ -19,7 +19,7 @@ def test_codec_outputs_match_declared_shapes_and_round_trip(scheme: str) -> None
     deq = codec.dequantize(tensors, torch.float32)
     assert deq.shape == (80, 320) and deq.dtype == torch.float32
     rel = ((deq - w.float()).norm() / w.float().norm()).item()
-    assert rel < (1e-6 if scheme == "bf16" else 0.12)
+    assert rel < {"bf16": 1e-6, "fp8": 0.03}.get(scheme, 0.12)
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
@@ -32,7 +32,7 @@ def test_check_shape_names_layer_and_shape(scheme: str) -> None:
 
 def test_registry_errors() -> None:
     assert get_codec("NVFP4") is get_codec("nvfp4")
-    with pytest.raises(ValueError, match="unknown quantization scheme 'fp3'.*nvfp4, mxfp4, nf4, bf16"):
+    with pytest.raises(ValueError, match="unknown quantization scheme 'fp3'.*nvfp4, mxfp4, nf4, fp8, bf16"):
         get_codec("fp3")
     with pytest.raises(KeyError, match="weight_global_scale"):
         get_codec("nvfp4").dequantize({"weight_packed": torch.zeros(2, 8, dtype=torch.uint8)})
@@ -44,7 +44,8 @@ def test_registry_names_each_codecs_compressed_tensors_format_and_what_vllm_serv
         assert scheme_for_compressed_tensors(fmt) == (scheme if fmt is not None else None)
     assert scheme_for_compressed_tensors("int4-pack-quantized") is None
     assert scheme_for_compressed_tensors("nvfp4-pack-quantized") == "nvfp4"
-    assert SERVABLE_SCHEMES == ("nvfp4", "mxfp4", "bf16")  # nf4 is qerl's own layout: vLLM cannot read it
+    assert scheme_for_compressed_tensors("float-quantized") == "fp8"
+    assert SERVABLE_SCHEMES == ("nvfp4", "mxfp4", "fp8", "bf16")  # nf4 is qerl's own layout: vLLM cannot read it
 
 
 # ------------------------------------------------------------------------------------------------ MXFP4
@@ -124,18 +125,22 @@ def test_nf4_dequantize_validates_tensors() -> None:
 # ----------------------------------------------------------------------------------------- all formats
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4", "fp8"])
 def test_dequantize_in_row_chunks_is_exact(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     codec = get_codec(scheme)
-    tensors = codec.quantize(torch.randn(50, 256))
+    w = torch.randn(50, 256)
+    tensors = codec.quantize(w)
     whole = codec.dequantize(tensors, torch.float32)
     monkeypatch.setattr(nvfp4, "_ROWS_PER_CHUNK_ELEMS", 7 * 256)  # 7-row chunks, ragged last one
+    monkeypatch.setattr(fp8_channel, "_ROWS_PER_CHUNK_ELEMS", 7 * 256)
     assert torch.equal(codec.dequantize(tensors, torch.float32), whole)
+    chunked = codec.quantize(w)
+    assert all(torch.equal(chunked[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_quantization_is_bit_identical_to_cpu(scheme: str, dtype: torch.dtype) -> None:
     codec = get_codec(scheme)

@@ -231,6 +231,31 @@ def test_killed_run_resumes_to_the_same_adapter_as_an_uninterrupted_one(tmp_path
     assert steps == [1, 2, 3, 4]
 
 
+def test_an_fp8_base_trains_and_resumes_to_the_same_adapter(tmp_path):
+    """quant.scheme fp8 on the CPU (its dequantized weights): the update moves the adapter, and a run killed after
+    a checkpoint resumes to the uninterrupted run's adapter, bit for bit."""
+    from qerl.quant.linear import QuantLinear
+
+    settings = tiny_settings(tmp_path, quant={"scheme": "fp8"}, train={"steps": 3, "save_every": 1})
+    full = make_trainer(settings, tmp_path / "full")
+    layers = [m for m in full.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and {m.scheme for m in layers} == {"fp8"}
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    full.train()
+    lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["grad_norm"] > 0 for r in lines)  # LoRA learns through the frozen FP8 base
+    assert any(t.abs().sum() > 0 for k, t in adapter_tensors(tmp_path / "full").items() if "lora_B" in k)
+    part = make_trainer(settings, tmp_path / "part")
+    part.train(max_steps=2)
+    part.close()
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-000002")  # "killed" after step 2: the last save is step 1
+    resumed = make_trainer(settings, tmp_path / "part", resume=True)
+    assert resumed.step == 1
+    resumed.train()
+    ta, tb = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "part")
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
 def test_entropy_targeted_aqn_resumes_bit_exactly(tmp_path):
     """The schedule's sigma is state (it depends on every past step's entropy): it must survive the checkpoint."""
     settings = tiny_settings(tmp_path, train={"steps": 5},

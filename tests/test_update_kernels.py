@@ -261,10 +261,10 @@ def smooth_model(scheme: str = "nvfp4"):
 
 
 @needs_gluon
-@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-qerl-layout", "bf16"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-qerl-layout", "bf16", "fp8"])
 def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
     """model.base_gemm = fp8: the update's forward and dx GEMMs of the frozen base (NVFP4 in the Gluon layout or in
-    another, e.g. a shape Gluon cannot hold; or bf16) in FP8. The evidence a user needs: per-token log-probs close
+    another, e.g. a shape Gluon cannot hold; bf16; or an FP8 base: quant.scheme fp8) in FP8. The evidence a user needs: per-token log-probs close
     to the bf16 update's, LoRA gradients pointing the same way, and the FP8 GEMMs really ran (forward and backward
     of every layer)."""
     from qerl.kernels import gemm
@@ -281,6 +281,12 @@ def test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8(monkeypatch, scheme):
                             lambda s, x: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(s, x))
         monkeypatch.setattr(gemm.NVFP4Gemm, "_grad_input_fp8",
                             lambda s, d: calls.__setitem__("bwd", calls["bwd"] + 1) or bwd(s, d))
+    elif scheme == "fp8":  # the FP8 base's _scaled_mm products (kernels/fp8_gemm.py)
+        fwd, bwd = gemm.FP8Gemm._forward, gemm.FP8Gemm._grad_input
+        monkeypatch.setattr(gemm.FP8Gemm, "_forward", lambda s, b, x: (
+            b == "fp8_weight" and calls.__setitem__("fwd", calls["fwd"] + 1)) or fwd(s, b, x))
+        monkeypatch.setattr(gemm.FP8Gemm, "_grad_input", lambda s, b, d: (
+            b == "fp8_weight" and calls.__setitem__("bwd", calls["bwd"] + 1)) or bwd(s, b, d))
     else:  # count the frozen bf16 linears' FP8 autograd calls
         forward, backward = fp8._FP8Linear.forward, fp8._FP8Linear.backward
         monkeypatch.setattr(fp8._FP8Linear, "forward", staticmethod(
@@ -339,16 +345,20 @@ def test_gpu_fp8_quantize_kernels_equal_their_references(m, k):
     """The FP8 update's Triton kernels (rows of activations; W and Wᵀ of a bf16 weight) write exactly what the
     PyTorch expressions they replace write, padding rows to 16 for `_scaled_mm`."""
     from qerl.kernels import fp8_rows as kern
-    from qerl.kernels.gemm import _fp8_rows
+    from qerl.kernels.gemm import fp8_rows_reference
     from qerl.quant import fp8
 
     g = torch.Generator("cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) * 3
     q, s = kern.fp8_rows(x)
-    rq, rs = _fp8_rows(x)
+    rq, rs = fp8_rows_reference(x)
     assert q.shape[0] % 16 == 0 and q.shape[0] - m < 16
     assert torch.equal(s[:m], rs) and torch.equal(q[:m].view(torch.uint8), rq.view(torch.uint8))
     assert not q[m:].float().any() and (s[m:] == 1).all()
+    column = torch.rand(k, device="cuda", generator=g) + 0.01  # the FP8 base's dx: its row scales folded into dy
+    q, s = kern.fp8_rows(x, column)
+    rq, rs = fp8_rows_reference(x, column)
+    assert torch.equal(s[:m], rs) and torch.equal(q[:m].view(torch.uint8), rq.view(torch.uint8))
     w = torch.randn(k // 2 + 16, k, device="cuda", dtype=torch.bfloat16, generator=g)
     linear = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
     linear.weight.copy_(w)

@@ -4,8 +4,8 @@ Two forms:
 - unmerged (default): `base/`, the frozen base exactly as trained on (NVFP4 by default, compressed-tensors), and
   `adapter/`, the PEFT LoRA adapter. This is the policy itself, bit for bit: vLLM serves it with `--enable-lora`.
 - merged (`--merge`): one model folder with the LoRA merged into the dequantized base and the result quantized again
-  to the base's scheme. Simpler to serve, but the re-quantization rounds the merged weights to the 4-bit grid, which
-  can undo part of a small LoRA update: it approximates the policy.
+  to the base's scheme. Simpler to serve, but the re-quantization rounds the merged weights to the base format's grid
+  (4-bit, or FP8's), which can undo part of a small LoRA update: it approximates the policy.
 Each export gets a README.md with the exact `vllm serve` command and a transformers loading snippet. Every path
 written into an export is relative to its folder (the commands run from there), so it can be moved or copied.
 """
@@ -274,7 +274,7 @@ def _readme(merged: bool, scheme: str, command: str, config: dict, served_name: 
     ct_format = get_codec(scheme).compressed_tensors_format
     fmt = f"{scheme.upper()} (compressed-tensors `{ct_format}`)" if ct_format else scheme
     load = (f'AutoModelForCausalLM.from_pretrained(\n    "{model_dir}",\n'
-            '    quantization_config=CompressedTensorsConfig(dequantize=True),  # 4-bit weights -> bf16 nn.Linear\n)'
+            f'    quantization_config=CompressedTensorsConfig(dequantize=True),  # {scheme} -> bf16 nn.Linear\n)'
             if scheme != "bf16" else f'AutoModelForCausalLM.from_pretrained("{model_dir}", dtype=torch.bfloat16)')
     imports = "from transformers import AutoModelForCausalLM, AutoTokenizer" + (
         ", CompressedTensorsConfig" if scheme != "bf16" else "")
@@ -296,8 +296,8 @@ def _readme(merged: bool, scheme: str, command: str, config: dict, served_name: 
     snippet = "\n".join(lines)
     if merged:
         what = (f"The policy with its LoRA merged into the base and quantized again to {fmt}. The re-quantization "
-                "rounds the merged weights to the 4-bit grid, so this approximates the trained policy; the unmerged "
-                "export (`qerl export` without `--merge`) is exact." if scheme != "bf16"
+                f"rounds the merged weights to the {scheme} grid, so this approximates the trained policy; the "
+                "unmerged export (`qerl export` without `--merge`) is exact." if scheme != "bf16"
                 else "The policy with its LoRA merged into the bf16 base (dense bf16).")
         layout = "This folder is a Hugging Face model folder (config.json, safetensors, tokenizer)."
     else:

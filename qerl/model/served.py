@@ -1,7 +1,8 @@
 """The run's frozen base as a folder another engine loads (`rollout.backend: vllm`), and that engine's settings.
 
 vLLM reads Hugging Face folders: the dense source for a bf16 base, or the compressed-tensors folder `qerl quantize`
-writes for NVFP4/MXFP4 (bit for bit the base the trainer quantizes in memory, qerl.quant.checkpoint). A run that
+writes for NVFP4/MXFP4/FP8 (bit for bit the base the trainer quantizes in memory, qerl.quant.checkpoint; vLLM runs
+FP8's FP8_DYNAMIC layout as W8A8 with per-token activation scales, as kernels/fp8_gemm.py does). A run that
 quantizes in memory gets that folder written once into the cache (`$QERL_CACHE/served/`) and reused.
 """
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 
 from qerl.config import Settings
 from qerl.model.loading import cache_dir, resolve_model
+from qerl.quant.formats import SERVABLE_SCHEMES
 
 __all__ = ["own_model_settings", "served_base", "vllm_options"]
 
 log = logging.getLogger(__name__)
 
-SERVABLE = ("bf16", "nvfp4", "mxfp4")
+SERVABLE = SERVABLE_SCHEMES  # the codec registry's: the formats vLLM and transformers read
 
 
 def served_base(settings: Settings) -> Path:

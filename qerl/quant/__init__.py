@@ -1,7 +1,8 @@
-"""Weight quantization: formats (NVFP4, MXFP4, NF4, bf16), the quantized linear layer, checkpoints.
+"""Weight quantization: formats (NVFP4, MXFP4, NF4, FP8, bf16), the quantized linear layer, checkpoints.
 
-``qerl.quant.nvfp4`` / ``mxfp4`` / ``nf4`` own the byte layouts; ``formats.get_codec`` puts them behind one
-interface; ``linear.QuantLinear`` computes with them; ``checkpoint.quantize_checkpoint`` writes folders.
+``qerl.quant.nvfp4`` / ``mxfp4`` / ``nf4`` / ``fp8_channel`` own the byte layouts (``fp8`` is the FP8 *update* of
+bf16 bases, not a format); ``formats.get_codec`` puts them behind one interface; ``linear.QuantLinear`` computes
+with them; ``checkpoint.quantize_checkpoint`` writes folders.
 This package owns the bytes of a quantized weight; ``bnb`` holds QLoRA's base through bitsandbytes.
 
 May import: qerl.errors, qerl.run, qerl.kernels.

@@ -6,10 +6,10 @@ from the folder in the run's dtype is the base quantized in memory (``qerl.quant
 bit: on the CPU (fp32) the embedded SmolLM2's bf16-rounded embeddings gave other replies than `qerl eval`'s
 in-memory base. The "bf16" scheme alone writes everything in bf16 (that is what it is for); config.json says
 bfloat16, the dtype vLLM and transformers run a 16-bit-activation format in. The output keeps the
-source's shard layout. NVFP4 and MXFP4 folders carry the ``quantization_config`` llm-compressor writes
-(compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``), so vLLM, transformers and
-compressed-tensors load them; NF4 gets a qerl config. Peak memory is about one output shard plus one
-tensor, so a 32B model quantizes on a 24 GiB machine.
+source's shard layout. NVFP4, MXFP4 and FP8 folders carry the ``quantization_config`` llm-compressor writes
+(compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` / ``float-quantized`` as FP8_DYNAMIC), so
+vLLM, transformers and compressed-tensors load them; NF4 gets a qerl config. Peak memory is about one output shard
+plus one tensor, so a 32B model quantizes on a 24 GiB machine.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def is_quantizable_weight(name: str, shape: tuple[int, ...] | torch.Size) -> boo
 def quantization_config(scheme: str, ignore: list[str] | None = None) -> dict[str, Any] | None:
     """The config.json ``quantization_config`` for a scheme (None for bf16).
 
-    nvfp4/mxfp4: exactly what llm-compressor + compressed-tensors serialize for NVFP4A16 / MXFP4A16.
+    nvfp4/mxfp4/fp8: exactly what llm-compressor + compressed-tensors serialize for NVFP4A16 / MXFP4A16 /
+    FP8_DYNAMIC (the last with its per-token dynamic input activations: nothing stored, the engine scales them).
     Others: ``{"quant_method": "qerl", "scheme", "block_size", "ignore"}``.
     `ignore`: module names left dense (lm_head is always added).
     """
@@ -106,7 +107,8 @@ def quantization_config(scheme: str, ignore: list[str] | None = None) -> dict[st
         "format": fmt,
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(codec.compressed_tensors_weights),
-                                      "input_activations": None, "output_activations": None, "format": fmt}},
+                                      "input_activations": _entry(codec.compressed_tensors_input_activations),
+                                      "output_activations": None, "format": fmt}},
         "ignore": ignore,
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
@@ -114,6 +116,15 @@ def quantization_config(scheme: str, ignore: list[str] | None = None) -> dict[st
         "sparsity_config": {},
         "transform_config": {},
     }
+
+
+def _entry(args: Any) -> dict[str, Any] | None:
+    return None if args is None else dict(args)
+
+
+# What must match between a compressed-tensors config group's "weights" and a codec's for its tensors to be that
+# codec's layout: "float-quantized" also holds per-tensor and 128x128-block FP8, whose scales are other shapes.
+_LAYOUT_KEYS = ("num_bits", "type", "strategy", "group_size")
 
 
 def scheme_from_config(quant_config: dict[str, Any] | None) -> str | None:
@@ -124,6 +135,14 @@ def scheme_from_config(quant_config: dict[str, Any] | None) -> str | None:
         return get_codec(quant_config.get("scheme", "")).scheme
     if quant_config.get("quant_method") == "compressed-tensors":
         if (scheme := scheme_for_compressed_tensors(quant_config.get("format"))) is not None:
+            ours = get_codec(scheme).compressed_tensors_weights
+            for group, entry in (quant_config.get("config_groups") or {}).items():
+                weights = (entry or {}).get("weights") or {}
+                other = {k: weights.get(k) for k in _LAYOUT_KEYS if k in weights and weights.get(k) != ours.get(k)}
+                if other:
+                    raise ValueError(f"unsupported quantization_config: format {quant_config.get('format')!r} with "
+                                     f"config_groups.{group}.weights {other} (qerl's {scheme} is "
+                                     f"{ {k: ours.get(k) for k in other} })")
             return scheme
     raise ValueError(f"unsupported quantization_config: quant_method={quant_config.get('quant_method')!r}, "
                      f"format={quant_config.get('format')!r}")
@@ -275,7 +294,7 @@ def quantize_checkpoint(
     Args:
         src: folder with config.json and model.safetensors or sharded safetensors + index.
         dst: output folder; must not exist (or be empty).
-        scheme: "nvfp4" (compressed-tensors NVFP4A16), "mxfp4", "nf4" or "bf16".
+        scheme: "nvfp4" (compressed-tensors NVFP4A16), "mxfp4", "nf4", "fp8" (FP8_DYNAMIC) or "bf16".
         progress: tqdm bar over tensors.
         strict: raise instead of keeping dense a linear whose in_features does not fit the block size.
         device: where to quantize (default: CUDA if available, else CPU; results are bit-identical).

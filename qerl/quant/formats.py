@@ -1,4 +1,4 @@
-"""Weight formats behind one interface: ``get_codec(scheme)`` for "nvfp4", "mxfp4", "nf4", "bf16".
+"""Weight formats behind one interface: ``get_codec(scheme)`` for "nvfp4", "mxfp4", "nf4", "fp8", "bf16".
 
 A codec turns a dense [N, K] weight into named tensors (the names used in checkpoints and as
 QuantLinear buffers) and back. The byte layouts live in the per-format modules; this module only
@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from qerl.quant import mxfp4, nf4, nvfp4
+from qerl.quant import fp8_channel, mxfp4, nf4, nvfp4
 
 __all__ = ["Codec", "TensorSpec", "get_codec", "SCHEMES", "SERVABLE_SCHEMES", "scheme_for_compressed_tensors"]
 
@@ -28,11 +28,14 @@ class Codec(Protocol):
     bits_per_weight: float  # nominal bits per weight: code + block scales (per-tensor scalars excluded)
     compressed_tensors_format: str | None  # the compressed-tensors "format" this layout equals, if any
     compressed_tensors_weights: Mapping[str, Any] | None  # its quantization_config "weights" entry, if any
+    # its "input_activations" entry: None (weight-only, A16) or how the engine quantizes activations (FP8_DYNAMIC)
+    compressed_tensors_input_activations: Mapping[str, Any] | None
     servable: bool  # vLLM and transformers read this layout (compressed-tensors or dense)
     # Fused projections (q/k/v, gate/up) share one per-tensor global scale, so vLLM can fuse them. A codec that
     # says so also has tensor_amax(w), global_scale_for(amax) and quantize(w, global_scale).
     shares_global_scale: bool
-    gpu_kernel: bool  # QuantLinear computes it with our fused CUDA GEMM (kernels/) instead of dequantizing
+    gpu_kernel: bool  # QuantLinear computes it with our CUDA GEMMs (kernels/gemm.py weight_gemm), not by dequantizing
+    fp8_copy: bool  # quant.fp8_weights applies: a resident FP8 copy beside the stored codes (NVFP4)
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Dense [N, K] weight -> named tensors (see tensor_shapes)."""
@@ -57,9 +60,11 @@ class _Codec:
     bits_per_weight = 16.0
     compressed_tensors_format: str | None = None
     compressed_tensors_weights: Mapping[str, Any] | None = None
+    compressed_tensors_input_activations: Mapping[str, Any] | None = None
     servable = False
     shares_global_scale = False
     gpu_kernel = False
+    fp8_copy = False
 
     def check_shape(self, n: int, k: int, name: str = "weight") -> None:
         if k % self.block_size:
@@ -94,6 +99,7 @@ class NVFP4Codec(_Codec):
     servable = True
     shares_global_scale = True
     gpu_kernel = True
+    fp8_copy = True
 
     def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
         return {
@@ -156,6 +162,35 @@ class NF4Codec(_Codec):
         return nf4.dequantize(**self._take(tensors), dtype=dtype)
 
 
+class FP8Codec(_Codec):
+    """E4M3 weights, one FP32 scale per output channel (qerl.quant.fp8_channel): 8 bits a weight, half bf16's bytes,
+    on FP8 tensor cores with per-token activation scales (kernels/fp8_gemm.py; vLLM's W8A8 FP8)."""
+
+    scheme = "fp8"
+    bits_per_weight = 8.0  # + 32 bits per output row (not per block: excluded, as the per-tensor scalars)
+    compressed_tensors_format = "float-quantized"
+    # what llm-compressor + compressed-tensors serialize for the FP8_DYNAMIC preset: weights static per channel,
+    # activations dynamic per token (the engine quantizes them; nothing is stored for them)
+    compressed_tensors_weights = {
+        "num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
+        "dynamic": False, "actorder": None, "block_structure": None, "observer_kwargs": {}}
+    compressed_tensors_input_activations = {
+        "num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "token",
+        "dynamic": True, "actorder": None, "block_structure": None, "observer_kwargs": {}}
+    servable = True
+    gpu_kernel = True
+
+    def tensor_shapes(self, n: int, k: int) -> dict[str, TensorSpec]:
+        return fp8_channel.tensor_shapes(n, k)
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return fp8_channel.quantize(w)
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        t = self._take(tensors)
+        return fp8_channel.dequantize(t["weight"], t["weight_scale"], dtype)
+
+
 class BF16Codec(_Codec):
     """Identity: the weight stays a dense bf16 ``weight`` (the baseline every scheme is compared to)."""
 
@@ -174,7 +209,8 @@ class BF16Codec(_Codec):
         return self._take(tensors)["weight"].to(dtype)
 
 
-_CODECS: dict[str, Codec] = {c.scheme: c for c in (NVFP4Codec(), MXFP4Codec(), NF4Codec(), BF16Codec())}
+# The one list of schemes: config validation (quant_schemes), the CLI's choices and any per-layer override name these.
+_CODECS: dict[str, Codec] = {c.scheme: c for c in (NVFP4Codec(), MXFP4Codec(), NF4Codec(), FP8Codec(), BF16Codec())}
 SCHEMES = tuple(_CODECS)
 SERVABLE_SCHEMES = tuple(s for s, c in _CODECS.items() if c.servable)
 

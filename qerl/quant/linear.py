@@ -2,8 +2,9 @@
 
 The weight lives only as the codec's tensors (buffers named as in the checkpoint, so a quantized
 state dict loads with ``load_state_dict``). There is no full-precision copy anywhere: the forward
-dequantizes on the fly (or runs the fused NVFP4 Triton kernel on CUDA) and the backward dequantizes
-again instead of saving W, so activation memory holds only x, as for a frozen nn.Linear under LoRA.
+dequantizes on the fly (or, on CUDA, runs the NVFP4 kernels or FP8 tensor cores: qerl.kernels.gemm) and the
+backward dequantizes again instead of saving W, so activation memory holds only x, as for a frozen nn.Linear
+under LoRA.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def plan_fp8_weights(model: nn.Module, setting: bool | str, device: torch.device
     projections take the mark of their members when they are built: plan before `fuse_projections`).
     Only where FP8 tensor cores and our GPU kernels are; auto also only where the copies fit
     FP8_WEIGHTS_AUTO_SHARE of the GPU's memory. Returns the decision."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.codec.gpu_kernel]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.codec.fp8_copy]
     copy_bytes = sum(m.in_features * m.out_features for m in layers)  # one E4M3 byte per weight
     on = bool(layers) and setting is not False and _gpu_gemm() is not None and fp8_available(device)
     if on and setting == "auto":
@@ -117,7 +118,7 @@ class _DequantizedLinear(torch.autograd.Function):
 
 
 class QuantLinear(nn.Module):
-    """Frozen linear layer whose weight is stored by a codec ("nvfp4", "mxfp4", "nf4", "bf16").
+    """Frozen linear layer whose weight is stored by a codec ("nvfp4", "mxfp4", "nf4", "fp8", "bf16").
 
     Buffers: the codec's tensors (e.g. ``weight_packed``, ``weight_scale``, ``weight_global_scale``)
     and ``bias`` if any. It has no parameters: gradients flow to the input only.
@@ -148,8 +149,9 @@ class QuantLinear(nn.Module):
         self.gemm_context = None
         self.dtype = dtype
         self.use_kernel = True  # False forces the PyTorch reference path (parity tests, debugging)
-        # On CUDA, NVFP4 layers hand their tensors to a qerl.kernels.gemm.NVFP4Gemm at the first forward; if it
-        # repacks them for another backend, that repacked copy is the only one kept (the buffers become None).
+        # On CUDA, NVFP4 and FP8 layers hand their tensors to their qerl.kernels.gemm.weight_gemm at the first
+        # forward; if it repacks them for another backend, that repacked copy is the only one kept (the buffers
+        # become None).
         self._gemm = None
         self._dense_cache: tuple | None = None  # (dtype, [(stored tensor, version)], dense weight): compute_weight
         # (fused layer, first row): this layer is rows of a concatenation of its siblings (`concat`, used by
@@ -273,15 +275,13 @@ class QuantLinear(nn.Module):
         return {name: getattr(self, name) for name in self._codec_names()}
 
     def cuda_gemm(self):
-        """The qerl.kernels.gemm.NVFP4Gemm that runs this layer on its GPU (created, and the weight repacked for the
-        fastest backend, on first use)."""
+        """The GPU GEMM that runs this layer (qerl.kernels.gemm.weight_gemm: NVFP4Gemm, FP8Gemm), created on first
+        use (an NVFP4 weight then repacked for the fastest backend)."""
         if self._gemm is None:
-            tensors = self.quantized_tensors()
-            self._gemm = _gpu_gemm().NVFP4Gemm(tensors["weight_packed"], tensors["weight_scale"],
-                                               tensors["weight_global_scale"], dtype=self.dtype,
-                                               layout=self.gpu_layout, fp8_weights=self.fp8_weights,
-                                               context=self.gemm_context)
-            if self._gemm.layout != "qerl":  # one copy of the 4-bit weight: drop ours
+            self._gemm = _gpu_gemm().weight_gemm(self.scheme, self.quantized_tensors(), dtype=self.dtype,
+                                                 layout=self.gpu_layout, fp8_weights=self.fp8_weights,
+                                                 context=self.gemm_context)
+            if self._gemm.repacked:  # one copy of the weight: drop ours
                 for name in self._codec_names():
                     self._buffers[name] = None
         return self._gemm
@@ -384,6 +384,12 @@ class QuantLinear(nn.Module):
         """Whether x goes through qerl.kernels.gemm (a CUDA input in bf16/fp16 to a codec with a GPU kernel, installed)."""
         return self.use_kernel and x.is_cuda and self.codec.gpu_kernel \
             and x.dtype in (torch.bfloat16, torch.float16) and _gpu_gemm() is not None
+
+    def fp8_activations(self) -> bool:
+        """Whether this layer's forwards outside the update may round their activations to E4M3 (an FP8 base on a
+        GPU with FP8 tensor cores: qerl.kernels.fp8_gemm), which the bf16 update does not."""
+        return self.scheme == "fp8" and self.use_kernel and _gpu_gemm() is not None \
+            and fp8_available(self.weight_device())
 
     def plus_low_rank(self, x: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
         """self(x) + scale * h @ b^T for 2-D x (inference: LoRA's update, h = x A^T, b = B): on the GPU kernel's

@@ -117,9 +117,15 @@ class RolloutBackend:
         """The parts of this sampler that compute in less precision than the update (each named for a log line):
         the NVFP4 layers' FP8 weight copies (quant.fp8_weights), which many-row GEMMs read outside the update. Their
         rollouts' log-probs measured 0.035 nats per token from the update's (BENCHMARKS.md, 2026-11-28), over the
-        0.03 at which the trainer corrects by default (grpo.correction: auto)."""
-        fp8 = any(getattr(m, "fp8_weights", False) for m in self.model.modules())
-        return ["the NVFP4 base's FP8 weight copies (quant.fp8_weights)"] if fp8 else []
+        0.03 at which the trainer corrects by default (grpo.correction: auto). And an FP8 base's forwards on FP8
+        tensor cores (quant.scheme fp8, kernels/fp8_gemm.py), whose activations are rounded to E4M3 per token where
+        the bf16 update's are not."""
+        modules = list(self.model.modules())
+        paths = ["the NVFP4 base's FP8 weight copies (quant.fp8_weights)"] \
+            if any(getattr(m, "fp8_weights", False) for m in modules) else []
+        if any(getattr(m, "fp8_activations", lambda: False)() for m in modules):  # QuantLinear's
+            paths.append("the FP8 base's per-token FP8 activations (quant.scheme fp8)")
+        return paths
 
     def speculation_counts(self) -> dict[str, float]:
         """Running counts of speculative decoding (`RolloutEngine.stats`: verify_steps, spec_row_steps,

@@ -669,7 +669,7 @@ def test_triton_kernels_pass_the_compiler_frontend_for_sm90():
 
 
 def gpu_model(scheme: str, lora_rank=8, seed=0, fuse=False):
-    """A small random Qwen2-shaped model on CUDA in bf16 (or "nvfp4", "nf4-bnb") with live, non-zero LoRA;
+    """A small random Qwen2-shaped model on CUDA in bf16 (or "nvfp4", "fp8", "nf4-bnb") with live, non-zero LoRA;
     `fuse`: q/k/v and gate/up as one GEMM each, as `load_base_model` makes them on CUDA."""
     from qerl.quant.linear import quantize_model
 
@@ -684,8 +684,8 @@ def gpu_model(scheme: str, lora_rank=8, seed=0, fuse=False):
             for lin in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
                         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 lin.weight.normal_(0, 2.0 / lin.in_features ** 0.5)
-    if scheme == "nvfp4":
-        quantize_model(model, "nvfp4")
+    if scheme in ("nvfp4", "fp8"):
+        quantize_model(model, scheme)
     elif scheme == "nf4-bnb":
         from qerl.quant.bnb import quantize_model_bnb
 
@@ -714,7 +714,7 @@ def _replay_and_eager(engine, rows, window):
 
 @gpu
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
-@pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("scheme", ["bf16", "nvfp4", "fp8"])
 def test_gpu_graph_replay_equals_eager_and_reads_live_weights(scheme, fuse):
     model, params = gpu_model(scheme, fuse=fuse)
     ps = prompts(24, vocab=1024, seed=5, max_len=40)
@@ -858,7 +858,7 @@ def test_gpu_a_sleeping_kv_cache_frees_its_memory_and_keeps_the_graphs(scheme):
 
 
 @gpu
-@pytest.mark.parametrize("scheme", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("scheme", ["bf16", "nvfp4", "fp8"])
 def test_gpu_a_second_rollout_replays_the_first_ones_graphs(scheme):
     """During the first rollout a quantized layer's first GPU call repacks its weight for the GEMM backend (its own
     buffers go) and each fused group's GEMM comes to exist: neither may look like a model change to the next

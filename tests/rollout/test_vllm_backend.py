@@ -54,9 +54,17 @@ def test_an_nvfp4_run_serves_the_folder_qerl_quantize_writes_once(tiny_llama_dir
         served_base(load_settings(overrides=[f"model.path={folder}", "quant.scheme=mxfp4"]))
 
 
+def test_an_fp8_run_serves_compressed_tensors_fp8_dynamic(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+    folder = served_base(load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=fp8"]))
+    group = json.loads((folder / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (group["format"], group["weights"]["strategy"], group["input_activations"]["strategy"]) == \
+        ("float-quantized", "channel", "token")  # vLLM's W8A8 FP8 with per-token dynamic activations
+
+
 def test_qloras_base_has_no_vllm_form(tiny_llama_dir):
     s = load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=nf4-bnb"])
-    with pytest.raises(ValueError, match="serves quant.scheme bf16, nvfp4, mxfp4, not 'nf4-bnb'"):
+    with pytest.raises(ValueError, match="serves quant.scheme nvfp4, mxfp4, fp8, bf16, not 'nf4-bnb'"):
         served_base(s)
 
 

@@ -1,0 +1,71 @@
+"""y = x Wᵀ for an FP8 base at decode sizes: E4M3 weights widened in registers, 16-bit activations (W8A16).
+
+At a few rows the GEMM is bound by the bytes of W: the FP8 base's stored codes are 1 byte per weight, half of bf16's.
+`torch._scaled_mm` reads them too, but only after the activations are rounded to E4M3 per row and the rows padded to
+16 (kernels/fp8_gemm.py "fp8_weight"); this kernel reads the codes the same way with the activations as they are:
+each program widens a [BLOCK_N, BLOCK_K] tile of codes to x's dtype (exact: every E4M3 value is a bf16 and an fp16
+value), multiplies on the tensor cores with fp32 accumulation, and applies the row scales once at the end. Split
+along K (atomics into an fp32 buffer) when the weight's rows alone give too few programs to fill the GPU (o_proj,
+down_proj at decode). The dispatch measures it against the others per (shape, M bucket); it is not a training GEMM.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 64  # beyond this, FP8 tensor cores (or cuBLAS) win: the call is no longer bound by W's bytes
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)  # [BLOCK_N, BLOCK_K], K contiguous
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    out = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """Programs along K: enough for about two per SM, a power of two, each with at least 4 tiles of K to stream."""
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < 2 * sms and k // (block_k * split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_n: int = 64,
+                   block_k: int = 128, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """x2 [M, K] (bf16/fp16, unit stride along K, M <= MAX_M) @ (w8 [N, K] E4M3 contiguous * scale [N] fp32 per row)ᵀ:
+    [M, N] in x2's dtype."""
+    m, k = x2.shape
+    n = w8.shape[0]
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    block_m = max(16, triton.next_power_of_2(m))  # tl.dot's smallest tile
+    split = split_k or split_for(n, k, block_n, block_k, _sm_count(x2.device))
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if split == 1 else \
+        torch.zeros(m, n, dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    _w8a16_kernel[grid](x2, w8, scale, y, m, n, k, x2.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                        BLOCK_K=block_k, SPLIT_K=split, num_warps=num_warps)
+    return y if split == 1 else y.to(x2.dtype)
