@@ -12,8 +12,9 @@ import torch
 from qerl.quant import fp8_channel
 
 CUDA = torch.cuda.is_available()
-if not CUDA and "triton" not in sys.modules:  # as in test_kernels.py: the interpreter is chosen at import
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Never set TRITON_INTERPRET here: set at import it stays for every later test file of this worker, whose CPU
+# sampling then runs the fused kernels under the interpreter (other draws: test_trainer's seeded runs changed).
+# The interpreter tests run in a fresh process below (test_interpreter_tests_in_a_subprocess).
 triton = pytest.importorskip("triton")
 from qerl.kernels import fp8_w8a16  # noqa: E402
 from qerl.kernels import nvfp4 as K  # noqa: E402
