@@ -48,7 +48,11 @@ class SpeculativeRows:
         return [r for r in self.table.rows if r is not None and r.state is RowState.WAITING_FOR_TOOL]
 
     def compact(self) -> None:
-        """Move the rows still needed (decoding or waiting for a tool) into a smaller bucket when they fit one."""
+        """Move the rows still needed (decoding or waiting for a tool) into a smaller bucket when they fit one. Not
+        in a call with tools on exact shapes: when rows finish there depends on how long tools take, and the batch's
+        shape would carry that into the float rounding of every row (the reference's rollouts are bit-exact)."""
+        if self.engine.exact and self.settings.tools is not None:
+            return
         keep = [r for r in self.table.rows if r is not None and r.state in (RowState.DECODING,
                                                                             RowState.WAITING_FOR_TOOL)]
         if keep and self.engine.bucket(len(keep)) < self.table.width:
@@ -82,7 +86,7 @@ class SpeculativeRows:
         host_lp = logprobs.tolist()
         for r, d, row, lp in zip(live, drafts, host, host_lp):
             a = row[-1]
-            r.advance(row[:a + 1], lp[:a + 1], call.eos, self._stopped)
+            r.advance(row[:a + 1], lp[:a + 1], call.eos, self._stopped, call.tools)
             r.adapt(len(d), a, call.max_draft)
             if call.drafts is not None:
                 call.drafts.extend(r.index, row[:a + 1])
