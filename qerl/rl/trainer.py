@@ -44,8 +44,7 @@ from qerl.rl.update import PolicyUpdate
 from qerl.rollout.backends import RolloutBackend, Sampling
 from qerl.rollout.drafts import DraftHistory
 from qerl.rollout.factory import engine_options, make_backend
-from qerl.rollout.multi_turn import ToolUse
-from qerl.rollout.tool_calls import load_tools
+from qerl.rollout.multi_turn import tool_use_of
 from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
 from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
 
@@ -119,7 +118,7 @@ class Trainer:
                              "train what one process does); set it to 0 or run one process")
 
         self.system_prompt = s.data.system_prompt if s.data.system_prompt is not None else data.SYSTEM_PROMPT
-        self.tool_use = self._tool_use()  # before any weights load: a tool that does not import fails now
+        self.tool_use = tool_use_of(s.rollout)  # before any weights load: a tool that does not import fails now
         tokenizer, examples = self._training_prompts(model, tokenizer)
         # A rollout draws rollout.prompts_drawn prompts (prompts_per_step, more with rollout.overprovision: the extra
         # ones are consumed with the rest, kept or not, so the data order is the sampler's, checkpointed as before)
@@ -168,18 +167,6 @@ class Trainer:
         self.run.write_params(s.to_yaml())
         if self.dist.is_main:
             self.tracker.log_params(s.to_flat_dict())
-
-    def _tool_use(self) -> ToolUse | None:
-        """The rollouts' tools and limits (rollout.tools; None: single-turn rollouts)."""
-        r = self.settings.rollout
-        if not r.tools:
-            return None
-        try:
-            tools = load_tools(r.tools)
-        except ValueError as e:
-            raise ValueError(f"rollout.tools = {r.tools}: {e}") from None
-        return ToolUse(tools, max_turns=r.max_tool_calling_iterations, timeout_s=r.tool_timeout_s,
-                       workers=r.tool_workers)
 
     def _prompt(self, question: str) -> str:
         """A question as the policy reads it: the chat template with the system prompt (and the tools' schemas

@@ -29,9 +29,9 @@ from typing import Any
 
 from qerl.rollout.rows import RowState
 from qerl.rollout.sampling import Rollout
-from qerl.rollout.tool_calls import HERMES, ToolCallFormat, ToolTurn, call_tool
+from qerl.rollout.tool_calls import HERMES, ToolCallFormat, ToolTurn, call_tool, load_tools
 
-__all__ = ["ToolUse", "ToolRunner", "generate_with_tools"]
+__all__ = ["ToolUse", "ToolRunner", "generate_with_tools", "tool_use_of"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,19 @@ class ToolUse:
     workers: int = 8  # calls running at once
     format: ToolCallFormat = HERMES
     turn: ToolTurn | None = None
+
+
+def tool_use_of(rollout: Any) -> ToolUse | None:
+    """The tools and limits of a `rollout:` section (its tools, max_tool_calling_iterations, tool_timeout_s,
+    tool_workers); None without tools. ValueError naming rollout.tools when one does not resolve."""
+    if not rollout.tools:
+        return None
+    try:
+        tools = load_tools(rollout.tools)
+    except ValueError as e:
+        raise ValueError(f"rollout.tools = {rollout.tools}: {e}") from None
+    return ToolUse(tools, max_turns=rollout.max_tool_calling_iterations, timeout_s=rollout.tool_timeout_s,
+                   workers=rollout.tool_workers)
 
 
 @dataclass
