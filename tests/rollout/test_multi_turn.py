@@ -100,27 +100,19 @@ def test_a_row_waits_for_its_slow_tool_while_the_other_decodes_then_goes_on_afte
 
 
 def test_several_rows_call_their_tools_at_once():
-    """Four rows call a tool that sleeps 0.4 s: the calls run concurrently (the rollout waits ~0.4 s for them, not
-    1.6 s), and each row gets its own answer."""
+    """Four rows' calls run concurrently: each waits at a barrier that opens only once all four are running (it
+    would time out, and answer an error, if they ran one after the other); each row gets its own answer."""
     model, ps = tiny(), prompts(4)
-    running, most = [0], [0]
-    lock = threading.Lock()
+    barrier = threading.Barrier(4, timeout=20)
 
     def echo(x: int) -> str:
-        """Its argument back, after a while."""
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        time.sleep(0.4)
-        with lock:
-            running[0] -= 1
+        """Its argument back, once the other calls run too."""
+        barrier.wait()
         return f"got {x}"
 
     scripts = {r: call_text("echo", x=r) for r in range(4)}
-    start = time.perf_counter()
     out, stats = rollout(RolloutEngine.reference(model), ps, 120, ToolUse({"echo": echo}, turn=TURN), scripts)
-    assert most[0] == 4 and stats["tool_calls"] == 4
-    assert time.perf_counter() - start < 1.2
+    assert stats["tool_calls"] == 4 and stats["tool_errors"] == 0
     for r in range(4):
         assert out.texts[r].startswith(scripts[r] + TURN.before + f"got {r}" + TURN.after)
 
@@ -157,17 +149,21 @@ def test_a_malformed_call_an_unknown_tool_and_a_raising_one_get_an_error_and_the
 
 
 def test_a_tool_past_its_time_is_answered_with_an_error():
+    """The rollout ends while the tool is still blocked (it is released only afterwards): its row got an error
+    string in its place and went on to its length."""
     model, ps = tiny(), prompts(1)
+    release, returned = threading.Event(), []
 
     def stuck() -> str:
         """Never in time."""
-        time.sleep(1.0)
+        release.wait(30)
+        returned.append(True)
         return "late"
 
     use = ToolUse({"stuck": stuck}, timeout_s=0.1, turn=TURN)
-    start = time.perf_counter()
     out, stats = rollout(RolloutEngine.reference(model), ps, 150, use, {0: call_text("stuck")})
-    assert time.perf_counter() - start < 0.9  # it did not wait for the tool
+    assert not returned  # the tool was still running: the rollout did not wait for it
+    release.set()
     assert stats["tool_timeouts"] == 1
     assert TURN.before + "error: the tool call took longer than 0.1 s" + TURN.after in out.texts[0]
     assert "late" not in out.texts[0] and len(out.completion_ids[0]) == 150
