@@ -468,6 +468,8 @@ class RolloutEngine:
                           tools)
         if plan.settings.max_new == 0:
             raise ValueError("nothing to sample: max_new_tokens is 0 and no carried row has tokens left")
+        if tools is not None and (groups is not None or carried):  # a cut or a hand-back while rows wait for tools
+            raise ValueError("a call with tools takes neither groups (a group cut) nor carried rows")
         return self._running(plan)
 
     def _plan(self, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, eos_token_ids, seed,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,14 +44,7 @@ class ToolCallFormat:
     def stop(self, tokenizer: Any) -> ToolStop:
         """Where a row's turn ends with a tool call, for this tokenizer: only tokens whose text holds the closing
         tag's last character can complete it (a cheap filter: most tokens then cost no decode)."""
-        last = self.close[-1]
-        n = len(tokenizer)
-        try:
-            pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
-        except AttributeError:  # a tokenizer without a vocabulary view: every id decoded once
-            pieces = [tokenizer.decode([i]) for i in range(n)]
-        candidates = frozenset(i for i, p in enumerate(pieces) if p is not None and last in p)
-        return ToolStop(self.close, candidates, window=len(self.close) + 8,
+        return ToolStop(self.close, _holding(tokenizer, self.close[-1]), window=len(self.close) + 8,
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
     def parse(self, text: str) -> tuple[str, dict[str, Any]]:
@@ -79,6 +73,24 @@ class ToolCallFormat:
 
 
 HERMES = ToolCallFormat()
+
+_HOLDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {character: the ids holding it}
+
+
+def _holding(tokenizer: Any, char: str) -> frozenset[int]:
+    """The ids whose vocabulary piece holds `char`, kept per tokenizer (reading a 150k vocabulary takes ~0.1 s, which
+    every step's rollout would pay again)."""
+    try:
+        known = _HOLDING.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference
+        known = {}
+    if char not in known:
+        try:
+            pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        except AttributeError:  # a tokenizer without a vocabulary view: every id decoded once
+            pieces = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+        known[char] = frozenset(i for i, p in enumerate(pieces) if p is not None and char in p)
+    return known[char]
 
 
 def call_tool(tools: dict[str, Callable[..., Any]], fmt: ToolCallFormat, text: str) -> str:

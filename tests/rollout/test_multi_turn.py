@@ -222,3 +222,27 @@ def test_the_generated_tokens_log_probs_are_the_trainers_recomputation(switches)
     for i, (m, lp) in enumerate(zip(out.generated_mask, out.logprobs)):
         assert mask[i, :len(m)].tolist() == m.tolist() and not mask[i, len(m):].any()
         assert torch.allclose(logp[i, :len(m)][m], lp[m], atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_resumed_rows_continuation_is_the_policys_on_the_graphed_engine():
+    """On CUDA (graphs, fused kernels, the verify step at one query per row, extend_row on the fused cache): a row's
+    tool turn is prefilled from its cache and its continuation's log-probs are a full forward's (fp32)."""
+    import copy
+
+    model = tiny(device="cuda")
+    engine = RolloutEngine(model)
+    ps = prompts(8)
+    script = call_text("add", a=2, b=3)
+    scripts = {r: script for r in range(0, 8, 2)}
+    out, stats = rollout(engine, ps, 160, ToolUse({"add": lambda a, b: a + b}, turn=TURN), scripts)
+    assert stats["tool_calls"] == 4 and engine.stats["captures"] > 0
+    cpu = copy.deepcopy(model).cpu()
+    answer = TURN.before + "5" + TURN.after
+    for r in scripts:
+        assert out.texts[r].startswith(script + answer)
+        end = len(script) + len(answer)
+        assert not out.generated_mask[r][len(script):end].any()
+        context, after = out.prompt_ids[r] + out.completion_ids[r][:end], out.completion_ids[r][end:]
+        expected = policy_logprobs(cpu, context, after, len(context) + len(after), 1.0)
+        assert torch.allclose(out.logprobs[r][end:], expected, atol=1e-3)
