@@ -144,6 +144,8 @@ def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Se
     calling `use.tools`; returns it (with `generated_mask`) and the calls' counts: tool_calls, tool_errors,
     tool_timeouts, tool_seconds (the calls' wall time, summed) and idle_seconds (time no row could decode: every
     unfinished row waited for a tool)."""
+    if tokenizer is None:
+        raise ValueError("multi-turn rollouts need a tokenizer: tool calls are found in the decoded text")
     turn = use.turn or ToolTurn.from_template(tokenizer)
     stop = use.format.stop(tokenizer)
     runner = ToolRunner(use)

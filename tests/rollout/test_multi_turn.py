@@ -119,8 +119,11 @@ def test_several_rows_call_their_tools_at_once():
 
 def test_the_turn_limit_ends_a_row_at_the_call_past_it():
     """max_turns 1: the first call is answered, the second ends the completion there (stop reason stop), without
-    an answer."""
+    an answer; max_turns 0: the first call ends it."""
     model, ps = tiny(), prompts(1)
+    none = ToolUse({"add": lambda a, b: a + b}, max_turns=0, turn=TURN)
+    out, stats = rollout(RolloutEngine.reference(model), ps, 200, none, {0: call_text("add", a=1, b=1)})
+    assert out.texts[0] == call_text("add", a=1, b=1) and out.stop_reasons == ["stop"] and stats["tool_calls"] == 0
     first, second = call_text("add", a=1, b=1), call_text("add", a=2, b=2)
     answer = TURN.before + "2" + TURN.after
     use = ToolUse({"add": lambda a, b: a + b}, max_turns=1, turn=TURN)
