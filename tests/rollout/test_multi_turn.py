@@ -249,3 +249,21 @@ def test_gpu_a_resumed_rows_continuation_is_the_policys_on_the_graphed_engine():
         context, after = out.prompt_ids[r] + out.completion_ids[r][:end], out.completion_ids[r][end:]
         expected = policy_logprobs(cpu, context, after, len(context) + len(after), 1.0)
         assert torch.allclose(out.logprobs[r][end:], expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", list(ENGINES))
+def test_rows_that_make_no_call_sample_what_a_rollout_without_tools_does(kind):
+    """Rows of a call with tools draw as the lockstep phase does (each row's generator here, the kernel keyed by its
+    seed and index on CUDA): without a call their tokens are a single-turn rollout's, and a row that called a tool
+    does not change its neighbours' tokens."""
+    model, ps = tiny(), prompts(3)
+    engine = ENGINES[kind](model)
+    kw = dict(temperature=0.9, top_k=40, eos_token_ids=[5, 7], row_seeds=[11, 12, 13])
+    single = engine.generate(TOKENIZER, ps, 40, **kw)
+    multi, stats = generate_with_tools(engine, TOKENIZER, ps, 40, ToolUse({}, turn=TURN), **kw)
+    assert stats["tool_calls"] == 0 and multi.completion_ids == single.completion_ids
+    assert multi.stop_reasons == single.stop_reasons
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(multi.logprobs, single.logprobs))
+    called, _ = rollout(engine, ps, 120, ToolUse({"add": lambda a, b: a + b}, turn=TURN),
+                        {0: call_text("add", a=1, b=2)}, **kw)
+    assert called.completion_ids[1:] == engine.generate(TOKENIZER, ps, 120, **kw).completion_ids[1:]
