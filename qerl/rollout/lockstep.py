@@ -70,7 +70,8 @@ class LockstepRows:
             engine.tok_in[:self.table.width].copy_(token)
             self.fed = True
             # step 0: a speculative call (or one with tools) hands its rows to the phase outside lockstep at once
-            if (self.step + 1) % check_every == 0 or (self.step == 0 and (engine.speculative or self.settings.tools is not None)):
+            at_once = engine.speculative or self.settings.tools is not None
+            if (self.step + 1) % check_every == 0 or (self.step == 0 and at_once):
                 live = self.check()
                 engine.record(len(live))
                 return live

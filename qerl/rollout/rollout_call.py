@@ -12,8 +12,9 @@ A call with tools (`CallSettings.tools`) leaves lockstep after its first token: 
 slot, draws as lockstep would (`SpeculativeRows._draw`) but only when it decodes, and pauses itself at a tool call's
 closing tag (`Row.advance`). So a row samples the same tokens however long the tools of other rows take (in
 lockstep, the first resume would move the call out at a time set by a tool's latency, and the draws with it); after
-the first tool call of a multi-turn rollout nearly every row is outside lockstep anyway. `tool_calls` gives the rows that newly wait, `resume` continues
-one with its tool turn, `end_turns` ends one at its call (out of turns or of budget).
+the first tool call of a multi-turn rollout nearly every row is outside lockstep anyway. `tool_calls` gives the rows
+that newly wait, `resume` continues one with its tool turn, `end_turns` ends one at its call (out of turns or of
+budget).
 """
 from __future__ import annotations
 

@@ -216,8 +216,8 @@ def test_the_generated_tokens_log_probs_are_the_trainers_recomputation(switches)
     short = ToolTurn("[", "]")
     out, stats = rollout(engine, ps, 160, ToolUse({}, format=fmt, turn=short))
     assert stats["tool_calls"] >= 4 and any((~m).sum() > 0 for m in out.generated_mask)
-    batch = RolloutBatch(examples=[Example("0", "q", "a", "plain")] * 2, group_size=2, samples=out, sigma=0.0, noise_seed=0,
-                         seconds=0.0)
+    batch = RolloutBatch(examples=[Example("0", "q", "a", "plain")] * 2, group_size=2, samples=out, sigma=0.0,
+                         noise_seed=0, seconds=0.0)
     t = batch.padded(pad_id=0)
     with torch.no_grad():
         logp, _ = PolicyLogProbs(model, 1.0, **switches)(t["ids"], t["attn"], t["P"], want_entropy=False)
