@@ -458,12 +458,17 @@ class _AnyBraces:
         return Braces(open="{", close="}")
 
 
+def one() -> str:
+    """One."""
+    return "1"
+
+
 def with_tools(trainer):
     """The trainer's rollouts calling `one` (answer "1") in the character model's words (glue "=" ... "?")."""
     from qerl.rollout.multi_turn import ToolUse
     from qerl.rollout.tool_calls import ToolTurn
 
-    trainer.tool_use = ToolUse({"one": lambda: "1"}, max_turns=3, format=_AnyBraces(), turn=ToolTurn("=", "?"))
+    trainer.tool_use = ToolUse({"one": one}, max_turns=3, format=_AnyBraces(), turn=ToolTurn("=", "?"))
     return trainer
 
 
@@ -471,7 +476,7 @@ def test_multi_turn_steps_mask_the_tool_turns_and_resume_bit_exactly(tmp_path):
     """rollout.tools: the step's rollouts call tools (counted in the metrics), the update trains on the generated
     tokens only (the batch's loss mask is 0 at the tool turns), and a resumed run ends at the uninterrupted one's
     adapter, bit for bit (rollouts are regenerated from the seeds: no tool state is checkpointed)."""
-    settings = tiny_settings(tmp_path, rollout={"max_new_tokens": 24, "tools": ["tests.test_trainer:ones_reward"],
+    settings = tiny_settings(tmp_path, rollout={"max_new_tokens": 24, "tools": ["tests.test_trainer:one"],
                                                 "max_tool_calling_iterations": 3})
     full = with_tools(make_trainer(settings, tmp_path / "full"))
     batch = full.rollout()
@@ -500,6 +505,8 @@ def test_tools_that_do_not_resolve_or_a_backend_without_multi_turn_are_refused_i
 
     with pytest.raises(ValueError, match=r"rollout.tools = \['tests.test_trainer:nope'\]: .*no attribute|missing"):
         make_trainer(tiny_settings(tmp_path, rollout={"tools": ["tests.test_trainer:nope"]}), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"rollout.tools = \['tests.test_trainer:ones_reward'\]: tool ones_reward .*Args"):
+        make_trainer(tiny_settings(tmp_path, rollout={"tools": ["tests.test_trainer:ones_reward"]}), tmp_path / "b")
     with pytest.raises(ConfigError, match="backend 'vllm' cannot pause a row at a tool call"):
         tiny_settings(tmp_path, rollout={"tools": ["tests.test_trainer:ones_reward"], "backend": "vllm"})
     with pytest.raises(ConfigError, match="overprovision"):

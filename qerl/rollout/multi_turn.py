@@ -14,7 +14,9 @@ and the rollout goes on (the call's thread is left to finish; it is a daemon, so
 that must be stopped runs in a process of its own, as qerl's sandboxed interpreter does).
 
 The tokens a tool appended have log-prob 0 and `generated_mask` False in the `Rollout`: the trainer trains on the
-model's own tokens only.
+model's own tokens only. A call is parsed here (`tool_calls`) and run by `qerl.tools.call_tool` (every failure an
+"Error: ..." text for the model), or with `ToolUse.environment` by the row's own `qerl.tools.Environment` (reset
+with its data row before the rollout; its `reward` is not read here: scoring is the reward functions').
 """
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from qerl.rollout.rows import RowState
 from qerl.rollout.sampling import Rollout
-from qerl.rollout.tool_calls import HERMES, ToolCallFormat, ToolTurn, call_tool, load_tools
+from qerl.tools.schema import tool_schemas
+from qerl.rollout.tool_calls import HERMES, ToolCallFormat, ToolTurn, call_tool, load_tools, parse_call
 
 __all__ = ["ToolUse", "ToolRunner", "generate_with_tools", "tool_use_of"]
 
@@ -45,6 +48,9 @@ class ToolUse:
     workers: int = 8  # calls running at once
     format: ToolCallFormat = HERMES
     turn: ToolTurn | None = None
+    # One `qerl.tools.Environment` per row (a zero-argument factory, as TRL's environment_factory): reset with its
+    # data row before the rollout, its `step(name, arguments)` answers the row's calls. None: `tools`, stateless.
+    environment: Callable[[], Any] | None = None
 
 
 def tool_use_of(rollout: Any) -> ToolUse | None:
@@ -54,6 +60,7 @@ def tool_use_of(rollout: Any) -> ToolUse | None:
         return None
     try:
         tools = load_tools(rollout.tools)
+        tool_schemas(list(tools.values()))  # a tool without hints or an Args: docstring fails now, in one line
     except ValueError as e:
         raise ValueError(f"rollout.tools = {rollout.tools}: {e}") from None
     return ToolUse(tools, max_turns=rollout.max_tool_calling_iterations, timeout_s=rollout.tool_timeout_s,
@@ -75,6 +82,8 @@ class ToolRunner:
     stats: dict[str, float] = field(default_factory=lambda: {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
                                                              "tool_seconds": 0.0, "idle_seconds": 0.0})
 
+    envs: list[Any] | None = None  # the rows' environments (`ToolUse.environment`), by row
+
     def __post_init__(self):
         self._done: queue.Queue = queue.Queue()
         self._queued: deque[tuple[int, int, str]] = deque()
@@ -95,11 +104,16 @@ class ToolRunner:
         while self._queued and len(self._running) < self.use.workers:
             call_id, index, text = self._queued.popleft()
             self._running[call_id] = _Running(index, time.monotonic())
-            threading.Thread(target=self._run, args=(call_id, text), daemon=True, name=f"qerl-tool-{index}").start()
+            threading.Thread(target=self._run, args=(call_id, index, text), daemon=True,
+                             name=f"qerl-tool-{index}").start()
 
-    def _run(self, call_id: int, text: str) -> None:
+    def _run(self, call_id: int, index: int, text: str) -> None:
         start = time.monotonic()
-        answer = call_tool(self.use.tools, self.use.format, text)
+        if self.envs is None:
+            answer = call_tool(self.use.tools, self.use.format, text)
+        else:  # the row's own environment (one call of a row at a time: it waits for its answer)
+            call = parse_call(self.use.format, text)
+            answer = call if isinstance(call, str) else _text(self.envs[index].step(*call))
         self._done.put((call_id, answer, time.monotonic() - start))
 
     def ready(self, block: bool = False) -> list[tuple[int, str]]:
@@ -116,7 +130,7 @@ class ToolRunner:
         for call_id, run in list(self._running.items()):
             if now - run.started > self.use.timeout_s:  # its thread finishes on its own; its answer is dropped
                 del self._running[call_id]
-                answers[run.index] = f"error: the tool call took longer than {self.use.timeout_s:g} s"
+                answers[run.index] = f"Error: the tool call took longer than {self.use.timeout_s:g} s"
                 self.stats["tool_timeouts"] += 1
                 self.stats["tool_errors"] += 1
         self._start()
@@ -135,20 +149,21 @@ class ToolRunner:
                 continue
             into[run.index] = answer
             self.stats["tool_seconds"] += seconds
-            self.stats["tool_errors"] += answer.startswith("error: ")
+            self.stats["tool_errors"] += answer.startswith("Error: ")
 
 
 def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Sequence[Sequence[int]],
-                        max_new_tokens: int, use: ToolUse, **sampling) -> tuple[Rollout, dict[str, float]]:
+                        max_new_tokens: int, use: ToolUse, rows: Sequence[Mapping[str, Any]] | None = None,
+                        **sampling) -> tuple[Rollout, dict[str, float]]:
     """`RolloutEngine.generate`'s rollout of `prompts` (the keyword arguments of `open` in `sampling`), its rows
-    calling `use.tools`; returns it (with `generated_mask`) and the calls' counts: tool_calls, tool_errors,
-    tool_timeouts, tool_seconds (the calls' wall time, summed) and idle_seconds (time no row could decode: every
-    unfinished row waited for a tool)."""
+    calling `use.tools` (or each its `use.environment`, reset with `rows[i]`, its data row's columns); returns it
+    (with `generated_mask`) and the calls' counts: tool_calls, tool_errors, tool_timeouts, tool_seconds (the calls'
+    wall time, summed) and idle_seconds (time no row could decode: every unfinished row waited for a tool)."""
     if tokenizer is None:
         raise ValueError("multi-turn rollouts need a tokenizer: tool calls are found in the decoded text")
     turn = use.turn or ToolTurn.from_template(tokenizer)
     stop = use.format.stop(tokenizer)
-    runner = ToolRunner(use)
+    runner = ToolRunner(use, envs=_environments(use, len(prompts), rows))
     with engine.open(tokenizer, prompts, max_new_tokens, tools=stop, **sampling) as call:
         while not call.stopped:
             moved = call.advance()
@@ -162,6 +177,24 @@ def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Se
                 _append(call, index, turn.tokens(tokenizer, answer))
         out = call.result()
     return out, runner.stats
+
+
+def _environments(use: ToolUse, n: int, rows: Sequence[Mapping[str, Any]] | None) -> list[Any] | None:
+    """One environment per row, reset with its data row, before anything is sampled. An environment whose reset
+    returns text (TRL adds it to the first user turn) is refused: the prompts are rendered before the rollout here."""
+    if use.environment is None:
+        return None
+    envs = [use.environment() for _ in range(n)]
+    for i, env in enumerate(envs):
+        text = env.reset(dict(rows[i]) if rows is not None else {})
+        if text:
+            raise ValueError(f"environment {type(env).__name__}: its reset returned text for the first user turn, "
+                             "which multi-turn rollouts do not add to the prompt yet; return None from reset")
+    return envs
+
+
+def _text(answer: Any) -> str:
+    return "" if answer is None else answer if isinstance(answer, str) else str(answer)
 
 
 def _decoding(call: Any) -> bool:

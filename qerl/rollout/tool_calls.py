@@ -1,8 +1,9 @@
 """Tool calls in a model's own words: where one ends, what it asks for, how its answer goes back into the chat.
 
 A tool is a plain Python callable with type hints and a docstring, called with the keyword arguments of the model's
-call and returning a str (as TRL's `tools=[...]`; another type is turned into its str). Params name them as
-`module:function` (`load_tools`), as they name reward functions.
+call and returning a str (as TRL's `tools=[...]`; `qerl.tools` owns what a tool is: its schema, and running one call
+with every failure made an error text for the model). Params name them as `module:function` (`load_tools`), as they
+name reward functions.
 
 The format is Hermes' (Qwen2.5, Qwen3 and Hermes models are trained on it; their chat templates write it):
 
@@ -27,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from qerl.rollout.rows import ToolStop
+from qerl.tools.schema import call_tool as run_tool
 
-__all__ = ["ToolCallFormat", "ToolTurn", "load_tools", "call_tool", "format_of", "HERMES"]
+__all__ = ["ToolCallFormat", "ToolTurn", "load_tools", "call_tool", "parse_call", "format_of", "HERMES"]
 
 _REPLY, _ANSWER = "\x00QERL_REPLY\x00", "\x00QERL_TOOL_ANSWER\x00"  # markers no template writes itself
 
@@ -93,21 +95,23 @@ def _holding(tokenizer: Any, char: str) -> frozenset[int]:
     return known[char]
 
 
-def call_tool(tools: dict[str, Callable[..., Any]], fmt: ToolCallFormat, text: str) -> str:
-    """The answer the model gets to the tool call that ends `text`: the tool's result as a str, or a one-line error
-    (a malformed call, an unknown tool, bad arguments, the tool raising): the rollout goes on either way."""
+def parse_call(fmt: ToolCallFormat, text: str) -> tuple[str, dict[str, Any]] | str:
+    """(name, arguments) of the tool call that ends `text`, or the one-line error the model gets for a malformed
+    one (qerl.tools' convention: "Error: ...")."""
     try:
-        name, arguments = fmt.parse(text)
+        return fmt.parse(text)
     except ValueError as e:
-        return f"error: {e}"
-    tool = tools.get(name)
-    if tool is None:
-        return f"error: no tool named {name!r} (tools: {', '.join(sorted(tools)) or 'none'})"
-    try:
-        result = tool(**arguments)
-    except Exception as e:  # the model's call, the tool's failure: an answer to read, not the run's end
-        return f"error: {type(e).__name__}: {e}"
-    return result if isinstance(result, str) else str(result)
+        return f"Error: {e}"
+
+
+def call_tool(tools: dict[str, Callable[..., Any]], fmt: ToolCallFormat, text: str) -> str:
+    """The answer the model gets to the tool call that ends `text`: the tool's result as text, or a one-line error (a
+    malformed call here; an unknown tool, bad arguments or a tool that raises in `qerl.tools.call_tool`, which runs
+    it): the rollout goes on either way."""
+    call = parse_call(fmt, text)
+    if isinstance(call, str):
+        return call
+    return run_tool(list(tools.values()), *call)
 
 
 @dataclass(frozen=True)

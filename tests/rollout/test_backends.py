@@ -109,7 +109,11 @@ def test_evaluate_with_tools_counts_the_calls_and_the_engine_and_reference_agree
         def parse(self, text):
             return "one", {}
 
-    tools = ToolUse({"one": lambda: "1"}, max_turns=2, format=Any(open="", close=common), turn=ToolTurn("=", "?"))
+    def one() -> str:
+        """One."""
+        return "1"
+
+    tools = ToolUse({"one": one}, max_turns=2, format=Any(open="", close=common), turn=ToolTurn("=", "?"))
     by_reference = evaluate(model, tokenizer, examples, tools=tools, **kw)
     by_engine = evaluate(model, tokenizer, examples, tools=tools, backend=make_backend(model, tokenizer, "engine"),
                          **kw)

@@ -11,6 +11,8 @@ from collections import Counter
 
 import pytest
 import torch
+import transformers.utils  # noqa: F401  (qerl.tools reads a tool's schema through it: its first import takes
+# seconds, which the first tool call of the process would otherwise pay while the other rows decode to their end)
 
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.multi_turn import ToolUse, generate_with_tools
@@ -39,6 +41,21 @@ class CharTokenizer:
 
 
 TOKENIZER = CharTokenizer()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def long() -> str:
+    """A long answer."""
+    return "x" * 100
 
 
 def forcing(scripts: dict[int, str]):
@@ -121,12 +138,12 @@ def test_the_turn_limit_ends_a_row_at_the_call_past_it():
     """max_turns 1: the first call is answered, the second ends the completion there (stop reason stop), without
     an answer; max_turns 0: the first call ends it."""
     model, ps = tiny(), prompts(1)
-    none = ToolUse({"add": lambda a, b: a + b}, max_turns=0, turn=TURN)
+    none = ToolUse({"add": add}, max_turns=0, turn=TURN)
     out, stats = rollout(RolloutEngine.reference(model), ps, 200, none, {0: call_text("add", a=1, b=1)})
     assert out.texts[0] == call_text("add", a=1, b=1) and out.stop_reasons == ["stop"] and stats["tool_calls"] == 0
     first, second = call_text("add", a=1, b=1), call_text("add", a=2, b=2)
     answer = TURN.before + "2" + TURN.after
-    use = ToolUse({"add": lambda a, b: a + b}, max_turns=1, turn=TURN)
+    use = ToolUse({"add": add}, max_turns=1, turn=TURN)
     out, stats = rollout(RolloutEngine.reference(model), ps, 200, use, {0: first + answer + second})
     assert out.texts[0] == first + answer + second
     assert out.stop_reasons == ["stop"] and stats["tool_calls"] == 1
@@ -143,8 +160,8 @@ def test_a_malformed_call_an_unknown_tool_and_a_raising_one_get_an_error_and_the
     scripts = {0: "<tool_call>{oops</tool_call>", 1: call_text("nope"), 2: call_text("div", a=1, b=0)}
     out, stats = rollout(RolloutEngine.reference(model), ps, 200, ToolUse({"div": div}, turn=TURN), scripts)
     assert stats["tool_calls"] == 3 and stats["tool_errors"] == 3
-    errors = ["error: the tool call is not JSON", "error: no tool named 'nope' (tools: div)",
-              "error: ZeroDivisionError: division by zero"]
+    errors = ["Error: the tool call is not JSON", "Error: unknown tool 'nope'; the tools are: div",
+              "Error: tool div raised ZeroDivisionError: division by zero"]
     for r, error in enumerate(errors):
         rest = out.texts[r][len(scripts[r]):]
         assert rest.startswith(TURN.before + error), rest
@@ -168,14 +185,14 @@ def test_a_tool_past_its_time_is_answered_with_an_error():
     assert not returned  # the tool was still running: the rollout did not wait for it
     release.set()
     assert stats["tool_timeouts"] == 1
-    assert TURN.before + "error: the tool call took longer than 0.1 s" + TURN.after in out.texts[0]
+    assert TURN.before + "Error: the tool call took longer than 0.1 s" + TURN.after in out.texts[0]
     assert "late" not in out.texts[0] and len(out.completion_ids[0]) == 150
 
 
 def test_an_answer_that_does_not_fit_the_budget_ends_the_row_at_its_call():
     model, ps = tiny(), prompts(1)
     script = call_text("long")
-    use = ToolUse({"long": lambda: "x" * 100}, turn=TURN)
+    use = ToolUse({"long": long}, turn=TURN)
     out, _ = rollout(RolloutEngine.reference(model), ps, len(script) + 50, use, {0: script})
     assert out.texts[0] == script and out.stop_reasons == ["length"]
 
@@ -185,12 +202,12 @@ def test_a_rows_tokens_do_not_depend_on_how_long_the_tools_take():
     model, ps = tiny(), prompts(3)
     results = []
     for delay in (0.0, 0.3):
-        def add(a: int, b: int) -> int:
+        def slow_add(a: int, b: int) -> int:
             """Add."""
             time.sleep(delay)
             return a + b
-        out, _ = rollout(RolloutEngine.reference(model), ps, 90, ToolUse({"add": add}, turn=TURN),
-                         {0: call_text("add", a=1, b=2), 2: call_text("add", a=3, b=4)})
+        out, _ = rollout(RolloutEngine.reference(model), ps, 90, ToolUse({"slow_add": slow_add}, turn=TURN),
+                         {0: call_text("slow_add", a=1, b=2), 2: call_text("slow_add", a=3, b=4)})
         results.append(out)
     assert results[0].completion_ids == results[1].completion_ids
     assert all(torch.equal(a, b) for a, b in zip(results[0].logprobs, results[1].logprobs))
@@ -238,7 +255,7 @@ def test_gpu_a_resumed_rows_continuation_is_the_policys_on_the_graphed_engine():
     ps = prompts(8)
     script = call_text("add", a=2, b=3)
     scripts = {r: script for r in range(0, 8, 2)}
-    out, stats = rollout(engine, ps, 160, ToolUse({"add": lambda a, b: a + b}, turn=TURN), scripts)
+    out, stats = rollout(engine, ps, 160, ToolUse({"add": add}, turn=TURN), scripts)
     assert stats["tool_calls"] == 4 and engine.stats["captures"] > 0
     cpu = copy.deepcopy(model).cpu()
     answer = TURN.before + "5" + TURN.after
@@ -264,6 +281,37 @@ def test_rows_that_make_no_call_sample_what_a_rollout_without_tools_does(kind):
     assert stats["tool_calls"] == 0 and multi.completion_ids == single.completion_ids
     assert multi.stop_reasons == single.stop_reasons
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(multi.logprobs, single.logprobs))
-    called, _ = rollout(engine, ps, 120, ToolUse({"add": lambda a, b: a + b}, turn=TURN),
+    called, _ = rollout(engine, ps, 120, ToolUse({"add": add}, turn=TURN),
                         {0: call_text("add", a=1, b=2)}, **kw)
     assert called.completion_ids[1:] == engine.generate(TOKENIZER, ps, 120, **kw).completion_ids[1:]
+
+
+def test_each_row_has_its_own_environment_reset_with_its_data_row():
+    """`ToolUse.environment` (TRL's environment_factory, through qerl.tools): one environment per row, reset with
+    the row's columns before the rollout, answering that row's calls from its own state; a reset that returns text
+    for the first user turn is refused before anything is sampled."""
+    from qerl.tools import Environment, environment_factory
+
+    class Counter_(Environment):
+        def reset(self, row):
+            self.base, self.calls = int(row["base"]), 0
+
+        def step(self, name, arguments):
+            self.calls += 1
+            return f"{name}:{self.base + self.calls}"
+
+    model, ps = tiny(), prompts(2)
+    script = call_text("count") + TURN.before + "count:11" + TURN.after + call_text("count")
+    use = ToolUse({}, turn=TURN, environment=environment_factory(Counter_))
+    out, stats = rollout(RolloutEngine.reference(model), ps, 220, use, {0: script, 1: call_text("count")},
+                         rows=[{"base": 10}, {"base": 20}])
+    assert out.texts[0].startswith(script + TURN.before + "count:12" + TURN.after)  # row 0's second call
+    assert out.texts[1].startswith(call_text("count") + TURN.before + "count:21" + TURN.after)
+    assert stats["tool_calls"] == 3
+
+    class Greeting(Environment):
+        def reset(self, row):
+            return "Hello"
+
+    with pytest.raises(ValueError, match="its reset returned text for the first user turn"):
+        rollout(RolloutEngine.reference(model), ps, 50, ToolUse({}, turn=TURN, environment=Greeting))
