@@ -224,6 +224,19 @@ class RolloutSettings:
     # epoch). With grpo.dynamic_sampling each round over-provisions so. Not with the vllm backend (it has no such
     # stop) nor over several processes. Metrics: rollout/groups_dropped, rollout/tokens_dropped. 0: off.
     overprovision: float = field(default=0.0, metadata=_check(ge=0))
+    # Multi-turn rollouts (qerl/rollout/multi_turn.py; README "Tools and multi-turn rollouts"): the tools the policy
+    # may call, as module:function (plain Python functions with type hints and a docstring, called with the keyword
+    # arguments of the model's call and returning a str: TRL's tools=[...]). A row stops at its call (the Hermes tag
+    # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, Qwen's own; qerl's for templates without one), the tool
+    # runs on a thread while the other rows decode, and its answer comes back as a tool turn of the chat template,
+    # masked from the loss. [] = single-turn. The engine only (auto, engine, reference), without overprovision.
+    tools: list[str] = field(default_factory=list)
+    # Tool calls per completion (TRL's name); the completion ends at the one past it (stop reason stop). None: as
+    # many as max_new_tokens holds (the tool turns' tokens count against it).
+    max_tool_calling_iterations: Optional[int] = field(default=None, metadata=_check(ge=0))
+    # A call's wall time: past it the model gets an error string as the tool's answer and the rollout goes on.
+    tool_timeout_s: float = field(default=30.0, metadata=_check(gt=0))
+    tool_workers: int = field(default=8, metadata=_check(gt=0))  # tool calls running at once (threads)
 
     @property
     def prompts_drawn(self) -> int:
@@ -241,6 +254,27 @@ class RolloutSettings:
         if self.overprovision > 0 and self.backend == "vllm":
             raise _RuleError(("overprovision", "backend"), f"overprovision = {self.overprovision}: backend 'vllm' "
                              "cannot stop a rollout once enough groups are done; use the engine or set it to 0")
+        self._validate_tools()
+
+    def _validate_tools(self) -> None:
+        """What multi-turn rollouts do not run with yet, refused rather than run wrong."""
+        if not self.tools:
+            return
+        bad = [t for t in self.tools if t.count(":") != 1 or not all(t.split(":"))]
+        if bad:
+            raise _RuleError("tools", f"tools = {self.tools}: name each as 'package.module:function' ({bad[0]!r})")
+        # vLLM's generate runs every request to its end: a row cannot wait there for a tool with its KV cache kept
+        # and go on from it, which is what qerl's multi-turn path is (our engine pauses and extends rows).
+        if self.backend == "vllm":
+            raise _RuleError(("tools", "backend"), "tools: backend 'vllm' cannot pause a row at a tool call and go on "
+                             "from its KV cache (qerl's multi-turn path is its own engine's); use backend auto, "
+                             "engine or reference")
+        if self.overprovision > 0:
+            raise _RuleError(("tools", "overprovision"), f"tools with overprovision = {self.overprovision}: a group "
+                             "cut while rows wait for tools is not supported; set overprovision to 0")
+        if self.speculative == "on":  # its drafts would not know the tools' tokens
+            raise _RuleError(("tools", "speculative"), "tools with speculative = 'on': multi-turn rows decode without "
+                             "speculation; set speculative to off or auto")
 
 
 # The ratio's clip range where the params leave it unset (null), by importance_sampling_level: DAPO's clip-higher per

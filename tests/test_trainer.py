@@ -469,3 +469,70 @@ def test_a_non_finite_gradient_skips_the_optimizer_step_and_leaves_the_adapters_
         assert second["update/nonfinite_skipped"] == 0
         assert all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.requires_grad)
         assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+class _AnyBraces:
+    """A tool-call format for the character model: a turn's call ends at '}', whatever it wrote (it writes '}' now
+    and then), and calls the tool `one`."""
+
+    def __new__(cls):
+        from qerl.rollout.tool_calls import ToolCallFormat
+
+        class Braces(ToolCallFormat):
+            def parse(self, text):
+                return "one", {}
+
+        return Braces(open="{", close="}")
+
+
+def one() -> str:
+    """One."""
+    return "1"
+
+
+def with_tools(trainer):
+    """The trainer's rollouts calling `one` (answer "1") in the character model's words (glue "=" ... "?")."""
+    from qerl.rollout.multi_turn import ToolUse
+    from qerl.rollout.tool_calls import ToolTurn
+
+    trainer.tool_use = ToolUse({"one": one}, max_turns=3, format=_AnyBraces(), turn=ToolTurn("=", "?"))
+    return trainer
+
+
+def test_multi_turn_steps_mask_the_tool_turns_and_resume_bit_exactly(tmp_path):
+    """rollout.tools: the step's rollouts call tools (counted in the metrics), the update trains on the generated
+    tokens only (the batch's loss mask is 0 at the tool turns), and a resumed run ends at the uninterrupted one's
+    adapter, bit for bit (rollouts are regenerated from the seeds: no tool state is checkpointed)."""
+    settings = tiny_settings(tmp_path, rollout={"max_new_tokens": 24, "tools": ["tests.test_trainer:one"],
+                                                "max_tool_calling_iterations": 3})
+    full = with_tools(make_trainer(settings, tmp_path / "full"))
+    batch = full.rollout()
+    masks = batch.samples.generated_mask
+    assert any((~m).any() for m in masks)
+    padded = batch.padded(full.pad_id)
+    for i, m in enumerate(masks):
+        assert padded["mask"][i, :len(m)].bool().tolist() == m.tolist()
+    full.close()
+    full = with_tools(make_trainer(settings, tmp_path / "full2"))
+    full.train()
+    rows = [json.loads(x) for x in (tmp_path / "full2" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["rollout/tool_calls"] for r in rows) > 0
+    part = with_tools(make_trainer(settings, tmp_path / "part"))
+    part.train(max_steps=2)
+    part.close()
+    resumed = with_tools(make_trainer(settings, tmp_path / "part", resume=True))
+    assert resumed.step == 2
+    resumed.train()
+    ta, tb = adapter_tensors(tmp_path / "full2"), adapter_tensors(tmp_path / "part")
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_tools_that_do_not_resolve_or_a_backend_without_multi_turn_are_refused_in_one_line(tmp_path):
+    from qerl.params_yaml import ConfigError
+
+    with pytest.raises(ValueError, match=r"rollout.tools = \['tests.test_trainer:nope'\]: .*no attribute|missing"):
+        make_trainer(tiny_settings(tmp_path, rollout={"tools": ["tests.test_trainer:nope"]}), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"rollout.tools = \['tests.test_trainer:ones_reward'\]: tool ones_reward .*Args"):
+        make_trainer(tiny_settings(tmp_path, rollout={"tools": ["tests.test_trainer:ones_reward"]}), tmp_path / "b")
+    with pytest.raises(ConfigError, match="backend 'vllm' cannot pause a row at a tool call"):
+        tiny_settings(tmp_path, rollout={"tools": ["tests.test_trainer:ones_reward"], "backend": "vllm"})
+    with pytest.raises(ConfigError, match="overprovision"):
+        tiny_settings(tmp_path, rollout={"tools": ["tests.test_trainer:ones_reward"], "overprovision": 0.5})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -346,13 +346,19 @@ def prompt_messages(question: str, system_prompt: str | None = SYSTEM_PROMPT) ->
     return messages
 
 
-def build_prompt(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> str:
+def build_prompt(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT,
+                 tools: Sequence[Callable[..., Any]] = ()) -> str:
     """The text the policy continues: the tokenizer's chat template with a generation prompt, or, for tokenizers
     without one (base models), "Question: ...\\nAnswer:" preceded by the system prompt. `system_prompt=None` omits it.
+    `tools` (multi-turn rollouts): their schemas go to a template that writes them (Qwen's: transformers reads them
+    off the functions' type hints and docstrings, as TRL's tools); a template without tools (SmolLM2's) leaves the
+    system prompt to describe them.
     """
     if uses_chat_template(tokenizer):
+        template = tokenizer.chat_template
+        schemas = {"tools": list(tools)} if tools and isinstance(template, str) and "tools" in template else {}
         return tokenizer.apply_chat_template(prompt_messages(question, system_prompt), tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **schemas)
     prompt = f"Question: {question}\nAnswer:"
     return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
 

@@ -17,6 +17,7 @@ from qerl.config import Settings
 from qerl.model.served import own_model_settings, vllm_options
 from qerl.rollout.backends import RolloutBackend, Sampling
 from qerl.rollout.factory import engine_options, make_backend
+from qerl.rollout.multi_turn import ToolUse, tool_use_of
 from qerl.run import atomic
 
 if TYPE_CHECKING:
@@ -92,10 +93,14 @@ def evaluate(
     reward_fn: Callable[[str, str], float] | None = None,
     progress: bool = True,
     backend: RolloutBackend | None = None,
+    tools: ToolUse | None = None,
 ) -> EvalResult:
     """Generate `num_samples` completions per example and score them against the gold answers.
 
-    `backend` samples (default: `make_backend(model, tokenizer)`, the engine on CUDA, the reference on the CPU)."""
+    `backend` samples (default: `make_backend(model, tokenizer)`, the engine on CUDA, the reference on the CPU).
+    `tools`: multi-turn completions calling them (`qerl.rollout.multi_turn`; graded on the whole completion, tool
+    turns included, as the training rewards see it); the metrics then count the calls (tool_calls per sample,
+    tool_errors, tool_timeouts)."""
     from qerl import grading
     from qerl.data import problems as data
 
@@ -106,11 +111,18 @@ def evaluate(
     start, tokens = time.perf_counter(), 0
     backend = backend or make_backend(model, tokenizer)
     bar = tqdm(total=len(jobs), desc="eval", unit="sample", disable=not progress)
+    calls: dict[str, float] = {}
+    functions = list(tools.tools.values()) if tools is not None else ()
     for b in range(0, len(jobs), batch_size):
         chunk = jobs[b : b + batch_size]
-        prompts = [data.build_prompt(tokenizer, ex.question, system_prompt) for ex, _ in chunk]
-        out = backend.generate(prompts, Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                                 seed=seed + b))
+        prompts = [data.build_prompt(tokenizer, ex.question, system_prompt, tools=functions) for ex, _ in chunk]
+        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + b)
+        if tools is None:
+            out = backend.generate(prompts, sampling)
+        else:
+            out, counts = backend.generate_with_tools(prompts, sampling, tools)
+            for k in ("tool_calls", "tool_errors", "tool_timeouts"):
+                calls[k] = calls.get(k, 0) + counts[k]
         for (ex, sample), prompt, text, ids, reason in zip(chunk, prompts, out.texts, out.completion_ids,
                                                           out.stop_reasons):
             tokens += len(ids)
@@ -125,6 +137,8 @@ def evaluate(
         bar.set_postfix(acc=f"{sum(r['score'] for r in records) / len(records):.3f}")
     bar.close()
     metrics = _summarize(records, num_samples, tokens, time.perf_counter() - start)
+    if calls:
+        metrics.update(calls, tool_calls=calls["tool_calls"] / max(len(records), 1))  # per sample
     metrics["grader_timeouts"] = grading.stats()["timeouts"] - timeouts
     grader = grading.grader_info() if reward_fn is None else {"grader": getattr(reward_fn, "__qualname__", "custom")}
     return EvalResult(metrics, records, grader)
@@ -169,6 +183,7 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
 
     pin_cpu_threads(settings.model)
     e = settings.eval
+    tools = tool_use_of(settings.rollout)  # rollout.tools: multi-turn completions, as training samples them
     examples = eval_examples(settings, limit)  # before the model: bad data fails in a second, not after a load
     if model is None:
         tokenizer, context = load_tokenizer_and_context(settings.model, settings.quant)
@@ -184,7 +199,7 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
         vllm=vllm_options(settings, model_context(model)) if settings.rollout.backend == "vllm" else None)
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
-                      system_prompt=settings.data.system_prompt, progress=progress, backend=backend)
+                      system_prompt=settings.data.system_prompt, progress=progress, backend=backend, tools=tools)
     if out_dir is not None:
         result.save(out_dir)
     log.info("eval: %s (graded by %s)", ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),

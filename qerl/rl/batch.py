@@ -46,7 +46,8 @@ class RolloutBatch:
     def padded(self, pad_id: int) -> dict[str, Tensor | int]:
         """The rows as the update reads them, laid out as TRL does: prompts left-padded to P columns, completions
         right-padded after them (all completions start at one column). ids, attn [B, P + C] (1 = real token),
-        mask [B, C] (the completion tokens, float), rollout_logp [B, C] (the sampler's log-probs), P."""
+        mask [B, C] (the completion tokens the model sampled, float: a multi-turn rollout's tool turns are 0 there,
+        context but never trained on, `Rollout.generated_mask`), rollout_logp [B, C] (the sampler's log-probs), P."""
         samples = self.samples
         P = max(len(p) for p in samples.prompt_ids)
         C = max(1, max(len(c) for c in samples.completion_ids))
@@ -54,12 +55,15 @@ class RolloutBatch:
         ids = torch.full((B, P + C), pad_id, dtype=torch.long)
         attn = torch.zeros((B, P + C), dtype=torch.long)
         rollout_lp = torch.zeros((B, C))
-        for i, (p, c, lp) in enumerate(zip(samples.prompt_ids, samples.completion_ids, samples.logprobs)):
+        mask = torch.zeros((B, C))
+        for i, (p, c, lp, m) in enumerate(zip(samples.prompt_ids, samples.completion_ids, samples.logprobs,
+                                              samples.masks())):
             ids[i, P - len(p):P] = torch.tensor(p)
             ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
             attn[i, P - len(p):P + len(c)] = 1
             rollout_lp[i, :len(c)] = lp.float().cpu()
-        return {"ids": ids, "attn": attn, "mask": attn[:, P:].float(), "rollout_logp": rollout_lp, "P": P}
+            mask[i, :len(c)] = m.float()
+        return {"ids": ids, "attn": attn, "mask": mask, "rollout_logp": rollout_lp, "P": P}
 
     @staticmethod
     def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":

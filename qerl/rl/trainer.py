@@ -44,6 +44,7 @@ from qerl.rl.update import PolicyUpdate
 from qerl.rollout.backends import RolloutBackend, Sampling
 from qerl.rollout.drafts import DraftHistory
 from qerl.rollout.factory import engine_options, make_backend
+from qerl.rollout.multi_turn import tool_use_of
 from qerl.run.checkpoints import PICKLED_STATE, CheckpointCorrupt
 from qerl.run.folder import STATE_FILE, Checkpoint, RunFolder
 
@@ -117,6 +118,7 @@ class Trainer:
                              "train what one process does); set it to 0 or run one process")
 
         self.system_prompt = s.data.system_prompt if s.data.system_prompt is not None else data.SYSTEM_PROMPT
+        self.tool_use = tool_use_of(s.rollout)  # before any weights load: a tool that does not import fails now
         tokenizer, examples = self._training_prompts(model, tokenizer)
         # A rollout draws rollout.prompts_drawn prompts (prompts_per_step, more with rollout.overprovision: the extra
         # ones are consumed with the rest, kept or not, so the data order is the sampler's, checkpointed as before)
@@ -165,6 +167,12 @@ class Trainer:
         self.run.write_params(s.to_yaml())
         if self.dist.is_main:
             self.tracker.log_params(s.to_flat_dict())
+
+    def _prompt(self, question: str) -> str:
+        """A question as the policy reads it: the chat template with the system prompt (and the tools' schemas
+        where the template writes them)."""
+        tools = list(self.tool_use.tools.values()) if self.tool_use is not None else ()
+        return data.build_prompt(self.tokenizer, question, self.system_prompt, tools=tools)
 
     def _training_prompts(self, model, tokenizer) -> tuple[object, list[data.Example]]:
         """(tokenizer, the training examples whose prompts fit the model's context). Without a model, only its
@@ -284,7 +292,7 @@ class Trainer:
         needed = r.prompts_per_step if examples is None and r.prompts_drawn > r.prompts_per_step else None
         examples = examples if examples is not None else self.sampler.next_batch()
         first, examples = self.dist.shard(examples)  # every rank draws the step's prompts and keeps its groups
-        prompts = [data.build_prompt(self.tokenizer, ex.question, self.system_prompt) for ex in examples]
+        prompts = [self._prompt(ex.question) for ex in examples]
         prompts = [p for p in prompts for _ in range(r.group_size)]
         # Each completion's randomness comes from its place in the step, not its batch: N ranks sample what one does.
         row_seeds = [self._seed(self.step, round_, 2, first + i, j) for i in range(len(examples))
@@ -297,8 +305,7 @@ class Trainer:
         self.peaks.start_phase()
         counts = self.rollout_backend.speculation_counts()
         with self.rollout_backend.sync(sigma, noise_seed):
-            out = self.rollout_backend.generate(prompts, sampling, drafts=self.draft_history,
-                                                progress=self.progress and sys.stderr.isatty())  # a live bar in a terminal
+            out, tool_counts = self._sample(prompts, sampling)
         # The rollout's peak with its KV cache mapped; then the update gets that memory (graphs kept) and its own
         # peak is measured from here.
         self.peaks.rollout_done()
@@ -311,12 +318,20 @@ class Trainer:
                      self.settings.train.steps, len(prompts), sum(map(len, out.completion_ids)), seconds)
         extra = speculation_metrics(counts, self.rollout_backend.speculation_counts(),
                                     sum(map(len, out.completion_ids)))
+        extra.update({f"rollout/{k}": v for k, v in tool_counts.items()})
         examples = list(examples)
         if needed is not None:
             examples, out, dropped = self._finished_groups(examples, out, needed)
             extra.update(dropped)
         return RolloutBatch(examples=examples, group_size=r.group_size, samples=out, sigma=sigma,
                             noise_seed=noise_seed, seconds=seconds, extra=extra)
+
+    def _sample(self, prompts: list[str], sampling: Sampling) -> tuple[object, dict[str, float]]:
+        """The rollout's samples, and its tool calls' counts (multi-turn rollouts; {} for single-turn ones)."""
+        if self.tool_use is not None:
+            return self.rollout_backend.generate_with_tools(prompts, sampling, self.tool_use)
+        return self.rollout_backend.generate(prompts, sampling, drafts=self.draft_history,
+                                             progress=self.progress and sys.stderr.isatty()), {}  # a live bar
 
     def _finished_groups(self, examples: list[data.Example], out, needed: int):
         """An over-provisioned rollout's kept groups: those without "cut" rows (the sampler kept `needed`; a backend

@@ -5,7 +5,8 @@ reference configuration, a plain loop over the model's forward) with the parts o
 `rows`, `lockstep`, `speculation`, `rollout_call`, `call`), `sampling` (what a call is made of: `Rollout`,
 drawing tokens, the argument checks), `generate` (the reference as a function), `backends` (the seam: a backend's
 `sync` applies AQN noise and the current LoRA), `vllm_backend` (a colocated vLLM engine, optional) and `factory`
-(`make_backend` picks one by `rollout.backend`).
+(`make_backend` picks one by `rollout.backend`), `tool_calls` (a tool call in the model's words, the tool turn's
+glue) and `multi_turn` (rows that call tools while the others decode).
 
-May import: qerl.execution, qerl.model.
+May import: qerl.execution, qerl.model, qerl.tools.
 """

@@ -38,6 +38,7 @@ from torch import nn
 
 from qerl.model.aqn import NoiseInjector
 from qerl.rollout.engine import RolloutEngine, engine_for
+from qerl.rollout.multi_turn import ToolUse, generate_with_tools
 from qerl.rollout.sampling import Rollout
 
 __all__ = ["Sampling", "RolloutBackend", "ReferenceBackend", "EngineBackend"]
@@ -112,6 +113,27 @@ class RolloutBackend:
     def _generate(self, prompts: list, sampling: Sampling, progress: bool,
                   drafts: Any) -> Rollout:  # pragma: no cover
         raise NotImplementedError
+
+    def generate_with_tools(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling: Sampling,
+                            use: ToolUse) -> tuple[Rollout, dict[str, float]]:
+        """A multi-turn rollout of `prompts` whose rows call `use.tools` (`qerl.rollout.multi_turn`), in eval mode:
+        the `Rollout` (with `generated_mask`) and the tool calls' counts. The engine's backends only."""
+        engine = getattr(self, "engine", None)
+        if not isinstance(engine, RolloutEngine):
+            raise ValueError(f"rollout.tools: the {self.name} backend has no multi-turn path (a row there cannot wait "
+                             "for a tool and go on from its KV cache); use backend auto, engine or reference")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return generate_with_tools(engine, self.tokenizer, list(prompts), sampling.max_new_tokens, use,
+                                           logits_processor=self.logits_processor,
+                                           **{k: v for k, v in sampling.kwargs(len(prompts)).items()
+                                              if k != "max_new_tokens"})
+        finally:
+            self.model.train(was_training)
+            if isinstance(self, ReferenceBackend):  # its cache lives for the call
+                engine.free()
 
     def reduced_precision(self) -> list[str]:
         """The parts of this sampler that compute in less precision than the update (each named for a log line):

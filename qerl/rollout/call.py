@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qerl.rollout.rows import Row
+from qerl.rollout.rows import Row, ToolStop
 from qerl.rollout.sampling import Rollout, decode_ids
 
 __all__ = ["CallSettings", "GroupCut", "CallOutputs", "LogitsProcessor"]
@@ -38,6 +38,8 @@ class CallSettings:
     # Asked after each host check (the lockstep phase's every `check_every` steps, the speculative tail's every step)
     # with the call's rows still live: True ends the call there (`GroupCut.observe`; None: never asked).
     stop_early: Callable[[list[int]], bool] | None = None
+    # A call with tools: where a row pauses for a tool call (None: rows never wait for a tool by themselves)
+    tools: ToolStop | None = None
 
     @property
     def stop_window(self) -> int:
@@ -92,6 +94,7 @@ class CallOutputs:
         self.logprobs = torch.zeros((batch + 1, max_new), dtype=torch.float32, device=device)
         self.first_eos = torch.full((batch + 1,), max_new, dtype=torch.long, device=device)
         self.eos = torch.tensor(sorted(settings.eos), dtype=torch.long, device=device) if settings.eos else None
+        self.with_tools = settings.tools is not None  # the rollout then says which tokens were generated
 
     def write_back(self, rows: list[Row]) -> None:
         """The tokens rows generated outside lockstep, at their indices from where they left it."""
@@ -127,7 +130,7 @@ class CallOutputs:
         its earlier calls; rows in `dropped` (and rows handed back) get stop reason cut with the tokens they had."""
         tokens, logprobs, first_eos = self.tokens[:self.batch].cpu(), self.logprobs[:self.batch].cpu(), \
             self.first_eos[:self.batch].cpu()
-        completions, lps, reasons = [], [], []
+        completions, lps, reasons, masks = [], [], [], []
         for r in rows:
             e, s = int(first_eos[r.index]), r.stop_at
             length, reason = r.budget, "length"
@@ -141,5 +144,16 @@ class CallOutputs:
             lp = logprobs[r.index, :length].clone()
             lps.append(torch.cat([torch.tensor(r.earlier_logprobs, dtype=torch.float32), lp]) if r.earlier else lp)
             reasons.append(reason)
+            masks.append(_generated(r, length))
         return Rollout([r.prompt for r in rows], completions, [decode_ids(tokenizer, c) for c in completions], lps,
-                       reasons)
+                       reasons, generated_mask=masks if self.with_tools else None)
+
+
+def _generated(row: Row, length: int) -> Tensor:
+    """True at the row's completion tokens it sampled (its earlier calls' and its first `length` of this call), False
+    at those a tool appended."""
+    mask = torch.ones(len(row.earlier) + length, dtype=torch.bool)
+    injected = [len(row.earlier) + i for i in row.injected if i < length]
+    if injected:
+        mask[injected] = False
+    return mask

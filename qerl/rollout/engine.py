@@ -65,7 +65,7 @@ from qerl.rollout.call import CallSettings, GroupCut, LogitsProcessor
 from qerl.rollout.kv_cache import CUDA_MIN_BUCKET, EngineCache, batch_buckets, bucket_of, round_up
 from qerl.rollout.drafts import DraftHistory, DraftSession
 from qerl.rollout.rollout_call import RolloutCall
-from qerl.rollout.rows import Row
+from qerl.rollout.rows import Row, ToolStop
 from qerl.rollout.sampling import (Rollout, check_sampling_args, decode_ids, default_eos_ids, distinct_rows,
                                    encode_prompts, random_source)
 from qerl.rollout.speculation import MAX_QUERIES
@@ -456,20 +456,25 @@ class RolloutEngine:
              eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
              generator: torch.Generator | None = None, row_seeds: Sequence[int] | None = None, drafts: Any = None,
              logits_processor: LogitsProcessor | None = None, groups: Sequence[int] | None = None,
-             groups_needed: int | None = None, carried: Sequence[Row] = ()):
+             groups_needed: int | None = None, carried: Sequence[Row] = (), tools: ToolStop | None = None):
         """A call to drive between host checks (`generate` runs one to its end): a context manager giving a
         `rollout_call.RolloutCall` whose `advance`, `pause`, `resume`, `hand_back` and `result` the caller uses
         while the engine's caches are installed. Arguments as `generate`'s; `carried`: rows an earlier call handed
-        back (`RolloutCall.hand_back`), continued after the prompts' rows (they need `row_seeds` for those)."""
+        back (`RolloutCall.hand_back`), continued after the prompts' rows (they need `row_seeds` for those);
+        `tools`: rows pause themselves at a tool call's closing tag (`qerl.rollout.multi_turn` drives such a call;
+        no speculation then: drafts would not know the tools' tokens)."""
         plan = self._plan(tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, eos_token_ids,
-                          seed, generator, False, row_seeds, drafts, logits_processor, groups, groups_needed, carried)
+                          seed, generator, False, row_seeds, drafts, logits_processor, groups, groups_needed, carried,
+                          tools)
         if plan.settings.max_new == 0:
             raise ValueError("nothing to sample: max_new_tokens is 0 and no carried row has tokens left")
+        if tools is not None and (groups is not None or carried):  # a cut or a hand-back while rows wait for tools
+            raise ValueError("a call with tools takes neither groups (a group cut) nor carried rows")
         return self._running(plan)
 
     def _plan(self, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, eos_token_ids, seed,
               generator, progress, row_seeds, drafts, logits_processor, groups, groups_needed,
-              carried: Sequence[Row]) -> "_Plan":
+              carried: Sequence[Row], tools: ToolStop | None = None) -> "_Plan":
         """The checked arguments of a call as its settings, its rows (the prompts', then `carried`), its one
         generator (without `row_seeds`) and its group cut."""
         stop_strings = check_sampling_args(max_new_tokens, temperature, top_p, top_k, stop_strings, tokenizer,
@@ -486,13 +491,13 @@ class RolloutEngine:
         cut = GroupCut(groups, groups_needed) if groups is not None else None
         history = drafts if self.speculative and isinstance(drafts, DraftHistory) else None
         session = (DraftSession(history, [r.context for r in rows]) if history is not None or drafts is None
-                   else drafts) if self.speculative else None
+                   else drafts) if self.speculative and tools is None else None
         settings = CallSettings(
             tokenizer=tokenizer, max_new=max([max_new_tokens] + [r.budget for r in carried]), eos=set(eos),
             stop_strings=stop_strings, temperature=temperature, top_p=top_p, top_k=top_k, filler=eos[0] if eos else 0,
             drafts=session, logits_processor=logits_processor, max_draft=self.max_draft,
             prompt_len=max((len(r.context) for r in rows), default=0), progress=progress,
-            stop_early=cut.observe if cut is not None else None)
+            stop_early=cut.observe if cut is not None else None, tools=tools)
         return _Plan(settings, rows, generator if row_seeds is None else None, cut, history)
 
     @contextlib.contextmanager

@@ -69,7 +69,9 @@ class LockstepRows:
                 return []
             engine.tok_in[:self.table.width].copy_(token)
             self.fed = True
-            if (self.step + 1) % check_every == 0 or (self.step == 0 and engine.speculative):
+            # step 0: a speculative call (or one with tools) hands its rows to the phase outside lockstep at once
+            at_once = engine.speculative or self.settings.tools is not None
+            if (self.step + 1) % check_every == 0 or (self.step == 0 and at_once):
                 live = self.check()
                 engine.record(len(live))
                 return live

@@ -7,6 +7,14 @@ speculative tail, each row at its own slot). Between checks a caller driving the
 `pause` a row for a tool call (it keeps its cache row and is not advanced), `resume` it with the tool's tokens
 (prefilled from its cache; the call then goes on outside lockstep, where rows may differ in length), or
 `hand_back` its unfinished rows, which a later call continues (`carried`).
+
+A call with tools (`CallSettings.tools`) leaves lockstep after its first token: every row then decodes at its own
+slot, draws as lockstep would (`SpeculativeRows._draw`) but only when it decodes, and pauses itself at a tool call's
+closing tag (`Row.advance`). So a row samples the same tokens however long the tools of other rows take (in
+lockstep, the first resume would move the call out at a time set by a tool's latency, and the draws with it); after
+the first tool call of a multi-turn rollout nearly every row is outside lockstep anyway. `tool_calls` gives the rows
+that newly wait, `resume` continues one with its tool turn, `end_turns` ends one at its call (out of turns or of
+budget).
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ class RolloutCall:
         self.outside: SpeculativeRows | None = None  # the phase of rows outside lockstep, once it began
         self.stopped = False
         self.handed_back: set[int] = set()
+        self._dispatched: set[int] = set()  # rows whose tool call `tool_calls` has given out
         engine.record(len(rows))
 
     def run(self) -> None:
@@ -67,6 +76,9 @@ class RolloutCall:
             return self._idle()
         if self._stops_early(live):
             return False
+        if self.settings.tools is not None:
+            self._leave_lockstep(live)
+            return True
         keep = live + self.waiting
         if engine.speculative and len(live) <= engine.speculative_rows:
             if engine.bucket(len(keep)) < self.table.width:  # (also in exact mode: the tail's rows only)
@@ -122,12 +134,15 @@ class RolloutCall:
         call, step = self.settings, self.lockstep.step
         self.lockstep.leave(live)
         self._assign_keys()
-        if call.drafts is not None or call.stop_strings:  # the rows' tokens so far, in one copy to the host
+        if call.drafts is not None or call.stop_strings or call.tools:  # the rows' tokens so far, in one copy
             for r, ids in zip(live, self.outputs.so_far(live, [step + 1] * len(live))):
                 if call.drafts is not None:
                     call.drafts.extend(r.index, ids)
                 if call.stop_strings:  # the stop-string scan continues from the tokens lockstep drew
                     r.history = r.earlier + ids
+                if call.tools is not None:  # its turn so far (a one-token tag may close at once)
+                    r.turn = ids[:-1]
+                    r.calls_a_tool(ids[-1], call.tools)
         self.outside = SpeculativeRows(self.engine, call, self.table)
 
     def _assign_keys(self) -> None:
@@ -161,10 +176,29 @@ class RolloutCall:
         row = self.rows[index]
         write, position = row.write, row.position
         missing = row.resume(appended)
+        self._dispatched.discard(index)
         if self.outside is None:
             live = [r for r in self.lockstep.rows if r.state is RowState.DECODING and r is not row]
             self._leave_lockstep(live)
         self.engine.extend_row(row.slot, missing, write, position)
+
+    def tool_calls(self) -> list[Row]:
+        """The rows that paused at a tool call since the last time this was asked (each row's `tool_call`: its turn's
+        tokens, the closing tag last)."""
+        new = [r for r in self.waiting if r.tool_call is not None and r.index not in self._dispatched]
+        self._dispatched.update(r.index for r in new)
+        return new
+
+    def end_turns(self, index: int, truncated: bool = False) -> None:
+        """Row `index` (waiting for a tool) ends at its tool call: stop reason stop (it may make no more calls), or
+        with `truncated` length (its budget has no room for the tool's answer)."""
+        row = self.rows[index]
+        if row.state is not RowState.WAITING_FOR_TOOL:
+            raise ValueError(f"row {index} is {row.state.value}: only a row waiting for a tool ends at its call")
+        row.state, row.tool_call, row.reason = RowState.FINISHED, None, "length" if truncated else "stop"
+        self._dispatched.discard(index)
+        if truncated:
+            row.budget = row.count  # the rollout cuts it here, as at its length limit
 
     def hand_back(self) -> list[Row]:
         """End the call here; its unfinished rows come back as rows a later call continues (`carried`), their

@@ -8,7 +8,9 @@ speculative tail, a row resumed after a tool call) takes its own write slot, RoP
 then on advances by as many tokens as a step gives it (`advance`).
 
 States: prefilling (its prompt is being written to the cache), decoding, waiting_for_tool (not advanced; it keeps
-its cache row until `resume` appends the tool's tokens), finished. A row handed back unfinished carries its tokens
+its cache row until `resume` appends the tool's tokens), finished. A row of a call with tools (`ToolStop`) pauses
+itself when the text of its current turn completes the tool-call format's closing tag (`advance`), so the caller can
+run the call and resume it with the tool turn's tokens. A row handed back unfinished carries its tokens
 (`earlier`) and draws (its generator) into a later call, which prefills its prompt and those tokens again and
 continues it as if the call had never stopped.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Row", "RowState", "SlotTable"]
+__all__ = ["Row", "RowState", "SlotTable", "ToolStop"]
 
 
 class RowState(enum.Enum):
@@ -29,6 +31,24 @@ class RowState(enum.Enum):
     DECODING = "decoding"
     WAITING_FOR_TOOL = "waiting_for_tool"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class ToolStop:
+    """Where a row of a call with tools stops for a tool call: once the decoded text of its current turn's last
+    `window` tokens holds `close` (the format's closing tag). Only a token in `candidates` (those whose text holds the
+    tag's last character; None: any) can complete it, so most tokens cost no decode."""
+
+    close: str
+    candidates: frozenset[int] | None
+    window: int
+    decode: Callable[[list[int]], str]  # token ids -> text, special tokens kept
+
+    def completes(self, turn: list[int]) -> bool:
+        """Whether the newest token of `turn` (the tokens generated since its turn began) completes the tag."""
+        if self.candidates is not None and turn[-1] not in self.candidates:
+            return False
+        return self.close in self.decode(turn[-self.window:])
 
 
 @dataclass(eq=False)
@@ -62,6 +82,11 @@ class Row:
     proposed: int = 0  # drafted tokens, how many were accepted, and steps that rejected one (acceptance stats)
     accepted: int = 0
     rejections: int = 0
+    # Tool calls (a call with a `ToolStop`)
+    turn: list[int] = field(default_factory=list)  # its tokens since its current turn began (after the last tool)
+    tool_call: list[int] | None = None  # the turn's tokens while it waits for its tool call to be run
+    turns: int = 0  # tool turns appended so far
+    injected: list[int] = field(default_factory=list)  # this call's indices of the tokens tools appended
 
     @property
     def context(self) -> list[int]:
@@ -80,9 +105,10 @@ class Row:
         self.phase_start, self.tokens, self.logprobs = count, [], []
 
     def advance(self, emitted: list[int], logprobs: list[float], eos: set[int],
-                stop: Callable[["Row", int], bool]) -> None:
-        """Take a step's emitted tokens, ending the row at an EOS, a stop string or its budget."""
-        for token, logprob in zip(emitted, logprobs):
+                stop: Callable[["Row", int], bool], tools: ToolStop | None = None) -> None:
+        """Take a step's emitted tokens, ending the row at an EOS, a stop string or its budget; with `tools`,
+        pausing it (waiting for a tool, `tool_call` set) at a token that completes a tool call's closing tag."""
+        for n, (token, logprob) in enumerate(zip(emitted, logprobs), 1):
             self.tokens.append(token)
             self.logprobs.append(logprob)
             self.count += 1
@@ -90,13 +116,23 @@ class Row:
                 self.reason = "eos"
             elif stop(self, token):
                 self.reason = "stop"
+            elif tools is not None and self.calls_a_tool(token, tools):
+                break
             elif self.count >= self.budget:
                 self.reason = "length"
             if self.reason is not None:
                 self.state = RowState.FINISHED
                 return
-        n = len(emitted)
-        self.write, self.position, self.last = self.write + n, self.position + n, emitted[-1]
+        self.write, self.position, self.last = self.write + n, self.position + n, emitted[n - 1]
+
+    def calls_a_tool(self, token: int, tools: ToolStop) -> bool:
+        """Add `token` to its turn; True (and waiting for the tool) when it completes the closing tag. At its budget
+        it waits too: the caller ends it there (no room for a tool's answer)."""
+        self.turn.append(token)
+        if not tools.completes(self.turn):
+            return False
+        self.tool_call, self.state = list(self.turn), RowState.WAITING_FOR_TOOL
+        return True
 
     def pause(self) -> None:
         """Wait for a tool: not advanced, its cache row kept, until `resume`."""
@@ -114,6 +150,8 @@ class Row:
             raise ValueError(f"row {self.index}: 1 to {self.budget - self.count - 1} tokens can be appended (its "
                              f"budget is {self.budget}, {self.count} used), got {len(appended)}")
         missing = [self.last] + appended[:-1]
+        self.injected += range(self.count, self.count + len(appended))
+        self.turn, self.tool_call, self.turns = [], None, self.turns + 1
         self.appended += len(appended)
         self.tokens += appended
         self.logprobs += [0.0] * len(appended)

@@ -27,6 +27,11 @@ class Rollout:
     completion_ids include the EOS token when a row stopped on EOS, and end with the token that completed the stop
     string when it stopped on one; texts are those ids decoded without special tokens; logprobs[i] is a float32
     tensor with one value per completion id.
+
+    generated_mask[i] (bool, one per completion id; None: every token was generated) is False at the tokens the
+    model did not sample: a multi-turn rollout's tool turns (the tool's answer and the chat template's glue around
+    it, `qerl.rollout.multi_turn`), whose log-probs are 0. The trainer leaves them out of the loss, the KL, the
+    importance ratios and the entropy metrics; they stay in the sequence as context.
     """
 
     prompt_ids: list[list[int]]
@@ -34,20 +39,30 @@ class Rollout:
     texts: list[str]
     logprobs: list[Tensor]
     stop_reasons: list[StopReason]
+    generated_mask: list[Tensor] | None = None
 
     def select(self, rows: Sequence[int]) -> "Rollout":
         """The rows at indices `rows`, in that order."""
+        masks = None if self.generated_mask is None else [self.generated_mask[r] for r in rows]
         return Rollout(prompt_ids=[self.prompt_ids[r] for r in rows],
                        completion_ids=[self.completion_ids[r] for r in rows], texts=[self.texts[r] for r in rows],
-                       logprobs=[self.logprobs[r] for r in rows], stop_reasons=[self.stop_reasons[r] for r in rows])
+                       logprobs=[self.logprobs[r] for r in rows], stop_reasons=[self.stop_reasons[r] for r in rows],
+                       generated_mask=masks)
+
+    def masks(self) -> list[Tensor]:
+        """generated_mask, all True where it is None."""
+        if self.generated_mask is not None:
+            return self.generated_mask
+        return [torch.ones(len(c), dtype=torch.bool) for c in self.completion_ids]
 
     @classmethod
     def concat(cls, parts: Sequence["Rollout"]) -> "Rollout":
         """The rows of `parts`, one part after the other."""
+        masks = None if all(p.generated_mask is None for p in parts) else [m for p in parts for m in p.masks()]
         return cls(prompt_ids=[x for p in parts for x in p.prompt_ids],
                    completion_ids=[x for p in parts for x in p.completion_ids],
                    texts=[x for p in parts for x in p.texts], logprobs=[x for p in parts for x in p.logprobs],
-                   stop_reasons=[x for p in parts for x in p.stop_reasons])
+                   stop_reasons=[x for p in parts for x in p.stop_reasons], generated_mask=masks)
 
     @classmethod
     def from_padded(cls, tokenizer: Any, prompt_ids: list[list[int]], tokens: Tensor, logprobs: Tensor,

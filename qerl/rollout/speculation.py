@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from qerl.rollout.rows import Row, RowState, SlotTable
-from qerl.rollout.sampling import decode_ids
+from qerl.rollout.sampling import decode_ids, sample_tokens, step_keys
 from qerl.rollout.verify import verify
 
 __all__ = ["SpeculativeRows", "MAX_QUERIES"]
@@ -48,19 +48,41 @@ class SpeculativeRows:
         return [r for r in self.table.rows if r is not None and r.state is RowState.WAITING_FOR_TOOL]
 
     def compact(self) -> None:
-        """Move the rows still needed (decoding or waiting for a tool) into a smaller bucket when they fit one."""
+        """Move the rows still needed (decoding or waiting for a tool) into a smaller bucket when they fit one. Not
+        in a call with tools on exact shapes: when rows finish there depends on how long tools take, and the batch's
+        shape would carry that into the float rounding of every row (the reference's rollouts are bit-exact)."""
+        if self.engine.exact and self.settings.tools is not None:
+            return
         keep = [r for r in self.table.rows if r is not None and r.state in (RowState.DECODING,
                                                                             RowState.WAITING_FOR_TOOL)]
         if keep and self.engine.bucket(len(keep)) < self.table.width:
             self.table.compact(keep)
 
     def step(self, live: list[Row]) -> None:
-        """One verify forward for every live row, then the rejection rule, then one sync."""
-        call, engine, width = self.settings, self.engine, self.table.width
+        """One verify forward for every live row, then the rejection rule (or, for rows of a call with tools, the
+        lockstep phase's draw), then one sync."""
+        call, engine = self.settings, self.engine
         drafts = [call.drafts.propose(r.index, min(r.draft_len, r.budget - r.count))
                   if call.drafts is not None else [] for r in live]
         t = self.queries(live, drafts)
         drafts = [d[:t - 1] for d in drafts]
+        logits = self._logits(live, drafts, t)
+        if t == 1 and call.tools is not None and all(r.generator is not None for r in live):
+            host, host_lp = self._draw(live, logits[:, 0])
+        else:
+            host, host_lp = self._verify(live, drafts, logits, t)
+        for r, d, row, lp in zip(live, drafts, host, host_lp):
+            a = row[-1]
+            r.advance(row[:a + 1], lp[:a + 1], call.eos, self._stopped, call.tools)
+            r.adapt(len(d), a, call.max_draft)
+            if call.drafts is not None:
+                call.drafts.extend(r.index, row[:a + 1])
+        engine.stats["spec_row_steps"] += len(live)
+        engine.record(sum(r.reason is None for r in live))
+
+    def _logits(self, live: list[Row], drafts: list[list[int]], t: int):
+        """The verify forward's fp32 logits [rows, t, V] of the live rows (after the call's logits processor)."""
+        call, engine, width = self.settings, self.engine, self.table.width
         waiting = self.waiting  # fed at their own slots (past what they hold), so their cache rows are kept
         engine.verify_inputs(live, drafts, width, t, call.prompt_len, waiting)
         logits = engine.verify_step(width, t, max(r.write for r in live + waiting) + t).view(width, t, -1)
@@ -71,23 +93,31 @@ class SpeculativeRows:
             at = (torch.tensor([r.drawn for r in live], device=logits.device)[:, None]
                   + torch.arange(t, device=logits.device)).view(-1)
             call.logits_processor(logits.view(n * t, -1), rows, at)
-        dev = logits.device
+        return logits
+
+    def _verify(self, live: list[Row], drafts: list[list[int]], logits, t: int):
+        """The rejection rule over each row's drafts (counter-keyed draws); per row [tokens..., accepted] and the
+        tokens' log-probs, on the host."""
+        call, n, dev = self.settings, len(live), logits.device
         draft_t = torch.zeros(n, max(1, t - 1), dtype=torch.long)
         for i, d in enumerate(drafts):
             draft_t[i, :len(d)] = torch.tensor(d, dtype=torch.long)
         info = torch.tensor([[len(d), r.key, r.drawn] for d, r in zip(drafts, live)], dtype=torch.long).to(dev)
         out, logprobs, accepted = verify(logits, draft_t[:, :t - 1].to(dev), info[:, 0], info[:, 1], info[:, 2],
                                          call.temperature, call.top_p, call.top_k)
-        host = torch.cat([out, accepted[:, None]], 1).tolist()  # the step's one sync
-        host_lp = logprobs.tolist()
-        for r, d, row, lp in zip(live, drafts, host, host_lp):
-            a = row[-1]
-            r.advance(row[:a + 1], lp[:a + 1], call.eos, self._stopped)
-            r.adapt(len(d), a, call.max_draft)
-            if call.drafts is not None:
-                call.drafts.extend(r.index, row[:a + 1])
-        engine.stats["spec_row_steps"] += n
-        engine.record(sum(r.reason is None for r in live))
+        return torch.cat([out, accepted[:, None]], 1).tolist(), logprobs.tolist()  # the step's one sync
+
+    def _draw(self, live: list[Row], logits):
+        """One token per row as the lockstep phase draws it (`sample_tokens`: the row's generator on the CPU, the
+        one-pass kernel keyed by its seed and completion index on CUDA): a row of a call with tools that makes no
+        call samples what it would in a call without tools; each draw is its own, whatever the other rows do."""
+        call, dev = self.settings, logits.device
+        seeds = torch.tensor([r.seed for r in live], dtype=torch.long, device=dev)
+        keys = step_keys(seeds, torch.tensor([r.drawn for r in live], dtype=torch.long, device=dev))
+        tokens, logprobs = sample_tokens(logits, call.temperature, call.top_p, call.top_k,
+                                         [r.generator for r in live], keys)
+        host = torch.stack([tokens, torch.zeros_like(tokens)], 1).tolist()  # the step's one sync
+        return host, logprobs[:, None].tolist()
 
     def queries(self, live: list[Row], drafts: list[list[int]]) -> int:
         """Query tokens per row for this step (1, 2, 4 or 8): the most expected tokens per unit of step cost. A row

@@ -86,3 +86,38 @@ def test_trainer_rolls_out_through_its_backend(tmp_path):
     samples = batch.samples
     assert len(batch) == 8 and all(len(lp) == len(c) for lp, c in zip(samples.logprobs, samples.completion_ids))
     assert isinstance(make_trainer(tiny_settings(tmp_path), tmp_path / "cpu").rollout_backend, ReferenceBackend)
+
+
+def test_evaluate_with_tools_counts_the_calls_and_the_engine_and_reference_agree(tmp_path):
+    """`qerl eval` with rollout.tools: multi-turn completions (tool turns in the graded text), the calls counted in
+    the metrics; the bucketed engine and the reference give the same greedy completions."""
+    from collections import Counter
+
+    from qerl.data import problems as data
+    from qerl.rollout.multi_turn import ToolUse
+    from qerl.rollout.tool_calls import ToolCallFormat, ToolTurn
+    from tests.test_trainer import char_tokenizer, tiny_model
+
+    tokenizer = char_tokenizer()
+    model = tiny_model(tokenizer, seed=3)
+    examples = data.load_dataset("arithmetic", split="test", n=6, seed=0, digits=1)
+    kw = dict(max_new_tokens=24, batch_size=4, progress=False, reward_fn=lambda text, gold: float("1" in text))
+    plain = evaluate(model, tokenizer, examples, **kw)
+    common = Counter(c for r in plain.records for c in r["completion"]).most_common(1)[0][0]
+
+    class Any(ToolCallFormat):  # every turn ending at `common` calls `one`
+        def parse(self, text):
+            return "one", {}
+
+    def one() -> str:
+        """One."""
+        return "1"
+
+    tools = ToolUse({"one": one}, max_turns=2, format=Any(open="", close=common), turn=ToolTurn("=", "?"))
+    by_reference = evaluate(model, tokenizer, examples, tools=tools, **kw)
+    by_engine = evaluate(model, tokenizer, examples, tools=tools, backend=make_backend(model, tokenizer, "engine"),
+                         **kw)
+    assert by_reference.metrics["tool_calls"] > 0 and by_reference.metrics["tool_errors"] == 0
+    assert any("=1?" in r["completion"] for r in by_reference.records)
+    assert [r["completion"] for r in by_engine.records] == [r["completion"] for r in by_reference.records]
+    assert by_engine.metrics["tool_calls"] == by_reference.metrics["tool_calls"]
