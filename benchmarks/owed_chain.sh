@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What issues #61, #63 and #64 owed on a GPU after 2026-12-02's third session (.notes/engine.md), as two device calls
+# back to back on one machine (nothing carried; each call stands alone):
+#
+#   run(carry=[], timeout_s=600, command="bash benchmarks/owed_chain.sh tests")   # ~5 min
+#   run(carry=[], timeout_s=600, command="bash benchmarks/owed_chain.sh bench")   # ~8 min
+#
+# tests: #61's compile-count test with Dynamo's recompile reasons (TORCH_LOGS=recompiles), the FP8 base's CUDA tests
+#        (#63 item 3), the multi-turn tests on CUDA (#64: the bucketed engine's verify graphs at one query per row,
+#        extend_row on the fused cache).
+# bench: rollouts of the FP8 base beside bf16 and NVFP4 at 1 / 8 / 64 / 512 rows x 256 new tokens (#63's target:
+#        FP8 >= 1.25x bf16 at 1 and 8 rows, not below NVFP4 at 64-512); multi-turn against single-turn of the same
+#        total length (#64's target: >= 0.9x); the GRPO step on the FP8 base beside bf16 (not below bf16's).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD QERL_GEMM_CACHE=$OUT/gemm_dispatch.json
+START=$(date +%s)
+left() { echo $(( ${1} - ($(date +%s) - START) )); }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+case "${1:?usage: owed_chain.sh tests|bench}" in
+  tests)
+    TORCH_LOGS=recompiles timeout -s INT -k 10 200 python3 -m pytest -q -rfE -p no:cacheprovider \
+      "tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_compiles_in_workers" 2>&1 | tee "$OUT/compile.log" | tail -60
+    timeout -s INT -k 10 $(left 570) python3 -m pytest -q -rfE -p no:cacheprovider --durations=10 \
+      tests/test_quant_fp8.py tests/test_fp8_kernels.py tests/rollout/test_multi_turn.py \
+      "tests/test_update_kernels.py::test_gpu_fp8_update_agrees_with_bf16_and_runs_fp8" 2>&1 \
+      | tee "$OUT/tests.log" | tail -30
+    timeout -s INT -k 10 $(left 585) python3 -m pytest -q -rfE -p no:cacheprovider tests/rollout/test_engine.py \
+      -k "gpu and fp8" 2>&1 | tee -a "$OUT/tests.log" | tail -15 ;;
+  bench)
+    timeout 230 python3 benchmarks/bench_rollout.py --models 7b --schemes bf16,nvfp4,fp8 --batches 1,8,64,512 \
+      --new 256 --out "$OUT/rollout" 2>&1 | tee "$OUT/rollout.log" | grep -v "^  (" | tail -30
+    timeout 150 python3 benchmarks/bench_multiturn.py --model 7b --scheme nvfp4 --batch 64 --turns 3 \
+      --turn-tokens 256 --answer-tokens 48 --latency 0.5 --out "$OUT/multiturn" 2>&1 | tee "$OUT/multiturn.log" | tail -25
+    timeout $(left 585) python3 benchmarks/bench_grpo_step.py --models 7b --schemes fp8,bf16 --prompts 8 --micro 8 \
+      --new 1024 --lengths gsm8k --steps 2 --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -25 ;;
+esac
