@@ -94,6 +94,15 @@ def raises(completions, **kwargs):
     return [1 / 0 for _ in completions]
 
 
+STARTED = threading.Event()  # set by notes_its_cancel once it runs
+
+
+def raises_once_the_other_runs(completions, **kwargs):
+    """Fails only once the async reward is running: cancelling one that has not started is no test of cancelling."""
+    assert STARTED.wait(30)
+    return [1 / 0 for _ in completions]
+
+
 def legacy_raises_on_row_2(completion, gold):
     if gold == "2":
         raise KeyError("no such answer")
@@ -147,6 +156,7 @@ async def sleeps_long(completions, **kwargs):
 
 
 async def notes_its_cancel(completions, **kwargs):
+    STARTED.set()
     try:
         await asyncio.sleep(30)
     except asyncio.CancelledError:
@@ -163,6 +173,7 @@ async def blocks_its_loop(completions, **kwargs):
 @pytest.fixture(autouse=True)
 def released():
     RELEASE.clear()
+    STARTED.clear()
     MET.clear()
     yield
     RELEASE.set()
@@ -296,7 +307,7 @@ def test_an_async_function_over_its_budget_is_cancelled_and_one_blocking_its_loo
 
 
 def test_a_step_a_sync_reward_failed_cancels_its_async_ones():
-    mix = calls({f"{HERE}:notes_its_cancel": 1.0, f"{HERE}:raises": 1.0})
+    mix = calls({f"{HERE}:notes_its_cancel": 1.0, f"{HERE}:raises_once_the_other_runs": 1.0})
     with pytest.raises(RewardFailed, match="ZeroDivisionError"):
         mix(rows(4))
     deadline = time.monotonic() + 5
