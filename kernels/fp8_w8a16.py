@@ -55,13 +55,13 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
 
 def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_n: int = 64,
                    block_k: int = 128, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """x2 [M, K] (bf16/fp16, unit stride along K, M <= MAX_M) @ (w8 [N, K] E4M3 contiguous * scale [N] fp32 per row)ᵀ:
+    """x2 [M, K] (bf16/fp16, unit stride along K; any M, though beyond MAX_M other GEMMs win) @ (w8 [N, K] E4M3 contiguous * scale [N] fp32 per row)ᵀ:
     [M, N] in x2's dtype."""
     m, k = x2.shape
     n = w8.shape[0]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    block_m = max(16, triton.next_power_of_2(m))  # tl.dot's smallest tile
+    block_m = max(16, min(MAX_M, triton.next_power_of_2(m)))  # tl.dot's smallest tile; larger M: more programs
     split = split_k or split_for(n, k, block_n, block_k, _sm_count(x2.device))
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if split == 1 else \
         torch.zeros(m, n, dtype=torch.float32, device=x2.device)

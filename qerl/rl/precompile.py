@@ -286,9 +286,11 @@ def run_rollout(model, job: dict[str, Any]) -> None:
 
 
 def run_update(model, job: dict[str, Any]) -> None:
-    """One micro-batch of the update: the forwards without a graph (frozen log-probs; idle rows' log-probs and
-    entropies) and the forward and backward of the loss's log-probs, in the run's update precision, its rows in
-    groups that share a prompt as the trainer's do."""
+    """One micro-batch of the update per layout the trainer's can take: the forwards without a graph (frozen
+    log-probs; idle rows' log-probs and entropies) and the forward and backward of the loss's log-probs, in the
+    run's update precision. Its rows share prompts when they hold whole groups (the shared-prompt forward) and
+    do not when every row's prompt differs (the plain forward: micro-batches of rows ordered by length mix groups),
+    so both paths' kernels compile here and neither in the trainer's first step."""
     from qerl.execution import held_weights, update_precision
     from qerl.rl import grpo
 
@@ -296,19 +298,21 @@ def run_update(model, job: dict[str, Any]) -> None:
     device = model.lm_head.weight.device
     P, C, rows, group = job["prompt_len"], job["new_tokens"], job["micro_batch"], job["group_size"]
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(model.config.vocab_size, (-(-rows // group), P), generator=g)
-    prompt = prompts.repeat_interleave(group, 0)[:rows]
-    ids = torch.cat([prompt, torch.randint(model.config.vocab_size, (rows, C), generator=g)], 1).to(device)
-    attn = torch.ones_like(ids)
     model.train()
+    layouts = [-(-rows // group), rows] if job["share_prompts"] and group > 1 and rows > 1 else [rows]
     with update_precision(model, m.base_gemm), held_weights(model, 0 if m.keep_dequantized is False else 1 << 40):
-        with torch.no_grad():  # the frozen log-probs (μ > 1, β > 0), and the rows without a gradient (entropies)
-            for want_entropy in (False, True):
-                grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], want_entropy,
-                                          m.pack_completions)
-        logp, _ = grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], True,
-                                            m.pack_completions)
-        logp.sum().backward()
+        for distinct in layouts:
+            prompts = torch.randint(model.config.vocab_size, (distinct, P), generator=g)
+            prompt = prompts.repeat_interleave(-(-rows // distinct), 0)[:rows]
+            ids = torch.cat([prompt, torch.randint(model.config.vocab_size, (rows, C), generator=g)], 1).to(device)
+            attn = torch.ones_like(ids)
+            with torch.no_grad():  # the frozen log-probs (μ > 1, β > 0), and the rows without a gradient (entropies)
+                for want_entropy in (False, True):
+                    grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"],
+                                              want_entropy, m.pack_completions)
+            logp, _ = grpo.completion_log_probs(model, ids, attn, P, job["temperature"], job["share_prompts"], True,
+                                                m.pack_completions)
+            logp.sum().backward()
 
 
 def main(argv: list[str]) -> int:

@@ -247,7 +247,9 @@ def test_the_generated_tokens_log_probs_are_the_trainers_recomputation(switches)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_a_resumed_rows_continuation_is_the_policys_on_the_graphed_engine():
     """On CUDA (graphs, fused kernels, the verify step at one query per row, extend_row on the fused cache): a row's
-    tool turn is prefilled from its cache and its continuation's log-probs are a full forward's (fp32)."""
+    tool turn is prefilled from its cache and its continuation's log-probs are a full forward's (fp32 on the CPU) as
+    closely as the rows that called nothing: the engine's Triton kernels multiply fp32 in TF32 (~1e-2 here), while
+    a tool turn at wrong positions or slots would be off by the size of a log-prob."""
     import copy
 
     model = tiny(device="cuda")
@@ -259,13 +261,19 @@ def test_gpu_a_resumed_rows_continuation_is_the_policys_on_the_graphed_engine():
     assert stats["tool_calls"] == 4 and engine.stats["captures"] > 0
     cpu = copy.deepcopy(model).cpu()
     answer = TURN.before + "5" + TURN.after
+
+    def gap(r: int, start: int) -> float:
+        context, after = out.prompt_ids[r] + out.completion_ids[r][:start], out.completion_ids[r][start:]
+        expected = policy_logprobs(cpu, context, after, len(context) + len(after), 1.0)
+        return (out.logprobs[r][start:] - expected).abs().max().item()
+
+    floor = max(gap(r, 0) for r in range(1, 8, 2))  # the rows without a call: the kernels' own rounding
+    assert floor < 0.05
     for r in scripts:
         assert out.texts[r].startswith(script + answer)
         end = len(script) + len(answer)
         assert not out.generated_mask[r][len(script):end].any()
-        context, after = out.prompt_ids[r] + out.completion_ids[r][:end], out.completion_ids[r][end:]
-        expected = policy_logprobs(cpu, context, after, len(context) + len(after), 1.0)
-        assert torch.allclose(out.logprobs[r][end:], expected, atol=1e-3)
+        assert gap(r, end) <= 2 * floor + 1e-3, (r, gap(r, end), floor)
 
 
 @pytest.mark.parametrize("kind", list(ENGINES))
