@@ -109,6 +109,59 @@ def script(lengths: list[list[int]], answer: int, multi_turn: bool, vocab: int, 
     return process, totals
 
 
+class Phases:
+    """Host wall time inside the outside-lockstep step's parts (`--phases`): the verify forward's launch and gather,
+    the draw (its `.tolist()` waits for the GPU: the step's one sync), the rows' host bookkeeping, the tool turns'
+    prefills. What is left of the call's time is the rest of the loop (the call's own Python, the tool threads)."""
+
+    PARTS = {"forward launch": ("qerl.rollout.speculation", "SpeculativeRows", "_logits"),
+             "draw + sync": ("qerl.rollout.speculation", "SpeculativeRows", "_draw"),
+             "row bookkeeping": ("qerl.rollout.rows", "Row", "advance"),
+             "tool-turn prefill": ("qerl.rollout.engine", "RolloutEngine", "extend_row"),
+             "outside step": ("qerl.rollout.speculation", "SpeculativeRows", "step")}
+
+    def __init__(self, sync: bool):
+        import importlib
+
+        self.seconds = {k: 0.0 for k in self.PARTS}
+        self.calls = {k: 0 for k in self.PARTS}
+        self._undo = []
+        for name, (module, cls, method) in self.PARTS.items():
+            owner = getattr(importlib.import_module(module), cls)
+            real = getattr(owner, method)
+            self._undo.append((owner, method, real))
+            setattr(owner, method, self._timed(name, real, sync and name == "tool-turn prefill"))
+
+    def _timed(self, name, real, sync):
+        def timed(*a, **k):
+            if sync and self.calls[name] == 50:  # one tool-turn prefill, warm, under the profiler
+                return self._profiled(real, *a, **k)
+            start = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                if sync:
+                    torch.cuda.synchronize()
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+        return timed
+
+    def _profiled(self, real, *a, **k):
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            real(*a, **k)
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
+        print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+
+    def restore(self):
+        for owner, method, real in self._undo:
+            setattr(owner, method, real)
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     model = build_model(args.model, args.scheme, device=args.device)
@@ -133,6 +186,7 @@ def run(args) -> list[dict]:
         for timed in (False, True):  # the first call captures the graphs (a warm trainer has them)
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            phases = Phases(device.type == "cuda") if args.phases and timed and arm == "multi-turn" else None
             start = time.perf_counter()
             if arm == "multi-turn":
                 out, stats = generate_with_tools(engine, tokenizer, prompts, max(totals), use, **kw)
@@ -141,6 +195,12 @@ def run(args) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
+            if phases is not None:
+                phases.restore()
+                for name in Phases.PARTS:
+                    print(f"  {name}: {phases.seconds[name]:.2f} s over {phases.calls[name]} calls "
+                          f"({1e3 * phases.seconds[name] / max(1, phases.calls[name]):.2f} ms each)", flush=True)
+                print(f"  the call: {seconds:.2f} s; engine stats {engine.stats}", flush=True)
         tokens = sum(map(len, out.completion_ids))
         generated = sum(int(m.sum()) for m in out.masks())
         assert [len(c) for c in out.completion_ids] == totals, "the synthetic policy's lengths were not kept"
@@ -167,6 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--answer-tokens", type=int, default=48, help="tokens of a tool turn (answer and glue)")
     p.add_argument("--latency", type=float, default=0.5, help="the tool's fixed latency, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phases", action="store_true", help="time the outside-lockstep step's parts (host wall time)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rows = run(args)

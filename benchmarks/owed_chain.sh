@@ -27,6 +27,18 @@ case "${1:?usage: owed_chain.sh tests|bench}" in
       | tee "$OUT/tests.log" | tail -30
     timeout -s INT -k 10 $(left 585) python3 -m pytest -q -rfE -p no:cacheprovider tests/rollout/test_engine.py \
       -k "gpu and fp8" 2>&1 | tee -a "$OUT/tests.log" | tail -15 ;;
+  diag)  # 2026-12-03: what the trainer compiles that its workers did not; the FP8 and multi-turn failures in full
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    QERL_OPS_LOG=$OUT/ops.jsonl PYTHONPATH=$PWD/benchmarks/diag:$PWD TORCH_LOGS=recompiles timeout -s INT -k 10 240 \
+      python3 -m pytest -q -rfE -p no:cacheprovider \
+      "tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_compiles_in_workers" > "$OUT/compile.log" 2>&1
+    tail -5 "$OUT/compile.log"
+    timeout -s INT -k 10 $(left 560) python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_quant_fp8.py tests/test_fp8_kernels.py \
+      "tests/rollout/test_multi_turn.py::test_gpu_a_resumed_rows_continuation_is_the_policys_on_the_graphed_engine" \
+      > "$OUT/tests.log" 2>&1
+    tail -15 "$OUT/tests.log"
+    timeout $(left 590) python3 benchmarks/bench_multiturn.py --model 7b --scheme nvfp4 --batch 64 --turns 3 \
+      --turn-tokens 256 --answer-tokens 48 --latency 0.5 --phases 2>&1 | tee "$OUT/multiturn.log" | tail -12 ;;
   bench)
     timeout 230 python3 benchmarks/bench_rollout.py --models 7b --schemes bf16,nvfp4,fp8 --batches 1,8,64,512 \
       --new 256 --out "$OUT/rollout" 2>&1 | tee "$OUT/rollout.log" | grep -v "^  (" | tail -30
