@@ -144,7 +144,7 @@ class Trainer:
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(
             model, tokenizer, s.rollout.backend, **engine_options(s.rollout),
-            vllm=vllm_options(s, model_context(model)) if s.rollout.backend == "vllm" else None)
+            vllm=lambda: vllm_options(s, model_context(model)))
         # Speculative rollouts draft from the run's earlier completions of each prompt: kept in the checkpoint, so a
         # resumed run drafts (and so samples) what the uninterrupted one did.
         self.draft_history = DraftHistory()

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl.config import VLLM_INSTALL
+from qerl.errors import BrokenExtra, MissingExtra, one_line
 from qerl.model.lora import LoraSettings, lora_layers, save_adapter
 from qerl.rollout import releasable
 from qerl.rollout.backends import RolloutBackend, Sampling
@@ -37,13 +39,23 @@ from qerl.rollout.sampling import Rollout, decode_ids, default_eos_ids, encode_p
 __all__ = ["VLLMOptions", "VLLMBackend", "require_vllm"]
 
 def require_vllm():
-    """The vllm module, or one line saying how to install it."""
+    """The vllm module; else one line (exit 2): how to install it, or what the import of an installed but broken
+    vLLM raised (a build for another torch or CUDA raises anything, an ImportError of its own parts included)."""
     try:
         import vllm
-    except ImportError as e:
-        raise ImportError(f"rollout.backend: vllm needs vLLM, which is not importable here ({e}); install it with "
-                          "pip install \"qerl[vllm]\" (vllm 0.26, for torch 2.11)") from None
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":
+            raise _broken(e) from e
+        raise MissingExtra(f"rollout.backend: vllm needs vLLM, which is not installed here; install it with "
+                           f"{VLLM_INSTALL}") from None
+    except Exception as e:
+        raise _broken(e) from e
     return vllm
+
+
+def _broken(exc: Exception) -> BrokenExtra:
+    return BrokenExtra(f"vLLM failed to import: {type(exc).__name__}: {one_line(exc)} (rollout.backend 'vllm'; "
+                       f"reinstall it: {VLLM_INSTALL})")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from qerl.rollout.factory import make_backend
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_choosing_vllm_without_it_names_the_extra_in_one_line():
     with pytest.raises(ImportError) as e:
-        make_backend(torch.nn.Linear(2, 2), None, "vllm", vllm={})
+        make_backend(torch.nn.Linear(2, 2), None, "vllm", vllm=dict)
     assert 'pip install "qerl[vllm]"' in str(e.value) and "\n" not in str(e.value)
 
 
