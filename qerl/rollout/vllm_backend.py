@@ -36,7 +36,7 @@ from qerl.rollout import releasable
 from qerl.rollout.backends import RolloutBackend, Sampling
 from qerl.rollout.sampling import Rollout, decode_ids, default_eos_ids, encode_prompts
 
-__all__ = ["VLLMOptions", "VLLMBackend", "require_vllm"]
+__all__ = ["VLLMOptions", "VLLMBackend", "engine_arguments", "require_vllm"]
 
 def require_vllm():
     """The vllm module; else one line (exit 2): how to install it, or what the import of an installed but broken
@@ -71,6 +71,21 @@ class VLLMOptions:
     sleep_level: int = 1  # 0: never sleep; 1: weights to host memory and KV cache dropped between rollouts
     seed: int = 0
     enforce_eager: bool = False
+    kv_cache_dtype: str = "model"  # rollout.kv_cache_dtype: the model's dtype, or fp8 (vLLM's own FP8 KV cache)
+
+
+def engine_arguments(options: VLLMOptions, detokenize: bool) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM` for `options` (`detokenize`: the base folder has tokenizer files)."""
+    return dict(model=str(options.base), skip_tokenizer_init=not detokenize, dtype="bfloat16", seed=options.seed,
+                enable_lora=True, max_lora_rank=max(8, options.lora.rank), max_loras=1,
+                max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
+                gpu_memory_utilization=options.gpu_memory_utilization, enable_sleep_mode=options.sleep_level > 0,
+                enforce_eager=options.enforce_eager,
+                # vLLM's "fp8" is E4M3, scaled per tensor (ours, qerl.execution.kv8, per vector); "auto": the model's
+                kv_cache_dtype="fp8" if options.kv_cache_dtype == "fp8" else "auto",
+                # log_softmax(logits / temperature) before top-k/top-p: what qerl's samplers return and what the
+                # trainer recomputes
+                logprobs_mode="processed_logprobs")
 
 
 class VLLMBackend(RolloutBackend):
@@ -92,14 +107,7 @@ class VLLMBackend(RolloutBackend):
         # Without tokenizer files beside the base (random-weight benchmarks) vLLM takes token ids alone; our own
         # tokenizer decodes the completions either way.
         self._detokenize = any((options.base / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.llm = LLM(model=str(options.base), skip_tokenizer_init=not self._detokenize, dtype="bfloat16",
-                       seed=options.seed, enable_lora=True, max_lora_rank=max(8, options.lora.rank), max_loras=1,
-                       max_model_len=options.max_model_len,
-                       max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
-                       enable_sleep_mode=options.sleep_level > 0, enforce_eager=options.enforce_eager,
-                       # log_softmax(logits / temperature) before top-k/top-p: what qerl's samplers return and
-                       # what the trainer recomputes
-                       logprobs_mode="processed_logprobs")
+        self.llm = LLM(**engine_arguments(options, self._detokenize))
         self._adapter_dir = Path(tempfile.mkdtemp(prefix="qerl-vllm-lora-",
                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self._lora_id = 0
@@ -184,7 +192,8 @@ class VLLMBackend(RolloutBackend):
                        stop_reasons=reasons)
 
     def reduced_precision(self) -> list[str]:
-        return super().reduced_precision() + ["vLLM's kernels (another engine's numerics than the update's)"]
+        kv8 = ["vLLM's FP8 KV cache (rollout.kv_cache_dtype)"] if self.options.kv_cache_dtype == "fp8" else []
+        return super().reduced_precision() + ["vLLM's kernels (another engine's numerics than the update's)", *kv8]
 
     # ------------------------------------------------------------------------------------------------- memory
     def wake(self) -> None:

@@ -62,6 +62,19 @@ def test_an_fp8_run_serves_compressed_tensors_fp8_dynamic(tiny_llama_dir, tmp_pa
         ("float-quantized", "channel", "token")  # vLLM's W8A8 FP8 with per-token dynamic activations
 
 
+@pytest.mark.parametrize("kv_cache_dtype, vllms", [("model", "auto"), ("fp8", "fp8")])
+def test_the_kv_cache_dtype_reaches_vllms_engine(tiny_llama_dir, kv_cache_dtype, vllms):
+    """rollout.kv_cache_dtype: fp8 under backend vllm was silently ignored: the engine cached in the model's dtype."""
+    from qerl.rollout.vllm_backend import VLLMOptions, engine_arguments
+
+    s = load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=bf16", "rollout.backend=vllm",
+                                 f"rollout.kv_cache_dtype={kv_cache_dtype}"])
+    arguments = engine_arguments(VLLMOptions(**vllm_options(s, context=512)), detokenize=True)
+    assert arguments["kv_cache_dtype"] == vllms
+    assert (arguments["model"], arguments["max_model_len"], arguments["dtype"], arguments["enable_sleep_mode"]) == \
+        (str(tiny_llama_dir), 512, "bfloat16", True)
+
+
 def test_qloras_base_has_no_vllm_form(tiny_llama_dir):
     s = load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=nf4-bnb"])
     with pytest.raises(ValueError, match="serves quant.scheme nvfp4, mxfp4, fp8, bf16, not 'nf4-bnb'"):
