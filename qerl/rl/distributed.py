@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from qerl.debug import variable
+from qerl.errors import one_line
 
 T = TypeVar("T")
 
@@ -116,7 +117,7 @@ class Group:
         `rank R: ...`, or None when every rank succeeded."""
         if not self.max([float(error is not None)])[0]:
             return None
-        failures = self.gather([None if error is None else f"rank {self.rank}: {' '.join(str(error).split())}"])
+        failures = self.gather([None if error is None else f"rank {self.rank}: {one_line(error)}"])
         return next(f for f in failures if f is not None)
 
     def _reduce(self, values: Sequence[float], op) -> list[float]:
