@@ -234,7 +234,9 @@ def test_a_backend_whose_package_is_missing_is_one_line_naming_key_and_install_b
 def test_a_broken_vllm_install_is_one_line_naming_its_error_exit_2(tmp_path, qerl_here, monkeypatch, vllm_init,
                                                                    error):
     """An installed vLLM whose import raises (a build for another torch or CUDA) was an "unexpected" exit 1, or (an
-    ImportError inside it) was called not installed."""
+    ImportError inside it) was called not installed; and the base vLLM would load was quantized into the cache
+    first."""
+    monkeypatch.setattr("qerl.model.served.served_base", lambda settings: pytest.fail("vLLM's base built first"))
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text(vllm_init + "\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
