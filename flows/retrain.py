@@ -2,6 +2,10 @@
 on the same evaluation set, and move the `champion` alias only if the new adapter is better.
 
     python -m qerl.flows.retrain --params params/default.yaml [--data-dir data/incoming] [--min-improvement 0.01]
+        [--out DIR [--resume]]
+
+A retrain stopped by SIGTERM or Ctrl-C after a checkpoint prints the command that continues it (`--resume`: the same
+params, -S overrides, data folder, margin and run folder; its MLflow run reopened).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from prefect import flow, get_run_logger
 from prefect.states import Failed
 
 from qerl.flows import cli, prefect_api
-from qerl.flows.tracking import CHAMPION, MlflowTracker, Registry, probe, resolve_tracking_uri
+from qerl.flows.tracking import CHAMPION, Registry, open_tracker, probe, resolve_tracking_uri
 from qerl.flows.train import (EVAL_METRIC, QUANTIZED_ROOT, claim_run_folder, default_out_dir, log_eval, run_name,
                               run_tags, train_and_evaluate)
 from qerl.config import ConfigError, Settings, load_settings
+from qerl.rl.stopping import TrainingStopped
 from qerl.tasks.data import find_newest_data
 from qerl.tasks.evaluation import evaluate
 
@@ -84,14 +89,17 @@ def margin(min_improvement: float) -> str:
 @flow(name="qerl-retrain", log_prints=True)
 def retrain(params: str = "params/default.yaml", overrides: list[str] | None = None, data_dir: str = "data/incoming",
             min_improvement: float = 0.0, out_dir: str | None = None,
-            quantized_root: str = QUANTIZED_ROOT) -> dict:
+            quantized_root: str = QUANTIZED_ROOT, resume: bool = False) -> dict:
     """Fine-tune the champion on the newest `*.jsonl` in `data_dir` (else the params' data), then promote or keep.
 
     Both adapters are scored in this run on the current evaluation set, so the comparison is like for like.
+    `resume`: continue the stopped retrain in `out_dir` from its newest checkpoint, in the same MLflow run.
     Returns {"promoted": bool, "champion_version", "candidate_version", "candidate": metric, "champion": metric, ...};
     without a champion, a Failed state whose message says what to run (called directly, the flow raises FailedRun).
     """
     logger = get_run_logger()
+    if resume and out_dir is None:
+        raise ConfigError("resume=True needs out_dir: the run folder whose checkpoints to continue from")
     overrides = list(overrides or [])
     given = list(overrides)  # the caller's, for the run's name and tags (the data and the champion's are tagged apart)
     newest = find_newest_data(data_dir)
@@ -122,17 +130,20 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
 
         scores: dict[str, float] = {}
 
-        def score_champion(trainer) -> None:  # the champion's weights are loaded and untrained yet: score them here
-            result = evaluate(settings, out_dir=str(Path(out_dir) / "eval" / "champion"), model=trainer.model,
-                              tokenizer=trainer.tokenizer)
+        def score_champion(trainer) -> None:
+            # At step 0 the trainer's policy is the champion's, untrained yet: scored in process. A resumed run's
+            # holds its checkpoint's adapter: the champion is then scored from its folder.
+            policy = dict(model=trainer.model, tokenizer=trainer.tokenizer) if trainer.step == 0 else \
+                dict(adapter=champion_adapter)
+            result = evaluate(settings, out_dir=str(Path(out_dir) / "eval" / "champion"), **policy)
             scores["champion"] = result.metrics[EVAL_METRIC]
             log_eval(tracker, result.metrics, trainer.step, prefix="champion_eval")
 
         tags = run_tags(settings, params, given, **{"qerl.flow": "retrain", "out_dir": out_dir,
                                                      "parent_version": champion_version, "data": newest})
-        with MlflowTracker.from_settings(settings, run_name=run_name(settings, params, given, prefix="retrain-"),
-                                         tags=tags) as tracker:
-            outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root,
+        with open_tracker(settings, run_name=run_name(settings, params, given, prefix="retrain-"), tags=tags,
+                          folder=out_dir, resume=resume) as tracker:  # resumed: the same MLflow run
+            outcome = train_and_evaluate(settings, out_dir, tracker, quantized_root=quantized_root, resume=resume,
                                          init_adapter=champion_adapter, before_training=score_champion)
             candidate = outcome.eval[EVAL_METRIC]
             promoted = beats(candidate, scores["champion"], min_improvement)
@@ -157,18 +168,29 @@ def retrain(params: str = "params/default.yaml", overrides: list[str] | None = N
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default="data/incoming", help="the newest *.jsonl here is trained on")
     parser.add_argument("--min-improvement", type=float, default=0.0, help="margin the candidate must beat by")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="run folder (default: <train.out_dir>/<timestamp>)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the stopped retrain in --out from its newest intact checkpoint")
 
 
 def _run(args: argparse.Namespace) -> str:
     settings = load_settings(args.params, args.overrides)
+    if args.resume and args.out is None:
+        raise ConfigError("--resume needs --out: the run folder whose checkpoints to continue from")
     out_dir = args.out or default_out_dir(settings)
     with claim_run_folder(out_dir):  # first: a folder in use fails before MLflow and Prefect start
         probe(resolve_tracking_uri(settings))
         prefect_api.check()
         require_champion(Registry.from_settings(settings), args.params)  # in a line, before Prefect starts
         prefect_api.connect()
-        return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir)["verdict"]
+        try:
+            return retrain(args.params, args.overrides, args.data_dir, args.min_improvement, out_dir,
+                           resume=args.resume)["verdict"]
+        except TrainingStopped as stop:  # SIGTERM / Ctrl-C: checkpoint written; its line says how to continue
+            stop.resume_with(["python", "-m", "qerl.flows.retrain", "--data-dir", args.data_dir,
+                              "--min-improvement", str(args.min_improvement)], args.params, args.overrides, out_dir,
+                             max_steps=None)
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,14 +98,14 @@ def _cmd_eval(args) -> int:
 
 def _cmd_quantize(args) -> int:
     from qerl.evaluation.evaluate import add_perplexity
-    from qerl.model.loading import refuse_custom_code, resolve_model
+    from qerl.model.loading import check_model_folder, resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint
 
     check_writable(args.out)
     text = _read_text(Path(args.eval_text)) if args.eval_text else None
     source = resolve_model(args.model)
     if source.is_dir():  # as train and eval refuse it: the output would carry the code and its auto_map
-        refuse_custom_code(source)
+        check_model_folder(source)
     report = quantize_checkpoint(source, Path(args.out), args.scheme, strict=args.strict)
     if text is not None:
         add_perplexity(report, text)

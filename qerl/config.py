@@ -204,7 +204,8 @@ class RolloutSettings:
     # The engine's KV cache: model (the model's dtype) or fp8 (E4M3 with one scale per key/value vector,
     # qerl/execution/kv8.py: 0.56x the bytes that bound attention over long generations). fp8 needs the engine's fused
     # kernels on a GPU of compute capability 8.9+ (elsewhere the model's dtype, said in the log). Its effect on
-    # speed and on the rollout/trainer log-prob gap: BENCHMARKS.md, "Rollouts at RL batch sizes".
+    # speed and on the rollout/trainer log-prob gap: BENCHMARKS.md, "Rollouts at RL batch sizes". With backend vllm:
+    # vLLM's own FP8 KV cache (its kv_cache_dtype "fp8": E4M3, one scale per tensor).
     kv_cache_dtype: Literal["model", "fp8"] = "model"
     # Speculative decoding of the rollout's tail (qerl/rollout/speculation.py): once at most `speculative_rows` rows
     # are live, each drafts up to `speculative_draft` tokens from text the run already has (its prompt's earlier

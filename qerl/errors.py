@@ -32,6 +32,11 @@ class MissingExtra(ImportError):
     """A setting needs an optional dependency that is not installed; the message says which extra to install."""
 
 
+class BrokenExtra(BadInput):
+    """An optional dependency is installed but fails to import (a build for another torch, CUDA or Python): the
+    message names the package and what its import raised."""
+
+
 class Stopped(KeyboardInterrupt):
     """A command stopped on a signal (SIGTERM: a preempted job, a scheduler's cancel; SIGINT: Ctrl-C) once its state
     was saved. A KeyboardInterrupt, so that whatever lets Ctrl-C through (no `except Exception` swallows it; Prefect
@@ -77,7 +82,7 @@ def naming_a_full_disk(path: str | os.PathLike, hint: str = "") -> Iterator[None
 # ValueError covers ConfigError, the checkpoint and data errors, JSON and UTF-8 decode errors.
 # ConnectionError: a hub dataset neither cached nor reachable (qerl.data.tables says how to fetch it).
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
-             ConnectionError, BadInput, MissingExtra, DiskFull)
+             ConnectionError, BadInput, MissingExtra, BrokenExtra, DiskFull)
 
 
 def one_line(exc: BaseException) -> str:

@@ -58,13 +58,13 @@ def is_complete(folder: str | Path) -> bool:
       cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True, result_serializer="json")
 def quantize_checkpoint(model_path: str, scheme: str, out_root: str = "runs/quantized") -> str:
     """Quantize `model_path`'s decoder linears to `scheme`; returns the folder (a `quant.quantized_path`)."""
-    from qerl.model.loading import refuse_custom_code, resolve_model
+    from qerl.model.loading import check_model_folder, resolve_model
     from qerl.quant.checkpoint import quantize_checkpoint as quantize
     from qerl.run.lock import output_lock
 
     source = resolve_model(model_path)
     if source.is_dir():  # as `qerl quantize` does: no code of a model folder in our output
-        refuse_custom_code(source)
+        check_model_folder(source)
     dst = quantized_dir(model_path, scheme, out_root)
     if is_complete(dst):  # e.g. a fresh Prefect home has no record of a folder made earlier
         return str(dst)

@@ -225,6 +225,30 @@ def test_a_backend_whose_package_is_missing_is_one_line_naming_key_and_install_b
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("vllm_init, error", [
+    ("raise RuntimeError('vLLM was built for CUDA 12.8, this driver runs 12.4')",
+     "RuntimeError: vLLM was built for CUDA 12.8, this driver runs 12.4"),
+    ("import vllm._C  # its compiled ops, absent from a build for another torch",
+     "ModuleNotFoundError: No module named 'vllm._C'"),
+])
+def test_a_broken_vllm_install_is_one_line_naming_its_error_exit_2(tmp_path, qerl_here, monkeypatch, vllm_init,
+                                                                   error):
+    """An installed vLLM whose import raises (a build for another torch or CUDA) was an "unexpected" exit 1, or (an
+    ImportError inside it) was called not installed; and the base vLLM would load was quantized into the cache
+    first."""
+    monkeypatch.setattr("qerl.model.served.served_base", lambda settings: pytest.fail("vLLM's base built first"))
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text(vllm_init + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    code, out, err = qerl_here("train", "--params", "params/tiny.yaml", "-S", "rollout.backend=vllm",
+                               "--out", tmp_path / "run")
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == (f"qerl: error: vLLM failed to import: {error} (rollout.backend 'vllm'; "
+                                    'reinstall it: pip install "qerl[vllm]" (vllm 0.26, for torch 2.11))')
+    assert not (tmp_path / "run").exists()
+
+
 class StartedRun:
     """Stands in for `qerl.rl.trainer.Trainer` once it has started (the model loaded, the run folder claimed): what
     `qerl train` says then depends on its settings alone, and a real start costs 10-30 s of loading and plotting."""

@@ -39,8 +39,8 @@ def rank_main(rank: int, world: int, port: int, tmp_path, out, max_steps, resume
         if die_at_update and rank == 1:
             trainer.update = lambda batch: os._exit(3)  # a rank killed mid-step, as by the OOM killer
         trainer.train(max_steps=max_steps)
-    except DistributedError as exc:
-        (tmp_path / f"error-rank{rank}.txt").write_text(str(exc))
+    except Exception as exc:  # what the rank's `qerl train` would print
+        (tmp_path / f"error-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
         raise
     finally:
         torch.distributed.destroy_process_group()
@@ -155,6 +155,26 @@ def test_a_dead_rank_fails_rank_0_with_a_clear_error_not_a_hang(tmp_path):
     assert codes[1] == 3 and codes[0] != 0
     message = (tmp_path / "error-rank0.txt").read_text()
     assert "rank 0" in message and "another rank died or timed out" in message
+
+
+def reward_failing_on_rank_1(completion: str, gold: str) -> float:
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("rank 1's reward broke")
+    return 1.0
+
+
+def test_a_reward_failing_on_one_rank_fails_every_rank_with_its_message(tmp_path):
+    """Rank 0 scored its share fine and would wait in the update's all-reduce for a rank that has left the step: it
+    fails too, with the reward's own line (not a lost peer's), and the run folder keeps no half-done step."""
+    sections = {"train": {"rewards": {"tests.test_distributed:reward_failing_on_rank_1": 1.0}}}
+    codes = run_ranks(tmp_path, tmp_path / "run", timeout=patience(60), **sections)
+    assert codes[0] != 0 and codes[1] != 0
+    for rank in (0, 1):
+        message = (tmp_path / f"error-rank{rank}.txt").read_text()
+        assert message.startswith("RewardFailed: ") and "rank 1's reward broke" in message, (rank, message)
+        assert "reward_failing_on_rank_1" in message and "no checkpoint yet" in message, (rank, message)
+    assert "rank 1" in (tmp_path / "error-rank0.txt").read_text()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not metrics(tmp_path / "run")
 
 
 def test_prompts_that_do_not_split_over_the_ranks_are_refused_in_a_line():

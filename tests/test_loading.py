@@ -319,7 +319,7 @@ UNREADABLE_JSON = {  # how the file is spoilt -> what the line says of it
 
 
 @pytest.mark.parametrize("how", UNREADABLE_JSON)
-@pytest.mark.parametrize("file", ["tokenizer_config.json", "config.json"])
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "config.json", "tokenizer.json"])
 @pytest.mark.parametrize("command", ["quantize", "train"])
 def test_a_model_folders_unreadable_json_is_one_line_naming_the_file(tiny_llama_dir, tmp_path, qerl_here, file, how,
                                                                       command):

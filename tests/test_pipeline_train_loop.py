@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 from pathlib import Path
 
 import pytest
@@ -120,6 +122,63 @@ def test_a_resumed_flow_continues_its_mlflow_run(tmp_path, params_file, prefect_
     assert [r.info.run_id for r in runs] == [first["run_id"]] and runs[0].info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(first["run_id"], "reward_mean")] == [1, 2, 3]
     assert [m.step for m in client.get_metric_history(first["run_id"], "eval/accuracy")] == [1, 3]
+
+
+STOPS_SENT: list[int] = []
+
+
+def reward_that_stops_the_process_once(completion: str, gold: str) -> float:
+    """SIGTERM to this process while the first step scores, as a preempted job gets it: the step finishes, its
+    checkpoint is written and the training stops."""
+    if not STOPS_SENT:
+        STOPS_SENT.append(os.getpid())
+        os.kill(os.getpid(), signal.SIGTERM)
+    return len(completion) / 100
+
+
+@pytest.mark.slow  # a champion's training flow, then a retrain stopped after step 1 and resumed: ~90 s
+def test_a_stopped_retrain_says_the_command_that_resumes_it_and_that_command_does(tmp_path, params_file,
+                                                                                    prefect_home, main_here):
+    """A retrain stopped by SIGTERM said where its checkpoint was but no command (the flow had no --resume): the
+    user's -S overrides, data folder and run folder were lost. The line now holds the whole command, shell-quoted,
+    and running it finishes the retrain in the same MLflow run."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from qerl.flows.retrain import main
+    from qerl.flows.tracking import RUN_RECORD
+    from qerl.flows.train import train
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    quick = ["grpo.dynamic_sampling=false", "train.eval_every=0", "tracking.backend=mlflow",
+             f"tracking.tracking_uri={uri}"]
+    train(params=str(params_file), overrides=quick, out_dir=str(tmp_path / "champion"), max_steps=1)
+    overrides = [*quick, f"train.rewards={{{__name__}:reward_that_stops_the_process_once: 1.0}}"]
+    out, data = tmp_path / "retrain", tmp_path / "no new data"
+    args = ["--params", str(params_file), *(a for o in overrides for a in ("-S", o)), "--data-dir", str(data),
+            "--out", str(out)]
+
+    STOPS_SENT.clear()
+    code, _, err = main_here(main, *args)
+    assert code == 143, err  # 128 + SIGTERM
+    resume = shlex.join(["python", "-m", "qerl.flows.retrain", "--data-dir", str(data), "--min-improvement", "0.0",
+                         "--params", str(params_file), *(a for o in overrides for a in ("-S", o)), "--out", str(out),
+                         "--resume"])
+    assert err.splitlines()[-1] == (f"python -m qerl.flows.retrain: stopped by SIGTERM after step 1 of 3 (checkpoint "
+                                    f"{out / 'checkpoints' / 'step-000001'}); resume with: {resume}")
+    stopped_run = json.loads((out / RUN_RECORD).read_text())["run_id"]
+
+    code, summary, err = main_here(main, *shlex.split(resume)[3:])
+    assert code == 0, err
+    assert "resuming from" in err and summary.startswith(("promoted", "kept"))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+    client = MlflowClient(uri)
+    run = client.get_run(stopped_run)  # the stopped run, continued
+    assert run.info.status == "FINISHED" and run.data.tags["verdict"] in summary
+    assert [m.step for m in client.get_metric_history(stopped_run, "reward_mean")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(stopped_run, "eval/accuracy")] == [3]
+    # the champion scored by each leg: in process at step 0, then from its folder beside the resumed checkpoint
+    assert [m.step for m in client.get_metric_history(stopped_run, "champion_eval/accuracy")] == [0, 1]
 
 
 @pytest.fixture

@@ -196,7 +196,7 @@ def run_eval(settings: Settings, adapter: str | None = None, out_dir: str | Path
         model, tokenizer = load_policy(own_model_settings(settings), adapter=adapter)
     backend = backend or make_backend(
         model, tokenizer, settings.rollout.backend, **engine_options(settings.rollout),
-        vllm=vllm_options(settings, model_context(model)) if settings.rollout.backend == "vllm" else None)
+        vllm=lambda: vllm_options(settings, model_context(model)))
     result = evaluate(model, tokenizer, examples, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       top_p=e.top_p, num_samples=e.num_samples, batch_size=e.batch_size, seed=e.seed,
                       system_prompt=settings.data.system_prompt, progress=progress, backend=backend, tools=tools)

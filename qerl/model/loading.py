@@ -44,6 +44,8 @@ class CustomCodeRefused(CheckpointError):
 # Nothing from a model folder runs in qerl: these are refused before transformers sees the folder, and every
 # `from_pretrained` passes trust_remote_code=False as well.
 _CODE_FILES = ("config.json", "tokenizer_config.json")
+# The tokenizer's other JSON files: `tokenizers` and transformers refuse a BOM or bad JSON in them naming no file
+_TOKENIZER_JSON = ("tokenizer.json", "special_tokens_map.json", "added_tokens.json")
 _CODE_KEY = "auto_map"
 
 
@@ -209,6 +211,17 @@ def refuse_custom_code(folder: Path) -> None:
                                     f"implements, or remove {_CODE_KEY!r} if the folder does not need it")
 
 
+def check_model_folder(folder: Path) -> None:
+    """`refuse_custom_code`, then `CheckpointError` naming the file if one of the tokenizer's JSON files is no
+    readable JSON (`read_json`: a UTF-8 byte-order mark, which `tokenizers` refuses too, or a torn or non-UTF-8
+    file). Before a tokenizer loads or a folder is quantized (which copies them): not in `read_config`, which runs
+    several times a start, since tokenizer.json is megabytes."""
+    refuse_custom_code(folder)
+    for name in _TOKENIZER_JSON:
+        if (folder / name).is_file():
+            read_json(folder / name)
+
+
 def quant_scheme(hf_config: dict[str, Any], folder: Path | str = "") -> str | None:
     """The quantization scheme a folder's config.json declares (None = unquantized)."""
     q = hf_config.get("quantization_config")
@@ -325,7 +338,7 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, Tensor]:
 def _load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
-    refuse_custom_code(folder)
+    check_model_folder(folder)
     if gguf_file is not None:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):

@@ -56,7 +56,8 @@ def vllm_options(settings: Settings, context: int) -> dict[str, Any]:
     rows = r.prompts_per_step * r.group_size
     return dict(base=served_base(settings), lora=settings.lora, max_model_len=context,
                 max_num_seqs=max(rows, settings.eval.batch_size), gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                lora_update=r.vllm_lora_update, sleep_level=1 if r.release_kv_cache else 0, seed=settings.train.seed)
+                lora_update=r.vllm_lora_update, sleep_level=1 if r.release_kv_cache else 0, seed=settings.train.seed,
+                kv_cache_dtype=r.kv_cache_dtype)
 
 
 def own_model_settings(settings: Settings) -> Settings:

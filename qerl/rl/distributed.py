@@ -13,12 +13,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from qerl.debug import variable
+from qerl.errors import one_line
 
 T = TypeVar("T")
 
@@ -92,6 +93,32 @@ class Group:
         if self.active:
             with _collective("barrier"):
                 dist.barrier()
+
+    @contextmanager
+    def failing_together(self, peer_failed: Callable[[str], Exception]) -> Iterator[None]:
+        """A phase that fails on every rank if it fails on one: its error raises on its own rank, and on the others
+        `peer_failed("rank R: <its one line>")`. Without this a rank whose phase raised leaves the step while the
+        others wait for it in the step's next collective (gloo: a lost-peer error naming nothing; NCCL: a hang until
+        `train.collective_timeout_s`). Costs one small all-reduce per phase when nothing failed."""
+        if not self.active:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:
+            self._share_failure(exc)
+            raise
+        failure = self._share_failure(None)
+        if failure is not None:
+            raise peer_failed(failure)
+
+    def _share_failure(self, error: Exception | None) -> str | None:
+        """Every rank's `error` of one phase (None: it succeeded) made known to all: the first failing rank's message,
+        `rank R: ...`, or None when every rank succeeded."""
+        if not self.max([float(error is not None)])[0]:
+            return None
+        failures = self.gather([None if error is None else f"rank {self.rank}: {one_line(error)}"])
+        return next(f for f in failures if f is not None)
 
     def _reduce(self, values: Sequence[float], op) -> list[float]:
         if not self.active:

@@ -144,7 +144,7 @@ class Trainer:
         # The one sampler of this run (and of evaluations of this model): `rollout.backend`, built next to the model.
         self.rollout_backend = rollout_backend or make_backend(
             model, tokenizer, s.rollout.backend, **engine_options(s.rollout),
-            vllm=vllm_options(s, model_context(model)) if s.rollout.backend == "vllm" else None)
+            vllm=lambda: vllm_options(s, model_context(model)))
         # Speculative rollouts draft from the run's earlier completions of each prompt: kept in the checkpoint, so a
         # resumed run drafts (and so samples) what the uninterrupted one did.
         self.draft_history = DraftHistory()
@@ -347,13 +347,15 @@ class Trainer:
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Fill `rewards` (the weighted reward mix) and `accuracy` (the plain grader) of every completion. A reward
         function that fails (`RewardFailed`) fails the step before its update: the run folder keeps its last
-        checkpoint, which the message names for --resume."""
-        try:
-            return self.scorer(batch, TrainerState(global_step=self.step, max_steps=self.settings.train.steps))
-        except RewardFailed as e:
-            where = (f"fix it and continue from {self.last_checkpoint.name} with --resume"
-                     if self.last_checkpoint is not None else "no checkpoint yet: fix it and start the run again")
-            raise RewardFailed(f"{e}; {where}") from e.__cause__
+        checkpoint, which the message names for --resume. Under torchrun it fails every rank, with the failing rank's
+        message (the others would wait for it in the update's collectives)."""
+        with self.dist.failing_together(RewardFailed):
+            try:
+                return self.scorer(batch, TrainerState(global_step=self.step, max_steps=self.settings.train.steps))
+            except RewardFailed as e:
+                where = (f"fix it and continue from {self.last_checkpoint.name} with --resume"
+                         if self.last_checkpoint is not None else "no checkpoint yet: fix it and start the run again")
+                raise RewardFailed(f"{e}; {where}") from e.__cause__
 
     def keep_informative(self, batch: RolloutBatch) -> RolloutBatch:
         """DAPO's dynamic sampling on the step's scored first round `batch`: only the groups whose rewards differ,

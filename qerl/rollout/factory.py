@@ -5,7 +5,7 @@ Kept apart from the backends it builds so that a backend of its own module (`vll
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from torch import nn
 
@@ -21,10 +21,11 @@ REFERENCE_OPTIONS = ("speculative", "speculative_rows", "max_draft", "kv_cache_d
 
 
 def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine", "reference", "vllm"] = "auto",
-                 vllm: dict[str, Any] | None = None, **engine_kwargs) -> RolloutBackend:
-    """The rollout backend `kind` for `model`: "engine", "reference", "vllm" (built from `vllm`, the keyword arguments
-    of `VLLMOptions`: `qerl.model.served.vllm_options`), or "auto" (the engine on CUDA, the reference elsewhere; see
-    the module docstring). `engine_kwargs` go to the `RolloutEngine` when this call creates it."""
+                 vllm: Callable[[], dict[str, Any]] | None = None, **engine_kwargs) -> RolloutBackend:
+    """The rollout backend `kind` for `model`: "engine", "reference", "vllm" (built from what `vllm()` returns, the
+    keyword arguments of `VLLMOptions`: `qerl.model.served.vllm_options`; called only once vLLM imports, since it
+    may quantize a folder for it), or "auto" (the engine on CUDA, the reference elsewhere; see the module
+    docstring). `engine_kwargs` go to the `RolloutEngine` when this call creates it."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown rollout backend {kind!r}; choose one of {', '.join(BACKENDS)}")
     if kind == "vllm":
@@ -33,7 +34,7 @@ def make_backend(model: nn.Module, tokenizer: Any, kind: Literal["auto", "engine
         require_vllm()  # one line naming the extra, before the options (which may quantize a folder) are used
         if vllm is None:
             raise ValueError("rollout backend vllm needs its options (qerl.model.served.vllm_options)")
-        return VLLMBackend(model, tokenizer, VLLMOptions(**vllm))
+        return VLLMBackend(model, tokenizer, VLLMOptions(**vllm()))
     if kind == "auto":
         kind = "engine" if next(model.parameters()).device.type == "cuda" else "reference"
     if kind == "engine":

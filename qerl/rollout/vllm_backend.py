@@ -29,21 +29,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl.config import VLLM_INSTALL
+from qerl.errors import BrokenExtra, MissingExtra, one_line
 from qerl.model.lora import LoraSettings, lora_layers, save_adapter
 from qerl.rollout import releasable
 from qerl.rollout.backends import RolloutBackend, Sampling
 from qerl.rollout.sampling import Rollout, decode_ids, default_eos_ids, encode_prompts
 
-__all__ = ["VLLMOptions", "VLLMBackend", "require_vllm"]
+__all__ = ["VLLMOptions", "VLLMBackend", "engine_arguments", "require_vllm"]
 
 def require_vllm():
-    """The vllm module, or one line saying how to install it."""
+    """The vllm module; else one line (exit 2): how to install it, or what the import of an installed but broken
+    vLLM raised (a build for another torch or CUDA raises anything, an ImportError of its own parts included)."""
     try:
         import vllm
-    except ImportError as e:
-        raise ImportError(f"rollout.backend: vllm needs vLLM, which is not importable here ({e}); install it with "
-                          "pip install \"qerl[vllm]\" (vllm 0.26, for torch 2.11)") from None
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":
+            raise _broken(e) from e
+        raise MissingExtra(f"rollout.backend: vllm needs vLLM, which is not installed here; install it with "
+                           f"{VLLM_INSTALL}") from None
+    except Exception as e:
+        raise _broken(e) from e
     return vllm
+
+
+def _broken(exc: Exception) -> BrokenExtra:
+    return BrokenExtra(f"vLLM failed to import: {type(exc).__name__}: {one_line(exc)} (rollout.backend 'vllm'; "
+                       f"reinstall it: {VLLM_INSTALL})")
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,21 @@ class VLLMOptions:
     sleep_level: int = 1  # 0: never sleep; 1: weights to host memory and KV cache dropped between rollouts
     seed: int = 0
     enforce_eager: bool = False
+    kv_cache_dtype: str = "model"  # rollout.kv_cache_dtype: the model's dtype, or fp8 (vLLM's own FP8 KV cache)
+
+
+def engine_arguments(options: VLLMOptions, detokenize: bool) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM` for `options` (`detokenize`: the base folder has tokenizer files)."""
+    return dict(model=str(options.base), skip_tokenizer_init=not detokenize, dtype="bfloat16", seed=options.seed,
+                enable_lora=True, max_lora_rank=max(8, options.lora.rank), max_loras=1,
+                max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
+                gpu_memory_utilization=options.gpu_memory_utilization, enable_sleep_mode=options.sleep_level > 0,
+                enforce_eager=options.enforce_eager,
+                # vLLM's "fp8" is E4M3, scaled per tensor (ours, qerl.execution.kv8, per vector); "auto": the model's
+                kv_cache_dtype="fp8" if options.kv_cache_dtype == "fp8" else "auto",
+                # log_softmax(logits / temperature) before top-k/top-p: what qerl's samplers return and what the
+                # trainer recomputes
+                logprobs_mode="processed_logprobs")
 
 
 class VLLMBackend(RolloutBackend):
@@ -80,14 +107,7 @@ class VLLMBackend(RolloutBackend):
         # Without tokenizer files beside the base (random-weight benchmarks) vLLM takes token ids alone; our own
         # tokenizer decodes the completions either way.
         self._detokenize = any((options.base / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.llm = LLM(model=str(options.base), skip_tokenizer_init=not self._detokenize, dtype="bfloat16",
-                       seed=options.seed, enable_lora=True, max_lora_rank=max(8, options.lora.rank), max_loras=1,
-                       max_model_len=options.max_model_len,
-                       max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
-                       enable_sleep_mode=options.sleep_level > 0, enforce_eager=options.enforce_eager,
-                       # log_softmax(logits / temperature) before top-k/top-p: what qerl's samplers return and
-                       # what the trainer recomputes
-                       logprobs_mode="processed_logprobs")
+        self.llm = LLM(**engine_arguments(options, self._detokenize))
         self._adapter_dir = Path(tempfile.mkdtemp(prefix="qerl-vllm-lora-",
                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self._lora_id = 0
@@ -172,7 +192,8 @@ class VLLMBackend(RolloutBackend):
                        stop_reasons=reasons)
 
     def reduced_precision(self) -> list[str]:
-        return super().reduced_precision() + ["vLLM's kernels (another engine's numerics than the update's)"]
+        kv8 = ["vLLM's FP8 KV cache (rollout.kv_cache_dtype)"] if self.options.kv_cache_dtype == "fp8" else []
+        return super().reduced_precision() + ["vLLM's kernels (another engine's numerics than the update's)", *kv8]
 
     # ------------------------------------------------------------------------------------------------- memory
     def wake(self) -> None:

@@ -17,7 +17,7 @@ from qerl.rollout.factory import make_backend
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_choosing_vllm_without_it_names_the_extra_in_one_line():
     with pytest.raises(ImportError) as e:
-        make_backend(torch.nn.Linear(2, 2), None, "vllm", vllm={})
+        make_backend(torch.nn.Linear(2, 2), None, "vllm", vllm=dict)
     assert 'pip install "qerl[vllm]"' in str(e.value) and "\n" not in str(e.value)
 
 
@@ -60,6 +60,19 @@ def test_an_fp8_run_serves_compressed_tensors_fp8_dynamic(tiny_llama_dir, tmp_pa
     group = json.loads((folder / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     assert (group["format"], group["weights"]["strategy"], group["input_activations"]["strategy"]) == \
         ("float-quantized", "channel", "token")  # vLLM's W8A8 FP8 with per-token dynamic activations
+
+
+@pytest.mark.parametrize("kv_cache_dtype, vllms", [("model", "auto"), ("fp8", "fp8")])
+def test_the_kv_cache_dtype_reaches_vllms_engine(tiny_llama_dir, kv_cache_dtype, vllms):
+    """rollout.kv_cache_dtype: fp8 under backend vllm was silently ignored: the engine cached in the model's dtype."""
+    from qerl.rollout.vllm_backend import VLLMOptions, engine_arguments
+
+    s = load_settings(overrides=[f"model.path={tiny_llama_dir}", "quant.scheme=bf16", "rollout.backend=vllm",
+                                 f"rollout.kv_cache_dtype={kv_cache_dtype}"])
+    arguments = engine_arguments(VLLMOptions(**vllm_options(s, context=512)), detokenize=True)
+    assert arguments["kv_cache_dtype"] == vllms
+    assert (arguments["model"], arguments["max_model_len"], arguments["dtype"], arguments["enable_sleep_mode"]) == \
+        (str(tiny_llama_dir), 512, "bfloat16", True)
 
 
 def test_qloras_base_has_no_vllm_form(tiny_llama_dir):
