@@ -232,6 +232,33 @@ def test_a_trl_environment_factory_runs_unchanged():
     assert env.step("increment", {"a": 1}) == "11"
 
 
+class ScoredIncrementEnv(IncrementEnv):
+    """TRL's environment with its reserved `get_reward` (no tool: it has no docstring to be one)."""
+
+    def get_reward(self):
+        return float(self._counter)
+
+
+def test_a_trl_environments_get_reward_is_its_reward_and_plain_tools_sit_beside_its_own():
+    env = environment_factory(ScoredIncrementEnv, tools=[get_weather])()
+    env.reset({"start": 1})
+    assert [s["function"]["name"] for s in env.schemas()] == ["get_weather", "increment"]
+    assert env.step("increment", {"a": 2}) == "3" and env.step("get_weather", {"city": "Rome"}).startswith("Rome")
+    assert env.step("get_reward", {}).startswith("Error: unknown tool 'get_reward'")
+    assert env.reward("done") == 3.0
+    assert isinstance(env.instance, ScoredIncrementEnv) and env.instance._counter == 3  # what reward functions see
+    with pytest.raises(ToolError, match="two tools are named 'increment'"):
+        environment_factory(ScoredIncrementEnv, tools=[ScoredIncrementEnv().increment])
+
+
+def test_a_factory_that_raises_fails_at_set_up_in_one_line():
+    def broken():
+        raise RuntimeError("no\nsimulator")
+
+    with pytest.raises(ToolError, match=r"^environment '.*broken': its factory raised RuntimeError: no simulator$"):
+        environment_factory(broken)
+
+
 def test_an_environment_whose_tool_has_no_docstring_fails_at_set_up():
     class Bad:
         def reset(self, **row):
