@@ -170,8 +170,9 @@ def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Se
                         **sampling) -> tuple[Rollout, dict[str, float]]:
     """`RolloutEngine.generate`'s rollout of `prompts` (the keyword arguments of `open` in `sampling`), its rows
     calling `use.tools` (or each its `use.environment`, reset with `rows[i]`, its data row's columns); returns it
-    (with `generated_mask`, and `environments`, the rows' own, with an environment) and the calls' counts: tool_calls, tool_errors, tool_timeouts, tool_seconds (the calls'
-    wall time, summed) and idle_seconds (time no row could decode: every unfinished row waited for a tool)."""
+    (with `generated_mask`, and `environments`, the rows' own, with an environment) and the calls' counts:
+    tool_calls, tool_errors, tool_timeouts, tool_seconds (the calls' wall time, summed) and idle_seconds (time no
+    row could decode: every unfinished row waited for a tool)."""
     if tokenizer is None:
         raise ValueError("multi-turn rollouts need a tokenizer: tool calls are found in the decoded text")
     turn = use.turn or ToolTurn.from_template(tokenizer)
