@@ -118,7 +118,7 @@ class RewardCalls:
         for term in self.terms:
             if term.form != "trl":
                 continue
-            missing = [name for name in _required(term.fn) if name not in given]
+            missing = [name for name in _Parameters.of(term.fn).required if name not in given]
             if missing:
                 hint = " (environments come with rollout.environment)" if ENVIRONMENTS in missing else ""
                 raise ValueError(f"reward {term.spec!r} needs {', '.join(map(repr, missing))}, which is neither one "
@@ -261,26 +261,28 @@ class RewardCalls:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _wanted(fn: Callable) -> dict[str, bool] | None:
-    """{parameter: required} of a function without **kwargs (None: it takes every keyword, or its signature cannot be
-    read: it gets them all, as TRL would pass them)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name: p.default is p.empty for p in params if p.kind not in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY)}
+@dataclass(frozen=True)
+class _Parameters:
+    """What a function's signature takes by keyword: each named parameter (required or not), and whether it takes
+    every keyword (**kwargs, or a signature that cannot be read: it gets them all, as TRL would pass them)."""
 
+    named: dict[str, bool]  # name -> required
+    takes_all: bool
 
-def _required(fn: Callable) -> list[str]:
-    """The keyword parameters `fn` cannot be called without, **kwargs or not (`environments, **kwargs` needs
-    environments); none where its signature cannot be read."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    @classmethod
+    def of(cls, fn: Callable) -> "_Parameters":
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return cls({}, True)
+        by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return cls({p.name: p.default is p.empty for p in params if p.kind in by_keyword},
+                   any(p.kind is p.VAR_KEYWORD for p in params))
+
+    @property
+    def required(self) -> list[str]:
+        """The ones it cannot be called without, **kwargs or not (`environments, **kwargs` needs environments)."""
+        return [name for name, required in self.named.items() if required]
 
 
 def _trl_kwargs(fn: Callable, inputs: RewardInputs) -> dict[str, Any]:
@@ -293,8 +295,8 @@ def _trl_kwargs(fn: Callable, inputs: RewardInputs) -> dict[str, Any]:
     kwargs["trainer_state"] = inputs.trainer_state
     if inputs.environments is not None:
         kwargs[ENVIRONMENTS] = inputs.environments
-    wanted = _wanted(fn)
-    return kwargs if wanted is None else {k: v for k, v in kwargs.items() if k in wanted}
+    takes = _Parameters.of(fn)
+    return kwargs if takes.takes_all else {k: v for k, v in kwargs.items() if k in takes.named}
 
 
 def _checked(term: RewardTerm, out: Any, step: int, inputs: RewardInputs) -> list[float | None]:
