@@ -552,7 +552,8 @@ def counter_reward(environments, **kwargs):
 
 def test_an_environment_keeps_each_rows_state_and_the_reward_reads_it(tmp_path):
     """rollout.environment: one environment per row, reset with its data row; its tool's state is the row's own
-    (the counter equals that completion's own tool turns), and a TRL reward gets the rows' environments."""
+    (the counter equals that completion's own tool turns), a TRL reward gets the rows' environments, and the
+    environment's get_reward is a reward of its own."""
     import dataclasses
 
     from qerl.rollout.tool_calls import ToolCallFormat, ToolTurn
@@ -571,7 +572,10 @@ def test_an_environment_keeps_each_rows_state_and_the_reward_reads_it(tmp_path):
     batch = trainer.score(trainer.rollout())
     turns = [int((m[1:] < m[:-1]).sum() + (~m[:1]).sum()) for m in batch.samples.masks()]  # runs of tool tokens
     assert sum(turns) > 0 and len(set(turns)) > 1  # calls happened, not as many in every row
-    assert batch.rewards.tolist() == [float(n) for n in turns]
+    # counter_reward, and get_reward as a reward source of its own (weight 1, named after the class, as TRL does)
+    assert {k: v.tolist() for k, v in batch.reward_terms.items()} == {"counter_reward": [float(n) for n in turns],
+                                                                      "CounterEnv": [float(n) for n in turns]}
+    assert batch.rewards.tolist() == [2.0 * n for n in turns]
     envs = batch.samples.environments
     assert [e.instance.question for e in envs] == [ex.question for ex in batch.examples for _ in range(4)]
     assert [e.reward(None) for e in envs] == [float(n) for n in turns]  # TRL's get_reward, as qerl's reward

@@ -200,10 +200,16 @@ class Trainer:
         return tokenizer, examples
 
     def _scorer(self, examples: list[data.Example], tokenizer) -> Scorer:
-        """The reward mix of `train.rewards` (qerl.rl.reward_calls), checked against the data's columns before the
-        weights load: a TRL-form function asking for a column the data lacks fails now, not at step 1."""
+        """The reward mix of `train.rewards` (qerl.rl.reward_calls) and the environment's own reward where it scores,
+        checked against the data's columns before the weights load: a TRL-form function asking for a column the
+        data lacks fails now, not at step 1."""
         t = self.settings.train
-        calls = RewardCalls(rewards.reward_terms(dict(t.rewards), dict(t.reward_forms)), t.reward_timeout_s)
+        terms = rewards.reward_terms(dict(t.rewards), dict(t.reward_forms))
+        own = self.tool_use.environment_reward() if self.tool_use is not None else None
+        if own is not None:  # an environment that scores is a reward source of its own, weight 1 (as in TRL)
+            name, fn = own
+            terms.append(rewards.RewardTerm(self.settings.rollout.environment, fn, 1.0, "trl", name))
+        calls = RewardCalls(terms, t.reward_timeout_s)
         calls.check_arguments(list(examples[0].columns) if examples else [],
                               environments=self.tool_use is not None and self.tool_use.environment is not None)
         return Scorer(calls, PromptView.for_format(t.reward_format, tokenizer, self.system_prompt))

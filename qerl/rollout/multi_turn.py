@@ -33,7 +33,7 @@ from typing import Any
 from qerl.plugins import resolve_callable
 from qerl.rollout.rows import RowState
 from qerl.rollout.sampling import Rollout
-from qerl.tools.environment import environment_factory
+from qerl.tools.environment import environment_factory, episode_rewards
 from qerl.tools.schema import tool_name, tool_schemas
 from qerl.rollout.tool_calls import HERMES, ToolCallFormat, ToolTurn, call_tool, load_tools, parse_call
 
@@ -54,6 +54,16 @@ class ToolUse:
     # One `qerl.tools.Environment` per row (a zero-argument factory, as TRL's environment_factory): reset with its
     # data row before the rollout, its `step(name, arguments)` answers the row's calls. None: `tools`, stateless.
     environment: Callable[[], Any] | None = None
+
+    def environment_reward(self) -> tuple[str, Callable[..., list]] | None:
+        """(its class's name, its TRL-form reward function) for an environment that scores (`get_reward`, or a
+        `qerl.tools.Environment`'s own `reward`): TRL adds it to the reward functions, weight 1, under that name.
+        None without one."""
+        if self.environment is None:
+            return None
+        probe = self.environment()
+        fn = episode_rewards(probe)
+        return None if fn is None else (type(probe.instance).__name__, fn)
 
 
 def tool_use_of(rollout: Any) -> ToolUse | None:

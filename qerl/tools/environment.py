@@ -11,7 +11,8 @@ Adapters: `ToolsEnvironment(tools)` makes a list of plain functions one (statele
 `get_reward()` the reward, its other public methods the tools), and `WithTools(env, tools)` adds plain tools beside
 an environment's own (TRL's `tools=` next to `environment_factory`). `environment_factory(x, tools)` turns either
 form, or a factory of our own, into a factory. `instance` is what the factory made (the TRL object itself, not its
-adapter): what reward functions read as `environments`, as TRL passes them.
+adapter): what reward functions read as `environments`, as TRL passes them. An environment that scores (`get_reward`,
+or our `reward`) is a reward source of its own, weight 1 (`episode_rewards`), as TRL sums it with `reward_funcs`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ class Environment:
         """The object the factory made, as reward functions get it in `environments`: this one, for ours."""
         return self
 
+    @property
+    def scores(self) -> bool:
+        """Whether `reward` scores (a subclass overrides it): the environment is then a reward source of its own."""
+        return type(self).reward is not Environment.reward
+
 
 class ToolsEnvironment(Environment):
     """Plain tools as an environment: no state, no reward of its own."""
@@ -81,9 +87,12 @@ class TRLEnvironment(Environment):
     def instance(self) -> Any:
         return self.obj
 
+    @property
+    def scores(self) -> bool:
+        return callable(getattr(self.obj, "get_reward", None))
+
     def reward(self, completion: Any) -> float | None:
-        get_reward = getattr(self.obj, "get_reward", None)
-        return None if get_reward is None else get_reward()
+        return self.obj.get_reward() if self.scores else None
 
     @property
     def tools(self) -> Sequence[Callable]:
@@ -122,8 +131,31 @@ class WithTools(Environment):
     def step(self, name: str, arguments: Mapping[str, Any] | str | None) -> str:
         return self.env.step(name, arguments) if name in self._own else call_tool(self.plain, name, arguments)
 
+    @property
+    def scores(self) -> bool:
+        return self.env.scores
+
     def reward(self, completion: Any) -> float | None:
         return self.env.reward(completion)
+
+
+def episode_rewards(probe: Environment) -> Callable[..., list] | None:
+    """The reward source of environments like `probe` that score, as TRL adds one for an environment with
+    `get_reward`: a TRL-form reward function of `environments` (the objects the factory made, one per completion)
+    and `completions`, `async def` where `get_reward` is one; None where they do not score."""
+    if not probe.scores:
+        return None
+
+    def one(env: Any, completion: Any) -> Any:
+        return env.reward(completion) if isinstance(env, Environment) else env.get_reward()
+
+    if inspect.iscoroutinefunction(getattr(probe.instance, "get_reward", None)):
+        async def environment_reward(environments, completions, **kwargs):
+            return [await one(env, c) for env, c in zip(environments, completions)]
+    else:
+        def environment_reward(environments, completions, **kwargs):
+            return [one(env, c) for env, c in zip(environments, completions)]
+    return environment_reward
 
 
 def environment_factory(spec: Sequence[Callable] | Callable[[], Any],
