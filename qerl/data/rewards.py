@@ -20,7 +20,7 @@ from qerl import grading
 from qerl.grading.equality import answers_equal
 from qerl.grading.extract import matching_brace, extract_answer
 from qerl.grading.normalize import normalize_answer
-from qerl.plugins import SHAPE, resolve_callable, split_spec
+from qerl.plugins import resolve_callable, split_spec
 
 __all__ = ["RewardFn", "REWARDS", "score", "format_reward", "get_reward_fn", "combined_reward", "extract_answer",
            "normalize_answer", "answers_equal", "RewardForm", "RewardTerm", "reward_form", "reward_terms"]
@@ -75,7 +75,7 @@ def get_reward_fn(name: str) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
     if split_spec(name) is None:
-        raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARDS)} or {SHAPE}")
+        raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARDS)} or 'package.module:function'")
     return resolve_callable(name, "reward")
 
 
