@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
-from qerl.tools.schema import ToolError, call_tool, tool_schemas
+from qerl.tools.schema import ToolError, call_tool, tool_name, tool_schemas
 
 
 class Environment:
@@ -115,7 +115,7 @@ class WithTools(Environment):
 
     def __init__(self, env: Environment, tools: Sequence[Callable]):
         self.env, self.plain = env, tuple(tools)
-        self._own = {getattr(t, "__name__", None) for t in env.tools}
+        self._own = {tool_name(t) for t in env.tools}
 
     @property
     def tools(self) -> Sequence[Callable]:
