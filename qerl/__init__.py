@@ -10,6 +10,8 @@ folders at the repository's top, installed as qerl.kernels, qerl.tasks, qerl.flo
     run/         the run on disk: the run folder (lock, start/resume rules, checkpoints, metrics), atomic writes
     quant/       the 4-bit formats, the quantized linear layer, quantized checkpoints
     grading/     is an answer right: extraction, qerl's equality, math-verify in a worker
+    plugins      user code params name (reward functions, tools, environments): `module:function` or
+                 `file.py:function` resolved in one place (imports nothing of qerl)
     tools/       what a model calls in multi-turn rollouts: tools' schemas and calls, the sandboxed Python
                  interpreter, environments (imports nothing of qerl)
     data/        problems (generated, hub, local tables), prompts, rewards

@@ -23,6 +23,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from qerl.params_yaml import ConfigError, read_params_file, read_value, shortened
+from qerl.plugins import SHAPE, split_spec
 
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 DEFAULT_PARAMS = Path(__file__).resolve().parent.parent / "params" / "default.yaml"
@@ -232,6 +233,11 @@ class RolloutSettings:
     # runs on a thread while the other rows decode, and its answer comes back as a tool turn of the chat template,
     # masked from the loss. [] = single-turn. The engine only (auto, engine, reference), without overprovision.
     tools: list[str] = field(default_factory=list)
+    # TRL's environment_factory: module:Factory (or path/to/file.py:Factory), called once per rollout row for an
+    # object whose public methods are its tools (beside `tools`), reset with the row's data columns (`reset(**row)`);
+    # its state lives for the row, and TRL-form reward functions get the rows' environments as `environments`
+    # (README "Tools and multi-turn rollouts"). null: the tools alone, stateless.
+    environment: Optional[str] = None
     # Tool calls per completion (TRL's name); the completion ends at the one past it (stop reason stop). None: as
     # many as max_new_tokens holds (the tool turns' tokens count against it).
     max_tool_calling_iterations: Optional[int] = field(default=None, metadata=_check(ge=0))
@@ -259,22 +265,25 @@ class RolloutSettings:
 
     def _validate_tools(self) -> None:
         """What multi-turn rollouts do not run with yet, refused rather than run wrong."""
-        if not self.tools:
-            return
-        bad = [t for t in self.tools if t.count(":") != 1 or not all(t.split(":"))]
+        bad = [t for t in self.tools if split_spec(t) is None]
         if bad:
-            raise _RuleError("tools", f"tools = {self.tools}: name each as 'package.module:function' ({bad[0]!r})")
+            raise _RuleError("tools", f"tools = {self.tools}: name each as {SHAPE} ({bad[0]!r})")
+        if self.environment is not None and split_spec(self.environment) is None:
+            raise _RuleError("environment", f"environment = {self.environment!r}: name it as {SHAPE}")
+        if not self.tools and self.environment is None:
+            return
+        key = "tools" if self.tools else "environment"  # what made the rollout multi-turn
         # vLLM's generate runs every request to its end: a row cannot wait there for a tool with its KV cache kept
         # and go on from it, which is what qerl's multi-turn path is (our engine pauses and extends rows).
         if self.backend == "vllm":
-            raise _RuleError(("tools", "backend"), "tools: backend 'vllm' cannot pause a row at a tool call and go on "
+            raise _RuleError((key, "backend"), f"{key}: backend 'vllm' cannot pause a row at a tool call and go on "
                              "from its KV cache (qerl's multi-turn path is its own engine's); use backend auto, "
                              "engine or reference")
         if self.overprovision > 0:
-            raise _RuleError(("tools", "overprovision"), f"tools with overprovision = {self.overprovision}: a group "
+            raise _RuleError((key, "overprovision"), f"{key} with overprovision = {self.overprovision}: a group "
                              "cut while rows wait for tools is not supported; set overprovision to 0")
         if self.speculative == "on":  # its drafts would not know the tools' tokens
-            raise _RuleError(("tools", "speculative"), "tools with speculative = 'on': multi-turn rows decode without "
+            raise _RuleError((key, "speculative"), f"{key} with speculative = 'on': multi-turn rows decode without "
                              "speculation; set speculative to off or auto")
 
 

@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
+from qerl.data.rewards import is_async
 from qerl.tools import (Environment, SandboxLimits, ToolError, ToolsEnvironment, TRLEnvironment, call_tool,
-                        environment_factory, make_python_interpreter, python_interpreter, tool_schema, tool_schemas)
+                        environment_factory, episode_rewards, make_python_interpreter, python_interpreter, tool_schema,
+                        tool_schemas)
 
 
 def get_weather(city: str, days: int = 1, metric: bool = True) -> str:
@@ -230,6 +232,58 @@ def test_a_trl_environment_factory_runs_unchanged():
     assert env.reset({"start": 10, "prompt": "Increment by one."}) is None
     assert [s["function"]["name"] for s in env.schemas()] == ["increment"]
     assert env.step("increment", {"a": 1}) == "11"
+
+
+class ScoredIncrementEnv(IncrementEnv):
+    """TRL's environment with its reserved `get_reward` (no tool: it has no docstring to be one)."""
+
+    def get_reward(self):
+        return float(self._counter)
+
+
+def test_a_trl_environments_get_reward_is_its_reward_and_plain_tools_sit_beside_its_own():
+    env = environment_factory(ScoredIncrementEnv, tools=[get_weather])()
+    env.reset({"start": 1})
+    assert [s["function"]["name"] for s in env.schemas()] == ["get_weather", "increment"]
+    assert env.step("increment", {"a": 2}) == "3" and env.step("get_weather", {"city": "Rome"}).startswith("Rome")
+    assert env.step("get_reward", {}).startswith("Error: unknown tool 'get_reward'")
+    assert env.reward("done") == 3.0
+    assert isinstance(env.instance, ScoredIncrementEnv) and env.instance._counter == 3  # what reward functions see
+    with pytest.raises(ToolError, match="two tools are named 'increment'"):
+        environment_factory(ScoredIncrementEnv, tools=[ScoredIncrementEnv().increment])
+
+
+def test_an_environment_that_scores_is_a_reward_source_of_its_own_sync_or_async():
+    import asyncio
+
+    class AsyncScored(IncrementEnv):
+        async def get_reward(self):
+            return float(self._counter)
+
+    assert episode_rewards(environment_factory(IncrementEnv)()) is None  # no get_reward: no reward of its own
+    assert episode_rewards(environment_factory([get_weather])()) is None
+    envs = [environment_factory(ScoredIncrementEnv)() for _ in range(2)]
+    for n, env in enumerate(envs):
+        env.reset({"start": n})
+    reward = episode_rewards(envs[0])
+    assert reward(environments=[e.instance for e in envs], completions=["a", "b"]) == [0.0, 1.0]
+    made = [environment_factory(AsyncScored)() for _ in range(2)]
+    made[1].reset({"start": 4})
+    reward = episode_rewards(made[0])
+    assert is_async(reward)  # run with the other async rewards, on their event loop
+    assert asyncio.run(reward(environments=[e.instance for e in made], completions=["a", "b"])) == [0.0, 4.0]
+    ours = [environment_factory(Counter)() for _ in range(2)]  # our own Environment's reward(completion)
+    ours[0].reset({"target": 0})
+    ours[1].reset({"target": 1})
+    assert episode_rewards(ours[0])(environments=[e.instance for e in ours], completions=["", ""]) == [1.0, 0.0]
+
+
+def test_a_factory_that_raises_fails_at_set_up_in_one_line():
+    def broken():
+        raise RuntimeError("no\nsimulator")
+
+    with pytest.raises(ToolError, match=r"^environment '.*broken': its factory raised RuntimeError: no simulator$"):
+        environment_factory(broken)
 
 
 def test_an_environment_whose_tool_has_no_docstring_fails_at_set_up():

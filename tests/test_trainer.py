@@ -525,6 +525,83 @@ def test_multi_turn_steps_mask_the_tool_turns_and_resume_bit_exactly(tmp_path):
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+class CounterEnv:
+    """Written for TRL's environment_factory: a counter per rollout row, reset with the row's data columns; its
+    tool counts the row's calls; `get_reward` is TRL's reserved method, no tool (it has no docstring to be one)."""
+
+    def reset(self, question, **row):
+        self.question, self.counter = question, 0
+
+    def increment(self) -> str:
+        """Add one to the counter.
+
+        Returns:
+            The counter after the call.
+        """
+        self.counter += 1
+        return str(self.counter)
+
+    def get_reward(self):
+        return float(self.counter)
+
+
+def counter_reward(environments, **kwargs):
+    """A TRL reward reading each completion's environment, as TRL passes them."""
+    return [float(env.counter) for env in environments]
+
+
+def test_an_environment_keeps_each_rows_state_and_the_reward_reads_it(tmp_path):
+    """rollout.environment: one environment per row, reset with its data row; its tool's state is the row's own
+    (the counter equals that completion's own tool turns), a TRL reward gets the rows' environments, and the
+    environment's get_reward is a reward of its own."""
+    import dataclasses
+
+    from qerl.rollout.tool_calls import ToolCallFormat, ToolTurn
+
+    class Increments(ToolCallFormat):  # the character model's '}' calls `increment`
+        def parse(self, text):
+            return "increment", {}
+
+    settings = tiny_settings(tmp_path, rollout={"max_new_tokens": 24, "environment": "tests.test_trainer:CounterEnv",
+                                                "max_tool_calling_iterations": 3},
+                             train={"rewards": {"tests.test_trainer:counter_reward": 1.0}, "steps": 1})
+    trainer = make_trainer(settings, tmp_path / "run")
+    assert list(trainer.tool_use.tools) == ["increment"]  # the environment's tools, reset and get_reward reserved
+    trainer.tool_use = dataclasses.replace(trainer.tool_use, format=Increments(open="{", close="}"),
+                                           turn=ToolTurn("=", "?"))
+    batch = trainer.score(trainer.rollout())
+    turns = [int((m[1:] < m[:-1]).sum() + (~m[:1]).sum()) for m in batch.samples.masks()]  # runs of tool tokens
+    assert sum(turns) > 0 and len(set(turns)) > 1  # calls happened, not as many in every row
+    # counter_reward, and get_reward as a reward source of its own (weight 1, named after the class, as TRL does)
+    assert {k: v.tolist() for k, v in batch.reward_terms.items()} == {"counter_reward": [float(n) for n in turns],
+                                                                      "CounterEnv": [float(n) for n in turns]}
+    assert batch.rewards.tolist() == [2.0 * n for n in turns]
+    envs = batch.samples.environments
+    assert [e.instance.question for e in envs] == [ex.question for ex in batch.examples for _ in range(4)]
+    assert [e.reward(None) for e in envs] == [float(n) for n in turns]  # TRL's get_reward, as qerl's reward
+    trainer.close()
+
+
+def test_an_environment_that_does_not_resolve_is_one_line_naming_it(tmp_path):
+    from qerl.params_yaml import ConfigError
+
+    with pytest.raises(ValueError, match=r"^rollout.environment = 'tests.test_trainer:Nope': environment "
+                                         r"'tests.test_trainer:Nope': tests.test_trainer.Nope is missing"):
+        make_trainer(tiny_settings(tmp_path, rollout={"environment": "tests.test_trainer:Nope"}), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"^rollout.environment = 'tests.test_trainer:ones_reward': environment "
+                                         r"'ones_reward': its factory raised TypeError"):
+        make_trainer(tiny_settings(tmp_path, rollout={"environment": "tests.test_trainer:ones_reward"}),
+                     tmp_path / "b")
+    with pytest.raises(ValueError, match=r"reward 'tests.test_trainer:counter_reward' needs 'environments'.* come "
+                                         "with rollout.environment"):
+        make_trainer(tiny_settings(tmp_path, train={"rewards": {"tests.test_trainer:counter_reward": 1.0}}),
+                     tmp_path / "c")
+    with pytest.raises(ConfigError, match=r"environment = 'CounterEnv': name it as 'package.module:function'"):
+        tiny_settings(tmp_path, rollout={"environment": "CounterEnv"})
+    with pytest.raises(ConfigError, match="environment: backend 'vllm' cannot pause a row at a tool call"):
+        tiny_settings(tmp_path, rollout={"environment": "tests.test_trainer:CounterEnv", "backend": "vllm"})
+
+
 def test_tools_that_do_not_resolve_or_a_backend_without_multi_turn_are_refused_in_one_line(tmp_path):
     from qerl.params_yaml import ConfigError
 

@@ -4,5 +4,5 @@ Owns `example` (one problem, the record every part shares), `problems` (the gene
 MATH-500 loaders, prompts, the resumable sampler), `tables` (hub datasets and local files through `datasets`),
 `prompt_length` (prompts checked against the model's context) and `rewards` (the reward registry).
 
-May import: qerl.grading.
+May import: qerl.grading, qerl.plugins.
 """

@@ -10,7 +10,6 @@ sync or `async def`. `reward_terms` resolves `train.rewards` into both; qerl.rl.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import re
@@ -21,6 +20,7 @@ from qerl import grading
 from qerl.grading.equality import answers_equal
 from qerl.grading.extract import matching_brace, extract_answer
 from qerl.grading.normalize import normalize_answer
+from qerl.plugins import resolve_callable, split_spec
 
 __all__ = ["RewardFn", "REWARDS", "score", "format_reward", "get_reward_fn", "combined_reward", "extract_answer",
            "normalize_answer", "answers_equal", "RewardForm", "RewardTerm", "reward_form", "reward_terms"]
@@ -70,22 +70,13 @@ REWARDS: dict[str, RewardFn] = {"accuracy": score, "format": format_reward}
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """A built-in reward by name (see REWARDS) or a user function given as "package.module:function"."""
+    """A built-in reward by name (see REWARDS) or a user function given as "package.module:function" (or
+    "path/to/file.py:function"; `qerl.plugins` resolves it, as it does tools)."""
     if name in REWARDS:
         return REWARDS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
+    if split_spec(name) is None:
         raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARDS)} or 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({err})") from err
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ValueError(f"reward {name!r}: {module_name}.{attr} is not callable")
-    return fn
+    return resolve_callable(name, "reward")
 
 
 def combined_reward(specs: dict[str, float]) -> RewardFn:

@@ -120,7 +120,7 @@ def evaluate(
         if tools is None:
             out = backend.generate(prompts, sampling)
         else:
-            out, counts = backend.generate_with_tools(prompts, sampling, tools)
+            out, counts = backend.generate_with_tools(prompts, sampling, tools, rows=[ex.columns for ex, _ in chunk])
             for k in ("tool_calls", "tool_errors", "tool_timeouts"):
                 calls[k] = calls.get(k, 0) + counts[k]
         for (ex, sample), prompt, text, ids, reason in zip(chunk, prompts, out.texts, out.completion_ids,

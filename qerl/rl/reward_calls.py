@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 
 # TRL's arguments beside the data columns; columns of these names (and TRL's `prompt`, `completion`) are not passed.
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
-HIDDEN_COLUMNS = frozenset(TRL_ARGUMENTS) | {"prompt", "completion"}
+# TRL's with an environment_factory (rollout.environment): one environment per completion, as its tool calls left it
+ENVIRONMENTS = "environments"
+HIDDEN_COLUMNS = frozenset(TRL_ARGUMENTS) | {"prompt", "completion", ENVIRONMENTS}
 # How long past the budget the caller waits for an async function's event loop to answer its cancellation
 CANCEL_GRACE_S = 1.0
 
@@ -74,6 +76,8 @@ class RewardInputs:
     columns: dict[str, list[Any]]  # every data column, one value per completion
     trainer_state: TrainerState
     questions: list[str] = field(default_factory=list)  # for the error messages
+    # rollout.environment: each completion's environment (what the factory made: TRL's object itself). None: none.
+    environments: list[Any] | None = None
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -105,21 +109,21 @@ class RewardCalls:
     def needs_trl_inputs(self) -> bool:
         return any(t.form == "trl" for t in self.terms)
 
-    def check_arguments(self, columns: list[str]) -> None:
+    def check_arguments(self, columns: list[str], environments: bool = False) -> None:
         """ValueError naming a TRL-form function whose required parameter neither TRL nor the data's `columns`
-        provide (the run would fail at its first step, after the model loaded)."""
-        given = set(TRL_ARGUMENTS) | (set(columns) - HIDDEN_COLUMNS) | {"gold"}
+        provide (the run would fail at its first step, after the model loaded); `environments` only where the
+        rollout has them (rollout.environment)."""
+        given = set(TRL_ARGUMENTS) | (set(columns) - HIDDEN_COLUMNS) | {"gold"} | ({ENVIRONMENTS} if environments
+                                                                                else set())
         for term in self.terms:
             if term.form != "trl":
                 continue
-            wants = _wanted(term.fn)
-            if wants is None:
-                continue
-            missing = [name for name, required in wants.items() if required and name not in given]
+            missing = [name for name in _Parameters.of(term.fn).required if name not in given]
             if missing:
+                hint = " (environments come with rollout.environment)" if ENVIRONMENTS in missing else ""
                 raise ValueError(f"reward {term.spec!r} needs {', '.join(map(repr, missing))}, which is neither one "
                                  f"of TRL's arguments ({', '.join(TRL_ARGUMENTS)}) nor a column of the data "
-                                 f"({', '.join(sorted(set(columns) - HIDDEN_COLUMNS)) or 'none'})")
+                                 f"({', '.join(sorted(set(columns) - HIDDEN_COLUMNS)) or 'none'}){hint}")
 
     def __call__(self, inputs: RewardInputs) -> RewardScores:
         step = inputs.trainer_state.global_step + 1
@@ -257,28 +261,42 @@ class RewardCalls:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _wanted(fn: Callable) -> dict[str, bool] | None:
-    """{parameter: required} of a function without **kwargs (None: it takes every keyword, or its signature cannot be
-    read: it gets them all, as TRL would pass them)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name: p.default is p.empty for p in params if p.kind not in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY)}
+@dataclass(frozen=True)
+class _Parameters:
+    """What a function's signature takes by keyword: each named parameter (required or not), and whether it takes
+    every keyword (**kwargs, or a signature that cannot be read: it gets them all, as TRL would pass them)."""
+
+    named: dict[str, bool]  # name -> required
+    takes_all: bool
+
+    @classmethod
+    def of(cls, fn: Callable) -> "_Parameters":
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return cls({}, True)
+        by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return cls({p.name: p.default is p.empty for p in params if p.kind in by_keyword},
+                   any(p.kind is p.VAR_KEYWORD for p in params))
+
+    @property
+    def required(self) -> list[str]:
+        """The ones it cannot be called without, **kwargs or not (`environments, **kwargs` needs environments)."""
+        return [name for name, required in self.named.items() if required]
 
 
 def _trl_kwargs(fn: Callable, inputs: RewardInputs) -> dict[str, Any]:
     """TRL's keyword arguments: prompts, completions, completion_ids, every data column (as TRL: all but prompt,
-    completion and completion_ids), `gold` (qerl's bare answer, unless a column has that name) and trainer_state;
-    a function without **kwargs gets only the ones it names."""
+    completion and completion_ids), `gold` (qerl's bare answer, unless a column has that name), trainer_state and,
+    with rollout.environment, `environments`; a function without **kwargs gets only the ones it names."""
     kwargs: dict[str, Any] = {"prompts": inputs.prompts, "completions": inputs.completions,
                               "completion_ids": inputs.completion_ids, "gold": inputs.golds}
     kwargs.update({k: v for k, v in inputs.columns.items() if k not in HIDDEN_COLUMNS})
     kwargs["trainer_state"] = inputs.trainer_state
-    wanted = _wanted(fn)
-    return kwargs if wanted is None else {k: v for k, v in kwargs.items() if k in wanted}
+    if inputs.environments is not None:
+        kwargs[ENVIRONMENTS] = inputs.environments
+    takes = _Parameters.of(fn)
+    return kwargs if takes.takes_all else {k: v for k, v in kwargs.items() if k in takes.named}
 
 
 def _checked(term: RewardTerm, out: Any, step: int, inputs: RewardInputs) -> list[float | None]:

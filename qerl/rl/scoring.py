@@ -95,4 +95,6 @@ class Scorer:
         inputs.completion_ids = [list(ids) for ids in batch.samples.completion_ids]
         names = list(dict.fromkeys(k for ex in batch.examples for k in ex.columns))
         inputs.columns = {k: [ex.columns.get(k) for ex in rows] for k in names}
+        if batch.samples.environments is not None:  # TRL's `environments`: the objects the factory made
+            inputs.environments = [env.instance for env in batch.samples.environments]
         return inputs

@@ -200,11 +200,18 @@ class Trainer:
         return tokenizer, examples
 
     def _scorer(self, examples: list[data.Example], tokenizer) -> Scorer:
-        """The reward mix of `train.rewards` (qerl.rl.reward_calls), checked against the data's columns before the
-        weights load: a TRL-form function asking for a column the data lacks fails now, not at step 1."""
+        """The reward mix of `train.rewards` (qerl.rl.reward_calls) and the environment's own reward where it scores,
+        checked against the data's columns before the weights load: a TRL-form function asking for a column the
+        data lacks fails now, not at step 1."""
         t = self.settings.train
-        calls = RewardCalls(rewards.reward_terms(dict(t.rewards), dict(t.reward_forms)), t.reward_timeout_s)
-        calls.check_arguments(list(examples[0].columns) if examples else [])
+        terms = rewards.reward_terms(dict(t.rewards), dict(t.reward_forms))
+        own = self.tool_use.environment_reward() if self.tool_use is not None else None
+        if own is not None:  # an environment that scores is a reward source of its own, weight 1 (as in TRL)
+            name, fn = own
+            terms.append(rewards.RewardTerm(self.settings.rollout.environment, fn, 1.0, "trl", name))
+        calls = RewardCalls(terms, t.reward_timeout_s)
+        calls.check_arguments(list(examples[0].columns) if examples else [],
+                              environments=self.tool_use is not None and self.tool_use.environment is not None)
         return Scorer(calls, PromptView.for_format(t.reward_format, tokenizer, self.system_prompt))
 
     def _resume(self) -> None:
@@ -305,7 +312,8 @@ class Trainer:
         self.peaks.start_phase()
         counts = self.rollout_backend.speculation_counts()
         with self.rollout_backend.sync(sigma, noise_seed):
-            out, tool_counts = self._sample(prompts, sampling)
+            out, tool_counts = self._sample(prompts, sampling, [ex.columns for ex in examples
+                                                                for _ in range(r.group_size)])
         # The rollout's peak with its KV cache mapped; then the update gets that memory (graphs kept) and its own
         # peak is measured from here.
         self.peaks.rollout_done()
@@ -326,10 +334,11 @@ class Trainer:
         return RolloutBatch(examples=examples, group_size=r.group_size, samples=out, sigma=sigma,
                             noise_seed=noise_seed, seconds=seconds, extra=extra)
 
-    def _sample(self, prompts: list[str], sampling: Sampling) -> tuple[object, dict[str, float]]:
-        """The rollout's samples, and its tool calls' counts (multi-turn rollouts; {} for single-turn ones)."""
+    def _sample(self, prompts: list[str], sampling: Sampling, rows: list) -> tuple[object, dict[str, float]]:
+        """The rollout's samples, and its tool calls' counts (multi-turn rollouts, whose environments are reset with
+        each prompt's data row in `rows`; {} for single-turn ones)."""
         if self.tool_use is not None:
-            return self.rollout_backend.generate_with_tools(prompts, sampling, self.tool_use)
+            return self.rollout_backend.generate_with_tools(prompts, sampling, self.tool_use, rows=rows)
         return self.rollout_backend.generate(prompts, sampling, drafts=self.draft_history,
                                              progress=self.progress and sys.stderr.isatty()), {}  # a live bar
 

@@ -8,5 +8,5 @@ drawing tokens, the argument checks), `generate` (the reference as a function), 
 (`make_backend` picks one by `rollout.backend`), `tool_calls` (a tool call in the model's words, the tool turn's
 glue) and `multi_turn` (rows that call tools while the others decode).
 
-May import: qerl.config, qerl.errors, qerl.execution, qerl.model, qerl.tools.
+May import: qerl.config, qerl.errors, qerl.execution, qerl.model, qerl.plugins, qerl.tools.
 """

@@ -28,7 +28,7 @@ reference's exact shapes (the README's measured runs, bit-exact resumes).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -115,9 +115,11 @@ class RolloutBackend:
         raise NotImplementedError
 
     def generate_with_tools(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling: Sampling,
-                            use: ToolUse) -> tuple[Rollout, dict[str, float]]:
+                            use: ToolUse, rows: Sequence[Mapping[str, Any]] | None = None,
+                            ) -> tuple[Rollout, dict[str, float]]:
         """A multi-turn rollout of `prompts` whose rows call `use.tools` (`qerl.rollout.multi_turn`), in eval mode:
-        the `Rollout` (with `generated_mask`) and the tool calls' counts. The engine's backends only."""
+        the `Rollout` (with `generated_mask`) and the tool calls' counts. `rows`: each prompt's data row, which its
+        environment is reset with (`use.environment`). The engine's backends only."""
         engine = getattr(self, "engine", None)
         if not isinstance(engine, RolloutEngine):
             raise ValueError(f"rollout.tools: the {self.name} backend has no multi-turn path (a row there cannot wait "
@@ -127,7 +129,7 @@ class RolloutBackend:
         try:
             with torch.no_grad():
                 return generate_with_tools(engine, self.tokenizer, list(prompts), sampling.max_new_tokens, use,
-                                           logits_processor=self.logits_processor,
+                                           rows=rows, logits_processor=self.logits_processor,
                                            **{k: v for k, v in sampling.kwargs(len(prompts)).items()
                                               if k != "max_new_tokens"})
         finally:

@@ -16,7 +16,8 @@ that must be stopped runs in a process of its own, as qerl's sandboxed interpret
 The tokens a tool appended have log-prob 0 and `generated_mask` False in the `Rollout`: the trainer trains on the
 model's own tokens only. A call is parsed here (`tool_calls`) and run by `qerl.tools.call_tool` (every failure an
 "Error: ..." text for the model), or with `ToolUse.environment` by the row's own `qerl.tools.Environment` (reset
-with its data row before the rollout; its `reward` is not read here: scoring is the reward functions').
+with its data row before the rollout; its `reward` is not read here: scoring is the reward functions', which get
+the rows' environments through `Rollout.environments`).
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qerl.plugins import resolve_callable
 from qerl.rollout.rows import RowState
 from qerl.rollout.sampling import Rollout
-from qerl.tools.schema import tool_schemas
+from qerl.tools.environment import environment_factory, episode_rewards
+from qerl.tools.schema import tool_name, tool_schemas
 from qerl.rollout.tool_calls import HERMES, ToolCallFormat, ToolTurn, call_tool, load_tools, parse_call
 
 __all__ = ["ToolUse", "ToolRunner", "generate_with_tools", "tool_use_of"]
@@ -52,19 +55,39 @@ class ToolUse:
     # data row before the rollout, its `step(name, arguments)` answers the row's calls. None: `tools`, stateless.
     environment: Callable[[], Any] | None = None
 
+    def environment_reward(self) -> tuple[str, Callable[..., list]] | None:
+        """(its class's name, its TRL-form reward function) for an environment that scores (`get_reward`, or a
+        `qerl.tools.Environment`'s own `reward`): TRL adds it to the reward functions, weight 1, under that name.
+        None without one."""
+        if self.environment is None:
+            return None
+        probe = self.environment()
+        fn = episode_rewards(probe)
+        return None if fn is None else (type(probe.instance).__name__, fn)
+
 
 def tool_use_of(rollout: Any) -> ToolUse | None:
-    """The tools and limits of a `rollout:` section (its tools, max_tool_calling_iterations, tool_timeout_s,
-    tool_workers); None without tools. ValueError naming rollout.tools when one does not resolve."""
-    if not rollout.tools:
+    """The tools and limits of a `rollout:` section (its tools, environment, max_tool_calling_iterations,
+    tool_timeout_s, tool_workers); None without tools or an environment. ValueError naming rollout.tools or
+    rollout.environment when one does not resolve (or its factory fails, or a tool has no schema)."""
+    if not rollout.tools and rollout.environment is None:
         return None
     try:
         tools = load_tools(rollout.tools)
         tool_schemas(list(tools.values()))  # a tool without hints or an Args: docstring fails now, in one line
     except ValueError as e:
         raise ValueError(f"rollout.tools = {rollout.tools}: {e}") from None
+    environment = None
+    if rollout.environment is not None:
+        try:
+            environment = environment_factory(resolve_callable(rollout.environment, "environment"),
+                                              tools=list(tools.values()))
+            # What the prompts announce: one instance's tools (bound methods; every row's have the same schemas)
+            tools = {tool_name(t): t for t in environment().tools}
+        except ValueError as e:  # qerl.tools' ToolError included
+            raise ValueError(f"rollout.environment = {rollout.environment!r}: {e}") from None
     return ToolUse(tools, max_turns=rollout.max_tool_calling_iterations, timeout_s=rollout.tool_timeout_s,
-                   workers=rollout.tool_workers)
+                   workers=rollout.tool_workers, environment=environment)
 
 
 @dataclass
@@ -157,8 +180,9 @@ def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Se
                         **sampling) -> tuple[Rollout, dict[str, float]]:
     """`RolloutEngine.generate`'s rollout of `prompts` (the keyword arguments of `open` in `sampling`), its rows
     calling `use.tools` (or each its `use.environment`, reset with `rows[i]`, its data row's columns); returns it
-    (with `generated_mask`) and the calls' counts: tool_calls, tool_errors, tool_timeouts, tool_seconds (the calls'
-    wall time, summed) and idle_seconds (time no row could decode: every unfinished row waited for a tool)."""
+    (with `generated_mask`, and `environments`, the rows' own, with an environment) and the calls' counts:
+    tool_calls, tool_errors, tool_timeouts, tool_seconds (the calls' wall time, summed) and idle_seconds (time no
+    row could decode: every unfinished row waited for a tool)."""
     if tokenizer is None:
         raise ValueError("multi-turn rollouts need a tokenizer: tool calls are found in the decoded text")
     turn = use.turn or ToolTurn.from_template(tokenizer)
@@ -176,6 +200,8 @@ def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Se
             for index, answer in answered:
                 _append(call, index, turn.tokens(tokenizer, answer))
         out = call.result()
+    if runner.envs is not None:  # for the reward functions (TRL's `environments`): each row's state at its end
+        out.environments = runner.envs
     return out, runner.stats
 
 

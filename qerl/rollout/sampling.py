@@ -40,14 +40,18 @@ class Rollout:
     logprobs: list[Tensor]
     stop_reasons: list[StopReason]
     generated_mask: list[Tensor] | None = None
+    # A multi-turn rollout with `rollout.environment`: each row's `qerl.tools.Environment`, as its tool calls left it
+    # (what TRL-form reward functions read as `environments`). None: no environment.
+    environments: list[Any] | None = None
 
     def select(self, rows: Sequence[int]) -> "Rollout":
         """The rows at indices `rows`, in that order."""
         masks = None if self.generated_mask is None else [self.generated_mask[r] for r in rows]
+        envs = None if self.environments is None else [self.environments[r] for r in rows]
         return Rollout(prompt_ids=[self.prompt_ids[r] for r in rows],
                        completion_ids=[self.completion_ids[r] for r in rows], texts=[self.texts[r] for r in rows],
                        logprobs=[self.logprobs[r] for r in rows], stop_reasons=[self.stop_reasons[r] for r in rows],
-                       generated_mask=masks)
+                       generated_mask=masks, environments=envs)
 
     def masks(self) -> list[Tensor]:
         """generated_mask, all True where it is None."""
@@ -59,10 +63,12 @@ class Rollout:
     def concat(cls, parts: Sequence["Rollout"]) -> "Rollout":
         """The rows of `parts`, one part after the other."""
         masks = None if all(p.generated_mask is None for p in parts) else [m for p in parts for m in p.masks()]
+        envs = None if all(p.environments is None for p in parts) else \
+            [e for p in parts for e in (p.environments or [None] * len(p.texts))]
         return cls(prompt_ids=[x for p in parts for x in p.prompt_ids],
                    completion_ids=[x for p in parts for x in p.completion_ids],
                    texts=[x for p in parts for x in p.texts], logprobs=[x for p in parts for x in p.logprobs],
-                   stop_reasons=[x for p in parts for x in p.stop_reasons], generated_mask=masks)
+                   stop_reasons=[x for p in parts for x in p.stop_reasons], generated_mask=masks, environments=envs)
 
     @classmethod
     def from_padded(cls, tokenizer: Any, prompt_ids: list[list[int]], tokens: Tensor, logprobs: Tensor,

@@ -3,7 +3,7 @@
 A tool is a plain Python callable with type hints and a docstring, called with the keyword arguments of the model's
 call and returning a str (as TRL's `tools=[...]`; `qerl.tools` owns what a tool is: its schema, and running one call
 with every failure made an error text for the model). Params name them as `module:function` (`load_tools`), as they
-name reward functions.
+name reward functions (one resolver for both: `qerl.plugins`).
 
 The format is Hermes' (Qwen2.5, Qwen3 and Hermes models are trained on it; their chat templates write it):
 
@@ -20,13 +20,13 @@ continuation reads what the model would see in a real chat.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qerl.plugins import resolve_callable
 from qerl.rollout.rows import ToolStop
 from qerl.tools.schema import call_tool as run_tool
 
@@ -153,23 +153,13 @@ def format_of(tokenizer: Any) -> ToolCallFormat:
 
 
 def load_tools(specs: list[str]) -> dict[str, Callable[..., Any]]:
-    """`module:function` names -> {the function's name: the function}; ValueError naming the first that does not
-    resolve to a callable, or two tools of one name."""
+    """`module:function` (or `path/to/file.py:function`) names -> {the function's name: the function}; ValueError
+    naming the first that does not resolve to a callable (`qerl.plugins`), or two tools of one name."""
     tools: dict[str, Callable[..., Any]] = {}
     for spec in specs:
-        module_name, sep, attr = spec.partition(":")
-        if not sep or not module_name or not attr:
-            raise ValueError(f"tool {spec!r}: name it as 'package.module:function'")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"tool {spec!r}: cannot import module {module_name!r} ({e})") from None
-        fn = getattr(module, attr, None)
-        if not callable(fn):
-            raise ValueError(f"tool {spec!r}: {module_name}.{attr} is {'missing' if fn is None else 'not callable'}")
-        name = getattr(fn, "__name__", attr)
+        fn = resolve_callable(spec, "tool")
+        name = getattr(fn, "__name__", spec.rpartition(":")[2])
         if name in tools:
             raise ValueError(f"tool {spec!r}: a second tool named {name!r} (the model calls tools by name)")
         tools[name] = fn
     return tools
-

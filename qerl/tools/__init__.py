@@ -11,11 +11,12 @@ it starts, standard library only), `interpreter` (the `python_interpreter` tool 
 May import: qerl (nothing of it: the sandbox's child runs apart from qerl, and the rest needs none of it).
 """
 
-from qerl.tools.environment import Environment, ToolsEnvironment, TRLEnvironment, environment_factory
+from qerl.tools.environment import (Environment, ToolsEnvironment, TRLEnvironment, WithTools, environment_factory,
+                                    episode_rewards)
 from qerl.tools.interpreter import make_python_interpreter, python_interpreter
 from qerl.tools.sandbox import SandboxLimits, SandboxResult, isolation_layers, run_python
 from qerl.tools.schema import ToolError, call_tool, tool_name, tool_schema, tool_schemas
 
 __all__ = ["Environment", "SandboxLimits", "SandboxResult", "ToolError", "ToolsEnvironment", "TRLEnvironment",
            "call_tool", "environment_factory", "isolation_layers", "make_python_interpreter", "python_interpreter",
-           "run_python", "tool_name", "tool_schema", "tool_schemas"]
+           "run_python", "tool_name", "tool_schema", "tool_schemas", "WithTools", "episode_rewards"]

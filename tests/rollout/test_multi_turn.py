@@ -323,3 +323,38 @@ def test_each_row_has_its_own_environment_reset_with_its_data_row():
 
     with pytest.raises(ValueError, match="its reset returned text for the first user turn"):
         rollout(RolloutEngine.reference(model), ps, 50, ToolUse({}, turn=TURN, environment=Greeting))
+
+
+def test_the_params_environment_and_tools_resolve_together_into_one_tool_use(tmp_path):
+    """`rollout.environment` (a file's TRL class) beside `rollout.tools`: the prompts announce both, each row's calls
+    reach the environment's own tool or the plain one, and the rollout carries the rows' environments."""
+    from qerl.config import settings_from_dict
+    from qerl.rollout.multi_turn import tool_use_of
+
+    path = tmp_path / "my_env.py"
+    path.write_text('''
+class Counter:
+    def reset(self, base=0, **row):
+        self.value = base
+
+    def count(self) -> str:
+        """Count one more.
+
+        Returns:
+            The count.
+        """
+        self.value += 1
+        return str(self.value)
+''')
+    rollout_settings = settings_from_dict({"rollout": {"environment": f"{path}:Counter",
+                                                       "tools": ["tests.test_tools:get_weather"]}}).rollout
+    use = tool_use_of(rollout_settings)
+    assert list(use.tools) == ["get_weather", "count"]  # plain tools first, as TRL's tools + the environment's
+    use = ToolUse(use.tools, turn=TURN, environment=use.environment)
+    model, ps = tiny(), prompts(2)
+    weather = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    out, stats = rollout(RolloutEngine.reference(model), ps, 220, use, {0: call_text("count"), 1: weather},
+                         rows=[{"base": 10}, {"base": 20}])
+    assert out.texts[0].startswith(call_text("count") + TURN.before + "11" + TURN.after)
+    assert out.texts[1].startswith(weather + TURN.before + "Oslo: sunny for 1 day(s), 20 C" + TURN.after)
+    assert [env.instance.value for env in out.environments] == [11, 20] and stats["tool_errors"] == 0
