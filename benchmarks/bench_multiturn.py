@@ -120,11 +120,13 @@ class Phases:
              "tool-turn prefill": ("qerl.rollout.engine", "RolloutEngine", "extend_row"),
              "outside step": ("qerl.rollout.speculation", "SpeculativeRows", "step")}
 
-    def __init__(self, sync: bool):
+    def __init__(self, sync: bool, probe: bool = False):
         import importlib
 
         self.seconds = {k: 0.0 for k in self.PARTS}
         self.calls = {k: 0 for k in self.PARTS}
+        self.each: dict[str, list[float]] = {k: [] for k in self.PARTS}
+        self.probed = not probe
         self._undo = []
         for name, (module, cls, method) in self.PARTS.items():
             owner = getattr(importlib.import_module(module), cls)
@@ -134,8 +136,9 @@ class Phases:
 
     def _timed(self, name, real, sync):
         def timed(*a, **k):
-            if sync and self.calls[name] == 50:  # one tool-turn prefill, warm, under the profiler
-                return self._profiled(real, *a, **k)
+            if sync and self.calls[name] == 50 and not self.probed:  # one warm tool-turn prefill, profiled
+                self.probed = True
+                self._profiled(real, *a, **k)
             start = time.perf_counter()
             try:
                 return real(*a, **k)
@@ -144,15 +147,43 @@ class Phases:
                     torch.cuda.synchronize()
                 self.seconds[name] += time.perf_counter() - start
                 self.calls[name] += 1
+                self.each[name].append(time.perf_counter() - start)
         return timed
 
     def _profiled(self, real, *a, **k):
+        try:
+            self._probe(real, *a, **k)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the benchmark goes on without it
+            print(f"  (the extend probe failed: {type(e).__name__}: {e})", flush=True)
+
+    def _probe(self, real, *a, **k):
+        """One warm tool-turn prefill under the profiler, its host and GPU time, and the model's plain forward of
+        1-64 rows of as many tokens (what one forward for several rows' tool turns would cost)."""
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             real(*a, **k)
             torch.cuda.synchronize()
+        engine, tokens = a[0], a[2]
+        for _ in range(3):  # the same tokens at the same slots: idempotent, so the rollout is unchanged
+            t0 = time.perf_counter()
+            real(*a, **k)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            print(f"  extend_row of {len(tokens)} tokens: host {1e3 * (t1 - t0):.1f} ms, with the GPU "
+                  f"{1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
+        for rows in (1, 4, 16, 64):  # the model's plain forward (no cache) of rows x tokens: how a batch would cost
+            ids = torch.full((rows, len(tokens)), ANSWER, device="cuda")
+            with torch.no_grad():
+                engine.model(ids, logits_to_keep=1)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.model(ids, logits_to_keep=1)
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+            print(f"  plain forward {rows} x {len(tokens)}: host {1e3 * (t1 - t0):.1f} ms, with the GPU "
+                  f"{1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
         table = prof.key_averages()
         print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
         print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
@@ -186,7 +217,7 @@ def run(args) -> list[dict]:
         for timed in (False, True):  # the first call captures the graphs (a warm trainer has them)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            phases = Phases(device.type == "cuda") if args.phases and timed and arm == "multi-turn" else None
+            phases = Phases(device.type == "cuda", args.probe) if args.phases and timed and arm == "multi-turn" else None
             start = time.perf_counter()
             if arm == "multi-turn":
                 out, stats = generate_with_tools(engine, tokenizer, prompts, max(totals), use, **kw)
@@ -198,8 +229,11 @@ def run(args) -> list[dict]:
             if phases is not None:
                 phases.restore()
                 for name in Phases.PARTS:
+                    each = sorted(phases.each[name]) or [0.0]
                     print(f"  {name}: {phases.seconds[name]:.2f} s over {phases.calls[name]} calls "
-                          f"({1e3 * phases.seconds[name] / max(1, phases.calls[name]):.2f} ms each)", flush=True)
+                          f"({1e3 * phases.seconds[name] / max(1, phases.calls[name]):.2f} ms each; first "
+                          f"{1e3 * (phases.each[name] or [0.0])[0]:.1f}, median {1e3 * each[len(each) // 2]:.2f}, "
+                          f"max {1e3 * each[-1]:.1f} ms)", flush=True)
                 print(f"  the call: {seconds:.2f} s; engine stats {engine.stats}", flush=True)
         tokens = sum(map(len, out.completion_ids))
         generated = sum(int(m.sum()) for m in out.masks())
@@ -228,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--latency", type=float, default=0.5, help="the tool's fixed latency, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phases", action="store_true", help="time the outside-lockstep step's parts (host wall time)")
+    p.add_argument("--probe", action="store_true", help="with --phases on CUDA: profile one tool-turn prefill and "
+                   "time the plain forward of 1-64 rows of as many tokens")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rows = run(args)

@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD QERL_GEMM_CACHE=$OUT/gemm_dispatch.jso
 START=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - START) )); }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-case "${1:?usage: owed_chain.sh tests|bench}" in
+case "${1:?usage: owed_chain.sh tests|bench|diag|verify}" in
   tests)
     TORCH_LOGS=recompiles timeout -s INT -k 10 200 python3 -m pytest -q -rfE -p no:cacheprovider \
       "tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_compiles_in_workers" 2>&1 | tee "$OUT/compile.log" | tail -60
@@ -38,7 +38,16 @@ case "${1:?usage: owed_chain.sh tests|bench}" in
       > "$OUT/tests.log" 2>&1
     tail -15 "$OUT/tests.log"
     timeout $(left 590) python3 benchmarks/bench_multiturn.py --model 7b --scheme nvfp4 --batch 64 --turns 3 \
-      --turn-tokens 256 --answer-tokens 48 --latency 0.5 --phases 2>&1 | tee "$OUT/multiturn.log" | tail -12 ;;
+      --turn-tokens 256 --answer-tokens 48 --latency 0.5 --phases --probe 2>&1 | tee "$OUT/multiturn.log" | tail -12 ;;
+  verify)  # 2026-12-03: the fixes of the diag call, one tool-turn prefill profiled, #61's rollouts before/after
+    bash benchmarks/owed_chain.sh diag
+    timeout 120 python3 benchmarks/diag/sweep_w8a16.py > "$OUT/sweep_w8a16.log" 2>&1; tail -14 "$OUT/sweep_w8a16.log"
+    for tree in before after; do  # .before: git archive de5b8c6 (before #61) qerl kernels tasks flows ... (header)
+      dir=$PWD; [ $tree = before ] && dir=$PWD/.before
+      (cd "$dir" && PYTHONPATH=$dir timeout 150 python3 benchmarks/bench_rollout.py --models 7b --schemes nvfp4 \
+         --batches 64,256 --new 1024 --out "$OUT/rollout-$tree") 2>&1 | sed "s/^/[$tree] /" \
+        | tee -a "$OUT/rollout.log" | grep -v "^\[.*\]   (" | tail -8
+    done ;;
   bench)
     timeout 230 python3 benchmarks/bench_rollout.py --models 7b --schemes bf16,nvfp4,fp8 --batches 1,8,64,512 \
       --new 256 --out "$OUT/rollout" 2>&1 | tee "$OUT/rollout.log" | grep -v "^  (" | tail -30

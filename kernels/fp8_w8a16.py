@@ -54,9 +54,11 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
 
 
 def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_n: int = 64,
-                   block_k: int = 128, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """x2 [M, K] (bf16/fp16, unit stride along K; any M, though beyond MAX_M other GEMMs win) @ (w8 [N, K] E4M3 contiguous * scale [N] fp32 per row)ᵀ:
-    [M, N] in x2's dtype."""
+                   block_k: int = 128, split_k: int | None = None, num_warps: int = 4,
+                   num_stages: int | None = None) -> torch.Tensor:
+    """x2 [M, K] (bf16/fp16, unit stride along K; any M, though past MAX_M other GEMMs win) @ (w8 [N, K] E4M3
+    contiguous * scale [N] fp32 per row)ᵀ: [M, N] in x2's dtype. `num_stages`: Triton's pipeline depth (its default
+    when None)."""
     m, k = x2.shape
     n = w8.shape[0]
     if x2.stride(1) != 1:
@@ -67,5 +69,6 @@ def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, b
         torch.zeros(m, n, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
     _w8a16_kernel[grid](x2, w8, scale, y, m, n, k, x2.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                        BLOCK_K=block_k, SPLIT_K=split, num_warps=num_warps)
+                        BLOCK_K=block_k, SPLIT_K=split, num_warps=num_warps,
+                        **({} if num_stages is None else {"num_stages": num_stages}))
     return y if split == 1 else y.to(x2.dtype)
