@@ -67,14 +67,27 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, cache_position: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k/v [B, Hkv, T, D] at slots `cache_position` [T]; return the whole cache for rows :B."""
+        """Write k/v [B, Hkv, T, D] at slots `cache_position` ([T], or [B, T]: `write_slots`); return the whole
+        cache for rows :B."""
         batch = k.shape[0]
         if batch > self.k_cache.shape[0]:
             raise ValueError(f"batch {batch} exceeds the KV cache batch {self.k_cache.shape[0]}")
         k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]
-        k_cache.index_copy_(2, cache_position, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, cache_position, v.to(v_cache.dtype))
+        write_slots(k_cache, cache_position, k)
+        write_slots(v_cache, cache_position, v)
         return k_cache, v_cache
+
+
+def write_slots(cache: Tensor, cache_position: Tensor, x: Tensor, rows: Tensor | None = None) -> None:
+    """Write x [B, Hkv, T, D] into cache [>= B, Hkv, S, D] at slots `cache_position`: [T] shared by every row, or
+    [B, T] each row at its own (rows that advanced by different numbers of tokens: speculative decoding, tool turns
+    prefilled together). `rows` [B]: the cache rows written (default 0..B-1)."""
+    if cache_position.dim() == 1 and rows is None:
+        cache[:x.shape[0]].index_copy_(2, cache_position, x.to(cache.dtype))
+        return
+    position = cache_position if cache_position.dim() == 2 else cache_position[None].expand(x.shape[0], -1)
+    row = (torch.arange(x.shape[0], device=x.device) if rows is None else rows)[:, None].expand_as(position)
+    cache[row, :, position] = x.transpose(1, 2).to(cache.dtype)  # [B, T, Hkv, D]
 
 
 class StepCache:
@@ -90,13 +103,8 @@ class StepCache:
         at its own slots: rows that advanced by different numbers of tokens, as speculative decoding leaves them)."""
         rows = k.shape[0]
         k_cache, v_cache = self.k_cache[:rows], self.v_cache[:rows]
-        if cache_position.dim() == 2:
-            row = torch.arange(rows, device=k.device)[:, None].expand_as(cache_position)
-            k_cache[row, :, cache_position] = k.transpose(1, 2).to(k_cache.dtype)  # [rows, T, Hkv, D]
-            v_cache[row, :, cache_position] = v.transpose(1, 2).to(v_cache.dtype)
-        else:
-            k_cache.index_copy_(2, cache_position, k.to(k_cache.dtype))
-            v_cache.index_copy_(2, cache_position, v.to(v_cache.dtype))
+        write_slots(k_cache, cache_position, k)
+        write_slots(v_cache, cache_position, v)
         return k_cache[:, :, :self.window], v_cache[:, :, :self.window]
 
 
@@ -329,8 +337,9 @@ class Decoder(nn.Module):
             if caches[0] is None:
                 raise RuntimeError("cache_position given but no KV cache: call model.setup_kv_cache(...) first")
             cache_len = caches[0].k_cache.shape[2]
-            if cache_position.shape != (seq,):
-                raise ValueError(f"cache_position must be [T={seq}], got {tuple(cache_position.shape)}")
+            if cache_position.shape not in ((seq,), (batch, seq)):
+                raise ValueError(f"cache_position must be [T={seq}] or [B={batch}, T={seq}], got "
+                                 f"{tuple(cache_position.shape)}")
         position_ids, masks = self.masks(batch, seq, attention_mask, position_ids, cache_position, cache_len,
                                          input_ids.device)
         return self.blocks(self.embed(input_ids), position_ids, masks, caches, cache_position)

@@ -535,20 +535,43 @@ class RolloutEngine:
         self._prefill_once_per_prompt(ids, valid, width, prompt_len)
 
     @torch.no_grad()
-    def extend_row(self, slot: int, tokens: list[int], write: int, position: int) -> None:
-        """Write `tokens` into cache row `slot` at slots write.. (RoPE positions position..), attending to what the
-        row holds: a row resumed after a tool call, prefilled from its cache (the model's own forward, eager)."""
-        n, window = len(tokens), self.window_of(write + len(tokens))
+    def extend_rows(self, rows: Sequence[tuple[int, list[int], int, int]]) -> int:
+        """For each (slot, tokens, write, position): write `tokens` into cache row `slot` at slots write.. (RoPE
+        positions position..), attending to what the row holds: rows resumed after a tool call, prefilled from
+        their caches (the model's own forward, eager). The rows go through one forward: its cost is the host's
+        launches, whatever its rows (BENCHMARKS.md, "The owed GPU chain": 90-150 ms on a 7B for 1 to 64 rows), so
+        tool turns ready together cost one. Each row's shorter turn is padded at slots past its own tokens, which
+        its next decode steps overwrite before they attend to them. The exact engine extends one row per forward:
+        which rows meet in a batch depends on the tools' timing, and the batch's shape would reach the rounding.
+        Returns the forwards it ran."""
+        if self.exact:
+            for one in rows:
+                self._extend([one])
+            return len(rows)
+        if rows:
+            self._extend(list(rows))
+        return 1 if rows else 0
+
+    def _extend(self, rows: list[tuple[int, list[int], int, int]]) -> None:
+        width = max(len(tokens) for _, tokens, _, _ in rows)
+        window = self.window_of(max(write + len(tokens) for _, tokens, write, _ in rows))
+        ids = torch.tensor([tokens + [tokens[-1]] * (width - len(tokens)) for _, tokens, _, _ in rows])
+        offsets = torch.arange(width)
+        slots = torch.tensor([write for _, _, write, _ in rows])[:, None] + offsets
+        slots = slots.clamp(max=self.cap_slots - 1)  # padding past the cache's end: its last slot, unread garbage
+        positions = torch.tensor([position for _, _, _, position in rows])[:, None] + offsets
+        one = len(rows) == 1  # one row: a view of its cache row (row0); several: their rows by index (copies)
+        cache_rows = torch.tensor([slot for slot, _, _, _ in rows], device=self.device)
         for cache in self.caches:
-            cache.window, cache.row0 = window, slot
+            cache.window = window
+            cache.row0, cache.rows = (rows[0][0], None) if one else (0, cache_rows)
         try:
-            self.model(torch.tensor([tokens], device=self.device),
-                       position_ids=torch.arange(position, position + n, device=self.device)[None],
-                       attention_mask=self.valid[slot:slot + 1, :window],
-                       cache_position=torch.arange(write, write + n, device=self.device), logits_to_keep=1)
+            self.model(ids.to(self.device), position_ids=positions.to(self.device),
+                       attention_mask=self.valid[cache_rows, :window],
+                       cache_position=(slots[0] if one else slots).to(self.device), logits_to_keep=1)
         finally:
             for cache in self.caches:
-                cache.row0 = 0
+                cache.row0, cache.rows = 0, None
 
     def verify_inputs(self, live: list[Row], drafts: list[list[int]], rows: int, queries: int,
                       prompt_len: int, waiting: Sequence[Row] = ()) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from qerl.execution import kv8
+from qerl.model.transformer import write_slots
 
 __all__ = ["EngineCache", "CUDA_MIN_BUCKET", "bucket_of", "batch_buckets", "round_up"]
 
@@ -25,25 +26,32 @@ class EngineCache(nn.Module):
         self.register_buffer("k", k, persistent=False)
         self.register_buffer("v", v, persistent=False)
         self.window, self.row0 = k.shape[2], 0
+        self.rows: Tensor | None = None  # the cache rows of a forward over scattered rows (None: from row0 on)
 
     @property
     def k_cache(self) -> Tensor:
-        return self.k[self.row0:, :, :self.window]
+        return self.k[self.row0:, :, :self.window] if self.rows is None else self.k[self.rows, :, :self.window]
 
     @property
     def v_cache(self) -> Tensor:
-        return self.v[self.row0:, :, :self.window]
+        return self.v[self.row0:, :, :self.window] if self.rows is None else self.v[self.rows, :, :self.window]
 
     def update(self, cache_position: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        rows = slice(self.row0, self.row0 + k.shape[0])
-        kc, vc = self.k[rows], self.v[rows]
-        if kv8.is_packed(kc):  # the FP8 layout: attention (a prefill) reads what decode steps will read
-            kc.index_copy_(2, cache_position, kv8.pack(k))
-            vc.index_copy_(2, cache_position, kv8.pack(v))
-            return kv8.unpack(kc[:, :, :self.window], k.dtype), kv8.unpack(vc[:, :, :self.window], v.dtype)
-        kc.index_copy_(2, cache_position, k.to(kc.dtype))
-        vc.index_copy_(2, cache_position, v.to(vc.dtype))
-        return kc[:, :, :self.window], vc[:, :, :self.window]
+        """Write k, v [B, Hkv, T, D] at `cache_position` ([T], or [B, T] each row its own) into cache rows
+        row0..row0+B, or into `rows` (then what attention reads is a copy of those rows)."""
+        packed = kv8.is_packed(self.k)  # the FP8 layout: attention (a prefill) reads what decode steps will read
+        kw, vw = (kv8.pack(k), kv8.pack(v)) if packed else (k, v)
+        if self.rows is None:
+            cache = slice(self.row0, self.row0 + k.shape[0])
+            kc, vc = self.k[cache], self.v[cache]
+            write_slots(kc, cache_position, kw)
+            write_slots(vc, cache_position, vw)
+        else:
+            write_slots(self.k, cache_position, kw, self.rows)
+            write_slots(self.v, cache_position, vw, self.rows)
+            kc, vc = self.k[self.rows], self.v[self.rows]
+        kc, vc = kc[:, :, :self.window], vc[:, :, :self.window]
+        return (kv8.unpack(kc, k.dtype), kv8.unpack(vc, v.dtype)) if packed else (kc, vc)
 
 
 CUDA_MIN_BUCKET = 8  # below 8 rows a decode step on a GPU costs the same

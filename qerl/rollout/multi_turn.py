@@ -103,6 +103,7 @@ class ToolRunner:
 
     use: ToolUse
     stats: dict[str, float] = field(default_factory=lambda: {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
+                                                             "tool_turn_prefills": 0,
                                                              "tool_seconds": 0.0, "idle_seconds": 0.0})
 
     envs: list[Any] | None = None  # the rows' environments (`ToolUse.environment`), by row
@@ -181,13 +182,15 @@ def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Se
     """`RolloutEngine.generate`'s rollout of `prompts` (the keyword arguments of `open` in `sampling`), its rows
     calling `use.tools` (or each its `use.environment`, reset with `rows[i]`, its data row's columns); returns it
     (with `generated_mask`, and `environments`, the rows' own, with an environment) and the calls' counts:
-    tool_calls, tool_errors, tool_timeouts, tool_seconds (the calls' wall time, summed) and idle_seconds (time no
-    row could decode: every unfinished row waited for a tool)."""
+    tool_calls, tool_errors, tool_timeouts, tool_seconds (the calls' wall time, summed), idle_seconds (time no
+    row could decode: every unfinished row waited for a tool) and tool_turn_prefills (the forwards that prefilled
+    the tool turns: on the bucketed engine, turns answered close together share one, `_HeldTurns`)."""
     if tokenizer is None:
         raise ValueError("multi-turn rollouts need a tokenizer: tool calls are found in the decoded text")
     turn = use.turn or ToolTurn.from_template(tokenizer)
     stop = use.format.stop(tokenizer)
     runner = ToolRunner(use, envs=_environments(use, len(prompts), rows))
+    held = _HeldTurns(batch=not getattr(engine, "exact", True))
     with engine.open(tokenizer, prompts, max_new_tokens, tools=stop, **sampling) as call:
         while not call.stopped:
             moved = call.advance()
@@ -198,7 +201,8 @@ def generate_with_tools(engine: Any, tokenizer: Any, prompts: Sequence[str] | Se
                     runner.submit(row.index, stop.decode(row.tool_call))
             answered = runner.ready(block=not moved and not call.stopped and not _decoding(call))
             for index, answer in answered:
-                _append(call, index, turn.tokens(tokenizer, answer))
+                _append(call, held, index, turn.tokens(tokenizer, answer))
+            held.release(call, runner.stats)
         out = call.result()
     if runner.envs is not None:  # for the reward functions (TRL's `environments`): each row's state at its end
         out.environments = runner.envs
@@ -227,11 +231,41 @@ def _decoding(call: Any) -> bool:
     return any(r.state is RowState.DECODING for r in call.rows)
 
 
-def _append(call: Any, index: int, tokens: list[int]) -> None:
-    """The tool turn `tokens` after row `index`'s call, or its end there when its budget has no room for them and
-    one token more."""
+def _append(call: Any, held: "_HeldTurns", index: int, tokens: list[int]) -> None:
+    """The tool turn `tokens` after row `index`'s call (held to be prefilled), or its end there when its budget has
+    no room for them and one token more."""
     row = call.rows[index]
     if tokens and row.count + len(tokens) < row.budget:
-        call.resume(index, tokens)
+        held.add(index, tokens)
     else:
         call.end_turns(index, truncated=True)
+
+
+class _HeldTurns:
+    """Tool turns answered but not prefilled yet. A prefill is one eager forward whose cost is its host launches,
+    whatever its rows (BENCHMARKS.md, "The owed GPU chain": ~90 ms on a 7B for 1 or 64 rows, against ~7 ms per
+    decode step), and it stalls every decoding row: turns answered close together are prefilled together. One is
+    held while rows decode, until as many are held as a quarter of the decoding rows, or the first has waited as
+    long as the last prefill took (so a held row never loses more than one prefill's time), or none decodes. The
+    exact engine prefills each row alone (its rounding must not depend on the tools' timing): nothing is held."""
+
+    def __init__(self, batch: bool):
+        self.batch, self.turns, self.since, self.prefill_s = batch, [], 0.0, 0.0
+
+    def add(self, index: int, tokens: list[int]) -> None:
+        if not self.turns:
+            self.since = time.monotonic()
+        self.turns.append((index, tokens))
+
+    def release(self, call: Any, stats: dict[str, float]) -> None:
+        """Prefill the held turns now, unless holding them longer pays (above)."""
+        if not self.turns:
+            return
+        decoding = sum(r.state is RowState.DECODING for r in call.rows)
+        if self.batch and decoding and len(self.turns) * 4 < decoding \
+                and time.monotonic() - self.since < self.prefill_s:
+            return
+        start = time.monotonic()
+        stats["tool_turn_prefills"] += call.resume_rows(self.turns)
+        self.prefill_s = time.monotonic() - start
+        self.turns = []

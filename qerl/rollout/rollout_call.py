@@ -171,16 +171,25 @@ class RolloutCall:
     def resume(self, index: int, appended: list[int]) -> None:
         """Row `index` (waiting for a tool) goes on after the tool's tokens `appended`: they join its completion
         (log-prob 0) and are prefilled from its cache; the call goes on with rows outside lockstep."""
+        self.resume_rows([(index, appended)])
+
+    def resume_rows(self, answers: list[tuple[int, list[int]]]) -> int:
+        """`resume` for several rows (index, appended) at once: their tool turns are prefilled in one forward
+        (`RolloutEngine.extend_rows`), which costs what one row's does. Returns the prefill forwards run."""
         if self.stopped:
             raise ValueError("the call has stopped: a row can no longer resume in it")
-        row = self.rows[index]
-        write, position = row.write, row.position
-        missing = row.resume(appended)
-        self._dispatched.discard(index)
+        extends = []
+        for index, appended in answers:
+            row = self.rows[index]
+            write, position = row.write, row.position
+            missing = row.resume(appended)
+            self._dispatched.discard(index)
+            extends.append((row.slot, missing, write, position))
         if self.outside is None:
-            live = [r for r in self.lockstep.rows if r.state is RowState.DECODING and r is not row]
+            live = [r for r in self.lockstep.rows if r.state is RowState.DECODING
+                    and r.index not in {i for i, _ in answers}]
             self._leave_lockstep(live)
-        self.engine.extend_row(row.slot, missing, write, position)
+        return self.engine.extend_rows(extends)
 
     def tool_calls(self) -> list[Row]:
         """The rows that paused at a tool call since the last time this was asked (each row's `tool_call`: its turn's

@@ -45,6 +45,37 @@ def test_a_row_waiting_for_a_tool_is_not_advanced_and_resumes_from_its_cache(kin
     assert_same(out.select(others), plain.select(others))
 
 
+@pytest.mark.parametrize("kind", list(ENGINES))
+def test_rows_resumed_together_continue_as_each_alone_would(kind):
+    """Three rows pause at different lengths and resume at once with tool turns of 1, 3 and 6 tokens: the bucketed
+    engine prefills them in one forward (each shorter turn padded past its own slots), the exact engine one by one;
+    either way each row then continues as a fresh rollout of its prompt, its tokens and its tool turn would."""
+    model, ps = tiny(), prompts(6)
+    engine, max_new = ENGINES[kind](model), 24
+    turns = {0: [11], 2: [12, 13, 14], 5: [15, 16, 17, 18, 19, 20]}
+    with engine.open(None, ps, max_new, temperature=0, eos_token_ids=[]) as call:
+        assert call.advance()
+        paused = {}
+        for i in turns:  # at different counts: rows 0 and 2 now, row 5 a few steps later
+            if i == 5:
+                call.advance()
+            call.pause(i)
+            paused[i] = call.rows[i].count
+        forwards = call.resume_rows(list(turns.items()))
+        call.run()
+        out = call.result()
+    assert forwards == (1 if kind == "bucketed" else len(turns))
+    plain = generate(model, None, ps, max_new, temperature=0, eos_token_ids=[])
+    for i, tool in turns.items():
+        before = plain.completion_ids[i][:paused[i]]
+        rest = generate(model, None, [ps[i] + before + tool], max_new - paused[i] - len(tool), temperature=0,
+                        eos_token_ids=[])
+        assert out.completion_ids[i] == before + tool + rest.completion_ids[0], i
+        assert torch.allclose(out.logprobs[i][paused[i] + len(tool):], rest.logprobs[0], atol=1e-5), i
+    others = [1, 3, 4]
+    assert_same(out.select(others), plain.select(others))
+
+
 def test_a_row_advances_by_several_tokens_in_one_step():
     """With right drafts a row gains several tokens in one `advance` (one verify forward), the same tokens as greedy
     decoding."""
