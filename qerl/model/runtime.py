@@ -79,7 +79,8 @@ def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.
     if quant.scheme == bnb.SCHEME:  # QLoRA's base: bitsandbytes' own NF4 storage and kernels, quantized at load
         bnb.quantize_model_bnb(net)
     elif quant.scheme != "bf16" and not already_quantized:
-        quantize_model(net, quant.scheme)
+        quantize_model(net, quant.scheme, layer_schemes=quant.layer_schemes,
+                       correction_rank=quant.error_correction_rank)
     net.requires_grad_(False)
     for m in net.modules():
         if isinstance(m, QuantLinear):
@@ -119,12 +120,25 @@ def check_lora_targets(settings: Settings) -> None:
             raise ValueError(f"lora.target_modules: {e}") from None
 
 
+def check_adapter_base(adapter: str, quant: QuantSettings) -> None:
+    """An adapter that records the base it trained on (quantized at load: per-layer schemes, error correction) gets
+    that base or a one-line refusal: on another one it is another policy."""
+    from qerl.model import lora
+
+    trained = lora.read_base_record(adapter)
+    if trained is not None and trained != quant.base_record():
+        raise ValueError(f"{adapter} was trained on the base quant.scheme = {trained['scheme']!r}, layer_schemes = "
+                         f"{trained['layer_schemes']}, error_correction_rank = {trained['error_correction_rank']} "
+                         f"({lora.BASE_RECORD}); set those (-S quant.KEY=VALUE) to evaluate it")
+
+
 def load_policy(settings: Settings, adapter: str | None = None):
     """The base model, plus the adapter in `adapter` (a PEFT folder) if given; without one, the bare base model."""
     from qerl.model import lora
 
     if adapter:
         lora.read_adapter_config(adapter)  # a wrong adapter fails now, not after the model load
+        check_adapter_base(adapter, settings.quant)
     net, tokenizer = load_base_model(settings.model, settings.quant, settings.execution, settings.rollout)
     if adapter:
         lora.load_adapter(net, adapter)

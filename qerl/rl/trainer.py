@@ -148,7 +148,9 @@ class Trainer:
         # Speculative rollouts draft from the run's earlier completions of each prompt: kept in the checkpoint, so a
         # resumed run drafts (and so samples) what the uninterrupted one did.
         self.draft_history = DraftHistory()
-        self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
+        # AQN's norms (aqn.include_final_norm, include_qk_norm); it also perturbs the training forward when
+        # aqn.in_training_forward
+        self.noise = self.rollout_backend.aim_noise(s.aqn.include_final_norm, s.aqn.include_qk_norm)
         self.peaks = StepPeaks(self.device)
         self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
                                                       max_completion_length=s.rollout.max_new_tokens)
@@ -511,7 +513,7 @@ class Trainer:
     def export_adapter(self, out_dir: str | Path) -> Path:
         base = str(self.settings.quant.quantized_path or self.settings.model.path)
         with naming_a_full_disk(out_dir):
-            return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
+            return lora.save_adapter(self.model, out_dir, base, self.settings.lora, self.settings.quant.base_record())
 
     def save_checkpoint(self, keep: int = 2) -> Path:
         """Adapter + optimizer + scheduler + RNG + data position, handed to the run folder (atomic, with a manifest);

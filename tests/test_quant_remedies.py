@@ -1,0 +1,183 @@
+"""Remedies for a 4-bit base that learns worse than bf16 (issue #63): per-layer schemes (quant.layer_schemes), a
+frozen error correction (quant.error_correction_rank), which norms AQN perturbs (aqn.include_final_norm,
+aqn.include_qk_norm); each from the params to the trained, resumed, evaluated and exported policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from qerl.config import ConfigError, load_settings
+from qerl.model import lora
+from qerl.model.aqn import NoiseInjector
+from qerl.quant.formats import get_codec
+from qerl.quant.linear import QuantLinear, quantize_model, schemes_by_layer
+from qerl.rl.trainer import Trainer
+from tests.test_trainer import tiny_settings
+
+DEFAULT = "params/default.yaml"
+
+
+def length_reward(completion: str, gold: str) -> float:
+    """Rewards that differ within a group of the tiny random model's completions: a learning signal."""
+    return len(completion) / 100
+
+
+def tiny_trainer(tmp_path: Path, tiny_llama_dir: Path, resume: bool = False, **sections) -> Trainer:
+    """The RL loop on the tests' tiny Llama folder, loaded and quantized from the params as `qerl train` does."""
+    sections = {"model": {"path": str(tiny_llama_dir)}, "rollout": {"prompts_per_step": 2, "group_size": 2,
+                                                                     "max_new_tokens": 4}, **sections}
+    sections["train"] = {"steps": 1, "save_every": 1, "rewards": {"tests.test_quant_remedies:length_reward": 1.0},
+                         **sections.get("train", {})}
+    return Trainer(tiny_settings(tmp_path, **sections), tmp_path / "run", resume=resume, progress=False)
+
+
+def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+# ----------------------------------------------------------------------------- per-layer schemes
+
+
+def test_first_matching_glob_sets_a_layers_scheme_and_the_rest_take_the_default():
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert schemes_by_layer(names, "nvfp4", {"model.layers.0.*": "bf16", "*.down_proj": "fp8"}) == {
+        names[0]: "bf16", names[1]: "bf16", names[2]: "fp8"}
+    assert schemes_by_layer(names, "nvfp4", {"*.down_proj": "FP8", "model.layers.0.*": "bf16"}) == {
+        names[0]: "bf16", names[1]: "fp8", names[2]: "fp8"}
+
+
+def test_a_glob_matching_no_layer_or_an_unknown_scheme_is_a_one_line_error():
+    names = ["model.layers.0.mlp.down_proj"]
+    with pytest.raises(ValueError, match=r"^layer_schemes: '\*\.down' matches no quantizable linear layer \(they are "
+                                         r"named like 'model.layers.0.mlp.down_proj'\)$"):
+        schemes_by_layer(names, "nvfp4", {"*.down": "fp8"})
+    with pytest.raises(ValueError, match=r"^layer_schemes\['\*\.down_proj'\]: unknown quantization scheme 'fp4'"):
+        schemes_by_layer(names, "nvfp4", {"*.down_proj": "fp4"})
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (['quant.layer_schemes={"*.down_proj": fp4}'],
+     r"quant.layer_schemes\['\*.down_proj'\] = 'fp4': expected one of 'nvfp4', .*\(bf16 keeps the layers unquantized\)"),
+    (['quant.layer_schemes={"*.down_proj": fp8}', "quant.quantized_path=runs/quantized/x"],
+     r"quant.layer_schemes is made at load from the dense weights; a `qerl quantize` folder \('runs/quantized/x'\) "
+     r"holds one scheme and no error correction: leave quantized_path unset"),
+    (["quant.error_correction_rank=8", "quant.scheme=nf4-bnb"],
+     r"quant.error_correction_rank applies to a base qerl quantizes itself, not scheme = 'nf4-bnb'"),
+    (["quant.error_correction_rank=8", "quant.scheme=bf16"],
+     r"quant.error_correction_rank applies to a base qerl quantizes itself, not scheme = 'bf16'"),
+])
+def test_params_refuse_what_no_base_can_be(overrides, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_settings(DEFAULT, overrides)
+    assert str(caught.value).startswith("-S ") and "\n" not in str(caught.value)
+
+
+def test_layer_schemes_reach_the_loaded_base(tmp_path, tiny_llama_dir):
+    from qerl.model.runtime import load_base_model
+
+    settings = load_settings(DEFAULT, [f"model.path={tiny_llama_dir}", "model.device=cpu",
+                                       'quant.layer_schemes={"model.layers.0.mlp.*": bf16, "*.down_proj": fp8}'])
+    model, _ = load_base_model(settings.model, settings.quant)
+    layers = model.model.layers
+    assert type(layers[0].mlp.down_proj) is nn.Linear and type(layers[0].mlp.up_proj) is nn.Linear  # kept dense
+    assert not layers[0].mlp.down_proj.weight.requires_grad
+    assert layers[1].mlp.down_proj.scheme == "fp8"
+    assert {m.scheme for name, m in quant_layers(model).items() if not name.endswith("down_proj")} == {"nvfp4"}
+    with pytest.raises(ValueError, match=r"'model.layers.7.\*' matches no quantizable linear layer"):
+        load_base_model(*(lambda s: (s.model, s.quant))(load_settings(DEFAULT, [
+            f"model.path={tiny_llama_dir}", "model.device=cpu", 'quant.layer_schemes={"model.layers.7.*": fp8}'])))
+
+
+# ----------------------------------------------------------------------------- error correction
+
+
+@pytest.fixture(scope="module")
+def real_linear(smollm2_dir) -> nn.Linear:
+    """One real projection of the embedded model (read alone from its safetensors)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(smollm2_dir) / "model.safetensors"), "pt") as f:
+        weight = f.get_tensor("model.layers.15.mlp.down_proj.weight").float()
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data.copy_(weight)
+    return linear
+
+
+def relative_error(w: torch.Tensor, wq: torch.Tensor) -> float:
+    return float((wq.double() - w.double()).norm() / w.double().norm())
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nf4"])
+def test_the_correction_shrinks_the_weight_error_as_its_rank_grows(real_linear, scheme):
+    w = real_linear.weight.detach()
+    layer = QuantLinear.from_linear(real_linear, scheme)
+    errors = []
+    for rank in (0, 4, 16, 64):
+        layer.set_error_correction(w, rank)
+        assert layer.correction_rank == rank
+        errors.append(relative_error(w, layer.dequantized_weight(torch.float32)))
+    assert errors == sorted(errors, reverse=True) and len(set(errors)) == 4
+    assert errors[0] == pytest.approx(relative_error(w, get_codec(scheme).dequantize(layer.quantized_tensors(),
+                                                                                      torch.float32)))
+    assert errors[-1] < 0.9 * errors[0]  # rank 64 of 576 takes a tenth of the error (bf16 rounding included)
+
+
+def test_the_correction_is_frozen_bf16_beside_the_codes_and_the_forward_adds_it(real_linear):
+    layer = QuantLinear.from_linear(real_linear, "nvfp4")
+    plain = layer.dequantized_weight(torch.float32)
+    layer.set_error_correction(real_linear.weight, 8)
+    assert list(layer.parameters()) == []  # buffers only: nothing to train, nothing for an optimizer
+    assert layer.correction_a.dtype == layer.correction_b.dtype == torch.bfloat16
+    assert layer.correction_a.shape == (576, 8) and layer.correction_b.shape == (8, 1536)
+    x = torch.randn(3, 1536, requires_grad=True)
+    correction = layer.correction_a.float() @ layer.correction_b.float()
+    y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, plain + correction), rtol=1e-5, atol=1e-5)
+    y.sum().backward()  # grads to the input through the corrected weight
+    torch.testing.assert_close(x.grad, (plain + correction).sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
+    layer.double()  # a dtype move keeps the stored format and the bf16 correction
+    assert layer.correction_a.dtype == torch.bfloat16 and layer.weight_packed.dtype == torch.uint8
+
+
+def test_a_projection_with_a_correction_is_not_fused():
+    torch.manual_seed(0)
+    q, k = (QuantLinear.from_linear(nn.Linear(64, 32, bias=False), "fp8") for _ in range(2))
+    assert QuantLinear.concat([q, k]) is not None
+    q, k = (QuantLinear.from_linear(nn.Linear(64, 32, bias=False), "fp8") for _ in range(2))
+    q.set_error_correction(torch.randn(32, 64), 2)
+    assert QuantLinear.concat([q, k]) is None and q.rows_of is None
+
+
+def test_a_training_step_runs_with_the_correction_frozen_and_out_of_the_optimizer(tmp_path, tiny_llama_dir):
+    trainer = tiny_trainer(tmp_path, tiny_llama_dir, quant={"error_correction_rank": 4})
+    layers = quant_layers(trainer.model)
+    assert layers and all(m.correction_rank == 4 for m in layers.values())
+    corrections = {n: (m.correction_a.clone(), m.correction_b.clone()) for n, m in layers.items()}
+    in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not any(id(m.correction_a) in in_optimizer or id(m.correction_b) in in_optimizer for m in layers.values())
+    assert not any(m.correction_a.requires_grad for m in layers.values())
+    lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    adapter = trainer.train()
+    assert all(torch.equal(m.correction_a, corrections[n][0]) and torch.equal(m.correction_b, corrections[n][1])
+               for n, m in layers.items())
+    assert any(not torch.equal(p, lora_before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    assert not any("correction" in key for key in load_file(str(adapter / lora.ADAPTER_WEIGHTS)))  # not the adapter's
+    assert json.loads((adapter / lora.BASE_RECORD).read_text()) == {
+        "scheme": "nvfp4", "layer_schemes": {}, "error_correction_rank": 4}
+    trainer.close()
+
+    # A resume recomputes the same correction from the dense weights, and refuses another rank.
+    again = tiny_trainer(tmp_path, tiny_llama_dir, resume=True, quant={"error_correction_rank": 4},
+                         train={"steps": 2})
+    again_layers = quant_layers(again.model)
+    assert all(torch.equal(again_layers[n].correction_a, a) for n, (a, _) in corrections.items())
+    again.close()
+    with pytest.raises(ValueError, match=r"trained with other quant.error_correction_rank \(.*4 -> 8"):
+        tiny_trainer(tmp_path, tiny_llama_dir, resume=True, quant={"error_correction_rank": 8}, train={"steps": 2})
