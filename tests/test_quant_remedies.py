@@ -181,3 +181,51 @@ def test_a_training_step_runs_with_the_correction_frozen_and_out_of_the_optimize
     again.close()
     with pytest.raises(ValueError, match=r"trained with other quant.error_correction_rank \(.*4 -> 8"):
         tiny_trainer(tmp_path, tiny_llama_dir, resume=True, quant={"error_correction_rank": 8}, train={"steps": 2})
+
+
+# ----------------------------------------------------------------------------- which norms AQN perturbs
+
+
+def tiny_transformer(model_type: str) -> nn.Module:
+    from qerl.model.transformer import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_hf({"model_type": model_type, "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 64})
+    return Transformer.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("include_final_norm", [True, False])
+def test_the_final_norm_gets_noise_unless_left_out(tmp_path, tiny_llama_dir, include_final_norm):
+    trainer = tiny_trainer(tmp_path, tiny_llama_dir, aqn={"include_final_norm": include_final_norm})
+    final = trainer.model.model.norm.weight
+    clean = final.detach().clone()
+    names = [name for name, _ in trainer.noise.targets]
+    assert "model.layers.1.post_attention_layernorm.weight" in names
+    assert ("model.norm.weight" in names) == include_final_norm
+    assert trainer.policy_update.noise is trainer.noise  # the training forward's noise (in_training_forward) too
+    with trainer.rollout_backend.sync(sigma=0.1, noise_seed=3):  # what a rollout samples from
+        assert torch.equal(final, clean) != include_final_norm
+        assert not torch.equal(trainer.model.model.layers[0].input_layernorm.weight, clean)
+    assert torch.equal(final, clean)
+    trainer.close()
+
+
+def test_per_head_qk_norms_get_noise_only_when_asked_and_only_where_they_exist(tmp_path, tiny_llama_dir):
+    qwen3 = tiny_transformer("qwen3")
+    assert not any("q_norm" in name for name, _ in NoiseInjector(qwen3).targets)
+    names = [name for name, _ in NoiseInjector(qwen3, include_qk_norm=True).targets]
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "model.layers.1.self_attn.k_norm.weight" in names
+    with pytest.raises(ValueError, match=r"^aqn.include_qk_norm = true, but the model has no per-head q_norm/k_norm "
+                                         r"weights$"):
+        tiny_trainer(tmp_path, tiny_llama_dir, aqn={"include_qk_norm": True})
+
+
+def test_noise_is_drawn_afresh_every_step(tmp_path, tiny_llama_dir):
+    trainer = tiny_trainer(tmp_path, tiny_llama_dir, aqn={"sigma_start": 0.1, "sigma_end": 0.1, "num_stages": 2},
+                           train={"steps": 4, "save_every": 4})
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sigma"] for r in rows] == [0.0, 0.0, 0.1, 0.1] and rows[2]["noise_seed"] != rows[3]["noise_seed"]
+    trainer.close()
