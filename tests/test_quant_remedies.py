@@ -229,3 +229,56 @@ def test_noise_is_drawn_afresh_every_step(tmp_path, tiny_llama_dir):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["sigma"] for r in rows] == [0.0, 0.0, 0.1, 0.1] and rows[2]["noise_seed"] != rows[3]["noise_seed"]
     trainer.close()
+
+
+# ----------------------------------------------------------------------------- evaluation, export, serving
+
+
+@pytest.fixture
+def corrected_run(tmp_path, tiny_llama_dir):
+    """A trained adapter on the tiny base with per-layer schemes and a rank-4 correction, and its trainer's model."""
+    trainer = tiny_trainer(tmp_path, tiny_llama_dir, quant={"error_correction_rank": 4,
+                                                            "layer_schemes": {"*.o_proj": "fp8"}})
+    adapter = trainer.train()
+    trainer.close()
+    return adapter, trainer
+
+
+def test_evaluation_needs_the_base_the_adapter_trained_on(corrected_run, tiny_llama_dir):
+    from qerl.model.runtime import check_adapter_base
+
+    adapter, trainer = corrected_run
+    check_adapter_base(str(adapter), trainer.settings.quant)  # the same base: fine
+    plain = load_settings(DEFAULT, [f"model.path={tiny_llama_dir}"])
+    with pytest.raises(ValueError, match=r"was trained on the base quant.scheme = 'nvfp4', layer_schemes = "
+                                         r"\{'\*.o_proj': 'fp8'\}, error_correction_rank = 4 \(qerl_base.json\); set "
+                                         r"those \(-S quant.KEY=VALUE\) to evaluate it$"):
+        check_adapter_base(str(adapter), plain.quant)
+
+
+def test_the_merged_export_folds_the_correction_and_the_unmerged_one_is_refused(corrected_run, tmp_path):
+    from qerl.model.export import export_policy
+
+    adapter, trainer = corrected_run
+    with pytest.raises(ValueError, match=r"which a one-scheme base folder cannot hold: export with --merge"):
+        export_policy(adapter, tmp_path / "unmerged")
+    assert not (tmp_path / "unmerged").exists()
+    export_policy(adapter, tmp_path / "merged", merge=True, scheme="bf16")
+    written = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    expected = dict(lora.merged_state_dict(trainer.model, torch.bfloat16))  # the trained policy's weights
+    k_proj = "model.layers.1.self_attn.k_proj"  # no LoRA there (tiny_settings' targets): the base weight alone
+    base = quant_layers(trainer.model)[k_proj]
+    assert torch.equal(written[f"{k_proj}.weight"], base.dequantized_weight(torch.float32).to(torch.bfloat16))
+    assert not torch.equal(written[f"{k_proj}.weight"], get_codec("nvfp4").dequantize(base.quantized_tensors()))
+    for name in (k_proj, "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"):
+        assert torch.equal(written[f"{name}.weight"], expected[f"{name}.weight"]), name
+
+
+def test_vllm_cannot_serve_a_base_made_at_load(tiny_llama_dir):
+    from qerl.model.served import served_base
+
+    settings = load_settings(DEFAULT, [f"model.path={tiny_llama_dir}", "quant.error_correction_rank=4"])
+    with pytest.raises(ValueError, match=r"^rollout.backend: vllm serves a one-scheme base folder, which cannot hold "
+                                         r"quant.layer_schemes or quant.error_correction_rank: sample with "
+                                         r"rollout.backend engine$"):
+        served_base(settings)

@@ -324,11 +324,12 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense [out, in] weight this layer computes with, in `dtype` (default: the layer's): the codec's
-        weight, plus the error correction A·B where one is kept (so merged exports fold it in)."""
-        w = self.codec.dequantize(self.quantized_tensors(), dtype or self.dtype)
+        weight, plus the error correction A·B where one is kept (so merged exports fold it in), summed in fp32 and
+        rounded once to `dtype`."""
         if self.correction_a is None:
-            return w
-        return w.addmm_(self.correction_a.to(w.dtype), self.correction_b.to(w.dtype))
+            return self.codec.dequantize(self.quantized_tensors(), dtype or self.dtype)
+        w = self.codec.dequantize(self.quantized_tensors(), torch.float32)
+        return w.addmm_(self.correction_a.float(), self.correction_b.float()).to(dtype or self.dtype)
 
     @torch.no_grad()
     def set_error_correction(self, weight: torch.Tensor, rank: int) -> None:
