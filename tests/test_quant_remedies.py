@@ -282,3 +282,80 @@ def test_vllm_cannot_serve_a_base_made_at_load(tiny_llama_dir):
                                          r"quant.layer_schemes or quant.error_correction_rank: sample with "
                                          r"rollout.backend engine$"):
         served_base(settings)
+
+
+# ----------------------------------------------------------------------------- on the GPU kernels
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
+def test_the_gpu_kernels_add_the_correction_beside_their_gemm(scheme):
+    torch.manual_seed(0)
+    dense = nn.Linear(512, 256, bias=True).to("cuda", torch.bfloat16)
+    layer = QuantLinear.from_linear(dense, scheme)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    assert layer._on_gpu_kernel(x)
+    plain = layer(x).float()
+    h, b = torch.randn(8, 4, device="cuda", dtype=torch.bfloat16), torch.randn(256, 4, device="cuda",
+                                                                               dtype=torch.bfloat16)
+    plain_low_rank = layer.plus_low_rank(x, h, b, 0.5).float()
+    layer.set_error_correction(dense.weight, 32)
+    term = F.linear(F.linear(x.float(), layer.correction_b.float()), layer.correction_a.float())
+    corrected = layer(x.requires_grad_()).float()
+    torch.testing.assert_close(corrected, plain + term, atol=3e-2, rtol=0)
+    torch.testing.assert_close(layer.plus_low_rank(x.detach(), h, b, 0.5).float(), plain_low_rank + term, atol=3e-2,
+                               rtol=0)
+    exact = dense(x.detach()).float()
+    assert (corrected - exact).norm() < (plain - exact).norm()  # closer to the dense layer
+    corrected.sum().backward()  # dx through the kernel's backward and the correction's
+    expected_dx = torch.ones(8, 256, device="cuda") @ layer.dequantized_weight(torch.float32)
+    assert ((x.grad.float() - expected_dx).norm() / expected_dx.norm()).item() < 0.05
+
+
+@gpu
+def test_a_gpu_training_step_with_fp8_layers_and_the_correction(tmp_path):
+    from qerl.model.transformer import ModelConfig, Transformer
+    from tests.test_trainer import char_tokenizer
+
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    config = ModelConfig.from_hf({
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tok), "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id,
+        "bos_token_id": None})
+    model = Transformer.from_config(config, dtype=torch.bfloat16, device="cuda")
+    quantize_model(model, "nvfp4", layer_schemes={"*.down_proj": "fp8"}, correction_rank=4)
+    model.requires_grad_(False)
+    settings = tiny_settings(tmp_path, model={"device": "cuda"}, train={"steps": 1, "save_every": 1},
+                             quant={"layer_schemes": {"*.down_proj": "fp8"}, "error_correction_rank": 4})
+    layers = quant_layers(model)
+    before = {n: m.correction_a.clone() for n, m in layers.items()}
+    with Trainer(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False) as trainer:
+        trainer.train()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert all(v == v for v in (row["reward_mean"], row["entropy"], row["grad_norm"]))  # finite, not NaN
+    assert all(torch.equal(m.correction_a, before[n]) for n, m in layers.items())
+    assert {m.scheme for n, m in layers.items() if n.endswith("down_proj")} == {"fp8"}
+
+
+def test_a_glob_matching_no_layer_fails_before_the_weights_load(tmp_path, tiny_llama_dir, monkeypatch):
+    import qerl.model.runtime
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the check")
+
+    monkeypatch.setattr(qerl.model.runtime, "load_base_model", no_load)
+    monkeypatch.setattr("qerl.rl.trainer.load_base_model", no_load)
+    with pytest.raises(ValueError, match=r"^quant.layer_schemes: '\*.dwn_proj' matches no quantizable linear layer "
+                                         r"\(they are named like 'model.layers.0.self_attn.q_proj'\)$"):
+        tiny_trainer(tmp_path, tiny_llama_dir, quant={"layer_schemes": {"*.dwn_proj": "fp8"}})
+
+
+def test_the_training_flow_quantizes_a_remedied_base_in_memory_not_into_a_folder(tiny_llama_dir):
+    from qerl.flows.train import with_quantized_base
+
+    settings = load_settings(DEFAULT, [f"model.path={tiny_llama_dir}", "quant.error_correction_rank=4"])
+    assert with_quantized_base(settings, "never-written") is settings  # no `qerl quantize` folder holds it

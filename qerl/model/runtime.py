@@ -106,18 +106,26 @@ def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
     return load_tokenizer(source), context_length(source)
 
 
-def check_lora_targets(settings: Settings) -> None:
-    """`lora.target_modules` against the base's modules, from its config alone: a name that matches nothing fails
-    in a second, not after the weights have loaded (a GGUF base is checked when LoRA is applied)."""
+def check_module_names(settings: Settings) -> None:
+    """The module names the settings give (`lora.target_modules`, the globs of `quant.layer_schemes`) against the
+    base's modules, from its config alone: a name that matches nothing fails in a second, not after the weights have
+    loaded (a GGUF base is checked when LoRA is applied and the base quantized)."""
     from qerl.model import lora
     from qerl.model.loading import model_skeleton
+    from qerl.quant.linear import decoder_linear_names, schemes_by_layer
 
     skeleton = model_skeleton(settings.quant.quantized_path or settings.model.path)
-    if skeleton is not None:
+    if skeleton is None:
+        return
+    try:
+        lora.target_layers(skeleton, settings.lora.target_modules)
+    except ValueError as e:
+        raise ValueError(f"lora.target_modules: {e}") from None
+    if settings.quant.layer_schemes:
         try:
-            lora.target_layers(skeleton, settings.lora.target_modules)
+            schemes_by_layer(decoder_linear_names(skeleton), settings.quant.scheme, settings.quant.layer_schemes)
         except ValueError as e:
-            raise ValueError(f"lora.target_modules: {e}") from None
+            raise ValueError(f"quant.{e}") from None
 
 
 def check_adapter_base(adapter: str, quant: QuantSettings) -> None:

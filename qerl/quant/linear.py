@@ -24,7 +24,7 @@ from torch import nn
 from qerl.quant.formats import SCHEMES, Codec, get_codec
 
 __all__ = ["QuantLinear", "quantize_model", "replace_with_empty_quant_linears", "schemes_by_layer",
-           "DECODER_LINEAR_PATTERN", "FUSED_GROUPS", "fused_group_key", "KEEP_DENSE"]
+           "decoder_linear_names", "DECODER_LINEAR_PATTERN", "FUSED_GROUPS", "fused_group_key", "KEEP_DENSE"]
 
 log = logging.getLogger(__name__)
 
@@ -451,6 +451,11 @@ class QuantLinear(nn.Module):
         correction = f", correction_rank={self.correction_rank}" if self.correction_a is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"scheme={self.scheme}{correction}"
+
+
+def decoder_linear_names(model: nn.Module) -> list[str]:
+    """The names of the nn.Linears `quantize_model` would quantize by default (also of a meta-device skeleton)."""
+    return [name for name, _ in _matching_linears(model, DECODER_LINEAR_PATTERN, ())]
 
 
 def _matching_linears(model: nn.Module, pattern: str, skip: Iterable[str]) -> list[tuple[str, nn.Linear]]:

@@ -27,7 +27,7 @@ from qerl.execution import ExecutionPlan, attach
 from qerl.model import lora
 from qerl.model.aqn import build_schedule
 from qerl.model.served import own_model_settings, vllm_options
-from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
+from qerl.model.runtime import (check_module_names, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
 from qerl.quant.linear import fp8_available
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
@@ -198,7 +198,7 @@ class Trainer:
                              f"{s.rollout.prompts_drawn} prompts, more than the {len(examples)} training prompts of "
                              f"{d.path or d.name} (data.n = {d.n}), repeating some; lower it")
         if model is None:
-            check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
+            check_module_names(s)  # from the config: a typo fails now, not after the weights load
         return tokenizer, examples
 
     def _scorer(self, examples: list[data.Example], tokenizer) -> Scorer:
