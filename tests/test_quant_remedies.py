@@ -64,7 +64,8 @@ def test_a_glob_matching_no_layer_or_an_unknown_scheme_is_a_one_line_error():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (['quant.layer_schemes={"*.down_proj": fp4}'],
-     r"quant.layer_schemes\['\*.down_proj'\] = 'fp4': expected one of 'nvfp4', .*\(bf16 keeps the layers unquantized\)"),
+     r"quant.layer_schemes\['\*.down_proj'\] = 'fp4': expected one of 'nvfp4', .*"
+     r"\(bf16 keeps the layers unquantized\)"),
     (['quant.layer_schemes={"*.down_proj": fp8}', "quant.quantized_path=runs/quantized/x"],
      r"quant.layer_schemes is made at load from the dense weights; a `qerl quantize` folder \('runs/quantized/x'\) "
      r"holds one scheme and no error correction: leave quantized_path unset"),

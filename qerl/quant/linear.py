@@ -354,7 +354,9 @@ class QuantLinear(nn.Module):
         return 0 if self.correction_a is None else self.correction_a.shape[1]
 
     def _corrections(self) -> dict[str, torch.Tensor]:
-        return {} if self.correction_a is None else {"correction_a": self.correction_a, "correction_b": self.correction_b}
+        if self.correction_a is None:
+            return {}
+        return {"correction_a": self.correction_a, "correction_b": self.correction_b}
 
     def _plus_correction(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + x Bᵀ Aᵀ: the error correction beside a GEMM that computes from the codes alone (the GPU kernels)."""
