@@ -147,10 +147,11 @@ class QuantSettings:
 
     def base_record(self) -> dict[str, Any] | None:
         """What an adapter trained on a base quantized at load only records of it (qerl.model.lora.BASE_RECORD), for
-        its export and evaluation to rebuild that base; None for a plain base."""
+        its export and evaluation to rebuild that base; None for a plain base. The globs as [glob, scheme] pairs: their
+        order decides (the first match wins), and a JSON list keeps it where a mapping's order is easily lost."""
         if not self.quantized_at_load_only:
             return None
-        return {"scheme": self.scheme, "layer_schemes": dict(self.layer_schemes),
+        return {"scheme": self.scheme, "layer_schemes": [list(item) for item in self.layer_schemes.items()],
                 "error_correction_rank": self.error_correction_rank}
 
     def validate(self) -> None:

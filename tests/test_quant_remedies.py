@@ -171,7 +171,7 @@ def test_a_training_step_runs_with_the_correction_frozen_and_out_of_the_optimize
     assert any(not torch.equal(p, lora_before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
     assert not any("correction" in key for key in load_file(str(adapter / lora.ADAPTER_WEIGHTS)))  # not the adapter's
     assert json.loads((adapter / lora.BASE_RECORD).read_text()) == {
-        "scheme": "nvfp4", "layer_schemes": {}, "error_correction_rank": 4}
+        "scheme": "nvfp4", "layer_schemes": [], "error_correction_rank": 4}
     trainer.close()
 
     # A resume recomputes the same correction from the dense weights, and refuses another rank.
@@ -360,3 +360,16 @@ def test_the_training_flow_quantizes_a_remedied_base_in_memory_not_into_a_folder
 
     settings = load_settings(DEFAULT, [f"model.path={tiny_llama_dir}", "quant.error_correction_rank=4"])
     assert with_quantized_base(settings, "never-written") is settings  # no `qerl quantize` folder holds it
+
+
+def test_the_adapter_records_the_globs_in_their_order(tmp_path):
+    """First match wins, so the order is part of the base: the record keeps it and an evaluation compares it."""
+    from qerl.model.runtime import check_adapter_base
+
+    first = load_settings(DEFAULT, ['quant.layer_schemes={"model.layers.0.*": bf16, "*.down_proj": fp8}']).quant
+    swapped = load_settings(DEFAULT, ['quant.layer_schemes={"*.down_proj": fp8, "model.layers.0.*": bf16}']).quant
+    (tmp_path / lora.BASE_RECORD).write_text(json.dumps(first.base_record()))
+    assert lora.read_base_record(tmp_path)["layer_schemes"] == [["model.layers.0.*", "bf16"], ["*.down_proj", "fp8"]]
+    check_adapter_base(str(tmp_path), first)
+    with pytest.raises(ValueError, match="was trained on the base"):
+        check_adapter_base(str(tmp_path), swapped)

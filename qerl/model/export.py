@@ -187,7 +187,7 @@ def _write_merged(source: Path, adapter: Path, scheme: str, folder: Path, traine
 
     model, tokenizer = load_model(source)
     if trained is not None:
-        quantize_model(model, trained["scheme"], layer_schemes=trained["layer_schemes"],
+        quantize_model(model, trained["scheme"], layer_schemes=dict(trained["layer_schemes"]),
                        correction_rank=trained["error_correction_rank"])
     elif scheme != "bf16" and not any(isinstance(m, QuantLinear) for m in model.modules()):
         quantize_model(model, scheme)  # the base the policy trained on: LoRA merges into these weights

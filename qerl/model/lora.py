@@ -260,7 +260,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
         resolved = replace(settings, target_modules=resolve_targets(model, settings.target_modules))
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(_peft_config(resolved, base_model_name_or_path, norms), indent=2))
         if base_record:
-            (tmp / BASE_RECORD).write_text(json.dumps(base_record, indent=2, sort_keys=True) + "\n")
+            (tmp / BASE_RECORD).write_text(json.dumps(base_record, indent=2) + "\n")
     return Path(out_dir)
 
 

@@ -136,8 +136,9 @@ def check_adapter_base(adapter: str, quant: QuantSettings) -> None:
     trained = lora.read_base_record(adapter)
     if trained is not None and trained != quant.base_record():
         raise ValueError(f"{adapter} was trained on the base quant.scheme = {trained['scheme']!r}, layer_schemes = "
-                         f"{trained['layer_schemes']}, error_correction_rank = {trained['error_correction_rank']} "
-                         f"({lora.BASE_RECORD}); set those (-S quant.KEY=VALUE) to evaluate it")
+                         f"{dict(trained['layer_schemes'])}, error_correction_rank = "
+                         f"{trained['error_correction_rank']} ({lora.BASE_RECORD}); set those (-S quant.KEY=VALUE) to "
+                         "evaluate it")
 
 
 def load_policy(settings: Settings, adapter: str | None = None):
