@@ -91,6 +91,12 @@ def test_layer_schemes_reach_the_loaded_base(tmp_path, tiny_llama_dir):
     assert not layers[0].mlp.down_proj.weight.requires_grad
     assert layers[1].mlp.down_proj.scheme == "fp8"
     assert {m.scheme for name, m in quant_layers(model).items() if not name.endswith("down_proj")} == {"nvfp4"}
+    # a fused group's member in another scheme: the NVFP4 members still share their global scale, among themselves
+    mixed = load_settings(DEFAULT, [f"model.path={tiny_llama_dir}", "model.device=cpu",
+                                    'quant.layer_schemes={"*.v_proj": fp8}'])
+    attention = load_base_model(mixed.model, mixed.quant)[0].model.layers[0].self_attn
+    assert attention.v_proj.scheme == "fp8" and attention.q_proj.scheme == attention.k_proj.scheme == "nvfp4"
+    assert torch.equal(attention.q_proj.weight_global_scale, attention.k_proj.weight_global_scale)
     with pytest.raises(ValueError, match=r"'model.layers.7.\*' matches no quantizable linear layer"):
         load_base_model(*(lambda s: (s.model, s.quant))(load_settings(DEFAULT, [
             f"model.path={tiny_llama_dir}", "model.device=cpu", 'quant.layer_schemes={"model.layers.7.*": fp8}'])))

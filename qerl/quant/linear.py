@@ -527,7 +527,8 @@ def quantize_model(
                and _fits(get_codec(schemes[name]), name, linear, strict)]
     shared_scales = _shared_global_scales(targets)
     for name, linear, layer_scheme in targets:
-        scale = shared_scales.get(fused_group_key(name) or "")
+        # (a member in another scheme than its group's NVFP4 ones takes no part in their shared scale)
+        scale = shared_scales.get(fused_group_key(name) or "") if get_codec(layer_scheme).shares_global_scale else None
         layer = QuantLinear.from_linear(linear, layer_scheme, name=name, global_scale=scale)
         if correction_rank > 0:
             layer.set_error_correction(linear.weight, correction_rank)
