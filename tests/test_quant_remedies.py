@@ -379,3 +379,17 @@ def test_the_adapter_records_the_globs_in_their_order(tmp_path):
     check_adapter_base(str(tmp_path), first)
     with pytest.raises(ValueError, match="was trained on the base"):
         check_adapter_base(str(tmp_path), swapped)
+
+
+@pytest.mark.parametrize("arm", ["nvfp4-fp8-sensitive", "nvfp4-correction", "nvfp4-aqn-norms"])
+def test_each_remedy_arm_builds_its_base(tiny_llama_dir, arm):
+    from qerl.flows.arms import ARMS
+    from qerl.model.runtime import load_base_model
+
+    settings = load_settings(DEFAULT, [f"model.path={tiny_llama_dir}", "model.device=cpu", *ARMS[arm]])
+    layers = quant_layers(load_base_model(settings.model, settings.quant)[0])
+    in_fp8 = {"v_proj", "down_proj"} if arm == "nvfp4-fp8-sensitive" else set()
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert {name.rsplit(".", 1)[1]: m.scheme for name, m in layers.items()} == {
+        p: "fp8" if p in in_fp8 else "nvfp4" for p in projections}
+    assert {m.correction_rank for m in layers.values()} == {16 if arm == "nvfp4-correction" else 0}
