@@ -1,6 +1,7 @@
 """Why NVFP4 differs from NF4 on the embedded SmolLM2-135M (issue #63, part 1), measured on the CPU.
 
     python benchmarks/quant_error.py --out docs/quant_error            # ~10 minutes on 2 busy cores
+    python benchmarks/quant_error.py --out docs/quant_error --remedies  # part 2b for issue #63's remedy arms
 
 For every base format qerl has (`qerl.quant.SCHEMES`: bf16, nf4, nvfp4, mxfp4; plus FP8 E4M3 with one scale per
 output row, what `model.base_gemm: fp8` computes with, and bitsandbytes' NF4 where it imports) it writes to --out:
@@ -55,11 +56,12 @@ def decoder_linears(model) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and re.search(DECODER_LINEAR_PATTERN, n)}
 
 
-def qerl_format(model, scheme: str) -> dict[str, torch.Tensor]:
+def qerl_format(model, scheme: str, **options) -> dict[str, torch.Tensor]:
     """name -> the fp32 weight a CPU forward multiplies with, through qerl's own `quantize_model` on a copy (so
-    NVFP4's shared q/k/v and gate/up global scales are as in training)."""
+    NVFP4's shared q/k/v and gate/up global scales are as in training); `options`: quantize_model's (layer_schemes,
+    correction_rank; the correction is part of the weight a CPU forward multiplies with)."""
     twin = copy.deepcopy(model)
-    quantize_model(twin, scheme)
+    quantize_model(twin, scheme, **options)
     weights = {n: m.compute_weight(torch.float32).detach().clone() for n, m in twin.named_modules()
                if isinstance(m, QuantLinear)}
     del twin
@@ -92,6 +94,20 @@ def all_formats(model, linears: dict[str, torch.nn.Linear]) -> dict[str, dict[st
     first = next(iter(dense.values()))
     if bnb_nf4(first) is not None:
         formats["nf4-bnb"] = {n: bnb_nf4(w) for n, w in dense.items()}
+    return formats
+
+
+def remedy_formats(model) -> dict[str, dict[str, torch.Tensor]]:
+    """NVFP4 and the quantized bases of issue #63's remedy arms (flows/arms.py, the one definition of them), as
+    `qerl_format` weights."""
+    from qerl.config import load_settings
+    from qerl.flows.arms import ARMS
+
+    formats = {"nvfp4": qerl_format(model, "nvfp4")}
+    for arm in ("nvfp4-correction", "nvfp4-fp8-sensitive"):
+        quant = load_settings(None, ARMS[arm]).quant
+        formats[arm] = qerl_format(model, quant.scheme, layer_schemes=quant.layer_schemes,
+                                   correction_rank=quant.error_correction_rank)
     return formats
 
 
@@ -319,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sensitivity-prompts", type=int, default=32, help="of the sampled completions")
     parser.add_argument("--own-samples-only", action="store_true",
                         help="only part 2b (each format's own completions), merged into an existing results.json")
+    parser.add_argument("--remedies", action="store_true",
+                        help="only part 2b for NVFP4 and the remedy arms' bases (flows/arms.py): remedies.json")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads: on a shared 2-core box one thread ran a forward 3x faster than two")
     args = parser.parse_args(argv)
@@ -331,6 +349,19 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(embedded_model_path(), dtype=torch.float32)
     model.eval()
     linears = decoder_linears(model)
+    if args.remedies:  # each base's entropy and KL along its own samples, with the same prompts and seed as part 2b
+        formats = remedy_formats(model)
+        prompts, examples = held_out_prompts(tokenizer, args.prompts)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        weights = {f: {"rel_error": sum(weight_stats(linears[n].weight.detach().float(), w)["rel_error"]
+                                        for n, w in ws.items()) / len(ws)} for f, ws in formats.items()}
+        remedies = {"own_samples": own_samples(model, tokenizer, linears, formats, prompts, examples, pad, args, log),
+                    "weights_mean": weights, "setup": {"prompts": len(prompts), "seed": args.seed,
+                                                       "max_new_tokens": args.max_new_tokens, "threads": args.threads}}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "remedies.json").write_text(json.dumps(remedies, indent=1))
+        log(f"wrote {args.out / 'remedies.json'}")
+        return 0
     dense = {n: m.weight.detach().float().clone() for n, m in linears.items()}
     formats = all_formats(model, linears)
     log(f"formats: {', '.join(formats)} over {len(linears)} linears")

@@ -13,6 +13,12 @@ from qerl.config import ConfigError
 # base format through qerl's own NF4 codec (quant.scheme: nf4); `qlora-bnb` is QLoRA itself (bitsandbytes' NF4
 # storage and kernels: pip install -e ".[qlora]"), not in the default set since it needs that extra. `fp8` is the FP8
 # base (quant.scheme: fp8, E4M3 with per-channel scales: bf16-like learning at half bf16's bytes, issue #63).
+# The NVFP4 remedies of issue #63 (README, "Remedies for a 4-bit base"): `nvfp4-fp8-sensitive` keeps in FP8 the two
+# projection types whose NVFP4 error moves the policy most (docs/quant_error/summary.md, finding 5: down_proj and
+# v_proj, ~40% of NVFP4's KL to bf16 together; no single layer dominates, so no layer index, which would also tie the
+# arm to one depth); `nvfp4-correction` a frozen rank-16 SVD correction of every quantized weight; `nvfp4-aqn-norms`
+# AQN on the block norms only, the paper's derivation (noise on a quantized layer's input channels: the final norm
+# feeds the bf16 LM head).
 ARMS: dict[str, list[str]] = {
     "bf16-lora": ["quant.scheme=bf16", "aqn.enabled=false"],
     "nf4-lora": ["quant.scheme=nf4", "aqn.enabled=false"],
@@ -21,6 +27,11 @@ ARMS: dict[str, list[str]] = {
     "nvfp4-aqn-entropy": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=entropy"],
     "qlora-bnb": ["quant.scheme=nf4-bnb", "aqn.enabled=false"],
     "fp8": ["quant.scheme=fp8", "aqn.enabled=false"],
+    "nvfp4-fp8-sensitive": ["quant.scheme=nvfp4", "aqn.enabled=false",
+                            'quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}'],
+    "nvfp4-correction": ["quant.scheme=nvfp4", "aqn.enabled=false", "quant.error_correction_rank=16"],
+    "nvfp4-aqn-norms": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=geometric",
+                        "aqn.include_final_norm=false"],
 }
 DEFAULT_ARMS = ["bf16-lora", "nf4-lora", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
 

@@ -83,9 +83,10 @@ def run_tags(settings: Settings, params: str, overrides: list[str], **extra: Any
 
 
 def with_quantized_base(settings: Settings, quantized_root: str) -> Settings:
-    """Settings whose base is a quantized folder (made once, then cached); bf16 and given folders pass through."""
+    """Settings whose base is a quantized folder (made once, then cached); bf16, given folders and bases that exist only
+    quantized at load (per-layer schemes, error correction: no folder holds them) pass through."""
     q = settings.quant
-    if q.scheme == "bf16" or q.quantized_path:
+    if q.scheme == "bf16" or q.quantized_path or q.quantized_at_load_only:
         return settings
     folder = quantize_checkpoint(settings.model.path, q.scheme, quantized_root)
     if not is_complete(folder):  # cached, but the folder was deleted since: quantize again

@@ -130,6 +130,30 @@ class QuantSettings:
     # true: wherever FP8 tensor cores are; false: 4-bit weights only. Rollouts then differ from the update's
     # bf16 GEMMs by FP8's rounding: BENCHMARKS.md, "Rollouts at RL batch sizes", measures the log-prob gap.
     fp8_weights: Literal["auto", True, False] = "auto"
+    # Remedies for a 4-bit base that learns worse than bf16 (issue #63); both off by default until a GPU seed study
+    # decides. layer_schemes: module-name glob (fnmatch on the linear's qualified name, e.g. "*.down_proj",
+    # "model.layers.0.*") -> the scheme of the layers it matches (bf16 = kept unquantized, or a codec: fp8, nf4...);
+    # the first matching glob wins, the others take `scheme`; a glob that matches no decoder linear is an error.
+    layer_schemes: dict[str, str] = field(default_factory=dict)
+    # A frozen rank-r correction beside each quantized linear: the truncated SVD of W - dequant(Q(W)), kept in bf16
+    # and added as y += x B^T A^T. Not part of the LoRA adapter (SVD-initialised adapters collapse in RL, arXiv
+    # 2512.23165) and never trained. 0 = off. qerl.quant.linear.QuantLinear.set_error_correction.
+    error_correction_rank: int = field(default=0, metadata=_check(ge=0))
+
+    @property
+    def quantized_at_load_only(self) -> bool:
+        """Whether this base exists only quantized in memory from the dense weights: a `qerl quantize` folder (and
+        the vLLM backend, which serves one) holds one scheme for every layer and no error correction."""
+        return bool(self.layer_schemes) or self.error_correction_rank > 0
+
+    def base_record(self) -> dict[str, Any] | None:
+        """What an adapter trained on a base quantized at load only records of it (qerl.model.lora.BASE_RECORD), for
+        its export and evaluation to rebuild that base; None for a plain base. The globs as [glob, scheme] pairs: their
+        order decides (the first match wins), and a JSON list keeps it where a mapping's order is easily lost."""
+        if not self.quantized_at_load_only:
+            return None
+        return {"scheme": self.scheme, "layer_schemes": [list(item) for item in self.layer_schemes.items()],
+                "error_correction_rank": self.error_correction_rank}
 
     def validate(self) -> None:
         schemes = quant_schemes()
@@ -140,6 +164,24 @@ class QuantSettings:
         if self.scheme == "nf4-bnb" and self.quantized_path:
             raise _RuleError("quantized_path", f"quantized_path = {self.quantized_path!r}: scheme nf4-bnb quantizes "
                              "at load (as transformers' load_in_4bit); leave quantized_path unset")
+        self._validate_remedies()
+
+    def _validate_remedies(self) -> None:
+        from qerl.quant import formats
+
+        for glob, scheme in self.layer_schemes.items():
+            if scheme not in formats.SCHEMES:
+                raise _RuleError("layer_schemes", f"layer_schemes[{glob!r}] = {scheme!r}: expected one of "
+                                 f"{', '.join(map(repr, formats.SCHEMES))} (bf16 keeps the layers unquantized)")
+        remedies = [key for key, on in (("layer_schemes", self.layer_schemes),
+                                        ("error_correction_rank", self.error_correction_rank)) if on]
+        if remedies and self.scheme in ("bf16", "nf4-bnb"):
+            raise _RuleError((remedies[0], "scheme"), f"{remedies[0]} applies to a base qerl quantizes itself, not "
+                             f"scheme = {self.scheme!r}")
+        if remedies and self.quantized_path:
+            raise _RuleError((remedies[0], "quantized_path"), f"{remedies[0]} is made at load from the dense "
+                             f"weights; a `qerl quantize` folder ({self.quantized_path!r}) holds one scheme and no "
+                             "error correction: leave quantized_path unset")
 
 
 @dataclass
@@ -360,6 +402,11 @@ class AQNSettings:
     sigma_end: float = field(default=5e-4, metadata=_check(ge=0))
     num_stages: int = field(default=10, metadata=_check(ge=1))
     in_training_forward: bool = False  # also perturb the norms during the update's forward
+    # Which RMSNorm weights get the noise (fresh draws every step, from aqn.seed and the step): every block's norms
+    # that feed q/k/v and gate/up always; the final norm before the LM head (as the paper's code does) unless false;
+    # the per-head q_norm/k_norm of families that have them (Qwen3, Gemma3) only if true (the paper's never did).
+    include_final_norm: bool = True
+    include_qk_norm: bool = False
     seed: int = field(default=0, metadata=_SEED)
     # geometric: the paper's stages (sigma_start -> sigma_end, the first stage noise-free). entropy: sigma starts at
     # sigma_start and is multiplied by sigma_rate after each step whose policy entropy was below target_entropy,

@@ -196,6 +196,9 @@ class NoiseInjector:
         self.targets = norm_weights(model, include_final_norm, include_qk_norm)
         if not self.targets:
             raise ValueError("no RMSNorm weights found in the model")
+        if include_qk_norm and not any(name.rsplit(".", 2)[-2] in _PER_HEAD_NORMS for name, _ in self.targets):
+            # a setting that would change nothing says so (families with them: Qwen3, Gemma3)
+            raise ValueError("aqn.include_qk_norm = true, but the model has no per-head q_norm/k_norm weights")
         self._clean: list[Tensor] | None = None
 
     @property

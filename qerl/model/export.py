@@ -60,7 +60,12 @@ def export_policy(adapter: str | os.PathLike, out: str | os.PathLike, merge: boo
     config = _adapter_config(adapter)
     source = _base_source(model or config.get("base_model_name_or_path"), given=model is not None)
     stored = quant_scheme(read_config(source), source) if source.is_dir() else None
-    scheme = _scheme(scheme, stored)
+    trained = lora.read_base_record(adapter)  # a base quantized at load only (per-layer schemes, error correction)
+    if trained is not None and not merge:
+        raise ValueError(f"--adapter {adapter} trained on a base with quant.layer_schemes or error_correction_rank "
+                         f"({lora.BASE_RECORD}), which a one-scheme base folder cannot hold: export with --merge (the "
+                         "correction folds into the merged weights)")
+    scheme = _scheme(scheme or (trained or {}).get("scheme"), stored)
     _check_out_free(out)
     _check_adapter_fits(source, adapter)  # before any slow work: a wrong adapter fails in a second
 
@@ -75,7 +80,7 @@ def export_policy(adapter: str | os.PathLike, out: str | os.PathLike, merge: boo
             # Every path written into the export is relative to its folder (its commands run from there), so it
             # can be moved or copied to the machine that serves it: an absolute path named this machine's folders.
             if merge:
-                _write_merged(source, adapter, scheme, folder)
+                _write_merged(source, adapter, scheme, folder, trained)
                 command = f"vllm serve . --served-model-name {_served_name(out)}"
             else:
                 _write_unmerged(source, stored, adapter, scheme, folder)
@@ -174,12 +179,17 @@ def _write_unmerged(source: Path, stored: str | None, adapter: Path, scheme: str
     (folder / "adapter" / lora.ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _write_merged(source: Path, adapter: Path, scheme: str, folder: Path) -> None:
+def _write_merged(source: Path, adapter: Path, scheme: str, folder: Path, trained: dict | None = None) -> None:
+    """`trained`: the adapter's record of a base quantized at load only (lora.read_base_record), rebuilt here as
+    training built it; the merged weights then hold its error correction too (QuantLinear.dequantized_weight)."""
     from qerl.model.loading import load_model
     from qerl.quant.linear import QuantLinear, quantize_model
 
     model, tokenizer = load_model(source)
-    if scheme != "bf16" and not any(isinstance(m, QuantLinear) for m in model.modules()):
+    if trained is not None:
+        quantize_model(model, trained["scheme"], layer_schemes=dict(trained["layer_schemes"]),
+                       correction_rank=trained["error_correction_rank"])
+    elif scheme != "bf16" and not any(isinstance(m, QuantLinear) for m in model.modules()):
         quantize_model(model, scheme)  # the base the policy trained on: LoRA merges into these weights
     lora.load_adapter(model, adapter)
     base_config = read_config(source) if source.is_dir() else None

@@ -29,6 +29,9 @@ from qerl.run.atomic import atomic_dir
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# qerl's record of a base that exists only quantized at load (quant.layer_schemes, quant.error_correction_rank): what
+# an export and an evaluation of this adapter must rebuild. Beside PEFT's two files, which PEFT and vLLM read alone.
+BASE_RECORD = "qerl_base.json"
 # Frozen copy of a trained RMSNorm weight: `adapters_disabled` must give the true base model (the KL reference).
 _NORM_BASE = "lora_base_weight"
 
@@ -243,10 +246,11 @@ def _check_settings_match(model: nn.Module, settings: LoraSettings) -> None:
 
 
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str,
-                 settings: LoraSettings) -> Path:
+                 settings: LoraSettings, base_record: dict[str, Any] | None = None) -> Path:
     """Save the adapter in PEFT format (adapter_config.json + adapter_model.safetensors), atomically; return the dir.
 
     Trained norms are listed in `modules_to_save` by their leaf names (PEFT matches those as name suffixes).
+    `base_record`: how the base was quantized at load, where no folder holds it (BASE_RECORD; read_base_record).
     """
     _check_settings_match(model, settings)
     norms = sorted({name.rsplit(".", 1)[-1] for name in trained_norms(model)}) or None
@@ -255,7 +259,20 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model_name_o
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         resolved = replace(settings, target_modules=resolve_targets(model, settings.target_modules))
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(_peft_config(resolved, base_model_name_or_path, norms), indent=2))
+        if base_record:
+            (tmp / BASE_RECORD).write_text(json.dumps(base_record, indent=2) + "\n")
     return Path(out_dir)
+
+
+def read_base_record(adapter_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The adapter's BASE_RECORD (None where it has none: its base is a plain one-scheme base)."""
+    path = Path(adapter_dir) / BASE_RECORD
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
 
 
 def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:

@@ -79,7 +79,8 @@ def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.
     if quant.scheme == bnb.SCHEME:  # QLoRA's base: bitsandbytes' own NF4 storage and kernels, quantized at load
         bnb.quantize_model_bnb(net)
     elif quant.scheme != "bf16" and not already_quantized:
-        quantize_model(net, quant.scheme)
+        quantize_model(net, quant.scheme, layer_schemes=quant.layer_schemes,
+                       correction_rank=quant.error_correction_rank)
     net.requires_grad_(False)
     for m in net.modules():
         if isinstance(m, QuantLinear):
@@ -105,18 +106,39 @@ def load_tokenizer_and_context(model: ModelSettings, quant: QuantSettings):
     return load_tokenizer(source), context_length(source)
 
 
-def check_lora_targets(settings: Settings) -> None:
-    """`lora.target_modules` against the base's modules, from its config alone: a name that matches nothing fails
-    in a second, not after the weights have loaded (a GGUF base is checked when LoRA is applied)."""
+def check_module_names(settings: Settings) -> None:
+    """The module names the settings give (`lora.target_modules`, the globs of `quant.layer_schemes`) against the
+    base's modules, from its config alone: a name that matches nothing fails in a second, not after the weights have
+    loaded (a GGUF base is checked when LoRA is applied and the base quantized)."""
     from qerl.model import lora
     from qerl.model.loading import model_skeleton
+    from qerl.quant.linear import decoder_linear_names, schemes_by_layer
 
     skeleton = model_skeleton(settings.quant.quantized_path or settings.model.path)
-    if skeleton is not None:
+    if skeleton is None:
+        return
+    try:
+        lora.target_layers(skeleton, settings.lora.target_modules)
+    except ValueError as e:
+        raise ValueError(f"lora.target_modules: {e}") from None
+    if settings.quant.layer_schemes:
         try:
-            lora.target_layers(skeleton, settings.lora.target_modules)
+            schemes_by_layer(decoder_linear_names(skeleton), settings.quant.scheme, settings.quant.layer_schemes)
         except ValueError as e:
-            raise ValueError(f"lora.target_modules: {e}") from None
+            raise ValueError(f"quant.{e}") from None
+
+
+def check_adapter_base(adapter: str, quant: QuantSettings) -> None:
+    """An adapter that records the base it trained on (quantized at load: per-layer schemes, error correction) gets
+    that base or a one-line refusal: on another one it is another policy."""
+    from qerl.model import lora
+
+    trained = lora.read_base_record(adapter)
+    if trained is not None and trained != quant.base_record():
+        raise ValueError(f"{adapter} was trained on the base quant.scheme = {trained['scheme']!r}, layer_schemes = "
+                         f"{dict(trained['layer_schemes'])}, error_correction_rank = "
+                         f"{trained['error_correction_rank']} ({lora.BASE_RECORD}); set those (-S quant.KEY=VALUE) to "
+                         "evaluate it")
 
 
 def load_policy(settings: Settings, adapter: str | None = None):
@@ -125,6 +147,7 @@ def load_policy(settings: Settings, adapter: str | None = None):
 
     if adapter:
         lora.read_adapter_config(adapter)  # a wrong adapter fails now, not after the model load
+        check_adapter_base(adapter, settings.quant)
     net, tokenizer = load_base_model(settings.model, settings.quant, settings.execution, settings.rollout)
     if adapter:
         lora.load_adapter(net, adapter)

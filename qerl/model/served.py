@@ -33,6 +33,9 @@ def served_base(settings: Settings) -> Path:
     if scheme not in SERVABLE:
         raise ValueError(f"rollout.backend: vllm serves quant.scheme {', '.join(SERVABLE)}, not {scheme!r} "
                          "(QLoRA's bitsandbytes base has no vLLM form of the same weights)")
+    if settings.quant.quantized_at_load_only:
+        raise ValueError("rollout.backend: vllm serves a one-scheme base folder, which cannot hold quant.layer_schemes "
+                         "or quant.error_correction_rank: sample with rollout.backend engine")
     source = resolve_model(settings.quant.quantized_path or settings.model.path)
     if not (source / "config.json").is_file():
         raise ValueError(f"rollout.backend: vllm needs a Hugging Face folder; {source} has no config.json (convert a "

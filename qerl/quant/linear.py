@@ -9,11 +9,12 @@ under LoRA.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import logging
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import ModuleType
 
 import torch
@@ -22,8 +23,8 @@ from torch import nn
 
 from qerl.quant.formats import SCHEMES, Codec, get_codec
 
-__all__ = ["QuantLinear", "quantize_model", "replace_with_empty_quant_linears", "DECODER_LINEAR_PATTERN",
-           "FUSED_GROUPS", "fused_group_key"]
+__all__ = ["QuantLinear", "quantize_model", "replace_with_empty_quant_linears", "schemes_by_layer",
+           "decoder_linear_names", "DECODER_LINEAR_PATTERN", "FUSED_GROUPS", "fused_group_key", "KEEP_DENSE"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ DECODER_LINEAR_PATTERN = r"(^|\.)layers\.\d+\."
 # Projections an inference engine fuses into one GEMM (vLLM: qkv_proj, gate_up_proj). Fused NVFP4
 # layers must share one global scale: vLLM keeps a single weight_global_scale for the fused layer.
 FUSED_GROUPS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
+# A per-layer override (quantize_model's `layer_schemes`) to this scheme keeps the layer a dense nn.Linear.
+KEEP_DENSE = "bf16"
+# The frozen error correction (QuantLinear.set_error_correction) is stored in this dtype.
+CORRECTION_DTYPE = torch.bfloat16
 
 
 def fused_group_key(name: str) -> str | None:
@@ -121,7 +126,8 @@ class QuantLinear(nn.Module):
     """Frozen linear layer whose weight is stored by a codec ("nvfp4", "mxfp4", "nf4", "fp8", "bf16").
 
     Buffers: the codec's tensors (e.g. ``weight_packed``, ``weight_scale``, ``weight_global_scale``)
-    and ``bias`` if any. It has no parameters: gradients flow to the input only.
+    and ``bias`` if any; ``correction_a`` [out, r] and ``correction_b`` [r, in] where a frozen error correction is
+    kept (``set_error_correction``; else None). It has no parameters: gradients flow to the input only.
     """
 
     def __init__(
@@ -160,6 +166,8 @@ class QuantLinear(nn.Module):
         for buffer_name, (shape, buffer_dtype) in codec.tensor_shapes(out_features, in_features).items():
             self.register_buffer(buffer_name, torch.empty(shape, dtype=buffer_dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("correction_a", None)
+        self.register_buffer("correction_b", None)
 
     @property
     def scheme(self) -> str:
@@ -204,11 +212,12 @@ class QuantLinear(nn.Module):
     def concat(cls, layers: list["QuantLinear"]) -> "QuantLinear | None":
         """One layer computing `layers` (same input) side by side: their tensors concatenated along the output
         rows, after which each member reads its rows of it and drops its own copy. None, and nothing changed,
-        where they cannot share one layer (schemes, dtypes, devices, bias or a per-tensor scale differ)."""
+        where they cannot share one layer (schemes, dtypes, devices, bias or a per-tensor scale differ, or they keep
+        an error correction)."""
         first = layers[0]
         if any(m.scheme != first.scheme or m.in_features != first.in_features or m.dtype != first.dtype
-               or (m.bias is None) != (first.bias is None) for m in layers):
-            return None
+               or (m.bias is None) != (first.bias is None) or m.correction_a is not None for m in layers):
+            return None  # (an error correction per member is not one low-rank term of the fused layer)
         tensors = [m.quantized_tensors() for m in layers]
         rows = first._row_names()
         for name in first._codec_names():
@@ -314,8 +323,47 @@ class QuantLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The dense [out, in] weight this layer computes with, in `dtype` (default: the layer's)."""
-        return self.codec.dequantize(self.quantized_tensors(), dtype or self.dtype)
+        """The dense [out, in] weight this layer computes with, in `dtype` (default: the layer's): the codec's
+        weight, plus the error correction A·B where one is kept (so merged exports fold it in), summed in fp32 and
+        rounded once to `dtype`."""
+        if self.correction_a is None:
+            return self.codec.dequantize(self.quantized_tensors(), dtype or self.dtype)
+        w = self.codec.dequantize(self.quantized_tensors(), torch.float32)
+        return w.addmm_(self.correction_a.float(), self.correction_b.float()).to(dtype or self.dtype)
+
+    @torch.no_grad()
+    def set_error_correction(self, weight: torch.Tensor, rank: int) -> None:
+        """Keep a frozen rank-`rank` correction of this layer's quantization error: the truncated SVD of
+        weight - dequant(Q(weight)) for the dense `weight` it was quantized from, as A = U√S [out, r] and
+        B = √S Vᵀ [r, in] in bf16 (√S on both sides keeps both factors in bf16's comfortable range). Deterministic
+        from `weight`, so a resumed run recomputes the same one. Buffers, never parameters: not trained, not in any
+        optimizer, not in the LoRA adapter. rank 0 removes it."""
+        self._dense_cache = None
+        if rank <= 0:
+            self.correction_a = self.correction_b = None
+            return
+        codes = self.codec.dequantize(self.quantized_tensors(), torch.float32)
+        residual = weight.detach().to(codes.device, torch.float32) - codes
+        u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+        root = s[:rank].sqrt()
+        self.correction_a = (u[:, :rank] * root).to(CORRECTION_DTYPE)
+        self.correction_b = (root[:, None] * vh[:rank]).to(CORRECTION_DTYPE)
+
+    @property
+    def correction_rank(self) -> int:
+        return 0 if self.correction_a is None else self.correction_a.shape[1]
+
+    def _corrections(self) -> dict[str, torch.Tensor]:
+        if self.correction_a is None:
+            return {}
+        return {"correction_a": self.correction_a, "correction_b": self.correction_b}
+
+    def _plus_correction(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + x Bᵀ Aᵀ: the error correction beside a GEMM that computes from the codes alone (the GPU kernels)."""
+        if self.correction_a is None:
+            return y
+        b, a = self.correction_b.to(x.dtype), self.correction_a.to(x.dtype)
+        return y + F.linear(F.linear(x, b), a).to(y.dtype)
 
     def compute_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight the reference path multiplies with. On CUDA it is dequantized afresh every call (the
@@ -325,7 +373,7 @@ class QuantLinear(nn.Module):
         counters, so an in-place write, a load_state_dict or a reassigned buffer re-dequantizes."""
         if self._gemm is not None:  # on CUDA (and maybe repacked): no need to rebuild the stored tensors to know it
             return self.dequantized_weight(dtype)
-        stored = list(self.quantized_tensors().values())
+        stored = [*self.quantized_tensors().values(), *self._corrections().values()]
         if any(t.is_cuda for t in stored):
             return self.dequantized_weight(dtype)
         cache = self._dense_cache
@@ -359,7 +407,7 @@ class QuantLinear(nn.Module):
                 return self  # a no-op move (e.g. .to() the device it is on): stay fused
             self.own_rows()
         self.release_gemm()  # a device or dtype move starts from the checkpoint layout
-        stored = self.quantized_tensors()
+        stored = {**self.quantized_tensors(), **self._corrections()}  # the correction stays bf16 too
         self._dense_cache = None
         super()._apply(fn, recurse)
         for name, original in stored.items():
@@ -376,8 +424,8 @@ class QuantLinear(nn.Module):
             fused, start = self._rows_of
             return fused(x)[..., start:start + self.out_features]
         if self._on_gpu_kernel(x):
-            return _gpu_gemm().linear(x, self.cuda_gemm(), self.bias)
-        out = _DequantizedLinear.apply(x, self)
+            return self._plus_correction(x, _gpu_gemm().linear(x, self.cuda_gemm(), self.bias))
+        out = _DequantizedLinear.apply(x, self)  # (its weight holds the correction: compute_weight)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _on_gpu_kernel(self, x: torch.Tensor) -> bool:
@@ -397,13 +445,19 @@ class QuantLinear(nn.Module):
         addmm."""
         if self._rows_of is None and self._on_gpu_kernel(x):
             x2 = x if x.stride(-1) == 1 else x.contiguous()
-            y = self.cuda_gemm().forward_low_rank(x2, h, b, scale)
+            y = self._plus_correction(x2, self.cuda_gemm().forward_low_rank(x2, h, b, scale))
             return y if self.bias is None else y + self.bias.to(y.dtype)
         return self(x).addmm_(h, b.t(), alpha=scale)
 
     def extra_repr(self) -> str:
+        correction = f", correction_rank={self.correction_rank}" if self.correction_a is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"scheme={self.scheme}"
+               f"scheme={self.scheme}{correction}"
+
+
+def decoder_linear_names(model: nn.Module) -> list[str]:
+    """The names of the nn.Linears `quantize_model` would quantize by default (also of a meta-device skeleton)."""
+    return [name for name, _ in _matching_linears(model, DECODER_LINEAR_PATTERN, ())]
 
 
 def _matching_linears(model: nn.Module, pattern: str, skip: Iterable[str]) -> list[tuple[str, nn.Linear]]:
@@ -430,6 +484,23 @@ def _fits(codec: Codec, name: str, linear: nn.Linear, strict: bool) -> bool:
     return True
 
 
+def schemes_by_layer(names: Iterable[str], scheme: str, layer_schemes: Mapping[str, str]) -> dict[str, str]:
+    """Each layer's scheme: that of the first glob of `layer_schemes` (fnmatch, case-sensitive, on the qualified
+    name) that matches it, else `scheme`. A glob that matches none of `names`, or an unknown scheme, is a ValueError
+    naming it: a typo must not leave the layers it meant in the default format without a word."""
+    names = list(names)
+    for glob, override in layer_schemes.items():
+        try:
+            get_codec(override)
+        except ValueError as e:
+            raise ValueError(f"layer_schemes[{glob!r}]: {e}") from None
+        if not any(fnmatch.fnmatchcase(name, glob) for name in names):
+            example = f" (they are named like {names[0]!r})" if names else ""
+            raise ValueError(f"layer_schemes: {glob!r} matches no quantizable linear layer{example}")
+    return {name: next((get_codec(s).scheme for g, s in layer_schemes.items() if fnmatch.fnmatchcase(name, g)), scheme)
+            for name in names}
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -437,29 +508,47 @@ def quantize_model(
     pattern: str = DECODER_LINEAR_PATTERN,
     strict: bool = False,
     skip: Iterable[str] = (),
+    layer_schemes: Mapping[str, str] | None = None,
+    correction_rank: int = 0,
 ) -> list[str]:
     """Replace every nn.Linear whose name matches `pattern` by a QuantLinear, in place.
 
     Each full-precision weight is dropped as soon as its layer is quantized, so peak memory grows by
     one layer. NVFP4 q/k/v and gate/up share one global scale (needed to fuse them at inference).
     A layer whose in_features does not fit the block size stays nn.Linear with a warning, or raises
-    ValueError when `strict`. Returns the names of the replaced modules.
+    ValueError when `strict`. `layer_schemes`: glob -> scheme overrides (`schemes_by_layer`; KEEP_DENSE keeps a
+    layer nn.Linear). `correction_rank` > 0: each quantized layer keeps a frozen error correction of that rank
+    (QuantLinear.set_error_correction). Returns the names of the replaced modules.
     """
-    codec = get_codec(scheme)
-    targets = [(n, m) for n, m in _matching_linears(model, pattern, skip) if _fits(codec, n, m, strict)]
-    shared_scales: dict[str, torch.Tensor] = {}
-    if codec.shares_global_scale:
-        group_amax: dict[str, torch.Tensor] = {}
-        for name, linear in targets:
-            if (key := fused_group_key(name)) is not None:
-                amax = codec.tensor_amax(linear.weight)
-                group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
-        shared_scales = {key: codec.global_scale_for(amax) for key, amax in group_amax.items()}
-    for name, linear in targets:
-        scale = shared_scales.get(fused_group_key(name) or "")
-        _set_submodule(model, name, QuantLinear.from_linear(linear, scheme, name=name, global_scale=scale))
+    candidates = _matching_linears(model, pattern, skip)
+    schemes = schemes_by_layer([name for name, _ in candidates], get_codec(scheme).scheme, layer_schemes or {})
+    targets = [(name, linear, schemes[name]) for name, linear in candidates
+               if not (layer_schemes and schemes[name] == KEEP_DENSE)
+               and _fits(get_codec(schemes[name]), name, linear, strict)]
+    shared_scales = _shared_global_scales(targets)
+    for name, linear, layer_scheme in targets:
+        # (a member in another scheme than its group's NVFP4 ones takes no part in their shared scale)
+        scale = shared_scales.get(fused_group_key(name) or "") if get_codec(layer_scheme).shares_global_scale else None
+        layer = QuantLinear.from_linear(linear, layer_scheme, name=name, global_scale=scale)
+        if correction_rank > 0:
+            layer.set_error_correction(linear.weight, correction_rank)
+        _set_submodule(model, name, layer)
         linear.weight = None  # free it now even if the caller still references the old module
-    return [name for name, _ in targets]
+    return [name for name, _, _ in targets]
+
+
+def _shared_global_scales(targets: list[tuple[str, nn.Linear, str]]) -> dict[str, torch.Tensor]:
+    """One global scale per fused group (q/k/v, gate/up) for its members in a scheme that shares one (NVFP4):
+    the group's amax over those members (a member another scheme holds neither takes part nor fuses)."""
+    group_amax: dict[str, torch.Tensor] = {}
+    codecs: dict[str, Codec] = {}
+    for name, linear, layer_scheme in targets:
+        codec = get_codec(layer_scheme)
+        if codec.shares_global_scale and (key := fused_group_key(name)) is not None:
+            amax = codec.tensor_amax(linear.weight)
+            group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
+            codecs[key] = codec
+    return {key: codecs[key].global_scale_for(amax) for key, amax in group_amax.items()}
 
 
 def replace_with_empty_quant_linears(

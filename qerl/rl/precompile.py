@@ -259,7 +259,9 @@ def stand_in(job: dict[str, Any]):
     m = ModelSettings(**job["model"])
     # The GEMM dispatch runs every candidate once and measures nothing: each one's kernels get compiled for the
     # trainer, which measures them (kernels/dispatch.py)
-    quant = QuantSettings(**job["quant"])
+    # Without the per-layer schemes (their globs may name layers the stand-in lacks) and the error correction (plain
+    # torch matmuls, nothing to compile): the default scheme's kernels; an overridden layer's compile in step 1.
+    quant = dataclasses.replace(QuantSettings(**job["quant"]), layer_schemes={}, error_correction_rank=0)
     plan = ExecutionPlan.from_settings(m, ExecutionSettings(**job["execution"]), device, quant, gemm_tuning="compile")
     prepare_base(model, m, quant, device, plan)
     lora.apply_lora(model, LoraSettings(**job["lora"]), dtype=dtype)

@@ -27,7 +27,7 @@ from qerl.execution import ExecutionPlan, attach
 from qerl.model import lora
 from qerl.model.aqn import build_schedule
 from qerl.model.served import own_model_settings, vllm_options
-from qerl.model.runtime import (check_lora_targets, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
+from qerl.model.runtime import (check_module_names, load_base_model, load_tokenizer_and_context, pin_cpu_threads,
                                 resolve_device, seed_everything)
 from qerl.quant.linear import fp8_available
 from qerl.rl import distributed, grpo, precompile, state_check, stopping
@@ -148,7 +148,9 @@ class Trainer:
         # Speculative rollouts draft from the run's earlier completions of each prompt: kept in the checkpoint, so a
         # resumed run drafts (and so samples) what the uninterrupted one did.
         self.draft_history = DraftHistory()
-        self.noise = self.rollout_backend.noise  # also perturbs the training forward when aqn.in_training_forward
+        # AQN's norms (aqn.include_final_norm, include_qk_norm); it also perturbs the training forward when
+        # aqn.in_training_forward
+        self.noise = self.rollout_backend.aim_noise(s.aqn.include_final_norm, s.aqn.include_qk_norm)
         self.peaks = StepPeaks(self.device)
         self.loss_cfg = grpo.LossConfig.from_settings(replace(s.grpo, correction=self._correction()),
                                                       max_completion_length=s.rollout.max_new_tokens)
@@ -196,7 +198,7 @@ class Trainer:
                              f"{s.rollout.prompts_drawn} prompts, more than the {len(examples)} training prompts of "
                              f"{d.path or d.name} (data.n = {d.n}), repeating some; lower it")
         if model is None:
-            check_lora_targets(s)  # from the config: a typo fails now, not after the weights load
+            check_module_names(s)  # from the config: a typo fails now, not after the weights load
         return tokenizer, examples
 
     def _scorer(self, examples: list[data.Example], tokenizer) -> Scorer:
@@ -522,7 +524,7 @@ class Trainer:
     def export_adapter(self, out_dir: str | Path) -> Path:
         base = str(self.settings.quant.quantized_path or self.settings.model.path)
         with naming_a_full_disk(out_dir):
-            return lora.save_adapter(self.model, out_dir, base, self.settings.lora)
+            return lora.save_adapter(self.model, out_dir, base, self.settings.lora, self.settings.quant.base_record())
 
     def save_checkpoint(self, keep: int = 2) -> Path:
         """Adapter + optimizer + scheduler + RNG + data position, handed to the run folder (atomic, with a manifest);

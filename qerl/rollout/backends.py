@@ -88,6 +88,14 @@ class RolloutBackend:
         # `RolloutEngine.generate`'s logits_processor for every call (benchmarks force EOS at traced lengths with it)
         self.logits_processor = None
 
+    def aim_noise(self, include_final_norm: bool = True, include_qk_norm: bool = False) -> NoiseInjector:
+        """Choose the norm weights AQN perturbs (aqn.include_final_norm, aqn.include_qk_norm; NoiseInjector), before
+        any noise is applied; returns the new injector."""
+        if self.noise.active:
+            raise RuntimeError("AQN noise is applied; choose its norms between rollouts")
+        self.noise = NoiseInjector(self.model, include_final_norm, include_qk_norm)
+        return self.noise
+
     @contextmanager
     def sync(self, sigma: float = 0.0, noise_seed: int = 0) -> Iterator["RolloutBackend"]:
         """Inside the block, sample from the trainer's current policy with AQN noise N(0, sigma^2) in the norm

@@ -41,8 +41,8 @@ STATE_FILE = "trainer_state.json"  # a checkpoint's state: its structure and pla
 STATE_TENSORS = "trainer_state.safetensors"  # its tensors
 
 # What a checkpoint's adapter and optimizer state belong to: resuming it under other values would be another run.
-FIXED_ON_RESUME = ("model.path", "quant.scheme", "lora.rank", "lora.alpha", "lora.target_modules", "lora.use_rslora",
-                   "lora.train_norms")
+FIXED_ON_RESUME = ("model.path", "quant.scheme", "quant.layer_schemes", "quant.error_correction_rank", "lora.rank",
+                   "lora.alpha", "lora.target_modules", "lora.use_rslora", "lora.train_norms")
 
 
 @dataclass(frozen=True)
