@@ -358,3 +358,73 @@ class Counter:
     assert out.texts[0].startswith(call_text("count") + TURN.before + "11" + TURN.after)
     assert out.texts[1].startswith(weather + TURN.before + "Oslo: sunny for 1 day(s), 20 C" + TURN.after)
     assert [env.instance.value for env in out.environments] == [11, 20] and stats["tool_errors"] == 0
+
+
+class _FakeCall:
+    """The two things `_HeldTurns` reads and does: the rows' states, and `resume_rows`."""
+
+    def __init__(self, decoding: int, waiting: int):
+        from types import SimpleNamespace
+
+        from qerl.rollout.rows import RowState
+
+        self.rows = [SimpleNamespace(state=RowState.DECODING) for _ in range(decoding)] + \
+            [SimpleNamespace(state=RowState.WAITING_FOR_TOOL) for _ in range(waiting)]
+        self.resumed: list[list] = []
+
+    def resume_rows(self, turns):
+        self.resumed.append(list(turns))
+        return 1
+
+
+def test_answered_tool_turns_are_held_while_rows_decode_and_prefilled_together():
+    """The bucketed engine's tool-turn prefill costs one forward whatever its rows: answers are held while 16 rows
+    decode until 4 are held (a quarter), or the first has waited a prefill's time, or nothing decodes; the exact
+    engine's are never held."""
+    from qerl.rollout.multi_turn import _HeldTurns
+
+    stats = {"tool_turn_prefills": 0}
+    held, call = _HeldTurns(batch=True), _FakeCall(decoding=16, waiting=4)
+    held.prefill_s = 60.0  # a slow prefill: only the count releases here
+    for i in range(3):
+        held.add(i, [7])
+        held.release(call, stats)
+        assert call.resumed == []
+    held.add(3, [8, 9])
+    held.release(call, stats)
+    assert call.resumed == [[(0, [7]), (1, [7]), (2, [7]), (3, [8, 9])]] and stats["tool_turn_prefills"] == 1
+    held.prefill_s = 0.0  # the first held has waited as long as the last prefill took
+    held.add(4, [5])
+    held.release(call, stats)
+    assert call.resumed[-1] == [(4, [5])]
+    idle, nothing_decodes = _HeldTurns(batch=True), _FakeCall(decoding=0, waiting=2)
+    idle.prefill_s = 60.0
+    idle.add(0, [1])
+    idle.release(nothing_decodes, stats)
+    assert nothing_decodes.resumed == [[(0, [1])]]
+    exact, busy = _HeldTurns(batch=False), _FakeCall(decoding=16, waiting=1)
+    exact.prefill_s = 60.0
+    exact.add(0, [1])
+    exact.release(busy, stats)
+    assert busy.resumed == [[(0, [1])]]
+
+
+@pytest.mark.parametrize("kind", list(ENGINES))
+def test_rows_answered_together_go_on_after_their_own_answers_in_either_engine(kind):
+    """Four rows call at once and their answers come back together (a barrier): each row goes on after its own
+    answer, whichever rows' turns shared a prefill (the bucketed engine's batches depend on when the answers land;
+    `_HeldTurns`' rule is tested above); the exact engine prefills each turn alone."""
+    model, ps = tiny(), prompts(4)
+    barrier = threading.Barrier(4, timeout=20)
+
+    def echo(x: int) -> str:
+        """Its argument back, once the other calls run too."""
+        barrier.wait()
+        return f"got {x}"
+
+    scripts = {r: call_text("echo", x=r) for r in range(4)}
+    out, stats = rollout(ENGINES[kind](model), ps, 120, ToolUse({"echo": echo}, turn=TURN), scripts)
+    assert stats["tool_calls"] == 4
+    assert stats["tool_turn_prefills"] == 4 if kind == "reference" else 1 <= stats["tool_turn_prefills"] <= 4
+    for r in range(4):
+        assert out.texts[r].startswith(scripts[r] + TURN.before + f"got {r}" + TURN.after)
