@@ -243,7 +243,8 @@ def run(args) -> list[dict]:
                      "latency_s": args.latency, "seconds": seconds, "tokens_per_s": tokens / seconds,
                      "generated_per_s": generated / seconds, "tool_calls": stats.get("tool_calls", 0),
                      "idle_share": stats.get("idle_seconds", 0.0) / seconds,
-                     "tool_seconds": stats.get("tool_seconds", 0.0), "device": torch.cuda.get_device_name()
+                     "tool_seconds": stats.get("tool_seconds", 0.0),
+                     "tool_turn_prefills": stats.get("tool_turn_prefills", 0), "device": torch.cuda.get_device_name()
                      if device.type == "cuda" else "cpu"})
     rows[1]["vs_single_turn"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
@@ -267,10 +268,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rows = run(args)
-    print("| arm | tokens/s | generated/s | tool calls | idle share | tools' seconds | vs single-turn |")
-    print("|---|---|---|---|---|---|---|")
+    print("| arm | tokens/s | generated/s | tool calls | tool-turn prefills | idle share | tools' seconds | "
+          "vs single-turn |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['arm']} | {r['tokens_per_s']:.0f} | {r['generated_per_s']:.0f} | {r['tool_calls']} | "
+              f"{r['tool_turn_prefills']} | "
               f"{r['idle_share']:.3f} | {r['tool_seconds']:.1f} | {r.get('vs_single_turn', 1.0):.3f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
