@@ -103,15 +103,16 @@ class TrainingOps:
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # Liger's RoPE rotates q and k together from [B, T, D] tables; ours rotates one tensor with broadcast tables
-        # (GQA shapes differ between q and k). With `liger`, our Triton kernel (kernels/rope.py: no Dynamo guards per
-        # call, no inductor compilation per process); `compile` and shapes it does not take: torch.compile's kernel.
+        # (GQA shapes differ between q and k). Both fused backends run our Triton kernel (kernels/rope.py: no Dynamo
+        # guards per call, no inductor compilation per process): under `compile`, Dynamo's RoPE graphs depended on
+        # the order of the step's calls (a size-1 batch specialised, grad mode), so a trainer compiled graphs its
+        # precompile workers had not (BENCHMARKS.md, "The owed GPU chain"). Shapes it does not take: torch.compile's.
         if not self._fast(x):
             return rope_eager(x, cos, sin)
-        if self.backend == "liger":
-            from qerl.kernels import rope as rope_kernel
+        from qerl.kernels import rope as rope_kernel
 
-            if rope_kernel.supports(x, cos):
-                return rope_kernel.Rope.apply(x, cos, sin)
+        if rope_kernel.supports(x, cos):
+            return rope_kernel.Rope.apply(x, cos, sin)
         return _compiled("rope")(x, cos, sin)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
