@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD QERL_GEMM_CACHE=$OUT/gemm_dispatch.jso
 START=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - START) )); }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-case "${1:?usage: owed_chain.sh tests|bench|diag|verify}" in
+case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next}" in
   tests)
     TORCH_LOGS=recompiles timeout -s INT -k 10 200 python3 -m pytest -q -rfE -p no:cacheprovider \
       "tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_compiles_in_workers" 2>&1 | tee "$OUT/compile.log" | tail -60
@@ -47,6 +47,21 @@ case "${1:?usage: owed_chain.sh tests|bench|diag|verify}" in
       (cd "$dir" && PYTHONPATH=$dir timeout 150 python3 benchmarks/bench_rollout.py --models 7b --schemes nvfp4 \
          --batches 64,256 --new 1024 --out "$OUT/rollout-$tree") 2>&1 | sed "s/^/[$tree] /" \
         | tee -a "$OUT/rollout.log" | grep -v "^\[.*\]   (" | tail -8
+    done ;;
+  next)  # after 2026-12-03 (.notes/engine.md): what that session built and could not run; ~8 min
+    timeout -s INT -k 10 150 python3 -m pytest -q -rfE -p no:cacheprovider \
+      "tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_compiles_in_workers" \
+      "tests/test_update_kernels.py::test_gpu_fused_elementwise_ops_match_eager" tests/test_quant_remedies.py \
+      tests/rollout/test_multi_turn.py tests/rollout/test_rows.py 2>&1 | tee "$OUT/tests.log" | tail -12
+    timeout 150 python3 benchmarks/bench_multiturn.py --model 7b --scheme nvfp4 --batch 64 --turns 3 \
+      --turn-tokens 256 --answer-tokens 48 --latency 0.5 --phases --out "$OUT/multiturn" 2>&1 \
+      | tee "$OUT/multiturn.log" | tail -10
+    timeout 100 python3 benchmarks/diag/sweep_w8a16.py > "$OUT/sweep_w8a16.log" 2>&1; tail -14 "$OUT/sweep_w8a16.log"
+    for tree in before after; do  # .before: git archive de5b8c6 qerl kernels tasks flows pyproject.toml benchmarks params
+      dir=$PWD; [ $tree = before ] && dir=$PWD/.before
+      (cd "$dir" && PYTHONPATH=$dir timeout 90 python3 benchmarks/bench_rollout.py --models 7b --schemes nvfp4 \
+         --batches 64 --new 1024 --out "$OUT/rollout-$tree") 2>&1 | sed "s/^/[$tree] /" \
+        | tee -a "$OUT/rollout.log" | grep -v "^\[.*\]   (" | tail -6
     done ;;
   bench)
     timeout 230 python3 benchmarks/bench_rollout.py --models 7b --schemes bf16,nvfp4,fp8 --batches 1,8,64,512 \
