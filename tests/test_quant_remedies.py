@@ -393,3 +393,22 @@ def test_each_remedy_arm_builds_its_base(tiny_llama_dir, arm):
     assert {name.rsplit(".", 1)[1]: m.scheme for name, m in layers.items()} == {
         p: "fp8" if p in in_fp8 else "nvfp4" for p in projections}
     assert {m.correction_rank for m in layers.values()} == {16 if arm == "nvfp4-correction" else 0}
+
+
+def test_the_randomized_svd_of_a_large_residual_is_nearly_the_exact_ones_and_repeats():
+    """Above EXACT_SVD_MAX_DIM the correction's SVD is the randomized one (a 7B's full SVDs took minutes per load):
+    on a residual shaped like a quantization error (white noise plus a weak low-rank part) its rank-16 correction
+    leaves within 2% of the exact one's error, and the same matrix gives the same factors every time."""
+    from qerl.quant.linear import EXACT_SVD_MAX_DIM, truncated_svd
+
+    g = torch.Generator().manual_seed(0)
+    m, n = 2 * EXACT_SVD_MAX_DIM, EXACT_SVD_MAX_DIM + 200
+    residual = torch.randn(m, n, generator=g) + 0.3 * torch.randn(m, 8, generator=g) @ torch.randn(8, n, generator=g)
+    u, s, vh = truncated_svd(residual, 16)
+    eu, es, evh = torch.linalg.svd(residual, full_matrices=False)
+    left = (residual - (u * s) @ vh).norm()
+    best = (residual - (eu[:, :16] * es[:16]) @ evh[:16]).norm()
+    assert u.shape == (m, 16) and s.shape == (16,) and vh.shape == (16, n)
+    assert best <= left <= 1.02 * best
+    again = truncated_svd(residual, 16)
+    assert all(torch.equal(a, b) for a, b in zip((u, s, vh), again))
