@@ -412,3 +412,15 @@ def test_the_randomized_svd_of_a_large_residual_is_nearly_the_exact_ones_and_rep
     assert best <= left <= 1.02 * best
     again = truncated_svd(residual, 16)
     assert all(torch.equal(a, b) for a, b in zip((u, s, vh), again))
+
+
+def test_a_resume_refuses_the_same_globs_in_another_order(tmp_path):
+    """The first matching glob sets a layer's scheme: two orders can quantize a layer differently, so a resume with
+    the globs reordered is refused as a changed quant.layer_schemes, not taken for the same settings."""
+    from qerl.run.folder import check_resumed_settings
+
+    saved = {"quant": {"layer_schemes": {"*.down_proj": "fp8", "model.layers.0.*": "bf16"}}}
+    check_resumed_settings(tmp_path, saved, {"quant": {"layer_schemes": dict(saved["quant"]["layer_schemes"])}})
+    swapped = {"quant": {"layer_schemes": {"model.layers.0.*": "bf16", "*.down_proj": "fp8"}}}
+    with pytest.raises(ValueError, match="trained with other quant.layer_schemes"):
+        check_resumed_settings(tmp_path, saved, swapped)

@@ -287,7 +287,7 @@ def check_resumed_settings(checkpoint: Path, saved: dict[str, Any] | None, curre
     Keys the checkpoint does not know (settings added to qerl since) are not differences. `name_changes=False`:
     only refuse."""
     old, new = _flat(saved or {}), _flat(current)
-    changed = [key for key in new if key in old and old[key] != new[key]]
+    changed = [key for key in new if key in old and _ordered(old[key]) != _ordered(new[key])]
     if not changed:
         return
     listed = ", ".join(f"{key} {old[key]!r} -> {new[key]!r}" for key in changed)
@@ -309,6 +309,12 @@ def check_steps_left(checkpoint: Path, step: int, current: dict[str, Any]) -> No
     if isinstance(steps, int) and step > steps:
         raise ValueError(f"--resume: {checkpoint} is at step {step}, past train.steps = {steps}: set train.steps to "
                          f"{step} or more to continue the run, or pass --overwrite to start over")
+
+
+def _ordered(value: Any) -> Any:
+    """A mapping as its ordered items (dicts compare equal in any order, and a setting's order can mean something:
+    quant.layer_schemes' first matching glob wins; train.rewards is summed in its order)."""
+    return list(value.items()) if isinstance(value, dict) else value
 
 
 def _flat(settings: dict[str, Any]) -> dict[str, Any]:
