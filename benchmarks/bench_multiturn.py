@@ -117,7 +117,7 @@ class Phases:
     PARTS = {"forward launch": ("qerl.rollout.speculation", "SpeculativeRows", "_logits"),
              "draw + sync": ("qerl.rollout.speculation", "SpeculativeRows", "_draw"),
              "row bookkeeping": ("qerl.rollout.rows", "Row", "advance"),
-             "tool-turn prefill": ("qerl.rollout.engine", "RolloutEngine", "extend_row"),
+             "tool-turn prefill": ("qerl.rollout.engine", "RolloutEngine", "extend_rows"),
              "outside step": ("qerl.rollout.speculation", "SpeculativeRows", "step")}
 
     def __init__(self, sync: bool, probe: bool = False):

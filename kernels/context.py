@@ -37,13 +37,15 @@ class GemmContext:
     """One model's GEMM settings and phase (module docstring)."""
 
     def __init__(self, *, lora_epilogue: bool = False, tuning: str = "measure", cache: str | Path | None = None,
-                 autotune: bool = False, pdl: bool = True):
+                 autotune: bool = False, pdl: bool = True, fp8_activations: bool = True):
         """`lora_epilogue`: add LoRA's update in the Gluon GEMM's epilogue instead of one addmm after it (measured
         slower: BENCHMARKS.md, "Rollouts: the Gluon default and LoRA in the epilogue"). `tuning` and `cache`: the
         dispatch's (`qerl.kernels.dispatch.Dispatcher`). `autotune`: time our Triton GEMM's candidate configs the first
         time each shape is seen instead of the tuned table. `pdl`: launch with programmatic dependent launch where
-        the GPU has it (kernels/pdl.py)."""
+        the GPU has it (kernels/pdl.py). `fp8_activations`: outside the update a forward may round its activations
+        to E4M3 (W8A8) where that measures faster; False keeps them in 16 bits there (quant.fp8_activations)."""
         self.lora_epilogue, self.autotune, self.pdl = lora_epilogue, autotune, pdl
+        self.fp8_activations = fp8_activations
         self.dispatcher = dispatch.Dispatcher(tuning, cache)
         self.precision: str | None = None  # inside `update_precision(p)`: p; None outside the update
         self._held: _Held | None = None

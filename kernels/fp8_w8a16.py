@@ -53,9 +53,12 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
     return split
 
 
-def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_n: int = 64,
-                   block_k: int = 128, split_k: int | None = None, num_warps: int = 4,
-                   num_stages: int | None = None) -> torch.Tensor:
+# The default tile, from benchmarks/diag/sweep_w8a16.py on an H200 (2026-12-03, docs/results/2026-12-03-owed2): at
+# M = 1-16 on a 7B's four decode shapes the best configs were 32-wide, 128-256 deep, 4 warps, 3-5 stages, with
+# split_for's split; the former 64 x 128 tile took 2-4x longer on qkv, o and down (79 against 18 us on qkv at M = 1).
+def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_n: int = 32,
+                   block_k: int = 256, split_k: int | None = None, num_warps: int = 4,
+                   num_stages: int | None = 4) -> torch.Tensor:
     """x2 [M, K] (bf16/fp16, unit stride along K; any M, though past MAX_M other GEMMs win) @ (w8 [N, K] E4M3
     contiguous * scale [N] fp32 per row)ᵀ: [M, N] in x2's dtype. `num_stages`: Triton's pipeline depth (its default
     when None)."""

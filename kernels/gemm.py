@@ -244,7 +244,8 @@ class NVFP4Gemm:
     def _fp8_resident(self, kind: str) -> bool:
         """Whether this call may run on the resident FP8 copy: a forward outside the update (in the update, its
         precision decides: the FP8 update reads the copy through "dequant_fp8", the bf16 one never does)."""
-        return kind == "fwd" and self.context.precision is None and self.fp8_weight is not None
+        return kind == "fwd" and self.context.precision is None and self.fp8_weight is not None \
+            and self.context.fp8_activations
 
     def _backends(self, kind: str) -> tuple[str, ...]:
         if self._fp8():  # the Gluon GEMM (bf16) still serves small forwards: nothing to gain from FP8 there

@@ -61,6 +61,27 @@ def test_fp8_gemm_runs_it_as_triton_and_offers_it_only_at_decode_sizes_on_cuda()
         assert "triton" not in gemm._backends("fwd")  # training sizes: not the update's GEMM
 
 
+def test_without_fp8_activations_rollout_forwards_keep_bf16_activations():
+    """quant.fp8_activations: false: outside the update no forward is offered W8A8 (`_scaled_mm` rounds the
+    activations to E4M3, so rollouts would sample another policy than the update trains); the FP8 update keeps it.
+    The flag reaches the GEMM context from the params through the execution plan."""
+    from qerl.config import ExecutionSettings, ModelSettings, QuantSettings
+    from qerl.execution.plan import Execution, ExecutionPlan
+
+    w8, scale, _ = _weight(64, 128)
+    for fp8_activations in (True, False):
+        plan = ExecutionPlan.from_settings(ModelSettings(), ExecutionSettings(), torch.device("cpu"),
+                                           QuantSettings(fp8_activations=fp8_activations))
+        context = Execution(plan).gemm
+        assert context.fp8_activations is fp8_activations
+        gemm = FP8Gemm(w8, scale[:, None], context=context)
+        gemm.scaled_mm = gemm.w8a16 = True  # as on a GPU with FP8 tensor cores (only the offer is checked)
+        assert ("fp8_weight" in gemm._backends("fwd")) is fp8_activations
+        assert "triton" in gemm._backends("fwd")  # W8A16 at decode sizes either way
+        with context.update_precision("fp8"):  # the FP8 update's precision alone decides inside it
+            assert gemm._backends("fwd") == ("fp8_weight",)
+
+
 def test_split_k_fills_the_gpu_only_where_the_rows_alone_cannot():
     assert fp8_w8a16.split_for(37888, 3584, 64, 128, 132) == 1  # 7B gate_up: 592 programs already
     assert fp8_w8a16.split_for(3584, 18944, 64, 128, 132) == 8  # 7B down_proj: 56 programs, a long K

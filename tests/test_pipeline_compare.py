@@ -120,7 +120,8 @@ def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path, main_h
     assert code == 2
     assert err.strip().splitlines() == [
         "python -m qerl.flows.compare: error: --arms fp8-lora: unknown arm (built-in: bf16-lora, nf4-lora, nvfp4, "
-        "nvfp4-aqn, nvfp4-aqn-entropy, qlora-bnb, fp8, nvfp4-fp8-sensitive, nvfp4-correction, nvfp4-aqn-norms; or "
+        "nvfp4-aqn, nvfp4-aqn-entropy, qlora-bnb, fp8, nvfp4-fp8-sensitive, nvfp4-correction, nvfp4-aqn-norms, "
+        "fp8-bf16-act, nvfp4-fp8-sensitive-bf16-act; or "
         "define one as NAME:section.key=value,...)"]
     assert not (tmp_path / "exp").exists()
 

@@ -49,6 +49,7 @@ class ExecutionPlan:
     fuse_projections: bool = False  # q/k/v and gate/up as one GEMM each (qerl.execution.fusion): on CUDA
     gpu_layout: str = "auto"  # quant.gpu_layout: which NVFP4 decode GEMM holds each weight on a CUDA GPU
     fp8_weights: bool | str = "auto"  # quant.fp8_weights: resident FP8 copies of the NVFP4 weights on the GPU
+    fp8_activations: bool = True  # quant.fp8_activations: W8A8 forwards outside the update where faster
     # The rollout engine's KV cache (qerl.rollout.engine, and the trainer's rollout)
     kv_cache_dtype: str = "model"  # rollout.kv_cache_dtype: the model's dtype, or fp8 (qerl.execution.kv8)
     release_kv_cache: bool = True  # rollout.release_kv_cache: its GPU memory handed to the update between rollouts
@@ -76,7 +77,7 @@ class ExecutionPlan:
         plan = cls(training_kernels=model.training_kernels if cuda else "eager",
                    lora_epilogue=execution.lora_epilogue, gemm_tuning=execution.gemm_tuning,
                    nvfp4_autotune=execution.nvfp4_autotune, fuse_projections=cuda, gpu_layout=quant.gpu_layout,
-                   fp8_weights=quant.fp8_weights, kv_cache_dtype=rollout.kv_cache_dtype,
+                   fp8_weights=quant.fp8_weights, fp8_activations=quant.fp8_activations, kv_cache_dtype=rollout.kv_cache_dtype,
                    release_kv_cache=rollout.release_kv_cache, base_gemm=model.base_gemm,
                    gradient_checkpointing=model.gradient_checkpointing, keep_dequantized=model.keep_dequantized,
                    share_prompts=model.share_prompts, pack_completions=model.pack_completions,
@@ -93,7 +94,7 @@ class Execution:
 
         self.plan = plan
         self.gemm = GemmContext(lora_epilogue=plan.lora_epilogue, tuning=plan.gemm_tuning, cache=plan.gemm_cache,
-                                autotune=plan.nvfp4_autotune, pdl=plan.pdl)
+                                autotune=plan.nvfp4_autotune, pdl=plan.pdl, fp8_activations=plan.fp8_activations)
         self.ops = TrainingOps(plan.training_kernels, plan.vocab_kernel)
 
     def __repr__(self) -> str:
