@@ -141,6 +141,23 @@ INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of
                                  STATE, "optimizer.state[0] lacks exp_avg_sq"),
     "sampler position out of range": (lambda f: edit_state(f, lambda s: s["sampler"].update(position=10**30)),
                                       STATE, f"sampler state position {10**30} out of range"),
+    # Values of the right shape that the optimizer cannot take: a NaN moment loaded without a word and made every
+    # trained weight NaN; a negative step count failed in the first update ("ComplexFloat can't be cast"), a string
+    # learning rate there too (TypeError): exit 1, no file named, no fallback.
+    "optimizer moment not finite": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0]["exp_avg"].fill_(
+        float("nan"))), STATE, "optimizer.state[0].exp_avg holds values that are not finite"),
+    "optimizer second moment negative": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0][
+        "exp_avg_sq"].fill_(-1.0)), STATE, "optimizer.state[0].exp_avg_sq holds negative values"),
+    "optimizer step count negative": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0].update(
+        step=torch.tensor(-5.0))), STATE, "optimizer.state[0].step = -5.0: not a count of steps"),
+    "optimizer learning rate a string": (lambda f: edit_state(f, lambda s: s["optimizer"]["param_groups"][0].update(
+        lr="x")), STATE, "optimizer.param_groups[0].lr = 'x': not a number, as in AdamW"),
+    "optimizer betas not numbers": (lambda f: edit_state(f, lambda s: s["optimizer"]["param_groups"][0].update(
+        betas=(0.9, None))), STATE, "optimizer.param_groups[0].betas = tuple: not a pair of numbers, as in AdamW"),
+    # The schedule's count of updates past the checkpoint's step set the learning rate of another point of the run
+    "scheduler past its step": (lambda f: edit_state(f, lambda s: s["scheduler"].update(last_epoch=10**30)), STATE,
+                                "scheduler.last_epoch = 1000000000000000000000000000000: updates counted past the "
+                                "checkpoint's step 4"),
 }
 
 
