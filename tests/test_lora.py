@@ -162,7 +162,15 @@ def test_bad_settings_and_targets_are_named():
         apply_lora(model, LoraSettings(target_modules=("q_proj",)))
     with pytest.raises(ValueError, match=r"non-linear modules: mlp \(Sequential\)"):
         apply_lora(model, LoraSettings(target_modules=("mlp",)))
-    apply_lora(model, LoraSettings(target_modules=("up",)))
+    # A rank past every target's full rank changes nothing a smaller one cannot: 10^9 on the embedded model asked
+    # torch for 2 TB (a RuntimeError, exit 1). Refused before any adapter tensor is made (10^12 here: an allocation
+    # that fails at once before the fix, where 10^9 would fill this machine's memory)
+    with pytest.raises(ValueError) as err:
+        apply_lora(model, LoraSettings(rank=10**12, target_modules=("up",)))
+    assert str(err.value) == ("lora.rank = 1000000000000: past the full rank of every target layer (at most 4: mlp.up "
+                              "is 4 x 4), where a LoRA already changes a weight freely; lower it")
+    assert not lora_layers(model)
+    apply_lora(model, LoraSettings(rank=4, target_modules=("up",)))  # full rank: allowed
     with pytest.raises(ValueError, match="already applied"):
         apply_lora(model, LoraSettings(target_modules=("up",)))
 

@@ -151,6 +151,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
     if lora_layers(model):
         raise ValueError("LoRA is already applied to this model")
     targets = target_layers(model, settings.target_modules)
+    _check_rank(settings.rank, targets)
     model.requires_grad_(False)
     trainable: list[nn.Parameter] = []
     for name, base in targets:
@@ -166,6 +167,20 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
             norm.weight.requires_grad_(True)
             trainable.append(norm.weight)
     return trainable
+
+
+def _check_rank(rank: int, targets: list[tuple[str, nn.Module]]) -> None:
+    """A `ValueError` naming lora.rank if it is past the full rank (the smaller side) of every target layer: such an
+    adapter can change no weight more than one of full rank does, and a typo there (10^9 on the embedded model) asked
+    torch for terabytes. A rank past some targets' sides only (a GQA model's narrow k_proj and v_proj) is left alone."""
+    if not targets:
+        return
+    name, widest = max(targets, key=lambda t: min(t[1].in_features, t[1].out_features))
+    full = min(widest.in_features, widest.out_features)
+    if rank > full:
+        raise ValueError(f"lora.rank = {rank}: past the full rank of every target layer (at most {full}: {name} is "
+                         f"{widest.out_features} x {widest.in_features}), where a LoRA already changes a weight "
+                         "freely; lower it")
 
 
 @contextmanager
