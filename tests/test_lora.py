@@ -254,6 +254,11 @@ def test_load_adapter_names_bad_tensors(base_dir, tmp_path):
     apply_lora(other, LoraSettings(rank=8, target_modules=("q_proj",)))
     with pytest.raises(ValueError, match="rank 8"):  # already adapted with another rank
         load_adapter(other, tmp_path / "b")
+    config = tmp_path / "b" / "adapter_config.json"  # an edited config's rank is the file's fault: named
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": 10**12}))
+    with pytest.raises(ValueError) as err:
+        load_adapter(load_ours(base_dir)[0], tmp_path / "b")
+    assert str(err.value).startswith(f"{config}: lora.rank = 1000000000000: past the full rank of every target")
 
 
 def test_save_adapter_replaces_atomically(base_dir, tmp_path):

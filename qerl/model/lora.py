@@ -356,13 +356,13 @@ def _fitting_adapter(model: nn.Module, adapter_dir: Path, dtype: torch.dtype | N
         if other:
             raise ValueError(f"{adapter_dir}: modules_to_save {config['modules_to_save']} names non-RMSNorm modules "
                              f"({', '.join(other[:5])}); only RMSNorm weights are supported")
-    if not lora_layers(model):
-        apply_lora(model, settings, dtype)
-    else:
-        try:
+    try:  # the adapter's config says a shape that does not fit (another, or a rank past every layer's): name it
+        if not lora_layers(model):
+            apply_lora(model, settings, dtype)
+        else:
             _check_settings_match(model, settings)
-        except ValueError as e:  # the adapter's config says another shape: name it
-            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {e}") from None
 
     try:
         loaded = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
