@@ -154,6 +154,8 @@ INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of
         lr="x")), STATE, "optimizer.param_groups[0].lr = 'x': not a number, as in AdamW"),
     "optimizer betas not numbers": (lambda f: edit_state(f, lambda s: s["optimizer"]["param_groups"][0].update(
         betas=(0.9, None))), STATE, "optimizer.param_groups[0].betas = tuple: not a pair of numbers, as in AdamW"),
+    "aqn sigma not finite": (lambda f: edit_state(f, lambda s: s.update(aqn={"sigma": float("inf")})), STATE,
+                             "aqn.sigma = inf: not a finite number"),
     # The schedule's count of updates past the checkpoint's step set the learning rate of another point of the run
     "scheduler past its step": (lambda f: edit_state(f, lambda s: s["scheduler"].update(last_epoch=10**30)), STATE,
                                 "scheduler.last_epoch = 1000000000000000000000000000000: updates counted past the "

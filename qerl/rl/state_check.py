@@ -216,6 +216,9 @@ def _aqn(state: dict[str, Any], live: Live) -> str | None:
     saved = state.get("aqn", {})  # older checkpoints: none (a geometric schedule, which keeps no state)
     if not isinstance(saved, dict) or not all(map(_is_number, saved.values())):
         return f"aqn = {_shown(saved)}: not an AQN schedule's state"
+    for key, value in saved.items():  # the entropy schedule's sigma scales the noise: NaN would make every weight NaN
+        if not math.isfinite(value):
+            return f"aqn.{key} = {value}: not a finite number"
     return None
 
 
