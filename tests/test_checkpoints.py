@@ -111,6 +111,15 @@ def adapter_rank_changed(folder: Path) -> None:
     write_manifest(folder)
 
 
+def adapter_made_nan(folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    weights = load_file(str(folder / WEIGHTS))
+    next(iter(weights.values())).fill_(float("nan"))
+    save_file(weights, str(folder / WEIGHTS))
+    write_manifest(folder)
+
+
 INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of it)
     "step not a number": (lambda f: edit_state(f, lambda s: s.update(step="three")), STATE, "step = 'three'"),
     "optimizer a number": (lambda f: edit_state(f, lambda s: s.update(optimizer=42)), STATE, "optimizer = 42"),
@@ -124,6 +133,8 @@ INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of
     "rng of another generator": (lambda f: edit_state(f, lambda s: s["rng"].update(torch=torch.zeros(3))), STATE,
                                  "rng.torch"),
     "adapter rank changed in its config": (adapter_rank_changed, "adapter/adapter_config.json", "rank"),
+    # resumed, every rollout after it was NaN logits
+    "adapter weights not finite": (adapter_made_nan, WEIGHTS, "holds values that are not finite"),
     # A step that is not its folder's: resumed, 99 trained nothing and exported step 4's adapter as the run's final
     # one; 3 overwrote step-000004 with what was really step 5's state.
     "step past its folder's": (lambda f: edit_state(f, lambda s: s.update(step=99)), STATE,

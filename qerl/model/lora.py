@@ -377,6 +377,12 @@ def _fitting_adapter(model: nn.Module, adapter_dir: Path, dtype: torch.dtype | N
                 if keys]
     if problems:
         raise ValueError(f"adapter {adapter_dir} does not fit the model: " + "; ".join(problems))
+    # Shapes fit, but a NaN or infinite weight makes every logit of the adapted model NaN (a resumed run's rollouts,
+    # an evaluation's answers): the file is at fault, not the model. One pass over the adapter's small tensors.
+    broken = next((k for k, v in loaded.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if broken is not None:
+        raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS}: {broken} holds values that are not finite (NaN or "
+                         "infinity)")
     return settings, loaded, expected
 
 
