@@ -111,6 +111,12 @@ def adapter_rank_changed(folder: Path) -> None:
     write_manifest(folder)
 
 
+def adapter_rank_removed(folder: Path) -> None:  # a KeyError, exit 1, before: no fallback
+    config = folder / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "r"}))
+    write_manifest(folder)
+
+
 def adapter_made_nan(folder: Path) -> None:
     from safetensors.torch import save_file
 
@@ -133,6 +139,7 @@ INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of
     "rng of another generator": (lambda f: edit_state(f, lambda s: s["rng"].update(torch=torch.zeros(3))), STATE,
                                  "rng.torch"),
     "adapter rank changed in its config": (adapter_rank_changed, "adapter/adapter_config.json", "rank"),
+    "adapter config without its rank": (adapter_rank_removed, "adapter/adapter_config.json", "no 'r'"),
     # resumed, every rollout after it was NaN logits
     "adapter weights not finite": (adapter_made_nan, WEIGHTS, "holds values that are not finite"),
     # A step that is not its folder's: resumed, 99 trained nothing and exported step 4's adapter as the run's final

@@ -261,6 +261,32 @@ def test_load_adapter_names_bad_tensors(base_dir, tmp_path):
     assert str(err.value).startswith(f"{config}: lora.rank = 1000000000000: past the full rank of every target")
 
 
+BAD_ADAPTER_CONFIGS = {  # how adapter_config.json is spoilt -> what its line says after the file's name
+    "a list": (lambda c: [], "expected a JSON object (a PEFT adapter config), got list"),
+    "no rank": (lambda c: {k: v for k, v in c.items() if k != "r"}, "no 'r' (the LoRA rank)"),
+    "a rank that is a string": (lambda c: {**c, "r": "x"}, "r = 'x': expected a positive integer"),
+    "a rank of zero": (lambda c: {**c, "r": 0}, "r = 0: expected a positive integer"),
+    "an alpha that is a string": (lambda c: {**c, "lora_alpha": "x"}, "lora_alpha = 'x': expected a number"),
+    "targets a number": (lambda c: {**c, "target_modules": 5}, "target_modules = 5: expected a list of module names"),
+}
+
+
+@pytest.mark.parametrize("how", BAD_ADAPTER_CONFIGS)
+def test_an_adapter_config_that_is_no_lora_config_is_one_line_naming_it(base_dir, tmp_path, how):
+    """Before: an AttributeError, a KeyError and a TypeError (exit 1, no file named; in a checkpoint, no fallback to
+    the one before) or Python's own words without the file (`invalid literal for int()`)."""
+    model, _ = load_ours(base_dir)
+    settings = LoraSettings(rank=4, target_modules=("q_proj",))
+    apply_lora(model, settings)
+    save_adapter(model, tmp_path / "a", "base", settings)
+    config = tmp_path / "a" / "adapter_config.json"
+    spoil, said = BAD_ADAPTER_CONFIGS[how]
+    config.write_text(json.dumps(spoil(json.loads(config.read_text()))))
+    with pytest.raises(ValueError) as err:
+        load_adapter(load_ours(base_dir)[0], tmp_path / "a")
+    assert str(err.value) == f"{config}: {said}"
+
+
 def test_save_adapter_replaces_atomically(base_dir, tmp_path):
     model, _ = load_ours(base_dir)
     settings = LoraSettings(rank=4)

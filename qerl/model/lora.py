@@ -290,7 +290,12 @@ def read_base_record(adapter_dir: str | os.PathLike) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not a readable JSON file ({e})") from None
 
 
-def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:
+def _settings_from_peft(config: Any, path: Path) -> LoraSettings:
+    """The LoRA settings an adapter_config.json holds, or a `ValueError` naming `path`: what was not a LoRA config
+    failed as an AttributeError, KeyError or TypeError (exit 1, no file named; in a checkpoint the run then could
+    not fall back to the one before)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object (a PEFT adapter config), got {type(config).__name__}")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not 'LORA'")
     unsupported = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
@@ -301,10 +306,23 @@ def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:
     targets = config.get("target_modules")
     if isinstance(targets, str):
         raise ValueError(f"{path}: target_modules as a regex ({targets!r}) is not supported; give a list of names")
-    return LoraSettings(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
-                        dropout=float(config.get("lora_dropout", 0.0)), target_modules=tuple(targets or ()),
-                        use_rslora=bool(config.get("use_rslora", False)),
-                        train_norms=bool(config.get("modules_to_save")))
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{path}: target_modules = {targets!r:.40}: expected a list of module names")
+    if "r" not in config:
+        raise ValueError(f"{path}: no 'r' (the LoRA rank)")
+    rank = config["r"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise ValueError(f"{path}: r = {rank!r:.40}: expected a positive integer")
+    numbers = {key: config.get(key, default) for key, default in (("lora_alpha", 8), ("lora_dropout", 0.0))}
+    for key, value in numbers.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{path}: {key} = {value!r:.40}: expected a number")
+    try:  # its own bounds (alpha > 0, dropout in [0, 1))
+        return LoraSettings(rank=rank, alpha=float(numbers["lora_alpha"]), dropout=float(numbers["lora_dropout"]),
+                            target_modules=tuple(targets or ()), use_rslora=bool(config.get("use_rslora", False)),
+                            train_norms=bool(config.get("modules_to_save")))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict[str, Any], LoraSettings]:
