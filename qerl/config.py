@@ -541,7 +541,9 @@ class EvalSettings:
     max_new_tokens: int = field(default=256, metadata=_check(gt=0))
     temperature: float = field(default=0.0, metadata=_check(ge=0))  # 0 = greedy
     top_p: float = field(default=1.0, metadata=_check(gt=0, le=1))
-    num_samples: int = field(default=1, metadata=_check(ge=1))  # k: mean accuracy and pass@k over k samples
+    # k: mean accuracy and pass@k over k samples. At most 4,096 (4x the largest k of pass@k studies, 1,024): 10^9
+    # was a MemoryError after the model had loaded.
+    num_samples: int = field(default=1, metadata=_check(ge=1, le=4096))
     batch_size: int = field(default=16, metadata=_check(gt=0))
     out_dir: str = "runs/eval"
     seed: int = field(default=0, metadata=_SEED)

@@ -123,6 +123,9 @@ HOSTILE = {
                             ":2: rollout.prompts_per_step = 1000000000: 1000000000 prompts x 8 completions = "
                             "8,000,000,000 a step, past the 65,536 qerl draws in one (a large run draws 512 x 16 = "
                             "8,192); lower prompts_per_step or group_size"),
+    # 10^9 samples per question: a MemoryError (exit 1) after the model loaded, a minute on
+    "a huge sample count": ("eval:\n  temperature: 1.0\n  num_samples: 1000000000\n",
+                            ":3: eval.num_samples = 1000000000: must be <= 4096"),
     "a top-level list": ("- lora\n- rank: 8\n", ": expected a mapping of sections at the top level, got list"),
     "a top-level scalar": ("rank 8\n", ": expected a mapping of sections at the top level, got str"),
 }
