@@ -295,6 +295,11 @@ class RolloutSettings:
     tool_timeout_s: float = field(default=30.0, metadata=_check(gt=0))
     tool_workers: int = field(default=8, metadata=_check(gt=0))  # tool calls running at once (threads)
 
+    # Completions a step draws (prompts_drawn x group_size) at most: 8x a large run's (DAPO: 512 prompts x 16 =
+    # 8,192). Past it a typo's extra zeros sized a Python list of the prompts (2 x 10^11: minutes, then the kernel's
+    # OOM kill) before any check of the data could refuse them.
+    MAX_COMPLETIONS_PER_STEP = 65_536
+
     @property
     def prompts_drawn(self) -> int:
         """The prompts a rollout samples: ceil(prompts_per_step * (1 + overprovision)), up to float rounding (so
@@ -302,6 +307,14 @@ class RolloutSettings:
         return max(self.prompts_per_step, math.ceil(self.prompts_per_step * (1 + self.overprovision) - 1e-9))
 
     def validate(self) -> None:
+        completions = self.prompts_drawn * self.group_size
+        if completions > self.MAX_COMPLETIONS_PER_STEP:  # named by the larger count: the one with the extra zeros
+            keys = ("group_size", "prompts_per_step") if self.group_size >= self.prompts_per_step \
+                else ("prompts_per_step", "group_size")
+            raise _RuleError(keys, f"{keys[0]} = {getattr(self, keys[0])}: {self.prompts_drawn} prompts x "
+                             f"{self.group_size} completions = {completions:,} a step, past the "
+                             f"{self.MAX_COMPLETIONS_PER_STEP:,} qerl draws in one (a large run draws 512 x 16 = "
+                             f"8,192); lower {keys[0]} or {keys[1]}")
         # vLLM's own speculation is prompt-lookup n-grams (no run history, no siblings), and with LoRA enabled it
         # crashed on concurrent requests (vllm-project/vllm#20284, open): a GRPO rollout is nothing but concurrent
         # requests. So `on` is refused there rather than silently ignored; `auto` means the engine's only.
@@ -536,7 +549,9 @@ class EvalSettings:
     max_new_tokens: int = field(default=256, metadata=_check(gt=0))
     temperature: float = field(default=0.0, metadata=_check(ge=0))  # 0 = greedy
     top_p: float = field(default=1.0, metadata=_check(gt=0, le=1))
-    num_samples: int = field(default=1, metadata=_check(ge=1))  # k: mean accuracy and pass@k over k samples
+    # k: mean accuracy and pass@k over k samples. At most 4,096 (4x the largest k of pass@k studies, 1,024): 10^9
+    # was a MemoryError after the model had loaded.
+    num_samples: int = field(default=1, metadata=_check(ge=1, le=4096))
     batch_size: int = field(default=16, metadata=_check(gt=0))
     out_dir: str = "runs/eval"
     seed: int = field(default=0, metadata=_SEED)

@@ -111,6 +111,21 @@ def adapter_rank_changed(folder: Path) -> None:
     write_manifest(folder)
 
 
+def adapter_rank_removed(folder: Path) -> None:  # a KeyError, exit 1, before: no fallback
+    config = folder / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "r"}))
+    write_manifest(folder)
+
+
+def adapter_made_nan(folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    weights = load_file(str(folder / WEIGHTS))
+    next(iter(weights.values())).fill_(float("nan"))
+    save_file(weights, str(folder / WEIGHTS))
+    write_manifest(folder)
+
+
 INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of it)
     "step not a number": (lambda f: edit_state(f, lambda s: s.update(step="three")), STATE, "step = 'three'"),
     "optimizer a number": (lambda f: edit_state(f, lambda s: s.update(optimizer=42)), STATE, "optimizer = 42"),
@@ -124,6 +139,9 @@ INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of
     "rng of another generator": (lambda f: edit_state(f, lambda s: s["rng"].update(torch=torch.zeros(3))), STATE,
                                  "rng.torch"),
     "adapter rank changed in its config": (adapter_rank_changed, "adapter/adapter_config.json", "rank"),
+    "adapter config without its rank": (adapter_rank_removed, "adapter/adapter_config.json", "no 'r'"),
+    # resumed, every rollout after it was NaN logits
+    "adapter weights not finite": (adapter_made_nan, WEIGHTS, "holds values that are not finite"),
     # A step that is not its folder's: resumed, 99 trained nothing and exported step 4's adapter as the run's final
     # one; 3 overwrote step-000004 with what was really step 5's state.
     "step past its folder's": (lambda f: edit_state(f, lambda s: s.update(step=99)), STATE,
@@ -141,6 +159,25 @@ INCONSISTENT = {  # what is wrong -> (how, the file named, what the line says of
                                  STATE, "optimizer.state[0] lacks exp_avg_sq"),
     "sampler position out of range": (lambda f: edit_state(f, lambda s: s["sampler"].update(position=10**30)),
                                       STATE, f"sampler state position {10**30} out of range"),
+    # Values of the right shape that the optimizer cannot take: a NaN moment loaded without a word and made every
+    # trained weight NaN; a negative step count failed in the first update ("ComplexFloat can't be cast"), a string
+    # learning rate there too (TypeError): exit 1, no file named, no fallback.
+    "optimizer moment not finite": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0]["exp_avg"].fill_(
+        float("nan"))), STATE, "optimizer.state[0].exp_avg holds values that are not finite"),
+    "optimizer second moment negative": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0][
+        "exp_avg_sq"].fill_(-1.0)), STATE, "optimizer.state[0].exp_avg_sq holds negative values"),
+    "optimizer step count negative": (lambda f: edit_state(f, lambda s: s["optimizer"]["state"][0].update(
+        step=torch.tensor(-5.0))), STATE, "optimizer.state[0].step = -5.0: not a count of steps"),
+    "optimizer learning rate a string": (lambda f: edit_state(f, lambda s: s["optimizer"]["param_groups"][0].update(
+        lr="x")), STATE, "optimizer.param_groups[0].lr = 'x': not a number, as in AdamW"),
+    "optimizer betas not numbers": (lambda f: edit_state(f, lambda s: s["optimizer"]["param_groups"][0].update(
+        betas=(0.9, None))), STATE, "optimizer.param_groups[0].betas = tuple: not a pair of numbers, as in AdamW"),
+    "aqn sigma not finite": (lambda f: edit_state(f, lambda s: s.update(aqn={"sigma": float("inf")})), STATE,
+                             "aqn.sigma = inf: not a finite number"),
+    # The schedule's count of updates past the checkpoint's step set the learning rate of another point of the run
+    "scheduler past its step": (lambda f: edit_state(f, lambda s: s["scheduler"].update(last_epoch=10**30)), STATE,
+                                "scheduler.last_epoch = 1000000000000000000000000000000: updates counted past the "
+                                "checkpoint's step 4"),
 }
 
 

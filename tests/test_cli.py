@@ -180,16 +180,25 @@ def test_n_beyond_the_dataset_names_the_key_and_the_file_before_the_model_loads(
                                             "set it to null for all of them)")
 
 
-@pytest.mark.parametrize("prompts", [17, 100_000_000])
-def test_prompts_per_step_beyond_the_data_is_one_line_before_the_model_loads(tmp_path, qerl_here, prompts):
+BEYOND_THE_DATA = ("more than the 16 training prompts of arithmetic (data.n = 16): a step would repeat prompts; "
+                   "set it to 16 or fewer")
+
+
+@pytest.mark.parametrize("prompts, said", [
+    (17, BEYOND_THE_DATA),
+    # past the completions a step may draw, the params refuse it before the data is read
+    (100_000_000, "100000000 prompts x 2 completions = 200,000,000 a step, past the 65,536 qerl draws in one (a large "
+                  "run draws 512 x 16 = 8,192); lower prompts_per_step or group_size"),
+])
+def test_prompts_per_step_beyond_the_data_is_one_line_before_the_model_loads(tmp_path, qerl_here, prompts, said):
     """params/tiny.yaml trains on 16 prompts: more per step would repeat them (10^8 ran for minutes in step 1)."""
     start = time.perf_counter()
+    flag = f"rollout.prompts_per_step={prompts}"
     code, _, err = qerl_here("train", "--params", "params/tiny.yaml", "-S", "tracking.backend=none",
-                             "-S", f"rollout.prompts_per_step={prompts}", "--out", tmp_path / "run")
+                             "-S", flag, "--out", tmp_path / "run")
     assert code == 2, err
-    assert err.splitlines()[-1] == (f"qerl: error: rollout.prompts_per_step = {prompts}: more than the 16 training "
-                                    "prompts of arithmetic (data.n = 16): a step would repeat prompts; set it to 16 "
-                                    "or fewer")
+    where = f"-S {flag}: " if said != BEYOND_THE_DATA else ""
+    assert err.splitlines()[-1] == f"qerl: error: {where}rollout.prompts_per_step = {prompts}: {said}"
     assert "loaded" not in err and time.perf_counter() - start < 60 and not (tmp_path / "run").exists()
 
 

@@ -1,10 +1,13 @@
 """Checkpoints load into the same numbers transformers computes, and bad checkpoints fail naming the culprit."""
 import json
+import logging
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qerl.model.loading import CheckpointError, embedded_model_path, load_model, resolve_model
@@ -335,6 +338,76 @@ def test_a_model_folders_unreadable_json_is_one_line_naming_the_file(tiny_llama_
     assert code == 2, err
     assert err.strip().splitlines()[-1].startswith(f"qerl: error: {folder / file}: {said}"), err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def sharded_outside(folder: Path) -> str:
+    """The index maps every tensor to a shard outside the folder (a sibling's weights, or any file the user can
+    read): the quantization read it and wrote it out as the folder's own."""
+    outside = folder.parent / "elsewhere.safetensors"
+    (folder / "model.safetensors").rename(outside)
+    with safe_open(outside, framework="pt") as f:
+        names = list(f.keys())
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "../elsewhere.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "model.safetensors.index.json: shard '../elsewhere.safetensors' is not a file of this folder (an index " \
+           "names its shards by file name)"
+
+
+def config_a_list(folder: Path) -> str:
+    (folder / "config.json").write_text("[]\n")
+    return "config.json: expected a JSON object (the model's settings), got list"
+
+
+def weights_garbage(folder: Path) -> str:
+    (folder / "model.safetensors").write_bytes(b"\0" * 100)
+    return "model.safetensors: cannot read safetensors ("
+
+
+def processor_names_code(folder: Path) -> str:
+    (folder / "evil.py").write_text("raise SystemExit('ran')\n")
+    (folder / "preprocessor_config.json").write_text(json.dumps({"auto_map": {"AutoProcessor": "evil.P"}}))
+    return "preprocessor_config.json: key 'auto_map' names custom code to run (AutoProcessor)"
+
+
+# Before: an AttributeError, a SafetensorError and a KeyError (exit 1, no file named, the shard outside read), and a
+# processor's auto_map copied into the output beside its code
+UNQUANTIZABLE = {"index names a shard outside the folder": sharded_outside, "config.json a list": config_a_list,
+                 "weights garbage": weights_garbage, "a processor names custom code": processor_names_code}
+
+
+@pytest.mark.parametrize("how", UNQUANTIZABLE)
+def test_qerl_quantize_of_a_folder_it_cannot_take_as_it_is_is_one_line_naming_the_file(tiny_llama_dir, tmp_path,
+                                                                                         qerl_here, how):
+    folder = copy_folder(tiny_llama_dir, tmp_path / "model")
+    said = UNQUANTIZABLE[how](folder)
+    code, _, err = qerl_here("quantize", "--model", folder, "--out", tmp_path / "out")
+    assert code == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"qerl: error: {folder}/{said}"), err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_quantize_checkpoint_itself_reads_no_shard_outside_the_folder(tiny_llama_dir, tmp_path):
+    """Beside the commands' check of the folder: `qerl export` quantizes a dense base through it too."""
+    from qerl.quant.checkpoint import quantize_checkpoint
+
+    folder = copy_folder(tiny_llama_dir, tmp_path / "model")
+    said = sharded_outside(folder)
+    with pytest.raises(ValueError) as err:
+        quantize_checkpoint(folder, tmp_path / "out", "nvfp4", progress=False)
+    assert str(err.value) == f"{folder}/{said}"
+
+
+def test_qerl_quantize_copies_no_code_from_the_model_folder(tiny_llama_dir, tmp_path, qerl_here, caplog):
+    """Python files beside the weights (a modeling_*.py no config names) were copied into the output as side files:
+    nothing there runs them, but a quantization is no place to pass code on."""
+    folder = copy_folder(tiny_llama_dir, tmp_path / "model")
+    (folder / "modeling_extra.py").write_text("raise SystemExit('ran')\n")
+    with caplog.at_level(logging.INFO):
+        code, _, err = qerl_here("quantize", "--model", folder, "--out", tmp_path / "out")
+    assert code == 0, err
+    assert not list((tmp_path / "out").glob("*.py"))
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()  # the other side files still are
+    assert any("modeling_extra.py" in r.getMessage() and "not copied" in r.getMessage() for r in caplog.records)
 
 
 def test_every_transformers_load_in_qerl_refuses_remote_code():

@@ -162,7 +162,15 @@ def test_bad_settings_and_targets_are_named():
         apply_lora(model, LoraSettings(target_modules=("q_proj",)))
     with pytest.raises(ValueError, match=r"non-linear modules: mlp \(Sequential\)"):
         apply_lora(model, LoraSettings(target_modules=("mlp",)))
-    apply_lora(model, LoraSettings(target_modules=("up",)))
+    # A rank past every target's full rank changes nothing a smaller one cannot: 10^9 on the embedded model asked
+    # torch for 2 TB (a RuntimeError, exit 1). Refused before any adapter tensor is made (10^12 here: an allocation
+    # that fails at once before the fix, where 10^9 would fill this machine's memory)
+    with pytest.raises(ValueError) as err:
+        apply_lora(model, LoraSettings(rank=10**12, target_modules=("up",)))
+    assert str(err.value) == ("lora.rank = 1000000000000: past the full rank of every target layer (at most 4: mlp.up "
+                              "is 4 x 4), where a LoRA already changes a weight freely; lower it")
+    assert not lora_layers(model)
+    apply_lora(model, LoraSettings(rank=4, target_modules=("up",)))  # full rank: allowed
     with pytest.raises(ValueError, match="already applied"):
         apply_lora(model, LoraSettings(target_modules=("up",)))
 
@@ -246,6 +254,37 @@ def test_load_adapter_names_bad_tensors(base_dir, tmp_path):
     apply_lora(other, LoraSettings(rank=8, target_modules=("q_proj",)))
     with pytest.raises(ValueError, match="rank 8"):  # already adapted with another rank
         load_adapter(other, tmp_path / "b")
+    config = tmp_path / "b" / "adapter_config.json"  # an edited config's rank is the file's fault: named
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": 10**12}))
+    with pytest.raises(ValueError) as err:
+        load_adapter(load_ours(base_dir)[0], tmp_path / "b")
+    assert str(err.value).startswith(f"{config}: lora.rank = 1000000000000: past the full rank of every target")
+
+
+BAD_ADAPTER_CONFIGS = {  # how adapter_config.json is spoilt -> what its line says after the file's name
+    "a list": (lambda c: [], "expected a JSON object (a PEFT adapter config), got list"),
+    "no rank": (lambda c: {k: v for k, v in c.items() if k != "r"}, "no 'r' (the LoRA rank)"),
+    "a rank that is a string": (lambda c: {**c, "r": "x"}, "r = 'x': expected a positive integer"),
+    "a rank of zero": (lambda c: {**c, "r": 0}, "r = 0: expected a positive integer"),
+    "an alpha that is a string": (lambda c: {**c, "lora_alpha": "x"}, "lora_alpha = 'x': expected a number"),
+    "targets a number": (lambda c: {**c, "target_modules": 5}, "target_modules = 5: expected a list of module names"),
+}
+
+
+@pytest.mark.parametrize("how", BAD_ADAPTER_CONFIGS)
+def test_an_adapter_config_that_is_no_lora_config_is_one_line_naming_it(base_dir, tmp_path, how):
+    """Before: an AttributeError, a KeyError and a TypeError (exit 1, no file named; in a checkpoint, no fallback to
+    the one before) or Python's own words without the file (`invalid literal for int()`)."""
+    model, _ = load_ours(base_dir)
+    settings = LoraSettings(rank=4, target_modules=("q_proj",))
+    apply_lora(model, settings)
+    save_adapter(model, tmp_path / "a", "base", settings)
+    config = tmp_path / "a" / "adapter_config.json"
+    spoil, said = BAD_ADAPTER_CONFIGS[how]
+    config.write_text(json.dumps(spoil(json.loads(config.read_text()))))
+    with pytest.raises(ValueError) as err:
+        load_adapter(load_ours(base_dir)[0], tmp_path / "a")
+    assert str(err.value) == f"{config}: {said}"
 
 
 def test_save_adapter_replaces_atomically(base_dir, tmp_path):

@@ -113,6 +113,19 @@ HOSTILE = {
     "two documents": ("lora: {rank: 8}\n---\nlora: {rank: 4}\n",
                       ":2: invalid YAML: expected a single document in the stream; but found another document"),
     "undefined alias": ("lora:\n  rank: *nope\n", ":2: invalid YAML: found undefined alias 'nope'"),
+    # Counts that size a step's memory: 2 x 10^11 completions (group_size: 100000000000) grew a Python list of the
+    # prompts for two minutes until the kernel killed the process; prompts_per_step: 10^9, a MemoryError (exit 1)
+    "a huge group size": ("rollout:\n  prompts_per_step: 2\n  group_size: 100000000000\n",
+                          ":3: rollout.group_size = 100000000000: 2 prompts x 100000000000 completions = "
+                          "200,000,000,000 a step, past the 65,536 qerl draws in one (a large run draws 512 x 16 = "
+                          "8,192); lower group_size or prompts_per_step"),
+    "a huge prompt count": ("rollout:\n  prompts_per_step: 1000000000\n  group_size: 8\n",
+                            ":2: rollout.prompts_per_step = 1000000000: 1000000000 prompts x 8 completions = "
+                            "8,000,000,000 a step, past the 65,536 qerl draws in one (a large run draws 512 x 16 = "
+                            "8,192); lower prompts_per_step or group_size"),
+    # 10^9 samples per question: a MemoryError (exit 1) after the model loaded, a minute on
+    "a huge sample count": ("eval:\n  temperature: 1.0\n  num_samples: 1000000000\n",
+                            ":3: eval.num_samples = 1000000000: must be <= 4096"),
     "a top-level list": ("- lora\n- rank: 8\n", ": expected a mapping of sections at the top level, got list"),
     "a top-level scalar": ("rank 8\n", ": expected a mapping of sections at the top level, got str"),
 }

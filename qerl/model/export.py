@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from qerl.model import lora
 from qerl.model.loading import convert_gguf, quant_scheme, read_config, resolve_model
 from qerl.model.transformer import ModelConfig, Transformer
-from qerl.quant.checkpoint import quantize_checkpoint
+from qerl.quant.checkpoint import CODE_FILES, quantize_checkpoint
 from qerl.quant.formats import SERVABLE_SCHEMES, get_codec
 from qerl.run.atomic import atomic_dir, remove_killed_writes
 from qerl.run.lock import output_lock
@@ -167,7 +167,7 @@ def _dense_folder(source: Path, work: Path) -> Path:
 def _write_unmerged(source: Path, stored: str | None, adapter: Path, scheme: str, folder: Path) -> None:
     folder.mkdir()
     if stored is not None:  # already the quantized base the adapter trained on: copy it as it is
-        shutil.copytree(source, folder / BASE)
+        shutil.copytree(source, folder / BASE, ignore=shutil.ignore_patterns(*CODE_FILES))
     else:  # the same codes `quantize_model` gives in memory at training time
         quantize_checkpoint(_dense_folder(source, folder.parent), folder / BASE, scheme, progress=False)
     (folder / ADAPTER).mkdir()

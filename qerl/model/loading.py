@@ -43,7 +43,11 @@ class CustomCodeRefused(CheckpointError):
 # ["tokenization_x.XTokenizer", null]}`): transformers would ask "run the custom code? [y/N]" and run it on a yes.
 # Nothing from a model folder runs in qerl: these are refused before transformers sees the folder, and every
 # `from_pretrained` passes trust_remote_code=False as well.
-_CODE_FILES = ("config.json", "tokenizer_config.json")
+# The processors' configs (image, video, feature extractor; AutoProcessor) name code the same way: qerl reads none of
+# them, but a quantization or export copied them, `auto_map` and all.
+_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json",
+               "video_preprocessor_config.json")
+_INDEX = "model.safetensors.index.json"
 # The tokenizer's other JSON files: `tokenizers` and transformers refuse a BOM or bad JSON in them naming no file
 _TOKENIZER_JSON = ("tokenizer.json", "special_tokens_map.json", "added_tokens.json")
 _CODE_KEY = "auto_map"
@@ -176,7 +180,10 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{folder}: no config.json (not a Hugging Face model folder)")
     refuse_custom_code(folder)
-    return read_json(file)
+    config = read_json(file)
+    if not isinstance(config, dict):  # its keys are read everywhere: an AttributeError (exit 1) named no file
+        raise CheckpointError(f"{file}: expected a JSON object (the model's settings), got {type(config).__name__}")
+    return config
 
 
 def read_json(file: Path) -> Any:
@@ -212,14 +219,37 @@ def refuse_custom_code(folder: Path) -> None:
 
 
 def check_model_folder(folder: Path) -> None:
-    """`refuse_custom_code`, then `CheckpointError` naming the file if one of the tokenizer's JSON files is no
-    readable JSON (`read_json`: a UTF-8 byte-order mark, which `tokenizers` refuses too, or a torn or non-UTF-8
-    file). Before a tokenizer loads or a folder is quantized (which copies them): not in `read_config`, which runs
-    several times a start, since tokenizer.json is megabytes."""
-    refuse_custom_code(folder)
+    """`refuse_custom_code`, then `CheckpointError` naming the file if config.json is no JSON object, the weights'
+    index names a shard outside the folder (`shard_files`), or one of the tokenizer's JSON files is no readable JSON
+    (`read_json`: a UTF-8 byte-order mark, which `tokenizers` refuses too, or a torn or non-UTF-8 file). Before a
+    tokenizer loads or a folder is quantized (which copies them): not in `read_config`, which runs several times a
+    start, since tokenizer.json is megabytes."""
+    if (folder / "config.json").is_file():
+        read_config(folder)  # refuse_custom_code, then config.json an object
+    else:  # a GGUF file's folder
+        refuse_custom_code(folder)
+    if (folder / _INDEX).is_file():
+        shard_files(folder / _INDEX)
     for name in _TOKENIZER_JSON:
         if (folder / name).is_file():
             read_json(folder / name)
+
+
+def shard_files(index: Path) -> dict[str, str]:
+    """The weight map of a sharded folder's index (tensor -> shard file), or `CheckpointError` naming the index if it
+    is none or names a shard that is not a file of the folder: `../other/model.safetensors` (or an absolute path) was
+    read, and a quantization wrote that file's tensors out as the folder's own."""
+    content = read_json(index)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: no weight_map of tensor names to shard files")
+    from qerl.quant.checkpoint import is_shard_name  # the quant package reads shards too
+
+    for shard in weight_map.values():
+        if not is_shard_name(shard):
+            raise CheckpointError(f"{index}: shard {shard!r} is not a file of this folder (an index names its shards "
+                                  "by file name)")
+    return weight_map
 
 
 def quant_scheme(hf_config: dict[str, Any], folder: Path | str = "") -> str | None:
@@ -309,10 +339,9 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, Tensor]:
     """All tensors of a folder's model.safetensors or sharded model-*.safetensors (via the index)."""
     from safetensors import safe_open
 
-    index = folder / "model.safetensors.index.json"
+    index = folder / _INDEX
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files = sorted(set(shard_files(index).values()))
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

@@ -151,6 +151,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
     if lora_layers(model):
         raise ValueError("LoRA is already applied to this model")
     targets = target_layers(model, settings.target_modules)
+    _check_rank(settings.rank, targets)
     model.requires_grad_(False)
     trainable: list[nn.Parameter] = []
     for name, base in targets:
@@ -166,6 +167,20 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype | No
             norm.weight.requires_grad_(True)
             trainable.append(norm.weight)
     return trainable
+
+
+def _check_rank(rank: int, targets: list[tuple[str, nn.Module]]) -> None:
+    """A `ValueError` naming lora.rank if it is past the full rank (the smaller side) of every target layer: such an
+    adapter can change no weight more than one of full rank does, and a typo there (10^9 on the embedded model) asked
+    torch for terabytes. A rank past some targets' sides only (a GQA model's narrow k_proj and v_proj) is left alone."""
+    if not targets:
+        return
+    name, widest = max(targets, key=lambda t: min(t[1].in_features, t[1].out_features))
+    full = min(widest.in_features, widest.out_features)
+    if rank > full:
+        raise ValueError(f"lora.rank = {rank}: past the full rank of every target layer (at most {full}: {name} is "
+                         f"{widest.out_features} x {widest.in_features}), where a LoRA already changes a weight "
+                         "freely; lower it")
 
 
 @contextmanager
@@ -275,7 +290,12 @@ def read_base_record(adapter_dir: str | os.PathLike) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not a readable JSON file ({e})") from None
 
 
-def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:
+def _settings_from_peft(config: Any, path: Path) -> LoraSettings:
+    """The LoRA settings an adapter_config.json holds, or a `ValueError` naming `path`: what was not a LoRA config
+    failed as an AttributeError, KeyError or TypeError (exit 1, no file named; in a checkpoint the run then could
+    not fall back to the one before)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object (a PEFT adapter config), got {type(config).__name__}")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not 'LORA'")
     unsupported = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
@@ -286,10 +306,23 @@ def _settings_from_peft(config: dict[str, Any], path: Path) -> LoraSettings:
     targets = config.get("target_modules")
     if isinstance(targets, str):
         raise ValueError(f"{path}: target_modules as a regex ({targets!r}) is not supported; give a list of names")
-    return LoraSettings(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
-                        dropout=float(config.get("lora_dropout", 0.0)), target_modules=tuple(targets or ()),
-                        use_rslora=bool(config.get("use_rslora", False)),
-                        train_norms=bool(config.get("modules_to_save")))
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{path}: target_modules = {targets!r:.40}: expected a list of module names")
+    if "r" not in config:
+        raise ValueError(f"{path}: no 'r' (the LoRA rank)")
+    rank = config["r"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise ValueError(f"{path}: r = {rank!r:.40}: expected a positive integer")
+    numbers = {key: config.get(key, default) for key, default in (("lora_alpha", 8), ("lora_dropout", 0.0))}
+    for key, value in numbers.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{path}: {key} = {value!r:.40}: expected a number")
+    try:  # its own bounds (alpha > 0, dropout in [0, 1))
+        return LoraSettings(rank=rank, alpha=float(numbers["lora_alpha"]), dropout=float(numbers["lora_dropout"]),
+                            target_modules=tuple(targets or ()), use_rslora=bool(config.get("use_rslora", False)),
+                            train_norms=bool(config.get("modules_to_save")))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict[str, Any], LoraSettings]:
@@ -341,13 +374,13 @@ def _fitting_adapter(model: nn.Module, adapter_dir: Path, dtype: torch.dtype | N
         if other:
             raise ValueError(f"{adapter_dir}: modules_to_save {config['modules_to_save']} names non-RMSNorm modules "
                              f"({', '.join(other[:5])}); only RMSNorm weights are supported")
-    if not lora_layers(model):
-        apply_lora(model, settings, dtype)
-    else:
-        try:
+    try:  # the adapter's config says a shape that does not fit (another, or a rank past every layer's): name it
+        if not lora_layers(model):
+            apply_lora(model, settings, dtype)
+        else:
             _check_settings_match(model, settings)
-        except ValueError as e:  # the adapter's config says another shape: name it
-            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {e}") from None
 
     try:
         loaded = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
@@ -362,6 +395,12 @@ def _fitting_adapter(model: nn.Module, adapter_dir: Path, dtype: torch.dtype | N
                 if keys]
     if problems:
         raise ValueError(f"adapter {adapter_dir} does not fit the model: " + "; ".join(problems))
+    # Shapes fit, but a NaN or infinite weight makes every logit of the adapted model NaN (a resumed run's rollouts,
+    # an evaluation's answers): the file is at fault, not the model. One pass over the adapter's small tensors.
+    broken = next((k for k, v in loaded.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if broken is not None:
+        raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS}: {broken} holds values that are not finite (NaN or "
+                         "infinity)")
     return settings, loaded, expected
 
 

@@ -151,6 +151,12 @@ def scheme_from_config(quant_config: dict[str, Any] | None) -> str | None:
 # ------------------------------------------------------------------------------------------------ reading
 
 
+def is_shard_name(name: Any) -> bool:
+    """Whether an index's shard is named as a file of its own folder: `../other/model.safetensors` or an absolute
+    path was read, and a quantization wrote that file's tensors out as the folder's own."""
+    return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+
+
 class _Source:
     """A checkpoint folder's shards, opened lazily one tensor at a time."""
 
@@ -162,10 +168,17 @@ class _Source:
         if (folder / _INDEX).is_file():
             index = json.loads((folder / _INDEX).read_text())
             self.weight_map: dict[str, str] = index["weight_map"]
+            outside = next((v for v in self.weight_map.values() if not is_shard_name(v)), None)
+            if outside is not None:  # (commands check the folder first: qerl.model.loading.shard_files)
+                raise ValueError(f"{folder / _INDEX}: shard {outside!r} is not a file of this folder (an index names "
+                                 "its shards by file name)")
             self.sharded = True
         elif (folder / "model.safetensors").is_file():
-            with safe_open(folder / "model.safetensors", framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+            try:
+                with safe_open(folder / "model.safetensors", framework="pt") as f:
+                    self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+            except Exception as e:  # noqa: BLE001 - as below
+                raise ValueError(f"{folder / 'model.safetensors'}: cannot read safetensors ({e})") from None
             self.sharded = False
         else:
             found = sorted(p.name for p in folder.iterdir() if p.suffix in _WEIGHT_FILES)
@@ -176,8 +189,11 @@ class _Source:
         for shard in self.shards:
             if not (folder / shard).is_file():
                 raise FileNotFoundError(f"{folder / _INDEX} names shard {shard}, which does not exist")
-            with safe_open(folder / shard, framework="pt", device="cpu") as f:
-                self.shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+            try:
+                with safe_open(folder / shard, framework="pt", device="cpu") as f:
+                    self.shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+            except Exception as e:  # noqa: BLE001 - safetensors' own errors (a torn or garbage file) name no file
+                raise ValueError(f"{folder / shard}: cannot read safetensors ({e})") from None
         missing = sorted(set(self.weight_map) - set(self.shapes))
         if missing:
             raise ValueError(f"{folder / _INDEX} maps tensor(s) {missing[:5]} to shards that do not contain them")
@@ -262,11 +278,20 @@ def _quantize_tensor(name: str, w: torch.Tensor, codec: Codec, scales: _SharedSc
     return {f"{module}.{k}": v.cpu() for k, v in tensors.items()}
 
 
+# A model folder's Python files (modeling_*.py, tokenization_*.py: the custom code an auto_map names) are never
+# copied into a quantization or an export: qerl runs no code from a model folder and passes none on.
+CODE_FILES = ("*.py",)
+
+
 def _copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, chat template, README...: every top-level non-weight file."""
+    """Tokenizer, generation config, chat template, README...: every top-level non-weight file but code."""
     for path in src.iterdir():
-        if path.is_file() and path.name not in ("config.json", _INDEX) and path.suffix not in _WEIGHT_FILES:
-            shutil.copy2(path, dst / path.name)
+        if not path.is_file() or path.name in ("config.json", _INDEX) or path.suffix in _WEIGHT_FILES:
+            continue
+        if any(path.match(pattern) for pattern in CODE_FILES):
+            log.info("%s: not copied (code: qerl neither runs nor passes on a model folder's code)", path)
+            continue
+        shutil.copy2(path, dst / path.name)
 
 
 def _write_config(src: Path, dst: Path, scheme: str, ignore: list[str]) -> None:

@@ -10,12 +10,15 @@ What is checked is what `Trainer.apply_checkpoint` hands to PyTorch, numpy and P
 optimizer against the live one's parameters (every tensor's shape, 0-dim ones included, against what the live
 optimizer keeps per parameter), the scheduler, the data sampler, the RNG states, the AQN schedule, the speculative
 rollouts' draft history. Values are their owners' business, asked before anything is applied: the sampler and the
-draft history load the state into a throwaway copy (a position within range), a learning rate is the run's.
+draft history load the state into a throwaway copy (a position within range), a learning rate is the run's. What is
+checked of values is what the update cannot compute with: moments that are not finite (or negative second moments),
+a step count that is none, a hyperparameter that is no number, and a schedule that counted more updates than steps.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -87,6 +90,9 @@ def _optimizer(state: dict[str, Any], live: Live) -> str | None:
         if not isinstance(params, list) or not all(map(_is_int, params)) or len(params) != len(ours["params"]):
             return (f"optimizer.param_groups[{i}] holds {len(params) if isinstance(params, list) else 'no'} "
                     f"parameters, this run {len(ours['params'])} (another adapter shape)")
+        problem = _hyperparameters(group, ours, type(optimizer).__name__)
+        if problem:
+            return f"optimizer.param_groups[{i}].{problem}"
         shapes.update({index: p.shape for index, p in zip(params, ours["params"])})
         per_parameter = _kept_per_parameter(optimizer, ours)
         kept.update(dict.fromkeys(params, per_parameter))
@@ -107,6 +113,47 @@ def _optimizer(state: dict[str, Any], live: Live) -> str | None:
             if value.shape != expected:
                 return (f"optimizer.state[{index}].{name} has shape {tuple(value.shape)}, "
                         + (f"its parameter {tuple(expected)}" if like_parameter else f"a scalar in {kind}"))
+            problem = _moment_value(name, value)
+            if problem:
+                return f"optimizer.state[{index}].{name} {problem}"
+    return None
+
+
+def _hyperparameters(saved: dict[str, Any], ours: dict[str, Any], kind: str) -> str | None:
+    """What of a saved parameter group's numbers (lr, betas, eps, weight_decay) the optimizer cannot compute with,
+    starting with the key, or None. `load_state_dict` puts them in place of the live group's unchecked (a string
+    learning rate failed in the first update with a TypeError); their values are the run's, only their kind is
+    checked here. Keys the live group lacks or the saved one does not hold are torch's to add or drop."""
+    for key, like in ours.items():
+        if key == "params" or key not in saved:
+            continue
+        value = saved[key]
+        if _is_number(like) and not (_is_number(value) and math.isfinite(value)):
+            return f"{key} = {_shown(value)}: not a number, as in {kind}"
+        if isinstance(like, tuple) and all(map(_is_number, like)) and not (
+                isinstance(value, (tuple, list)) and len(value) == len(like)
+                and all(_is_number(v) and math.isfinite(v) for v in value)):
+            return f"{key} = {_shown(value)}: not a {'pair' if len(like) == 2 else 'tuple'} of numbers, as in {kind}"
+    return None
+
+
+# AdamW's second moments: the update divides by their square roots, so a negative one is NaN in the first step.
+_NONNEGATIVE_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
+
+
+def _moment_value(name: str, value: Tensor) -> str | None:
+    """What keeps a per-parameter tensor of the right shape from being used ("holds ..."), or None. A NaN moment
+    loaded without a word and made every trained weight NaN; a negative step count failed in the first update (the
+    bias correction's root of a negative number: "ComplexFloat can't be cast"). One pass over the moments on their
+    device, as the optimizer's own step makes."""
+    if name == "step":  # torch's per-parameter count of updates, in every optimizer that keeps one
+        count = float("nan") if value.is_complex() else float(value)
+        if not (math.isfinite(count) and count >= 0 and count == int(count)):
+            return f"= {_shown(count)}: not a count of steps"
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        return "holds values that are not finite (NaN or infinity)"
+    if name in _NONNEGATIVE_MOMENTS and bool((value < 0).any()):
+        return "holds negative values (a second moment is a mean of squares)"
     return None
 
 
@@ -116,6 +163,11 @@ def _scheduler(state: dict[str, Any], live: Live) -> str | None:
         return f"scheduler = {_shown(saved)}: not a learning-rate scheduler state"
     if not _is_int(saved.get("last_epoch")):
         return f"scheduler.last_epoch = {_shown(saved.get('last_epoch'))}: not a step count"
+    updates = saved["last_epoch"]  # the updates that ran (a step without informative groups runs none): <= step
+    if updates < 0:
+        return f"scheduler.last_epoch = {updates}: not a count of updates"
+    if updates > state["step"]:  # the learning rate of another point of the run
+        return f"scheduler.last_epoch = {_shown(updates)}: updates counted past the checkpoint's step {state['step']}"
     base = saved.get("base_lrs")
     if not isinstance(base, list) or len(base) != len(live.optimizer.param_groups) \
             or not all(map(_is_number, base)):
@@ -164,6 +216,9 @@ def _aqn(state: dict[str, Any], live: Live) -> str | None:
     saved = state.get("aqn", {})  # older checkpoints: none (a geometric schedule, which keeps no state)
     if not isinstance(saved, dict) or not all(map(_is_number, saved.values())):
         return f"aqn = {_shown(saved)}: not an AQN schedule's state"
+    for key, value in saved.items():  # the entropy schedule's sigma scales the noise: NaN would make every weight NaN
+        if not math.isfinite(value):
+            return f"aqn.{key} = {value}: not a finite number"
     return None
 
 
