@@ -80,6 +80,9 @@ def test_without_fp8_activations_rollout_forwards_keep_bf16_activations():
         assert "triton" in gemm._backends("fwd")  # W8A16 at decode sizes either way
         with context.update_precision("fp8"):  # the FP8 update's precision alone decides inside it
             assert gemm._backends("fwd") == ("fp8_weight",)
+        assert plan.fp8_copies == ("auto" if fp8_activations else False)  # NVFP4's copies serve W8A8 only
+    assert ExecutionPlan(fp8_activations=False, base_gemm="fp8").fp8_copies == "auto"  # the FP8 update reads them
+    assert ExecutionPlan(fp8_activations=False, fp8_weights=True).fp8_copies is True  # asked for: kept
 
 
 def test_split_k_fills_the_gpu_only_where_the_rows_alone_cannot():

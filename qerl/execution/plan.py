@@ -65,6 +65,14 @@ class ExecutionPlan:
     pdl: bool = True  # programmatic dependent launch of the GPU kernels that take it
     vocab_kernel: bool = True  # the update's LM head in kernels/vocab_softmax.py where the fused kernels run
 
+    @property
+    def fp8_copies(self) -> bool | str:
+        """quant.fp8_weights as planned: auto is off without W8A8 forwards outside the update (the copies serve
+        nothing else but the FP8 update); true stays true."""
+        if self.fp8_weights == "auto" and not self.fp8_activations and self.base_gemm != "fp8":
+            return False
+        return self.fp8_weights
+
     @classmethod
     def from_settings(cls, model: ModelSettings, execution: ExecutionSettings, device: torch.device,
                       quant: QuantSettings | None = None, rollout: RolloutSettings | None = None,

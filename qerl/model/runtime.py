@@ -86,10 +86,7 @@ def prepare_base(net, model: ModelSettings, quant: QuantSettings, device: torch.
         if isinstance(m, QuantLinear):
             m.gpu_layout = plan.gpu_layout  # fused projections (next) inherit it
     if device.type == "cuda":
-        # before fusing: fused projections inherit the mark. Without W8A8 forwards the copies serve only the FP8 update.
-        copies = plan.fp8_weights if plan.fp8_activations or plan.base_gemm == "fp8" or plan.fp8_weights is True \
-            else False
-        plan_fp8_weights(net, copies, device)
+        plan_fp8_weights(net, plan.fp8_copies, device)  # before fusing: fused projections inherit the mark
     if plan.fuse_projections:  # on CUDA (CPU runs keep their exact, measured numbers)
         net.fuse_projections()  # q/k/v and gate/up as one GEMM each
     # auto is planned per update by the trainer (qerl.model.recompute); until then nothing recomputes.
