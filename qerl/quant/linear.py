@@ -458,8 +458,10 @@ class QuantLinear(nn.Module):
 
     def fp8_activations(self) -> bool:
         """Whether this layer's forwards outside the update may round their activations to E4M3 (an FP8 base on a
-        GPU with FP8 tensor cores: qerl.kernels.fp8_gemm), which the bf16 update does not."""
-        return self.scheme == "fp8" and self.use_kernel and _gpu_gemm() is not None \
+        GPU with FP8 tensor cores: qerl.kernels.fp8_gemm, unless its context keeps them in 16 bits:
+        quant.fp8_activations false), which the bf16 update does not."""
+        allowed = getattr(self.gemm_context, "fp8_activations", True)
+        return allowed and self.scheme == "fp8" and self.use_kernel and _gpu_gemm() is not None \
             and fp8_available(self.weight_device())
 
     def plus_low_rank(self, x: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
