@@ -12,7 +12,8 @@ from qerl.config import ConfigError
 # The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's
 # base format through qerl's own NF4 codec (quant.scheme: nf4); `qlora-bnb` is QLoRA itself (bitsandbytes' NF4
 # storage and kernels: pip install -e ".[qlora]"), not in the default set since it needs that extra. `fp8` is the FP8
-# base (quant.scheme: fp8, E4M3 with per-channel scales: half bf16's bytes; learned nearly as bf16 in the 2026-12-03 study, -0.09 reward AUC on add2, issue #63).
+# base (quant.scheme: fp8, E4M3 with per-channel scales: half bf16's bytes; learned nearly as bf16 in the 2026-12-03
+# study, -0.09 reward AUC on add2, issue #63).
 # The NVFP4 remedies of issue #63 (README, "Remedies for a 4-bit base"): `nvfp4-fp8-sensitive` keeps in FP8 the two
 # projection types whose NVFP4 error moves the policy most (docs/quant_error/summary.md, finding 5: down_proj and
 # v_proj, ~40% of NVFP4's KL to bf16 together; no single layer dominates, so no layer index, which would also tie the
