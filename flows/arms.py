@@ -33,12 +33,11 @@ ARMS: dict[str, list[str]] = {
     "nvfp4-correction": ["quant.scheme=nvfp4", "aqn.enabled=false", "quant.error_correction_rank=16"],
     "nvfp4-aqn-norms": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=geometric",
                         "aqn.include_final_norm=false"],
-    # The same bases with rollouts that keep activations in bf16 (quant.fp8_activations: false): W8A8 rollouts
-    # sampled from another policy than the update trained (log-prob gap 0.09-0.15 against bf16's 0.02, 2026-12-03).
-    "fp8-bf16-act": ["quant.scheme=fp8", "aqn.enabled=false", "quant.fp8_activations=false"],
-    "nvfp4-fp8-sensitive-bf16-act": ["quant.scheme=nvfp4", "aqn.enabled=false", "quant.fp8_activations=false",
-                                     'quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}'],
 }
+# The same bases with rollouts that keep activations in bf16 (quant.fp8_activations: false): W8A8 rollouts sampled
+# from another policy than the update trained (log-prob gap 0.09-0.15 against bf16's 0.02, 2026-12-03).
+for _twin in ("fp8", "nvfp4-fp8-sensitive"):
+    ARMS[f"{_twin}-bf16-act"] = [*ARMS[_twin], "quant.fp8_activations=false"]
 DEFAULT_ARMS = ["bf16-lora", "nf4-lora", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
 
 

@@ -137,8 +137,8 @@ class FP8Gemm:
         dispatch measures) and a backward is bf16's."""
         precision = self.context.precision
         decode = ("triton",) if precision is None and kind == "fwd" and self.w8a16 else ()
-        if not self.scaled_mm or precision == "bf16" or (precision is None and kind == "bwd") \
-                or (precision is None and not self.context.fp8_activations):
+        if not self.scaled_mm or precision == "bf16" \
+                or (precision is None and (kind == "bwd" or not self.context.fp8_activations)):
             return decode + ("dequant_cublas",)
         return ("fp8_weight",) if precision == "fp8" else decode + ("fp8_weight", "dequant_cublas")
 

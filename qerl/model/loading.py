@@ -243,12 +243,12 @@ def shard_files(index: Path) -> dict[str, str]:
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: no weight_map of tensor names to shard files")
-    from qerl.quant.checkpoint import is_shard_name  # the quant package reads shards too
+    from qerl.quant.checkpoint import check_shard_names  # the quant package reads shards too
 
-    for shard in weight_map.values():
-        if not is_shard_name(shard):
-            raise CheckpointError(f"{index}: shard {shard!r} is not a file of this folder (an index names its shards "
-                                  "by file name)")
+    try:
+        check_shard_names(index, weight_map)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return weight_map
 
 

@@ -151,10 +151,14 @@ def scheme_from_config(quant_config: dict[str, Any] | None) -> str | None:
 # ------------------------------------------------------------------------------------------------ reading
 
 
-def is_shard_name(name: Any) -> bool:
-    """Whether an index's shard is named as a file of its own folder: `../other/model.safetensors` or an absolute
-    path was read, and a quantization wrote that file's tensors out as the folder's own."""
-    return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+def check_shard_names(index: Path, weight_map: dict[str, str]) -> None:
+    """`ValueError` naming `index` if a shard it maps to is not named as a file of its own folder:
+    `../other/model.safetensors` or an absolute path was read, and a quantization wrote that file's tensors out as
+    the folder's own."""
+    for shard in weight_map.values():
+        if not (isinstance(shard, str) and Path(shard).name == shard and shard not in ("", ".", "..")):
+            raise ValueError(f"{index}: shard {shard!r} is not a file of this folder (an index names its shards by "
+                             "file name)")
 
 
 class _Source:
@@ -168,10 +172,7 @@ class _Source:
         if (folder / _INDEX).is_file():
             index = json.loads((folder / _INDEX).read_text())
             self.weight_map: dict[str, str] = index["weight_map"]
-            outside = next((v for v in self.weight_map.values() if not is_shard_name(v)), None)
-            if outside is not None:  # (commands check the folder first: qerl.model.loading.shard_files)
-                raise ValueError(f"{folder / _INDEX}: shard {outside!r} is not a file of this folder (an index names "
-                                 "its shards by file name)")
+            check_shard_names(folder / _INDEX, self.weight_map)  # (commands check the folder first: shard_files)
             self.sharded = True
         elif (folder / "model.safetensors").is_file():
             try:
