@@ -103,11 +103,14 @@ SHAPES = {
 DEVICE = "cuda"
 # nvfp4 is the product's default (quant.fp8_weights: auto, a resident FP8 copy where it fits); nvfp4-4bit the same
 # base with quant.fp8_weights: false (the 4-bit weights alone, as before #45); fp8 the FP8 base (quant.scheme: fp8,
-# E4M3 with per-channel scales, on FP8 tensor cores: kernels/fp8_gemm.py).
-SCHEMES = ("bf16", "nvfp4", "nvfp4-4bit", "nf4-bnb", "fp8")
+# E4M3 with per-channel scales, on FP8 tensor cores: kernels/fp8_gemm.py). A `-bf16-act` suffix runs the base with
+# quant.fp8_activations: false (no W8A8 forward outside the update: W8A16 and the 4-bit GEMMs only; NVFP4 then keeps
+# no FP8 copies, as ExecutionPlan.fp8_copies plans it), the rollouts that sample the policy the update trains.
+SCHEMES = ("bf16", "nvfp4", "nvfp4-4bit", "nf4-bnb", "fp8", "nvfp4-bf16-act", "fp8-bf16-act")
 DEFAULT_SCHEMES = SCHEMES[:4]  # --schemes' default: the arms the chains of earlier sessions ran (fp8 on request)
 LABELS = {"bf16": "qerl bf16+LoRA", "nvfp4": "qerl NVFP4+LoRA", "nvfp4-4bit": "qerl NVFP4+LoRA, 4-bit only",
-          "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)", "fp8": "qerl FP8+LoRA"}
+          "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)", "fp8": "qerl FP8+LoRA",
+          "nvfp4-bf16-act": "qerl NVFP4+LoRA, bf16 activations", "fp8-bf16-act": "qerl FP8+LoRA, bf16 activations"}
 
 
 KV_LABELS = {"model": "", "fp8": ", FP8 KV"}
@@ -128,7 +131,10 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
     (execution.lora_epilogue)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    fp8_weights = "auto" if scheme == "nvfp4" else False  # quant.fp8_weights, as prepare_base plans it
+    fp8_activations = not scheme.endswith("-bf16-act")  # quant.fp8_activations
+    scheme = scheme.removesuffix("-bf16-act")
+    plan = ExecutionPlan(lora_epilogue=lora_epilogue, fp8_activations=fp8_activations,
+                         fp8_weights="auto" if scheme == "nvfp4" else False)  # quant.fp8_weights, as prepare_base
     scheme = "nvfp4" if scheme == "nvfp4-4bit" else scheme
     if scheme == "nf4-bnb":
         require_bitsandbytes()  # one line saying how to install it, before any GPU memory is touched
@@ -160,10 +166,10 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
         for p in params:
             if p.dim() == 2 and p.shape[1] == lora_rank:  # lora_B: non-zero so the update path does real work
                 p.normal_(0, 1e-3)
-    plan_fp8_weights(model, fp8_weights, torch.device(device))  # before fusing, as prepare_base
+    plan_fp8_weights(model, plan.fp8_copies, torch.device(device))  # before fusing, as prepare_base
     if fuse:
         model.fuse_projections()
-    attach(model, ExecutionPlan(lora_epilogue=lora_epilogue))  # one GEMM context for the layers built one by one
+    attach(model, plan)  # one GEMM context for the layers built one by one
     return model.eval()
 
 

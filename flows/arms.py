@@ -36,8 +36,12 @@ ARMS: dict[str, list[str]] = {
 }
 # The same bases with rollouts that keep activations in bf16 (quant.fp8_activations: false): W8A8 rollouts sampled
 # from another policy than the update trained (log-prob gap 0.09-0.15 against bf16's 0.02, 2026-12-03).
-for _twin in ("fp8", "nvfp4-fp8-sensitive"):
+for _twin in ("fp8", "nvfp4-fp8-sensitive", "nvfp4"):
     ARMS[f"{_twin}-bf16-act"] = [*ARMS[_twin], "quant.fp8_activations=false"]
+# The learning rate that suits a 4-bit base (issue #63 item 2): twice the default's, on the FP8-sensitive NVFP4 base
+# with faithful rollouts and, so that a gain is NVFP4's and not the rate's, on bf16 LoRA too.
+for _twin in ("bf16-lora", "nvfp4-fp8-sensitive-bf16-act"):
+    ARMS[f"{_twin}-lr6e-4"] = [*ARMS[_twin], "optim.lr=6e-4"]
 DEFAULT_ARMS = ["bf16-lora", "nf4-lora", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entropy"]
 
 
