@@ -72,11 +72,11 @@ case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-ste
     timeout $(left 585) python3 benchmarks/bench_grpo_step.py --models 7b --schemes fp8,bf16 --prompts 8 --micro 8 \
       --new 1024 --lengths gsm8k --steps 2 --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -25 ;;
   act-rollout)  # 2026-12-04: what quant.fp8_activations: false costs in rollouts (#63 item 5), FP8 with the new W8A16 tile
-    timeout 580 python3 benchmarks/bench_rollout.py --models 7b --batches 1,8,64,512 --new 256 --budget 560 \
+    timeout 350 python3 benchmarks/bench_rollout.py --models 7b --batches 1,8,64,512 --new 256 --budget 330 \
       --schemes bf16,nvfp4,nvfp4-bf16-act,fp8,fp8-bf16-act --out "$OUT/rollout" 2>&1 | tee "$OUT/rollout.log" \
       | grep -v "^  (" | tail -40 ;;
   act-step)  # ... and in the step a user runs, on ragged (gsm8k-traced) rollouts, each arm its own process
-    timeout 580 python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4,fp8 --prompts 8 --micro 8 \
-      --new 1024 --lengths gsm8k --steps 2 --budget 560 --variants 'w8a8:;bf16-act:quant.fp8_activations=false' \
+    timeout 350 python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4,fp8 --prompts 8 --micro 8 \
+      --new 1024 --lengths gsm8k --steps 2 --budget 330 --variants 'w8a8:;bf16-act:quant.fp8_activations=false' \
       --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -30 ;;
 esac
