@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD QERL_GEMM_CACHE=$OUT/gemm_dispatch.jso
 START=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - START) )); }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-step}" in
+case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-step|fp8-wide}" in
   tests)
     TORCH_LOGS=recompiles timeout -s INT -k 10 200 python3 -m pytest -q -rfE -p no:cacheprovider \
       "tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_compiles_in_workers" 2>&1 | tee "$OUT/compile.log" | tail -60
@@ -79,4 +79,13 @@ case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-ste
     timeout 350 python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4,fp8 --prompts 8 --micro 8 \
       --new 1024 --lengths gsm8k --steps 2 --budget 330 --variants 'w8a8:;bf16-act:quant.fp8_activations=false' \
       --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -30 ;;
+  fp8-wide)  # 2026-12-04: the FP8 base's W8A16 past decode sizes (the wide tile, the one-pass dequantize), then what
+    # it changes in rollouts and the ragged step with 16-bit activations, beside bf16 and W8A8
+    timeout 90 python3 benchmarks/diag/sweep_w8a16_wide.py 2>&1 | tee "$OUT/sweep_wide.log" | tail -24
+    timeout $(left 200) python3 benchmarks/bench_rollout.py --models 7b --batches 1,8,64,512 --new 256 \
+      --budget $(( $(left 185) )) --schemes bf16,fp8-bf16-act,fp8 --out "$OUT/rollout" 2>&1 \
+      | tee "$OUT/rollout.log" | grep -v "^  (" | tail -16
+    timeout $(left 290) python3 benchmarks/bench_grpo_step.py --models 7b --schemes fp8 --prompts 8 --micro 8 \
+      --new 1024 --lengths gsm8k --steps 2 --budget $(left 280) --variants 'bf16-act:quant.fp8_activations=false' \
+      --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -4 ;;
 esac

@@ -100,6 +100,8 @@ class FP8Gemm:
         def write(flat: torch.Tensor) -> torch.Tensor:
             out = flat.view(self.n, self.k)
             step = max(1, (1 << 24) // max(self.k, 1))  # bound the fp32 temporary (64 MiB)
+            if self.w8a16 and dtype in (torch.bfloat16, torch.float16):  # one Triton pass (fp8_w8a16.dequantize)
+                return fp8_w8a16.dequantize(self.w8, self.scale, out)
             for r in range(0, self.n, step):
                 out[r:r + step] = self.w8[r:r + step].float() * self.scale[r:r + step, None]
             return out
@@ -115,8 +117,8 @@ class FP8Gemm:
         return self.context.weight_copy(self, ("fp8", True), self.n * self.k, torch.float8_e4m3fn, self.device, write)
 
     def _forward(self, backend: str, x2: torch.Tensor) -> torch.Tensor:
-        if backend == "triton":
-            return fp8_w8a16.linear_forward(x2, self.w8, self.scale)
+        if backend in fp8_w8a16.TILES:
+            return fp8_w8a16.tiled_forward(backend, x2, self.w8, self.scale)
         if backend == "fp8_weight":
             aq, s_a = fp8_rows(x2)
             return torch._scaled_mm(aq, self.w8.t(), scale_a=s_a, scale_b=self.scale[None, :],
@@ -136,7 +138,7 @@ class FP8Gemm:
         """FP8 inside the FP8 update, bf16 inside the bf16 one; outside the update a forward may be either (the
         dispatch measures) and a backward is bf16's."""
         precision = self.context.precision
-        decode = ("triton",) if precision is None and kind == "fwd" and self.w8a16 else ()
+        decode = tuple(fp8_w8a16.TILES) if precision is None and kind == "fwd" and self.w8a16 else ()
         if not self.scaled_mm or precision == "bf16" \
                 or (precision is None and (kind == "bwd" or not self.context.fp8_activations)):
             return decode + ("dequant_cublas",)
@@ -147,8 +149,8 @@ class FP8Gemm:
         backends = self._backends(kind)
         if x2.dtype != torch.bfloat16 and x2.is_cuda:  # rowwise-scaled _scaled_mm writes bf16 only
             backends = tuple(b for b in backends if b != "fp8_weight")
-        if x2.shape[0] > fp8_w8a16.MAX_M or x2.dtype not in (torch.bfloat16, torch.float16):
-            backends = tuple(b for b in backends if b != "triton")
+        tiles = fp8_w8a16.tiles_for(x2.shape[0]) if x2.dtype in (torch.bfloat16, torch.float16) else ()
+        backends = tuple(b for b in backends if b not in fp8_w8a16.TILES or b in tiles)
         backends = backends or ("dequant_cublas",)
         cands = {b: (lambda b=b: run(b, x2)) for b in backends}
         layout = self.layout + ("-" + self.context.precision if self.context.precision else "")

@@ -7,6 +7,12 @@ each program widens a [BLOCK_N, BLOCK_K] tile of codes to x's dtype (exact: ever
 value), multiplies on the tensor cores with fp32 accumulation, and applies the row scales once at the end. Split
 along K (atomics into an fp32 buffer) when the weight's rows alone give too few programs to fill the GPU (o_proj,
 down_proj at decode). The dispatch measures it against the others per (shape, M bucket); it is not a training GEMM.
+
+Two tiles (TILES): "triton", narrow and deep, for 1-64 rows, where only W's bytes count; "triton_wide", 64-128 rows
+by 128 columns, for 17-512 rows (a ragged rollout's first steps, a 512-row batch), where the narrow tile re-reads
+x for every 32 columns and ran 2.5x slower than `_scaled_mm` at 64 rows (150 against 60 us, 7B gate_up, H200,
+2026-12-04). `dequantize` is the one-pass E4M3 -> bf16 widening the "dequant_cublas" backend needs: the chunked
+torch expression it replaces took 1.1 ms for the 7B's gate_up (10x its bytes' time at HBM rate).
 """
 from __future__ import annotations
 
@@ -14,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_M = 64  # beyond this, FP8 tensor cores (or cuBLAS) win: the call is no longer bound by W's bytes
+MAX_M = 64  # the narrow tile's limit: beyond it the call is no longer bound by W's bytes alone
+WIDE_MIN_M, WIDE_MAX_M = 17, 512  # the wide tile's rows; past 512 FP8 tensor cores or dequantize + cuBLAS win
+# name -> (max rows per tile, tile columns, tile depth, warps, pipeline stages)
+TILES = {"triton": (MAX_M, 32, 256, 4, 4), "triton_wide": (128, 128, 64, 8, 3)}
 
 
 @triton.jit
@@ -44,9 +53,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+def split_for(n: int, k: int, block_n: int, block_k: int, sms: int, m_tiles: int = 1) -> int:
     """Programs along K: enough for about two per SM, a power of two, each with at least 4 tiles of K to stream."""
-    programs = triton.cdiv(n, block_n)
+    programs = triton.cdiv(n, block_n) * m_tiles
     split = 1
     while programs * split < 2 * sms and k // (block_k * split * 2) >= 4:
         split *= 2
@@ -58,16 +67,16 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
 # split_for's split; the former 64 x 128 tile took 2-4x longer on qkv, o and down (79 against 18 us on qkv at M = 1).
 def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_n: int = 32,
                    block_k: int = 256, split_k: int | None = None, num_warps: int = 4,
-                   num_stages: int | None = 4) -> torch.Tensor:
-    """x2 [M, K] (bf16/fp16, unit stride along K; any M, though past MAX_M other GEMMs win) @ (w8 [N, K] E4M3
-    contiguous * scale [N] fp32 per row)ᵀ: [M, N] in x2's dtype. `num_stages`: Triton's pipeline depth (its default
-    when None)."""
+                   num_stages: int | None = 4, max_block_m: int = MAX_M) -> torch.Tensor:
+    """x2 [M, K] (bf16/fp16, unit stride along K; any M) @ (w8 [N, K] E4M3 contiguous * scale [N] fp32 per row)ᵀ:
+    [M, N] in x2's dtype. `num_stages`: Triton's pipeline depth (its default when None); `max_block_m`: the most
+    rows one program computes (larger M: more programs)."""
     m, k = x2.shape
     n = w8.shape[0]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    block_m = max(16, min(MAX_M, triton.next_power_of_2(m)))  # tl.dot's smallest tile; larger M: more programs
-    split = split_k or split_for(n, k, block_n, block_k, _sm_count(x2.device))
+    block_m = max(16, min(max_block_m, triton.next_power_of_2(m)))  # 16: tl.dot's smallest tile
+    split = split_k or split_for(n, k, block_n, block_k, _sm_count(x2.device), triton.cdiv(m, block_m))
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if split == 1 else \
         torch.zeros(m, n, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
@@ -75,3 +84,38 @@ def linear_forward(x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, b
                         BLOCK_K=block_k, SPLIT_K=split, num_warps=num_warps,
                         **({} if num_stages is None else {"num_stages": num_stages}))
     return y if split == 1 else y.to(x2.dtype)
+
+
+def tiled_forward(tile: str, x2: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """linear_forward with the tile TILES names."""
+    max_block_m, block_n, block_k, num_warps, num_stages = TILES[tile]
+    return linear_forward(x2, w8, scale, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                          num_stages=num_stages, max_block_m=max_block_m)
+
+
+def tiles_for(m: int) -> tuple[str, ...]:
+    """The TILES worth measuring at m rows."""
+    return tuple(t for t, fits in (("triton", m <= MAX_M), ("triton_wide", WIDE_MIN_M <= m <= WIDE_MAX_M)) if fits)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, y_ptr, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+    mask = cols[None, :] < K  # rows: the grid covers exactly N (BLOCK_R divides it, or the tail is masked below)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = w * tl.load(s_ptr + rows)[:, None]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(w8: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [N, K] (bf16/fp16, contiguous) = w8 [N, K] E4M3 * scale [N] fp32, in one pass (the product in fp32 and
+    rounded once, as `w8.float() * scale[:, None]` then `.to(out.dtype)`)."""
+    n, k = w8.shape
+    block_r = 1
+    while block_r < 8 and n % (block_r * 2) == 0:  # rows per program: a divisor of N, so no row mask is needed
+        block_r *= 2
+    block_k = min(1024, triton.next_power_of_2(k))
+    _dequant_kernel[(n // block_r, triton.cdiv(k, block_k))](w8, scale, out, k, BLOCK_R=block_r, BLOCK_K=block_k)
+    return out

@@ -47,6 +47,37 @@ def test_w8a16_is_x_times_the_dequantized_weight_under_the_interpreter(m, n, k, 
 
 
 @interpreted
+@pytest.mark.parametrize(("m", "n", "k"), [(40, 256, 192), (130, 128, 128)])
+def test_the_wide_tile_is_x_times_the_dequantized_weight_under_the_interpreter(m, n, k):
+    if not K.interpreting():
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set")
+    w8, scale, w = _weight(n, k, seed=1)
+    x = torch.randn(m, k).half()
+    y = fp8_w8a16.tiled_forward("triton_wide", x, w8, scale)  # 130 rows: two row tiles of 128
+    ref = x.float() @ w.t()
+    assert y.shape == (m, n) and torch.allclose(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
+@interpreted
+@pytest.mark.parametrize(("n", "k"), [(12, 200), (7, 64), (64, 2048)])
+def test_dequantize_in_one_pass_is_the_torch_expression_bit_for_bit_under_the_interpreter(n, k):
+    """The "dequant_cublas" backend's weight: the product in fp32, rounded once (rows per program: 4, 1, 8). In
+    fp16: the interpreter's bf16 rounding is not the GPU's (the GPU test checks bf16)."""
+    if not K.interpreting():
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set")
+    w8, scale, _ = _weight(n, k, seed=2)
+    out = fp8_w8a16.dequantize(w8, scale, torch.empty(n, k, dtype=torch.float16))
+    assert torch.equal(out, (w8.float() * scale[:, None]).half())
+
+
+def test_each_tile_is_offered_only_at_the_rows_it_is_for():
+    assert fp8_w8a16.tiles_for(1) == fp8_w8a16.tiles_for(16) == ("triton",)
+    assert fp8_w8a16.tiles_for(17) == fp8_w8a16.tiles_for(64) == ("triton", "triton_wide")
+    assert fp8_w8a16.tiles_for(65) == fp8_w8a16.tiles_for(512) == ("triton_wide",)
+    assert fp8_w8a16.tiles_for(513) == ()  # a prefill: FP8 tensor cores or dequantize + cuBLAS
+
+
+@interpreted
 def test_fp8_gemm_runs_it_as_triton_and_offers_it_only_at_decode_sizes_on_cuda():
     if not K.interpreting():
         pytest.skip("triton was imported before TRITON_INTERPRET could be set")
@@ -56,9 +87,20 @@ def test_fp8_gemm_runs_it_as_triton_and_offers_it_only_at_decode_sizes_on_cuda()
     assert torch.allclose(gemm.forward(x, backend="triton").float(), x.float() @ w.t(), rtol=2e-3, atol=1e-3)
     assert not gemm.w8a16 and "triton" not in gemm._backends("fwd")  # a CPU weight (or a GPU before sm_89)
     gemm.w8a16 = True  # as on a GPU with FP8 (nothing runs below: only which backends are offered)
-    assert gemm._backends("fwd")[0] == "triton" and "triton" not in gemm._backends("bwd")
+    assert gemm._backends("fwd")[:2] == ("triton", "triton_wide") and "triton" not in gemm._backends("bwd")
     with gemm.context.update_precision("bf16"):
         assert "triton" not in gemm._backends("fwd")  # training sizes: not the update's GEMM
+    timed = {}
+
+    def record(kind, layout, n, k, m, candidates):
+        timed[m] = set(candidates)
+        return next(iter(candidates))
+
+    gemm.context.dispatcher.choose = record
+    for m in (8, 40, 200, 1024):
+        gemm.backend_for("fwd", torch.randn(m, 128).half())
+    assert timed[8] == {"triton", "dequant_cublas"} and timed[40] == {"triton", "triton_wide", "dequant_cublas"}
+    assert timed[200] == {"triton_wide", "dequant_cublas"} and timed[1024] == {"dequant_cublas"}
 
 
 def test_without_fp8_activations_rollout_forwards_keep_bf16_activations():
@@ -77,7 +119,7 @@ def test_without_fp8_activations_rollout_forwards_keep_bf16_activations():
         gemm = FP8Gemm(w8, scale[:, None], context=context)
         gemm.scaled_mm = gemm.w8a16 = True  # as on a GPU with FP8 tensor cores (only the offer is checked)
         assert ("fp8_weight" in gemm._backends("fwd")) is fp8_activations
-        assert "triton" in gemm._backends("fwd")  # W8A16 at decode sizes either way
+        assert "triton" in gemm._backends("fwd") and "triton_wide" in gemm._backends("fwd")  # W8A16 either way
         with context.update_precision("fp8"):  # the FP8 update's precision alone decides inside it
             assert gemm._backends("fwd") == ("fp8_weight",)
         assert plan.fp8_copies == ("auto" if fp8_activations else False)  # NVFP4's copies serve W8A8 only
@@ -103,7 +145,7 @@ def test_interpreter_tests_in_a_subprocess():
                        timeout=patience(600), env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     last = r.stdout.strip().splitlines()[-1]
-    assert "5 passed" in last and "skipped" not in last, r.stdout[-2000:]
+    assert "10 passed" in last and "skipped" not in last, r.stdout[-2000:]
 
 
 @pytest.mark.gpu
@@ -125,3 +167,13 @@ def test_gpu_w8a16_matches_the_dequantized_weight_in_bf16(m, n, k):
         return  # Triton's E4M3 needs sm_89+: the dispatch never offers it here
     again = gemm.forward(x, backend="triton").float()  # split-K adds in atomics: equal to fp32 rounding, not bits
     assert ((again - y.float()).norm() / y.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_dequantize_is_the_torch_expression_bit_for_bit_in_bf16():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton converts E4M3 on sm_89+ only")
+    w8, scale, _ = _weight(4608, 3584, device="cuda")
+    gemm = FP8Gemm(w8, scale[:, None])
+    assert torch.equal(gemm.dequantize(torch.bfloat16), (w8.float() * scale[:, None]).bfloat16())
