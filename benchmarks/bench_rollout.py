@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from qerl.config import QuantSettings  # noqa: E402
 from qerl.execution import ExecutionPlan, attach  # noqa: E402
 from qerl.model.lora import LoraSettings, apply_lora  # noqa: E402
 from qerl.model.transformer import DecoderLayer, ModelConfig, RMSNorm, Transformer  # noqa: E402
@@ -101,16 +102,18 @@ SHAPES = {
 
 
 DEVICE = "cuda"
-# nvfp4 is the product's default (quant.fp8_weights: auto, a resident FP8 copy where it fits); nvfp4-4bit the same
-# base with quant.fp8_weights: false (the 4-bit weights alone, as before #45); fp8 the FP8 base (quant.scheme: fp8,
-# E4M3 with per-channel scales, on FP8 tensor cores: kernels/fp8_gemm.py). A `-bf16-act` suffix runs the base with
-# quant.fp8_activations: false (no W8A8 forward outside the update: W8A16 and the 4-bit GEMMs only; NVFP4 then keeps
-# no FP8 copies, as ExecutionPlan.fp8_copies plans it), the rollouts that sample the policy the update trains.
-SCHEMES = ("bf16", "nvfp4", "nvfp4-4bit", "nf4-bnb", "fp8", "nvfp4-bf16-act", "fp8-bf16-act")
+# nvfp4 is the product's default (quant.fp8_weights: auto, quant.fp8_activations: false: bf16 activations, no FP8
+# copies); nvfp4-4bit the same base with quant.fp8_weights: false; fp8 the FP8 base (quant.scheme: fp8, E4M3 with
+# per-channel scales: kernels/fp8_gemm.py). A `-w8a8` suffix runs the base with quant.fp8_activations: true (W8A8
+# forwards outside the update where faster: `_scaled_mm`, NVFP4's resident FP8 copies; the default until
+# 2026-12-04, so the plain names of earlier BENCHMARKS.md sections are these), `-bf16-act` with it false (pinned).
+SCHEMES = ("bf16", "nvfp4", "nvfp4-4bit", "nf4-bnb", "fp8", "nvfp4-bf16-act", "fp8-bf16-act", "nvfp4-w8a8",
+           "fp8-w8a8")
 DEFAULT_SCHEMES = SCHEMES[:4]  # --schemes' default: the arms the chains of earlier sessions ran (fp8 on request)
 LABELS = {"bf16": "qerl bf16+LoRA", "nvfp4": "qerl NVFP4+LoRA", "nvfp4-4bit": "qerl NVFP4+LoRA, 4-bit only",
           "nf4-bnb": "qerl bnb-NF4+LoRA (QLoRA)", "fp8": "qerl FP8+LoRA",
-          "nvfp4-bf16-act": "qerl NVFP4+LoRA, bf16 activations", "fp8-bf16-act": "qerl FP8+LoRA, bf16 activations"}
+          "nvfp4-bf16-act": "qerl NVFP4+LoRA, bf16 activations", "fp8-bf16-act": "qerl FP8+LoRA, bf16 activations",
+          "nvfp4-w8a8": "qerl NVFP4+LoRA, W8A8", "fp8-w8a8": "qerl FP8+LoRA, W8A8"}
 
 
 KV_LABELS = {"model": "", "fp8": ", FP8 KV"}
@@ -131,8 +134,9 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
     (execution.lora_epilogue)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    fp8_activations = not scheme.endswith("-bf16-act")  # quant.fp8_activations
-    scheme = scheme.removesuffix("-bf16-act")
+    fp8_activations = scheme.endswith("-w8a8") or (QuantSettings.fp8_activations
+                                                   and not scheme.endswith("-bf16-act"))  # quant.fp8_activations
+    scheme = scheme.removesuffix("-bf16-act").removesuffix("-w8a8")
     plan = ExecutionPlan(lora_epilogue=lora_epilogue, fp8_activations=fp8_activations,
                          fp8_weights="auto" if scheme == "nvfp4" else False)  # quant.fp8_weights, as prepare_base
     scheme = "nvfp4" if scheme == "nvfp4-4bit" else scheme

@@ -34,9 +34,12 @@ ARMS: dict[str, list[str]] = {
     "nvfp4-aqn-norms": ["quant.scheme=nvfp4", "aqn.enabled=true", "aqn.schedule=geometric",
                         "aqn.include_final_norm=false"],
 }
-# The same bases with rollouts that keep activations in bf16 (quant.fp8_activations: false): W8A8 rollouts sampled
-# from another policy than the update trained (log-prob gap 0.09-0.15 against bf16's 0.02, 2026-12-03).
+# The same bases with W8A8 rollouts (quant.fp8_activations: true, the default until 2026-12-04: the studies of
+# 2026-11-26 and 2026-12-03 ran `fp8`, `nvfp4` and `nvfp4-fp8-sensitive` so) and, pinned, with bf16 activations
+# (the default since, after those W8A8 rollouts sampled another policy than the update trained: log-prob gap
+# 0.09-0.15 against bf16's 0.02). Both twins keep their meaning whatever the default is.
 for _twin in ("fp8", "nvfp4-fp8-sensitive", "nvfp4"):
+    ARMS[f"{_twin}-w8a8"] = [*ARMS[_twin], "quant.fp8_activations=true"]
     ARMS[f"{_twin}-bf16-act"] = [*ARMS[_twin], "quant.fp8_activations=false"]
 # The learning rate that suits a 4-bit base (issue #63 item 2): twice the default's, on the FP8-sensitive NVFP4 base
 # with faithful rollouts and, so that a gain is NVFP4's and not the rate's, on bf16 LoRA too.

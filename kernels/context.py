@@ -43,7 +43,8 @@ class GemmContext:
         dispatch's (`qerl.kernels.dispatch.Dispatcher`). `autotune`: time our Triton GEMM's candidate configs the first
         time each shape is seen instead of the tuned table. `pdl`: launch with programmatic dependent launch where
         the GPU has it (kernels/pdl.py). `fp8_activations`: outside the update a forward may round its activations
-        to E4M3 (W8A8) where that measures faster; False keeps them in 16 bits there (quant.fp8_activations)."""
+        to E4M3 (W8A8) where that measures faster; False keeps them in 16 bits there. A model's context takes it from
+        its execution plan (quant.fp8_activations, default false); True here only for kernels used on their own."""
         self.lora_epilogue, self.autotune, self.pdl = lora_epilogue, autotune, pdl
         self.fp8_activations = fp8_activations
         self.dispatcher = dispatch.Dispatcher(tuning, cache)

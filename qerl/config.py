@@ -134,10 +134,12 @@ class QuantSettings:
     # per row (W8A8 on FP8 tensor cores: the fp8 base's `_scaled_mm`, the NVFP4 base's FP8 copies), where the
     # dispatch measures that faster, as vLLM serves such checkpoints. false: activations stay bf16 there, as in the
     # bf16 update, so rollouts sample the policy the update trains, up to GEMM rounding (W8A16 and the 4-bit GEMMs);
-    # fp8_weights auto is then off (the copies serve W8A8 only). Why it is a setting: in the 20-seed study of
-    # 2026-12-03 (BENCHMARKS.md) the rollout/trainer log-prob gap was 0.09 nats/token on the fp8 base and 0.15 on
-    # NVFP4 with FP8 copies, against 0.02 on bf16 and 0.03 on NVFP4 without copies.
-    fp8_activations: bool = True
+    # fp8_weights auto is then off (the copies serve W8A8 only). Why false is the default (issue #63, BENCHMARKS.md
+    # 2026-12-04): W8A8 rollouts' log-prob gap to the trainer was 0.09 nats/token on the fp8 base and 0.15 on NVFP4
+    # with FP8 copies, against 0.02-0.03 with bf16 activations; on the FP8-sensitive NVFP4 base the reward AUC rose
+    # +0.069 [+0.025, +0.116] (20 seeds); on 7B shapes the ragged GRPO step costs 0-4% more (NVFP4 1.01x, fp8
+    # 0.96x), fixed 512-row rollouts 0.67x (NVFP4) and 0.71x (fp8). true: the faster W8A8 rollouts at many rows.
+    fp8_activations: bool = False
     # Remedies for a 4-bit base that learns worse than bf16 (issue #63); both off by default until a GPU seed study
     # decides. layer_schemes: module-name glob (fnmatch on the linear's qualified name, e.g. "*.down_proj",
     # "model.layers.0.*") -> the scheme of the layers it matches (bf16 = kept unquantized, or a codec: fp8, nf4...);

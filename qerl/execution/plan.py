@@ -49,7 +49,7 @@ class ExecutionPlan:
     fuse_projections: bool = False  # q/k/v and gate/up as one GEMM each (qerl.execution.fusion): on CUDA
     gpu_layout: str = "auto"  # quant.gpu_layout: which NVFP4 decode GEMM holds each weight on a CUDA GPU
     fp8_weights: bool | str = "auto"  # quant.fp8_weights: resident FP8 copies of the NVFP4 weights on the GPU
-    fp8_activations: bool = True  # quant.fp8_activations: W8A8 forwards outside the update where faster
+    fp8_activations: bool = False  # quant.fp8_activations: true allows W8A8 forwards outside the update
     # The rollout engine's KV cache (qerl.rollout.engine, and the trainer's rollout)
     kv_cache_dtype: str = "model"  # rollout.kv_cache_dtype: the model's dtype, or fp8 (qerl.execution.kv8)
     release_kv_cache: bool = True  # rollout.release_kv_cache: its GPU memory handed to the update between rollouts
