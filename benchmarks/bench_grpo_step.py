@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_rollout import SCHEMES, bnb_version, build_model, free_cuda  # noqa: E402
 from device_peak import DevicePeak  # noqa: E402
 import lengths as traces  # noqa: E402
-from qerl.config import load_settings  # noqa: E402
+from qerl.config import load_settings, split_overrides  # noqa: E402
 from qerl.rl.trainer import Trainer  # noqa: E402
 
 GIB = 2**30
@@ -294,13 +294,14 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_variants(spec: str) -> list[tuple[str, tuple[str, ...]]]:
-    """'label:key=value,key=value;label2:...' -> [(label, overrides)]; '' -> the product defaults."""
+    """'label:key=value,key=value;label2:...' -> [(label, overrides)] (a value's commas inside its brackets stay
+    its own: qerl.config.split_overrides); '' -> the product defaults."""
     if not spec:
         return [("default", ())]
     out = []
     for part in filter(None, spec.split(";")):
         label, _, sets = part.partition(":")
-        out.append((label, tuple(filter(None, sets.split(",")))))
+        out.append((label, tuple(split_overrides(sets))))
     return out
 
 

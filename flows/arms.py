@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from qerl.flows import startup  # noqa: F401 (first of all: the process's settings, before Prefect, MLflow, torch)
 
-from qerl.config import ConfigError
+from qerl.config import ConfigError, split_overrides
 
 # The paper's comparison (QeRL, arXiv 2510.11696, Fig. 5) plus the entropy-targeted schedule. `nf4-lora` is QLoRA's
 # base format through qerl's own NF4 codec (quant.scheme: nf4); `qlora-bnb` is QLoRA itself (bitsandbytes' NF4
@@ -49,14 +49,15 @@ DEFAULT_ARMS = ["bf16-lora", "nf4-lora", "nvfp4", "nvfp4-aqn", "nvfp4-aqn-entrop
 
 
 def parse_arm(spec: str) -> tuple[str, list[str]]:
-    """`name` (built-in) or `name:section.key=value,section.key=value` (values without commas)."""
+    """`name` (built-in) or `name:section.key=value,section.key=value` (a value's commas inside its brackets or
+    quotes stay its own: qerl.config.split_overrides)."""
     name, sep, body = spec.partition(":")
     if not sep:
         if name not in ARMS:
             raise ConfigError(f"--arms {spec}: unknown arm (built-in: {', '.join(ARMS)}; or define one as "
                               f"NAME:section.key=value,...)")
         return name, list(ARMS[name])
-    overrides = [item.strip() for item in body.split(",") if item.strip()]
+    overrides = split_overrides(body)
     if not name or not overrides or any("=" not in item for item in overrides):
         raise ConfigError(f"--arms {spec}: expected NAME:section.key=value[,section.key=value...]")
     return name, overrides

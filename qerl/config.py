@@ -692,6 +692,27 @@ def settings_from_dict(raw: dict, sources: dict[str, str] | None = None, default
     return _build(Settings, raw, "", sources or {}, default_source)
 
 
+def split_overrides(text: str) -> list[str]:
+    """`section.key=value,section.key=value` -> its overrides, split at the commas outside a value's brackets and
+    quotes, so that a YAML flow value keeps its own (`quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}`).
+    Blank items are dropped."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth = max(0, depth - 1)
+        elif c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip() or "." not in key:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl.config import DEFAULT_PARAMS, ConfigError, Settings, load_settings, settings_from_dict
+from qerl.config import DEFAULT_PARAMS, ConfigError, Settings, load_settings, settings_from_dict, split_overrides
 from tests.patience import patience
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +37,17 @@ def test_overrides_use_dvc_syntax_and_parse_yaml_scalars():
     assert s.optim.lr == pytest.approx(3e-4)
     assert s.aqn.enabled is False
     assert s.quant.quantized_path is None
+
+
+def test_a_list_of_overrides_keeps_the_commas_of_a_flow_value():
+    """`--arms NAME:k=v,k=v` and bench_grpo_step's `--variants`: a per-layer scheme map is one override."""
+    items = split_overrides('quant.scheme=nvfp4, quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8},'
+                            "lora.target_modules=[q_proj, v_proj],grpo.loss_type='a,b',")
+    assert items == ["quant.scheme=nvfp4", 'quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}',
+                     "lora.target_modules=[q_proj, v_proj]", "grpo.loss_type='a,b'"]
+    settings = load_settings(DEFAULT_PARAMS, overrides=items[:2])
+    assert settings.quant.layer_schemes == {"*.down_proj": "fp8", "*.v_proj": "fp8"}
+    assert split_overrides("a.b=1,,c.d=2") == ["a.b=1", "c.d=2"] and split_overrides("") == []
 
 
 def test_unset_keys_take_defaults():

@@ -127,6 +127,13 @@ def test_unknown_arm_is_a_one_line_error_before_anything_starts(tmp_path, main_h
     assert not (tmp_path / "exp").exists()
 
 
+def test_a_defined_arm_may_hold_a_per_layer_scheme_map():
+    from qerl.flows.arms import parse_arm
+
+    assert parse_arm('fs:quant.scheme=nvfp4,quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}') == (
+        "fs", ["quant.scheme=nvfp4", 'quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}'])
+
+
 def test_jobs_must_be_positive(tmp_path):
     from qerl.flows.compare import main
 
