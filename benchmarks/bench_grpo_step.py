@@ -177,7 +177,10 @@ def grpo_step(name: str, scheme: str, prompts: int = 8, group: int = 8, prompt_l
         model, _ = load_base_model(loaded.model, loaded.quant)
     else:
         # the trainer applies LoRA after the fusion, as `qerl train` (fused on CUDA, as load_base_model leaves it)
-        model = build_model(name, scheme, lora_rank=0, device=device, fuse=cuda)
+        # built with the arm's quant settings that act when the base is made (FP8 copies, the remedies)
+        q = load_settings(overrides=list(overrides)).quant
+        model = build_model(name, scheme, lora_rank=0, device=device, fuse=cuda, fp8_activations=q.fp8_activations,
+                            layer_schemes=q.layer_schemes, correction_rank=q.error_correction_rank)
     r["weights_gib"] = torch.cuda.memory_allocated() / GIB if cuda else 0.0
     vocab = model.config.vocab_size
     tokenizer = numbered_tokenizer(vocab)

@@ -39,6 +39,7 @@ weights: almost nothing to accept). `--device cpu` runs it all on the CPU (dry r
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gc
 import json
 import os
@@ -126,22 +127,39 @@ def hf_config(name: str) -> dict:
 
 @torch.no_grad()
 def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda", seed: int = 0,
-                fuse: bool = True, lora_epilogue: bool = False) -> Transformer:
+                fuse: bool = True, lora_epilogue: bool = False, fp8_activations: bool | None = None,
+                layer_schemes: dict[str, str] | None = None, correction_rank: int = 0) -> Transformer:
     """Random-weight model of a published shape, bf16, decoder linears in `scheme` (one of SCHEMES), LoRA on
     all of them, q/k/v and gate/up fused as `load_base_model` does on CUDA (`fuse`). Built layer by layer (each
     quantized as soon as it exists), so a 32B model never sits in bf16 on the GPU: peak = the quantized model + one
     bf16 layer. Its execution plan: the defaults (eager training ops), with `lora_epilogue`
-    (execution.lora_epilogue)."""
+    (execution.lora_epilogue) and `fp8_activations` (quant.fp8_activations; None: the scheme's suffix, else the
+    default), which also decides whether NVFP4 keeps FP8 copies. `layer_schemes` and `correction_rank`: the
+    remedies quant.layer_schemes (globs on the qualified names, `model.layers.3.mlp.down_proj`) and
+    quant.error_correction_rank, applied as `qerl train` applies them."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    fp8_activations = scheme.endswith("-w8a8") or (QuantSettings.fp8_activations
-                                                   and not scheme.endswith("-bf16-act"))  # quant.fp8_activations
+    if fp8_activations is None:
+        fp8_activations = scheme.endswith("-w8a8") or (QuantSettings.fp8_activations
+                                                       and not scheme.endswith("-bf16-act"))
     scheme = scheme.removesuffix("-bf16-act").removesuffix("-w8a8")
     plan = ExecutionPlan(lora_epilogue=lora_epilogue, fp8_activations=fp8_activations,
                          fp8_weights="auto" if scheme == "nvfp4" else False)  # quant.fp8_weights, as prepare_base
     scheme = "nvfp4" if scheme == "nvfp4-4bit" else scheme
     if scheme == "nf4-bnb":
         require_bitsandbytes()  # one line saying how to install it, before any GPU memory is touched
+    used: set[str] = set()
+
+    def own_schemes(layer: nn.Module, i: int) -> dict[str, str]:
+        """layer_schemes as exact layer-local names (quantize_model sees one layer at a time)."""
+        out = {}
+        for local, m in layer.named_modules():
+            glob = next((g for g in layer_schemes or {} if fnmatch.fnmatchcase(f"model.layers.{i}.{local}", g)), None)
+            if isinstance(m, nn.Linear) and glob is not None:
+                out[local] = layer_schemes[glob]
+                used.add(glob)
+        return out
+
     torch.manual_seed(seed)
     cfg = ModelConfig.from_hf(hf_config(name))
     model = Transformer.from_config(cfg, dtype=torch.bfloat16, device="meta")
@@ -156,13 +174,16 @@ def build_model(name: str, scheme: str, lora_rank: int = 16, device: str = "cuda
             model.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family.unit_offset_norms)
             for i in range(cfg.num_hidden_layers):
                 layer = DecoderLayer(cfg, i)  # nn.Linear's default (kaiming-uniform) init; i: local or global
-                if scheme in ("nvfp4", "fp8"):
-                    quantize_model(layer, scheme, pattern=r".")  # NVFP4: q/k/v and gate/up share global scales
+                if scheme in ("nvfp4", "fp8"):  # NVFP4: q/k/v and gate/up share global scales
+                    quantize_model(layer, scheme, pattern=r".", layer_schemes=own_schemes(layer, i),
+                                   correction_rank=correction_rank)
                 elif scheme == "nf4-bnb":
                     quantize_model_bnb(layer, pattern=r".")  # bitsandbytes' quantize_4bit, on the GPU
                 model.model.layers[i] = layer
     finally:
         torch.set_default_dtype(previous)
+    if unused := sorted(set(layer_schemes or {}) - used):
+        raise ValueError(f"layer_schemes: {unused} match no decoder linear (named like model.layers.0.mlp.down_proj)")
     model.model.rotary_emb.to_empty(device=device)  # recomputes inv_freq on the device
     model.requires_grad_(False)  # a frozen base, as load_base_model leaves it (bf16 weights fuse only when frozen)
     if lora_rank:
