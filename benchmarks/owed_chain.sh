@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD QERL_GEMM_CACHE=$OUT/gemm_dispatch.jso
 START=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - START) )); }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-step|fp8-wide}" in
+case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-step|fp8-wide|sensitive-step}" in
   tests)
     TORCH_LOGS=recompiles timeout -s INT -k 10 200 python3 -m pytest -q -rfE -p no:cacheprovider \
       "tests/test_gpu_cli.py::test_gpu_train_on_a_fresh_machine_compiles_in_workers" 2>&1 | tee "$OUT/compile.log" | tail -60
@@ -88,4 +88,9 @@ case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-ste
     timeout $(left 290) python3 benchmarks/bench_grpo_step.py --models 7b --schemes fp8 --prompts 8 --micro 8 \
       --new 1024 --lengths gsm8k --steps 2 --budget $(left 280) --variants 'bf16-act:quant.fp8_activations=false' \
       --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -4 ;;
+  sensitive-step)  # owed (#63): the 7B cost of the README's advice for small models, down/v_proj in FP8 on NVFP4
+    timeout 580 python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4,bf16 --prompts 8 --micro 8 \
+      --new 1024 --lengths gsm8k --steps 2 --budget 560 \
+      --variants 'default:;fp8-sensitive:quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}' \
+      --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -8 ;;
 esac
