@@ -89,8 +89,11 @@ case "${1:?usage: owed_chain.sh tests|bench|diag|verify|next|act-rollout|act-ste
       --new 1024 --lengths gsm8k --steps 2 --budget $(left 280) --variants 'bf16-act:quant.fp8_activations=false' \
       --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -4 ;;
   sensitive-step)  # owed (#63): the 7B cost of the README's advice for small models, down/v_proj in FP8 on NVFP4
-    timeout 580 python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4,bf16 --prompts 8 --micro 8 \
-      --new 1024 --lengths gsm8k --steps 2 --budget 560 \
+    timeout 200 python3 benchmarks/bench_grpo_step.py --models 7b --schemes bf16 --prompts 8 --micro 8 \
+      --new 1024 --lengths gsm8k --steps 2 --budget 190 --out "$OUT/step-bf16" 2>&1 | tee "$OUT/step-bf16.log" \
+      | grep -v "^  (" | tail -3
+    timeout $(left 580) python3 benchmarks/bench_grpo_step.py --models 7b --schemes nvfp4 --prompts 8 --micro 8 \
+      --new 1024 --lengths gsm8k --steps 2 --budget $(left 560) \
       --variants 'default:;fp8-sensitive:quant.layer_schemes={"*.down_proj": fp8, "*.v_proj": fp8}' \
-      --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -8 ;;
+      --out "$OUT/step" 2>&1 | tee "$OUT/step.log" | grep -v "^  (" | tail -4 ;;
 esac
