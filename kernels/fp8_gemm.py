@@ -99,9 +99,9 @@ class FP8Gemm:
         """W [N, K] in `dtype`, into the context's scratch (or a kept copy inside its `held_weights`)."""
         def write(flat: torch.Tensor) -> torch.Tensor:
             out = flat.view(self.n, self.k)
-            step = max(1, (1 << 24) // max(self.k, 1))  # bound the fp32 temporary (64 MiB)
             if self.w8a16 and dtype in (torch.bfloat16, torch.float16):  # one Triton pass (fp8_w8a16.dequantize)
                 return fp8_w8a16.dequantize(self.w8, self.scale, out)
+            step = max(1, (1 << 24) // max(self.k, 1))  # bound the fp32 temporary (64 MiB)
             for r in range(0, self.n, step):
                 out[r:r + step] = self.w8[r:r + step].float() * self.scale[r:r + step, None]
             return out

@@ -103,7 +103,7 @@ def _dequant_kernel(w_ptr, s_ptr, y_ptr, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.c
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-    mask = cols[None, :] < K  # rows: the grid covers exactly N (BLOCK_R divides it, or the tail is masked below)
+    mask = cols[None, :] < K  # no row mask: BLOCK_R divides N, so the grid covers exactly N rows
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = w * tl.load(s_ptr + rows)[:, None]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
